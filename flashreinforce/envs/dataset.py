@@ -1,0 +1,358 @@
+"""Prompt datasets, task-driven environments, and the environment factory the trainer calls.
+
+Data format (the one of the published settings): a JSONL file (one JSON object per line), a
+JSON file holding a list of objects, or a Parquet file (needs ``pyarrow``). Each row has
+
+- ``data.input_key`` (default ``prompt``): a string, or a list of chat messages
+  ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``;
+- ``data.label_key`` (default ``reward_model``): a dict holding ``ground_truth`` (a string, a
+  number, or a list of acceptable answers), or the ground truth itself (string or number);
+- optionally ``datasource`` (kept on the :class:`Task`, e.g. to split evaluation metrics).
+
+:func:`make_environment` builds one environment (call it once per rollout worker)::
+
+    env = make_environment("math", {"data.prompt_dataset": "train.jsonl", "data.max_samples": 7500})
+    prompt = env.reset(seed=17)          # row 17 % len(dataset)
+    result = env.step("... so the answer is \\boxed{42}.")
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from flashreinforce.envs.base import Environment, StepResult
+
+__all__ = [
+    "Task", "TaskEnvironment", "DatasetEnvironment", "load_tasks", "render_prompt",
+    "chat_template_from_tokenizer", "make_environment", "BUILTIN_ENVIRONMENTS",
+]
+
+Messages = Sequence[Mapping[str, str]]
+ChatTemplate = Callable[[list], str]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One row of a prompt dataset.
+
+    prompt: the problem, as text or as chat messages (``[{"role", "content"}, ...]``).
+    ground_truth: the reference answer (a string or a list of acceptable strings), or None for
+        environments that need none.
+    datasource: the row's ``datasource`` field, if any.
+    index: the row's position in the (truncated) dataset.
+    extra: the row's other fields, for custom environments.
+    """
+
+    prompt: str | tuple
+    ground_truth: str | tuple | None = None
+    datasource: str | None = None
+    index: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _check_messages(messages: Any, where: str) -> tuple:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"{where}: the prompt must be a string or a non-empty list of chat messages, "
+                         f"got {type(messages).__name__}")
+    checked = []
+    for k, message in enumerate(messages):
+        if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{where}: chat message {k} must be a dict with string 'role' and 'content', "
+                             f"got {message!r}")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return tuple(checked)
+
+
+def render_prompt(prompt: str | Messages, apply_chat_template: ChatTemplate | None = None) -> str:
+    """Turn a prompt (text or chat messages) into the text the policy continues.
+
+    With ``apply_chat_template`` (a callable from a list of message dicts to text, e.g. from
+    :func:`chat_template_from_tokenizer`), messages are rendered by it, and a text prompt is
+    rendered as one user message. Without it a text prompt is returned unchanged and messages
+    are joined plainly: ``"System: ...\\n\\nUser: ...\\n\\nAssistant:"``.
+    """
+    if isinstance(prompt, str):
+        if apply_chat_template is None:
+            return prompt
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = [dict(m) for m in _check_messages(prompt, "render_prompt")]
+    if apply_chat_template is not None:
+        text = apply_chat_template(messages)
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template must return str, got {type(text).__name__}")
+        return text
+    parts = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    if messages[-1]["role"] != "assistant":
+        parts.append("Assistant:")
+    return "\n\n".join(parts)
+
+
+def chat_template_from_tokenizer(tokenizer: Any) -> ChatTemplate:
+    """A chat-template callable from a Hugging Face tokenizer (adds the generation prompt)."""
+    if not hasattr(tokenizer, "apply_chat_template"):
+        raise TypeError(f"tokenizer {type(tokenizer).__name__} has no apply_chat_template")
+
+    def apply(messages: list) -> str:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return apply
+
+
+def _read_rows(path: str) -> list:
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), "
+                              "or convert it to JSONL") from exc
+        return pq.read_table(path).to_pylist()
+    with open(path, "r", encoding="utf-8") as f:
+        text = f.read()
+    if path.endswith(".json") or text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must hold a list of objects, got {type(rows).__name__}")
+        return rows
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
+    return rows
+
+
+def _ground_truth(label: Any, where: str) -> str | tuple:
+    if isinstance(label, Mapping):
+        if "ground_truth" not in label:
+            raise ValueError(f"{where}: the label dict has no 'ground_truth' key (keys: {sorted(label)})")
+        label = label["ground_truth"]
+    if isinstance(label, bool) or label is None:
+        raise ValueError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
+    if isinstance(label, (int, float, str)):
+        return str(label)
+    if isinstance(label, (list, tuple)) and label and all(
+            isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in label):
+        return tuple(str(x) for x in label)
+    raise ValueError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
+
+
+def load_tasks(path: str | os.PathLike, *, input_key: str = "prompt", label_key: str | None = "reward_model",
+               max_samples: int | None = None) -> list[Task]:
+    """Read a prompt dataset (JSONL, JSON list or Parquet) into :class:`Task` objects.
+
+    max_samples: keep the first ``max_samples`` rows (None: all).
+    label_key: None for datasets without labels (``Task.ground_truth`` is then None).
+    Raises ValueError naming the file and row for a missing key or a malformed value.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"data.prompt_dataset {path!r} does not exist")
+    if max_samples is not None and (not isinstance(max_samples, int) or isinstance(max_samples, bool)
+                                    or max_samples < 1):
+        raise ValueError(f"data.max_samples must be a positive integer or None, got {max_samples!r}")
+    rows = _read_rows(path)
+    if max_samples is not None:
+        rows = rows[:max_samples]
+    if not rows:
+        raise ValueError(f"{path}: the dataset is empty")
+    tasks = []
+    for index, row in enumerate(rows):
+        where = f"{path} row {index}"
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        if input_key not in row:
+            raise ValueError(f"{where}: no data.input_key {input_key!r} (keys: {sorted(row)})")
+        prompt = row[input_key]
+        if not isinstance(prompt, str):
+            prompt = _check_messages(prompt, where)
+        ground_truth = None
+        if label_key is not None:
+            if label_key not in row:
+                raise ValueError(f"{where}: no data.label_key {label_key!r} (keys: {sorted(row)})")
+            ground_truth = _ground_truth(row[label_key], where)
+        datasource = row.get("datasource")
+        extra = {k: v for k, v in row.items() if k not in (input_key, label_key)}
+        tasks.append(Task(prompt=prompt, ground_truth=ground_truth,
+                          datasource=datasource if isinstance(datasource, str) else None,
+                          index=index, extra=extra))
+    return tasks
+
+
+class TaskEnvironment(Environment):
+    """Base of environments whose episode is one :class:`Task` (prompt plus ground truth).
+
+    The task of an episode is the one given to :meth:`set_task`, or, when the environment was
+    built with ``tasks``, ``tasks[seed % len(tasks)]`` at ``reset(seed=...)``. Subclasses
+    implement :meth:`start` (called by ``reset`` with the task) and ``step``.
+
+    apply_chat_template: optional callable rendering chat messages to text (see
+        :func:`render_prompt`); without it prompts are rendered plainly.
+    """
+
+    def __init__(self, tasks: Sequence[Task] | None = None, *,
+                 apply_chat_template: ChatTemplate | None = None) -> None:
+        if tasks is not None:
+            tasks = list(tasks)
+            if not tasks or not all(isinstance(t, Task) for t in tasks):
+                raise ValueError("tasks must be a non-empty sequence of Task")
+        if apply_chat_template is not None and not callable(apply_chat_template):
+            raise TypeError("apply_chat_template must be callable (messages -> str)")
+        self.tasks = tasks
+        self.apply_chat_template = apply_chat_template
+        self.task: Task | None = None
+        self._next_task: Task | None = None
+
+    def set_task(self, task: Task) -> None:
+        """Use ``task`` for the next ``reset`` (overrides the ``tasks`` list for that episode)."""
+        if not isinstance(task, Task):
+            raise TypeError(f"task must be a Task, got {type(task).__name__}")
+        self._next_task = task
+
+    def reset(self, *, seed: int) -> str:
+        if self._next_task is not None:
+            task, self._next_task = self._next_task, None
+        elif self.tasks is not None:
+            task = self.tasks[seed % len(self.tasks)]
+        else:
+            raise RuntimeError(f"{type(self).__name__} has no task: build it with tasks=[...], call "
+                               "set_task(), or wrap it in a DatasetEnvironment")
+        self.task = task
+        return self.start(task)
+
+    def start(self, task: Task) -> str:
+        """Begin an episode on ``task``; returns the prompt text. Default: the rendered prompt."""
+        return render_prompt(task.prompt, self.apply_chat_template)
+
+
+class DatasetEnvironment(Environment):
+    """Serves the rows of a dataset to an environment that accepts tasks.
+
+    ``reset(seed=i)`` hands ``tasks[i % len(tasks)]`` to ``env.set_task`` and returns
+    ``env.reset(seed=i)``; ``step`` and ``close`` are forwarded. ``current_task`` is the row of
+    the running episode.
+    """
+
+    def __init__(self, env: Environment, tasks: Sequence[Task]) -> None:
+        if not callable(getattr(env, "set_task", None)):
+            raise TypeError(f"{type(env).__name__} has no set_task(task) method, so it cannot take dataset rows")
+        tasks = list(tasks)
+        if not tasks:
+            raise ValueError("tasks must not be empty")
+        self.env = env
+        self.tasks = tasks
+        self.current_task: Task | None = None
+
+    def reset(self, *, seed: int) -> str:
+        self.current_task = self.tasks[seed % len(self.tasks)]
+        self.env.set_task(self.current_task)
+        return self.env.reset(seed=seed)
+
+    def step(self, action: str) -> StepResult:
+        return self.env.step(action)
+
+    def close(self) -> None:
+        self.env.close()
+
+
+# name -> "module:Class" of the shipped task environments.
+BUILTIN_ENVIRONMENTS = {
+    "math": "flashreinforce.envs.math:MathEnv",
+    "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
+    "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
+}
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _import_class(spec: str) -> type:
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"environment spec {spec!r} must be one of {sorted(BUILTIN_ENVIRONMENTS)} "
+                         "or 'module:Class'")
+    module = importlib.import_module(module_name)
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError as exc:
+        raise ValueError(f"environment spec {spec!r}: module {module_name} has no {class_name}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise TypeError(f"environment spec {spec!r} is not a flashreinforce.envs.Environment subclass")
+    return cls
+
+
+_task_cache: dict[tuple, list[Task]] = {}
+
+
+def _cached_tasks(path: str, input_key: str, label_key: str | None, max_samples: int | None) -> list[Task]:
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, input_key, label_key, max_samples)
+    if key not in _task_cache:
+        _task_cache[key] = load_tasks(path, input_key=input_key, label_key=label_key, max_samples=max_samples)
+    return _task_cache[key]
+
+
+def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
+                     apply_chat_template: ChatTemplate | None = None, **env_kwargs: Any) -> Environment:
+    """Build one environment from a name or ``module:Class`` and the trainer's configuration.
+
+    spec: ``"math"``, ``"python_tool"``, ``"alfworld"``, or ``"module:Class"`` naming any
+        :class:`Environment` subclass.
+    config: the trainer configuration, flat with dotted keys (``{"data.max_samples": 10}``) or
+        nested (``{"data": {"max_samples": 10}}``). Read keys (others are ignored):
+        ``data.prompt_dataset`` (path; required for the shipped task environments),
+        ``data.input_key`` (default ``prompt``), ``data.label_key`` (default ``reward_model``),
+        ``data.max_samples`` (default all rows), ``max_turns`` (default: the environment's own).
+    apply_chat_template: callable rendering chat messages (see :func:`render_prompt`).
+    env_kwargs: passed to the environment's constructor (e.g. ``timeout_s=10``).
+
+    With ``data.prompt_dataset`` set, the environment must accept tasks (``set_task``); it is
+    wrapped in a :class:`DatasetEnvironment`, so ``reset(seed=i)`` plays row ``i % len``. A
+    ``module:Class`` environment gets ``max_turns`` and ``apply_chat_template`` only when set.
+    Call once per rollout worker: each call returns a new environment (the dataset file is read
+    once per process and shared).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be str, got {type(spec).__name__}")
+    flat = _flatten(config or {})
+    builtin = spec in BUILTIN_ENVIRONMENTS
+    cls = _import_class(BUILTIN_ENVIRONMENTS.get(spec, spec))
+    kwargs = dict(env_kwargs)
+    if flat.get("max_turns") is not None:
+        kwargs.setdefault("max_turns", flat["max_turns"])
+    if apply_chat_template is not None:
+        kwargs.setdefault("apply_chat_template", apply_chat_template)
+    dataset = flat.get("data.prompt_dataset")
+    if dataset is None and builtin:
+        raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file)")
+    env = cls(**kwargs)
+    if dataset is None:
+        return env
+    label_key = flat.get("data.label_key", "reward_model")
+    if spec == "alfworld" and "data.label_key" not in flat:
+        label_key = "game_file"
+    tasks = _cached_tasks(os.fspath(dataset), flat.get("data.input_key", "prompt"), label_key,
+                          flat.get("data.max_samples"))
+    try:
+        return DatasetEnvironment(env, tasks)
+    except TypeError:
+        env.close()
+        raise

@@ -1,0 +1,194 @@
+r"""The Python-tool environment: math problems solved with a code interpreter, multi-turn.
+
+Protocol (also stated to the policy by the default ``system_prompt``):
+
+- **Code**: a turn may contain Python code in a fenced block opened by ```` ```python ````
+  (or ```` ```py ````, ```` ```python3 ````) and closed by ```` ``` ````, or between
+  ``<code>`` and ``</code>``. The LAST complete block of the turn is run by the sandbox (a fresh
+  interpreter each time: nothing carries over between turns, so define what you use and
+  ``print`` what you need; a final bare expression is printed like in a notebook). Its output
+  comes back as the observation, ``<output>\n...\n</output>`` by default (stdout, then stderr;
+  a timeout or a kill is said in words; long output is cut, which is said too).
+- **Final answer**: a ``\boxed{...}`` written after the turn's last code block (or in a turn
+  without code) ends the episode and is graded like ``MathEnv`` (math-verify, last box).
+- **End**: the episode also ends on a turn with neither code nor a box (reward 0), and at
+  ``max_turns`` (reward 0 unless that turn gives the answer; code in it is not run).
+
+Reward 1.0 for a correct final answer, else 0.0; ``failed = not correct``. The final step's
+``info`` holds ``tool_calls``, ``tool_timeouts``, ``tool_errors`` (non-zero exits that were not
+timeouts), ``turns``, ``turn_limit``, and ``has_boxed``, ``correct``, ``grade_timeout``,
+``grade_error``; earlier steps return an empty ``info``, so summing or updating the per-step
+dicts both give the episode's totals.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+from flashreinforce.envs.base import StepResult
+from flashreinforce.envs.dataset import ChatTemplate, Task, TaskEnvironment
+from flashreinforce.envs.math import MathGrader, extract_boxed, require_math_verify
+from flashreinforce.envs.sandbox import Sandbox, SandboxResult
+
+__all__ = ["PythonToolEnv", "extract_code", "format_tool_output", "default_max_turns",
+           "DEFAULT_SYSTEM_PROMPT"]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the problem step by step. You can run Python code: write it in a ```python ... ``` "
+    "block and stop; the output will be given back to you in <output> ... </output>. Each block "
+    "runs in a new interpreter (nothing is kept between blocks), so define everything it uses and "
+    "print the values you need. Put the final answer within \\boxed{}."
+)
+
+_FENCED = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_TAGGED = re.compile(r"<code>(.*?)</code>", re.DOTALL)
+_INNER_FENCE = re.compile(r"^\s*```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)\r?\n?```\s*$", re.DOTALL | re.IGNORECASE)
+
+
+def extract_code(text: str) -> tuple[str, int] | None:
+    """The last complete code block of ``text`` and the index where it ends, or None.
+
+    Recognizes ```` ```python ```` / ```` ```py ```` / ```` ```python3 ```` fences and
+    ``<code>...</code>`` (a fence inside the tags is removed). A block never closed is ignored.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, got {type(text).__name__}")
+    best = None
+    for pattern in (_FENCED, _TAGGED):
+        for match in pattern.finditer(text):
+            if best is None or match.end() > best.end():
+                best = match
+    if best is None:
+        return None
+    code = best.group(1)
+    if best.re is _TAGGED:
+        inner = _INNER_FENCE.match(code)
+        if inner is not None:
+            code = inner.group(1)
+    return code, best.end()
+
+
+def format_tool_output(result: SandboxResult, timeout_s: float) -> str:
+    """The text the policy sees for one sandbox run."""
+    parts = [result.stdout.rstrip("\n")] if result.stdout.strip() else []
+    if result.stderr.strip():
+        parts.append(result.stderr.rstrip("\n"))
+    if result.timed_out:
+        parts.append(f"TimeoutError: the code ran longer than the {timeout_s:g} s limit and was stopped.")
+    elif result.exit_code < 0:
+        parts.append(f"The process was killed by {result.signal_name}.")
+    if not parts:
+        parts.append("(no output; use print() to see values)")
+    return "\n".join(parts)
+
+
+def default_max_turns(fallback: int = 10) -> int:
+    """``MAX_AGENT_TURNS`` from the environment if set (a positive integer), else ``fallback``."""
+    value = os.environ.get("MAX_AGENT_TURNS")
+    if value is None or value.strip() == "":
+        return fallback
+    try:
+        turns = int(value)
+    except ValueError:
+        raise ValueError(f"MAX_AGENT_TURNS must be a positive integer, got {value!r}") from None
+    if turns < 1:
+        raise ValueError(f"MAX_AGENT_TURNS must be a positive integer, got {value!r}")
+    return turns
+
+
+class PythonToolEnv(TaskEnvironment):
+    """Math with a Python interpreter as a tool (see the module docstring for the protocol).
+
+    Args:
+        tasks: optional list of :class:`Task`; as in ``MathEnv``.
+        max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 10.
+        sandbox: the :class:`Sandbox` running the code; default ``Sandbox(timeout_s=10,
+            memory_mb=1024, output_limit_bytes=4096)``.
+        grader: a :class:`MathGrader` (may be shared); default one per environment.
+        timeout_s: time limit on grading the final answer, in seconds.
+        system_prompt: instructions on the protocol. For a text prompt it is put before the
+            problem (separated by a blank line); for chat messages it becomes a system message
+            unless the messages already start with one. None: prompts are used as given.
+        observation_template: wraps the tool output; ``{observation}`` is replaced by it. For a
+            chat model, put the template's turn markers in it (see docs/environments.md).
+        apply_chat_template: renders chat-message prompts (see ``render_prompt``).
+    """
+
+    def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int | None = None,
+                 sandbox: Sandbox | None = None, grader: MathGrader | None = None, timeout_s: float = 5.0,
+                 system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+                 observation_template: str = "\n<output>\n{observation}\n</output>\n",
+                 apply_chat_template: ChatTemplate | None = None) -> None:
+        super().__init__(tasks, apply_chat_template=apply_chat_template)
+        require_math_verify("PythonToolEnv")
+        if max_turns is None:
+            max_turns = default_max_turns()
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        if sandbox is not None and not isinstance(sandbox, Sandbox):
+            raise TypeError(f"sandbox must be a Sandbox, got {type(sandbox).__name__}")
+        if "{observation}" not in observation_template:
+            raise ValueError("observation_template must contain '{observation}'")
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise TypeError("system_prompt must be str or None")
+        self.max_turns = max_turns
+        self.sandbox = sandbox if sandbox is not None else Sandbox(timeout_s=10.0)
+        self._own_grader = grader is None
+        self.grader = grader if grader is not None else MathGrader(timeout_s=timeout_s)
+        self.system_prompt = system_prompt
+        self.observation_template = observation_template
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        self._turn = 0
+        self._counts = {"tool_calls": 0, "tool_timeouts": 0, "tool_errors": 0}
+
+    def start(self, task: Task) -> str:
+        if task.ground_truth is None:
+            raise ValueError(f"PythonToolEnv task {task.index} has no ground_truth (check data.label_key)")
+        self._reset_counters()
+        prompt = task.prompt
+        if self.system_prompt:
+            if isinstance(prompt, str):
+                prompt = f"{self.system_prompt}\n\n{prompt}"
+            elif not prompt or prompt[0]["role"] != "system":
+                prompt = ({"role": "system", "content": self.system_prompt}, *prompt)
+        return super().start(Task(prompt, task.ground_truth, task.datasource, task.index, task.extra))
+
+    def _finish(self, answer: str | None, turn_limit: bool) -> StepResult:
+        info = {**self._counts, "turns": self._turn, "turn_limit": turn_limit, "has_boxed": answer is not None,
+                "correct": False, "grade_timeout": False, "grade_error": False}
+        if answer is not None:
+            grade = self.grader.grade(answer, self.task.ground_truth)
+            info.update(correct=grade.correct, grade_timeout=grade.timed_out,
+                        grade_error=grade.error is not None and not grade.timed_out)
+        return StepResult(reward=1.0 if info["correct"] else 0.0, done=True, failed=not info["correct"], info=info)
+
+    def step(self, action: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("step() before reset()")
+        if not isinstance(action, str):
+            raise TypeError(f"action must be str, got {type(action).__name__}")
+        self._turn += 1
+        code = extract_code(action)
+        after_code = action if code is None else action[code[1]:]
+        answer = extract_boxed(after_code)
+        if answer is not None or code is None:
+            return self._finish(answer, turn_limit=False)
+        if self._turn >= self.max_turns:
+            return self._finish(None, turn_limit=True)
+        result = self.sandbox.run(code[0])
+        self._counts["tool_calls"] += 1
+        if result.timed_out:
+            self._counts["tool_timeouts"] += 1
+        elif result.exit_code != 0:
+            self._counts["tool_errors"] += 1
+        text = format_tool_output(result, self.sandbox.timeout_s)
+        return StepResult(observation=self.observation_template.replace("{observation}", text),
+                          reward=0.0, done=False)
+
+    def close(self) -> None:
+        if self._own_grader:
+            self.grader.close()
