@@ -1,0 +1,72 @@
+// The CPU main pass: one fixed-size chunk of tokens at a time.
+//
+// Per chunk and per trajectory piece inside it, one vectorizable loop reads log_probs,
+// behavior_log_probs and the mask once, accumulates the Bernoulli-KL sum, validates the policy
+// log-probabilities, and writes the gradient for the case that the trajectory is admitted (the
+// driver zeroes rejected trajectories afterwards: rejections are rare, a second read of every
+// token is not). Sums are per piece, in double, in an order fixed by the chunk size alone, so
+// results do not depend on the number of threads.
+//
+// This header is compiled once per instruction set (csrc/cpu/main_pass_*.cpp) with different
+// target flags; the driver picks the best table the CPU supports at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "flashreinforce/core.h"
+
+namespace flashreinforce {
+namespace cpu {
+
+// Chunk size in tokens. Fixed (never derived from the thread count) so that the summation order,
+// and hence every result bit, is the same for any number of threads.
+constexpr int64_t kChunk = 16384;
+
+// How a trajectory's policy tokens are kept (entropy filter, SEMANTICS.md step 5).
+enum KeepMode : uint8_t {
+  kKeepNone = 0,   // failed trajectory with ceil(q T) == 0
+  kKeepAll = 1,    // successful trajectory, filter off, or ceil(q T) >= T
+  kKeepFlags = 2,  // the selection pass wrote 1 (kept) / 0 into grad; the main pass reads them
+};
+
+struct MainPassArgs {
+  int64_t num_tokens = 0;
+  int64_t batch = 0;
+  const void* log_probs = nullptr;
+  const void* behavior = nullptr;
+  const uint8_t* mask = nullptr;  // nullptr: all policy
+  void* grad = nullptr;
+  const int64_t* cu = nullptr;      // [B+1] validated offsets
+  const double* coef = nullptr;     // [B] A_i * s_i (the gradient is -rho * coef)
+  const uint8_t* keep = nullptr;    // [B] KeepMode
+  bool no_is = false;
+
+  // Per trajectory: sums of the piece that starts inside a chunk ("body"); every trajectory
+  // starts in exactly one chunk.
+  double* body_kl = nullptr;
+  double* body_loss = nullptr;
+  int64_t* body_overflow = nullptr;  // first overflowing kept token of the body piece, or -1
+  // Per chunk: the piece of the trajectory that started in an earlier chunk ("head").
+  int64_t* head_segment = nullptr;   // that trajectory, or -1 when the chunk starts a trajectory
+  double* head_kl = nullptr;
+  double* head_loss = nullptr;
+  int64_t* head_overflow = nullptr;
+  // Per chunk: first invalid policy log_prob / behavior_log_prob index, or -1.
+  int64_t* bad_log_prob = nullptr;
+  int64_t* bad_behavior = nullptr;
+};
+
+using MainChunkFn = void (*)(const MainPassArgs&, int64_t chunk);
+
+// Kernel table of one instruction set, indexed by [log_probs dtype][behavior dtype] (the four
+// float DType values). Entries may be null (not specialized for this instruction set).
+struct MainPassTable {
+  MainChunkFn fn[4][4];
+};
+
+const MainPassTable& main_pass_generic();
+const MainPassTable* main_pass_avx2();    // null when not compiled in
+const MainPassTable* main_pass_avx512();  // null when not compiled in
+
+}  // namespace cpu
+}  // namespace flashreinforce
