@@ -1,0 +1,132 @@
+"""The rollout engine interface and weight publication by version.
+
+An engine turns token contexts into sampled continuations and records, for every sampled token,
+the log-probability under the distribution it really sampled from (after temperature, top-k and
+top-p). Engines never see text or environments; the rollout worker does that. A new engine
+(vLLM, a remote server) implements :class:`RolloutEngine`; the learner publishes weights through a
+:class:`WeightStore` and engines pull them by version, so neither side restarts.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import threading
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+__all__ = ["Generation", "GenerationRequest", "LocalWeightStore", "RolloutEngine", "SamplingParams", "WeightStore"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample: ``temperature`` (0 = greedy), ``top_p`` in (0, 1], ``top_k`` (0 = off),
+    and the token ids that end a turn (the stop token is kept as the turn's last action token)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One continuation to sample: the context ``token_ids``, at most ``max_new_tokens`` new tokens,
+    and a ``seed`` that fixes the sampling noise of this request (reproducible rollouts)."""
+
+    token_ids: Sequence[int]
+    max_new_tokens: int
+    seed: int
+
+
+@dataclass
+class Generation:
+    """A sampled continuation: ``token_ids [k]``, their sampling ``log_probs [k]`` (nats, <= 0),
+    ``finish_reason`` ``"stop"`` (a stop token, included) or ``"length"``, and the engine's weight
+    ``policy_version`` that sampled it."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+    policy_version: int
+
+
+class RolloutEngine(abc.ABC):
+    """Samples continuations with a policy whose weights are replaced by version, without restart."""
+
+    version: int = -1
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
+        """Sample one continuation per request (in order), all with the current weights."""
+
+    @abc.abstractmethod
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Replace the policy weights by ``state_dict`` and set :attr:`version`."""
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+
+
+class WeightStore(abc.ABC):
+    """Where the learner publishes policy weights and engines pick them up, by version."""
+
+    @abc.abstractmethod
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Make ``state_dict`` the weights of ``version`` (versions only grow)."""
+
+    @abc.abstractmethod
+    def latest_version(self) -> int:
+        """The newest published version (-1 before the first publication)."""
+
+    @abc.abstractmethod
+    def fetch(self, newer_than: int) -> tuple[int, Mapping[str, torch.Tensor]] | None:
+        """``(version, state_dict)`` of the newest weights if newer than ``newer_than``, else ``None``."""
+
+    def sync(self, engine: RolloutEngine) -> bool:
+        """Load the newest weights into ``engine`` if it is behind; True when it loaded."""
+        got = self.fetch(engine.version)
+        if got is None:
+            return False
+        version, state = got
+        engine.load_weights(state, version)
+        return True
+
+
+class LocalWeightStore(WeightStore):
+    """Weights shared between threads of one process: a detached CPU copy per published version.
+
+    The learner keeps training its own parameters; the copy taken at :meth:`publish` is immutable,
+    so an engine can load it at any time without a lock on the learner.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._version = -1
+        self._state: dict[str, torch.Tensor] = {}
+
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        if version <= self._version:
+            raise ValueError(f"publish: version {version} is not newer than {self._version}")
+        copy = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+        with self._lock:
+            self._state, self._version = copy, int(version)
+
+    def latest_version(self) -> int:
+        return self._version
+
+    def fetch(self, newer_than: int) -> tuple[int, Mapping[str, torch.Tensor]] | None:
+        with self._lock:
+            if self._version <= newer_than:
+                return None
+            return self._version, self._state

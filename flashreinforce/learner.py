@@ -1,0 +1,311 @@
+"""The learner: one optimizer step per batch of trajectories, then the batch is discarded.
+
+For a batch of B trajectories (FlashREINFORCE: one per prompt; GRPO: groups of samples):
+
+1. pack them into micro-batches (:func:`flashreinforce.packing.micro_batches`);
+2. per micro-batch, one forward pass of the model body gives the last hidden states; the current
+   log-probability of every action token (and its entropy when the entropy filter or bonus needs it)
+   comes from :func:`flashreinforce.logprobs.sampled_token_logprobs` on the hidden state before it and
+   the output projection, without ``[tokens, vocab]`` logits;
+3. the loss: the fused FlashREINFORCE op (``flashreinforce.flashreinforce_loss_packed``) with the
+   batch-global reward baseline and B, or the clipped PPO loss of :mod:`flashreinforce.ppo` on group
+   advantages; backward per micro-batch (the micro-batch losses add up to the batch loss);
+4. gradient-norm clipping, one AdamW step, one scheduler step; the version goes up by one.
+
+The model forward is either *packed* (one row, ``position_ids`` restarting per trajectory, attention
+kept inside each trajectory by the model's packed-sequence support) or *padded* (rows padded to the
+longest trajectory of the micro-batch, then gathered back to the packed order). Both give the same
+numbers; packed saves the padding on GPUs with variable-length attention, padded avoids the
+quadratic block-diagonal mask on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from flashreinforce.logprobs import sampled_token_logprobs
+from flashreinforce.packing import PackedBatch, micro_batches, to_padded
+from flashreinforce.ppo import group_advantages, ppo_clipped_loss_packed
+from flashreinforce.trajectory import Trajectory
+
+__all__ = ["Learner", "LearnerSettings", "lr_factor", "token_log_probs"]
+
+LOSS_MODES = ("flash_reinforce", "ppo")
+SCHEDULERS = ("cosine_with_min_lr", "constant", "constant_with_warmup")
+PARAM_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                "fp16": torch.float16, "float16": torch.float16}
+
+
+def _fused_loss():
+    """The public fused op. Until the compiled extension is importable the reference (same signature)
+    stands in; :attr:`Learner.loss_impl` says which one runs and the trainer logs it."""
+    try:
+        import flashreinforce
+
+        return flashreinforce.flashreinforce_loss_packed, "fused"
+    except ImportError:
+        from flashreinforce.loss import flashreinforce_loss_packed
+
+        return flashreinforce_loss_packed, "reference"
+
+
+@dataclass
+class LearnerSettings:
+    """Learner configuration (the Molt flag each field comes from in brackets).
+
+    loss_mode: ``flash_reinforce`` or ``ppo`` [actor.loss_mode]. delta [actor.flash_gate_delta],
+    neg_topq [actor.flash_neg_topq], loss_agg [actor.flash_loss_agg], loss_scale_factor
+    [actor.loss_scale_factor], no_is [actor.flash_no_is]; eps_clip [actor.eps_clip_low_high] and
+    whiten (= not algo.advantage.no_whiten) for ppo. lr, weight_decay, betas [actor.adam.*];
+    scheduler [actor.lr_scheduler], warmup_ratio [actor.lr_warmup_ratio], min_lr_ratio
+    [actor.min_lr_ratio], total_steps (optimizer steps of the run); max_norm [actor.max_norm, <= 0:
+    no clipping]; entropy_coef [actor.entropy_coef]; temperature: the sampling temperature the
+    log-probabilities are computed at [rollout.temperature]; micro_batch_trajectories
+    [train.micro_batch_size] and micro_batch_tokens (0: no limit); packed_forward
+    [fsdp.packing_samples]; param_dtype [fsdp.param_dtype] (autocast dtype; master weights stay
+    float32); gradient_checkpointing [actor.gradient_checkpoint].
+    """
+
+    loss_mode: str = "flash_reinforce"
+    delta: float = 3e-3
+    neg_topq: float = 1.0
+    loss_agg: str = "seq-mean-token-mean"
+    loss_scale_factor: float | None = None
+    no_is: bool = False
+    eps_clip: tuple[float, float] = (0.2, 0.2)
+    whiten: bool = False
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    scheduler: str = "constant"
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.1
+    total_steps: int = 1
+    max_norm: float = 1.0
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+    micro_batch_trajectories: int = 0
+    micro_batch_tokens: int = 0
+    packed_forward: bool = True
+    param_dtype: str = "fp32"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_mode not in LOSS_MODES:
+            raise ValueError(f"actor.loss_mode must be one of {LOSS_MODES}, got {self.loss_mode!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"actor.lr_scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"fsdp.param_dtype must be one of {sorted(PARAM_DTYPES)}, got {self.param_dtype!r}")
+        if not (self.lr >= 0 and math.isfinite(self.lr)):
+            raise ValueError(f"actor.adam.lr must be a finite number >= 0, got {self.lr}")
+        if self.total_steps <= 0:
+            raise ValueError(f"total_steps must be positive, got {self.total_steps}")
+        if not (0 <= self.warmup_ratio <= 1):
+            raise ValueError(f"actor.lr_warmup_ratio must lie in [0, 1], got {self.warmup_ratio}")
+        if not (0 <= self.min_lr_ratio <= 1):
+            raise ValueError(f"actor.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"the learner's temperature must be positive and finite, got {self.temperature}")
+
+
+def lr_factor(step: int, settings: LearnerSettings) -> float:
+    """Multiplier of the base learning rate at optimizer step ``step`` (0-based).
+
+    ``cosine_with_min_lr``: linear warmup over ``ceil(warmup_ratio * total_steps)`` steps, then a
+    half cosine from 1 down to ``min_lr_ratio`` at ``total_steps``. ``constant``: 1 (warmup ignored,
+    as in Hugging Face's ``constant``). ``constant_with_warmup``: linear warmup, then 1.
+    """
+    warmup = math.ceil(settings.warmup_ratio * settings.total_steps)
+    if settings.scheduler == "constant":
+        return 1.0
+    if step < warmup:
+        return (step + 1) / warmup
+    if settings.scheduler == "constant_with_warmup":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, settings.total_steps - warmup))
+    return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _body(model: torch.nn.Module) -> torch.nn.Module:
+    body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    if body is None or body is model:
+        raise ValueError(f"{type(model).__name__}: cannot find the model body (base_model_prefix)")
+    return body
+
+
+def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
+                    with_entropy: bool = False, packed_forward: bool = True, pad_token_id: int = 0,
+                    autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+    """Current log-probabilities (and entropies) ``[N]`` float32 of ``batch``'s action tokens.
+
+    Non-action slots hold 0 (the loss ignores them). Token t is scored from the hidden state at t-1
+    of the same trajectory, at ``temperature``. Gradients flow to the model's parameters.
+    """
+    device = next(model.parameters()).device
+    body = _body(model)
+    head = model.get_output_embeddings()
+    with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
+                        enabled=autocast_dtype is not None):
+        if packed_forward:
+            out = body(input_ids=batch.input_ids.to(device)[None], position_ids=batch.position_ids.to(device)[None],
+                       use_cache=False)
+            hidden = out.last_hidden_state[0]
+        else:
+            ids, mask, index = to_padded(batch, pad_token_id)
+            pos = torch.arange(ids.shape[1]).expand_as(ids)
+            out = body(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
+                       use_cache=False)
+            hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[index.to(device)]
+    positions = torch.nonzero(batch.action_mask, as_tuple=True)[0].to(device)
+    weight = head.weight
+    rows = hidden[positions - 1].to(weight.dtype)
+    logp, ent = sampled_token_logprobs(rows, weight, batch.input_ids.to(device)[positions],
+                                       bias=getattr(head, "bias", None), temperature=temperature,
+                                       with_entropy=with_entropy)
+    n = batch.num_tokens
+    full_logp = torch.zeros(n, dtype=torch.float32, device=device).index_put((positions,), logp.float())
+    full_ent = None
+    if ent is not None:
+        full_ent = torch.zeros(n, dtype=torch.float32, device=device).index_put((positions,), ent.float())
+    return full_logp, full_ent
+
+
+class Learner:
+    """Owns the trained model, its optimizer and scheduler, and the policy version.
+
+    Args:
+        model: a ``transformers`` causal LM (float32 master weights), already on its device.
+        settings: :class:`LearnerSettings`.
+        pad_token_id: padding id for the padded forward.
+    """
+
+    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, *, pad_token_id: int = 0) -> None:
+        self.model = model
+        self.settings = settings
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        self.version = 0
+        if getattr(model.config, "use_cache", None) is not None:
+            model.config.use_cache = False
+        if settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
+                                           betas=settings.betas, weight_decay=settings.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, settings))
+        self.loss_fn, self.loss_impl = _fused_loss()
+
+    # ------------------------------------------------------------------ one update
+    def step(self, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None = None) -> dict[str, float]:
+        """One optimizer step on ``trajectories`` (the whole batch); returns the update's metrics.
+
+        ``group_ids[i]``: the prompt group of trajectory i (needed by ``ppo``; default one group each).
+        """
+        s = self.settings
+        t0 = time.perf_counter()
+        trajectories = list(trajectories)
+        if not trajectories:
+            raise ValueError("Learner.step: no trajectories")
+        b = len(trajectories)
+        rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
+        baseline = float(rewards.mean())
+        total_policy_tokens = sum(t.num_action_tokens for t in trajectories)
+        advantages = None
+        if s.loss_mode == "ppo":
+            gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
+            advantages = group_advantages(rewards, gids, whiten=s.whiten).to(torch.float32)
+        need_entropy = s.neg_topq < 1.0 and s.loss_mode == "flash_reinforce" or s.entropy_coef != 0.0
+        autocast = PARAM_DTYPES[s.param_dtype]
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        entropy_sum = 0.0
+        kl = torch.zeros(b, dtype=torch.float64)
+        admitted = torch.zeros(b, dtype=torch.bool)
+        retained = torch.zeros(b, dtype=torch.float64)
+        clip_tokens = 0.0
+        for mb in micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
+                                max_trajectories=s.micro_batch_trajectories or None):
+            logp, ent = token_log_probs(self.model, mb, temperature=s.temperature, with_entropy=need_entropy,
+                                        packed_forward=s.packed_forward, pad_token_id=self.pad_token_id,
+                                        autocast_dtype=autocast)
+            dev = logp.device
+            blp = mb.behavior_log_probs.to(dev)
+            cu = mb.cu_seqlens.to(dev)
+            mask = mb.action_mask.to(dev)
+            rows = torch.tensor(mb.rows)
+            if s.loss_mode == "flash_reinforce":
+                loss, stats = self.loss_fn(
+                    logp, blp, mb.rewards.to(dev), cu, mask, delta=s.delta, negative_token_fraction=s.neg_topq,
+                    entropies=ent if s.neg_topq < 1.0 else None,
+                    failures=mb.failures.to(dev) if s.neg_topq < 1.0 else None,
+                    reward_baseline=baseline, num_trajectories=b, loss_agg=s.loss_agg,
+                    loss_scale_factor=s.loss_scale_factor if s.loss_agg == "seq-mean-token-sum-norm" else None,
+                    num_policy_tokens=total_policy_tokens if s.loss_agg == "token-mean" else None, no_is=s.no_is)
+                kl[rows] = stats["sequence_kl"].detach().double().cpu()
+                admitted[rows] = stats["admitted"].detach().cpu()
+                retained[rows] = stats["retained_tokens"].detach().double().cpu()
+            else:
+                loss, stats = ppo_clipped_loss_packed(
+                    logp, blp, advantages[rows].to(dev), cu, mask, eps_clip_low=s.eps_clip[0],
+                    eps_clip_high=s.eps_clip[1], num_policy_tokens=total_policy_tokens)
+                clip_tokens += float(stats["clip_fraction"]) * mb.num_action_tokens
+            if ent is not None:
+                ent_sum = ent[mask].sum()
+                entropy_sum += float(ent_sum.detach())
+                if s.entropy_coef != 0.0:
+                    loss = loss - s.entropy_coef * ent_sum / total_policy_tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if s.max_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_norm))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        if not math.isfinite(grad_norm):
+            # A non-finite gradient would poison the weights: skip the step, keep the version.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+
+        metrics = {
+            "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "reward_baseline": baseline,
+            "policy_tokens": total_policy_tokens, "learner_compute_s": time.perf_counter() - t0,
+        }
+        if s.loss_mode == "flash_reinforce":
+            metrics.update(acceptance_rate=float(admitted.double().mean()), sequence_kl_mean=float(kl.mean()),
+                           sequence_kl_max=float(kl.max()),
+                           retained_token_fraction=float(retained.sum()) / max(1, total_policy_tokens))
+        else:
+            metrics.update(acceptance_rate=1.0, sequence_kl_mean=float("nan"),
+                           clip_fraction=clip_tokens / max(1, total_policy_tokens),
+                           advantage_abs_mean=float(advantages.abs().mean()))
+        if need_entropy:
+            metrics["entropy_mean"] = entropy_sum / max(1, total_policy_tokens)
+        return metrics
+
+    # ------------------------------------------------------------------ weights and state
+    def policy_state(self) -> dict[str, Tensor]:
+        """The current weights, for publication to the rollout engines (tensors alias the model's)."""
+        return self.model.state_dict()
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.version = int(state["version"])

@@ -1,0 +1,75 @@
+"""Named presets of ``flashreinforce train`` and the built-in tiny model configurations.
+
+A preset is a dict of flags (dotted Molt names) and options (``env``, ``env.kwargs``, ``model``,
+``tokenizer``); flags given on the command line override it. Presets run out of the box on a
+CPU with no download: the model is built from a config and the tokenizer is character-level.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PRESETS", "TINY_MODELS"]
+
+#: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
+#: with random weights. Sized for the character tokenizer (vocabulary 100).
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-qwen2": dict(vocab_size=100, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       tie_word_embeddings=True, rope_theta=10000.0),
+}
+
+_TOY_COMMON: dict[str, Any] = {
+    "model": "tiny-qwen2",
+    "tokenizer": "char",
+    "rollout.num_workers": 2,
+    "rollout.vllm_generate_batch_size": 16,
+    "rollout.temperature": 1.0,
+    "rollout.top_p": 1.0,
+    "train.async_queue_size": 2,
+    "train.max_policy_lag": 4,
+    "train.micro_batch_size": 0,
+    "actor.adam.lr": 2e-3,
+    "actor.adam.weight_decay": 0.0,
+    "actor.adam.betas": (0.9, 0.99),
+    "actor.lr_scheduler": "constant_with_warmup",
+    "actor.lr_warmup_ratio": 0.02,
+    "actor.max_norm": 1.0,
+    "actor.flash_gate_delta": 0.05,
+    "fsdp.param_dtype": "fp32",
+    "ckpt.save_steps": 50,
+    "eval.steps": 50,
+    "eval.eval_at_start": True,
+    "eval.temperature": 0.0,
+    "eval.top_p": 1.0,
+    "eval.num_prompts": 64,
+    "eval.n_samples_per_prompt": 1,
+    "logger.logging_steps": 10,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Single turn: say the letter named in the prompt ("say k:" -> "k").
+    "toy": {
+        **_TOY_COMMON,
+        "env": "flashreinforce.envs.toy:ToyCopyEnv",
+        "env.kwargs": {"alphabet": "abcdefghijklmnop", "turns": 1},
+        "rollout.batch_size": 64,
+        "train.batch_size": 64,
+        "rollout.max_new_tokens": 2,
+        "rollout.max_turns": 1,
+        "data.max_len": 24,
+        "train.max_steps": 300,
+    },
+    # Multi-turn: three letters in a row, each named in the environment's feedback observation.
+    "toy_multiturn": {
+        **_TOY_COMMON,
+        "env": "flashreinforce.envs.toy:ToyCopyChainEnv",
+        "env.kwargs": {"alphabet": "abcdefghijklmnop", "turns": 3},
+        "rollout.batch_size": 64,
+        "train.batch_size": 64,
+        "rollout.max_new_tokens": 2,
+        "rollout.max_turns": 3,
+        "data.max_len": 64,
+        "train.max_steps": 300,
+    },
+}

@@ -1,0 +1,93 @@
+"""The rollout record: one trajectory, every turn of one episode in one token sequence.
+
+Layout (Molt-style): ``token_ids`` holds the prompt, then each policy turn's sampled tokens and
+the environment's observation tokens in order. ``action_mask[t]`` is True only on tokens the policy
+sampled; ``behavior_log_probs[t]`` is the natural-log probability the engine sampled token t with,
+under the distribution it really sampled from (after temperature / top-k / top-p), and 0.0 on every
+non-action token. Token t's log-probability is conditioned on ``token_ids[:t]``, so the first token
+(a prompt token) is never an action.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Trajectory"]
+
+
+@dataclass
+class Trajectory:
+    """One finished episode.
+
+    token_ids: ``[L]`` ints, the whole episode.
+    action_mask: ``[L]`` bools, True on sampled (policy) tokens.
+    behavior_log_probs: ``[L]`` floats (nats), the sampler's log-probability on action tokens, 0.0 elsewhere.
+    reward: scalar episode reward (sum of the environment's step rewards).
+    failed: explicit failure label (the environment's, or ``reward <= 0`` when it gave none).
+    truncated: the episode hit the turn or context limit before the environment said ``done``.
+    policy_version_min / policy_version_max: oldest and newest weight version that sampled any of
+        its tokens (they differ when weights changed between turns).
+    prompt_id: index of the prompt in the trainer's prompt stream; seed: the environment seed.
+    sample_index: which of the ``n_samples_per_prompt`` samples of that prompt this is.
+    info: per-trajectory metrics (numbers) from the environment and the worker.
+    """
+
+    token_ids: list[int]
+    action_mask: list[bool]
+    behavior_log_probs: list[float]
+    reward: float
+    failed: bool
+    truncated: bool = False
+    policy_version_min: int = 0
+    policy_version_max: int = 0
+    prompt_id: int = 0
+    seed: int = 0
+    sample_index: int = 0
+    num_turns: int = 1
+    worker_id: int = -1
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_action_tokens(self) -> int:
+        return sum(1 for m in self.action_mask if m)
+
+    def policy_lag(self, learner_version: int) -> int:
+        """Learner version at the update minus the oldest version that generated this trajectory."""
+        return int(learner_version) - int(self.policy_version_min)
+
+    def problem(self, vocab_size: int | None = None) -> str | None:
+        """Why this trajectory cannot be trained on, or ``None`` when it is valid.
+
+        Checks: equal lengths; at least one action token; the first token is not an action; token ids
+        are ints in ``[0, vocab_size)``; action log-probabilities finite and <= 0; a finite reward;
+        ``policy_version_min <= policy_version_max``; bool labels.
+        """
+        n = len(self.token_ids)
+        if n == 0:
+            return "token_ids is empty"
+        if len(self.action_mask) != n or len(self.behavior_log_probs) != n:
+            return (f"lengths disagree: token_ids {n}, action_mask {len(self.action_mask)}, "
+                    f"behavior_log_probs {len(self.behavior_log_probs)}")
+        if self.action_mask[0]:
+            return "action_mask[0] is True: the first token must be a prompt token"
+        if not any(self.action_mask):
+            return "no action token (action_mask is all False)"
+        for t, tok in enumerate(self.token_ids):
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+                return f"token_ids[{t}] = {tok!r} is not a token id in [0, {vocab_size})"
+        for t, (m, lp) in enumerate(zip(self.action_mask, self.behavior_log_probs)):
+            if m and not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0):
+                return f"behavior_log_probs[{t}] = {lp!r} on an action token is not a finite value <= 0"
+        if not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward)):
+            return f"reward {self.reward!r} is not finite"
+        if not isinstance(self.failed, bool) or not isinstance(self.truncated, bool):
+            return f"failed ({self.failed!r}) and truncated ({self.truncated!r}) must be bools"
+        if self.policy_version_min > self.policy_version_max:
+            return f"policy_version_min {self.policy_version_min} > policy_version_max {self.policy_version_max}"
+        return None
