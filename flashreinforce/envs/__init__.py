@@ -3,3 +3,29 @@
 from flashreinforce.envs.base import Environment, StepResult
 
 __all__ = ["Environment", "StepResult"]
+
+# The shipped environments load on first use, so importing this package starts nothing and
+# imports neither math-verify nor subprocess machinery.
+_LAZY_EXPORTS = {
+    "MathEnv": "flashreinforce.envs.math",
+    "MathGrader": "flashreinforce.envs.math",
+    "PythonToolEnv": "flashreinforce.envs.python_tool",
+    "Sandbox": "flashreinforce.envs.sandbox",
+    "SandboxResult": "flashreinforce.envs.sandbox",
+    "Task": "flashreinforce.envs.dataset",
+    "TaskEnvironment": "flashreinforce.envs.dataset",
+    "DatasetEnvironment": "flashreinforce.envs.dataset",
+    "load_tasks": "flashreinforce.envs.dataset",
+    "make_environment": "flashreinforce.envs.dataset",
+    "ALFWorldEnv": "flashreinforce.envs.alfworld",
+}
+__all__ += list(_LAZY_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _LAZY_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

@@ -148,11 +148,13 @@ def _ground_truth(label: Any, where: str) -> str | tuple:
     raise ValueError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
 
 
-def load_tasks(path: str | os.PathLike, *, input_key: str = "prompt", label_key: str | None = "reward_model",
-               max_samples: int | None = None) -> list[Task]:
+def load_tasks(path: str | os.PathLike, *, input_key: str | None = "prompt",
+               label_key: str | None = "reward_model", max_samples: int | None = None) -> list[Task]:
     """Read a prompt dataset (JSONL, JSON list or Parquet) into :class:`Task` objects.
 
     max_samples: keep the first ``max_samples`` rows (None: all).
+    input_key: None for datasets whose environment makes its own prompt (``Task.prompt`` is
+        then ``""``; e.g. ALFWorld games).
     label_key: None for datasets without labels (``Task.ground_truth`` is then None).
     Raises ValueError naming the file and row for a missing key or a malformed value.
     """
@@ -172,11 +174,14 @@ def load_tasks(path: str | os.PathLike, *, input_key: str = "prompt", label_key:
         where = f"{path} row {index}"
         if not isinstance(row, Mapping):
             raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-        if input_key not in row:
+        if input_key is None:
+            prompt = ""
+        elif input_key not in row:
             raise ValueError(f"{where}: no data.input_key {input_key!r} (keys: {sorted(row)})")
-        prompt = row[input_key]
-        if not isinstance(prompt, str):
-            prompt = _check_messages(prompt, where)
+        else:
+            prompt = row[input_key]
+            if not isinstance(prompt, str):
+                prompt = _check_messages(prompt, where)
         ground_truth = None
         if label_key is not None:
             if label_key not in row:

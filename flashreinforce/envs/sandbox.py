@@ -312,6 +312,8 @@ class SandboxResult:
         ``landlock_fs``, ``landlock_net``, ``landlock_signal``, ``audit_hook``); empty when it
         died before reporting.
     workdir: the working directory it ran in (already deleted when you get the result).
+    pid: the child's process id, which is also its process group id (the group is gone by
+        the time you get the result).
     """
 
     stdout: str
@@ -323,6 +325,7 @@ class SandboxResult:
     stderr_dropped_bytes: int
     guards: tuple[str, ...]
     workdir: str
+    pid: int
 
     @property
     def ok(self) -> bool:
@@ -481,7 +484,7 @@ class Sandbox:
             return SandboxResult(
                 stdout=stdout.text(), stderr=stderr.text(), exit_code=exit_code,
                 timed_out=timed_out, duration_s=duration, stdout_dropped_bytes=stdout.dropped,
-                stderr_dropped_bytes=stderr.dropped, guards=guards, workdir=workdir)
+                stderr_dropped_bytes=stderr.dropped, guards=guards, workdir=workdir, pid=proc.pid)
         finally:
             if proc is not None and proc.poll() is None:
                 _kill_group(proc.pid)
