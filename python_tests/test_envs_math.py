@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from flashreinforce.envs.dataset import Task
-from flashreinforce.envs.math import MathEnv, MathGrader, extract_boxed, grade_answer
+from flashreinforce.envs.math import MathEnv, MathGrader, extract_boxed, grade_answer, shared_grader
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +154,34 @@ def test_math_env_validates(grader):
         env.step(None)
 
 
-def test_math_env_owns_and_closes_its_grader():
-    env = MathEnv([Task("1+1?", "2")])
-    env.reset(seed=0)
-    assert env.step(r"\boxed{2}").reward == 1.0
-    env.close()
+def test_environments_share_one_grader_pool_and_do_not_close_it():
+    first, second = MathEnv([Task("1+1?", "2")]), MathEnv([Task("2+2?", "4")])
+    assert first.grader is second.grader is shared_grader(5.0)
+    first.reset(seed=0)
+    assert first.step(r"\boxed{2}").reward == 1.0
+    first.close()
+    second.reset(seed=0)
+    assert second.step(r"\boxed{4}").reward == 1.0
+
+
+def test_a_slow_grade_does_not_block_the_other_processes():
+    pool = MathGrader(timeout_s=1.0, grace_s=1.0, processes=2)
+    try:
+        children = [pool._acquire(), pool._acquire()]  # start both children before the race
+        for child in children:
+            assert child.start() is None
+            pool._release(child)
+        finished = []
+        slow = threading.Thread(target=lambda: finished.append(("slow", pool.grade("9^{9^{9^{9}}}", "5"))))
+        slow.start()
+        fast = pool.grade("x^2 - 1", "(x-1)(x+1)")
+        finished.append(("fast", fast))
+        slow.join()
+        assert [name for name, _ in finished] == ["fast", "slow"]
+        assert fast.correct and finished[1][1].timed_out
+    finally:
+        pool.close()
     with pytest.raises(RuntimeError, match="closed"):
-        env.grader.grade("2", "2")
+        pool.grade("2", "2")
+    with pytest.raises(ValueError, match="processes"):
+        MathGrader(processes=0)

@@ -29,7 +29,7 @@ from typing import Sequence
 
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.dataset import ChatTemplate, Task, TaskEnvironment
-from flashreinforce.envs.math import MathGrader, extract_boxed, require_math_verify
+from flashreinforce.envs.math import MathGrader, extract_boxed, require_math_verify, shared_grader
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 
 __all__ = ["PythonToolEnv", "extract_code", "format_tool_output", "default_max_turns",
@@ -106,7 +106,7 @@ class PythonToolEnv(TaskEnvironment):
         max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 10.
         sandbox: the :class:`Sandbox` running the code; default ``Sandbox(timeout_s=10,
             memory_mb=1024, output_limit_bytes=4096)``.
-        grader: a :class:`MathGrader` (may be shared); default one per environment.
+        grader: the :class:`MathGrader` for the final answer; default ``shared_grader(timeout_s)``.
         timeout_s: time limit on grading the final answer, in seconds.
         system_prompt: instructions on the protocol. For a text prompt it is put before the
             problem (separated by a blank line); for chat messages it becomes a system message
@@ -135,8 +135,7 @@ class PythonToolEnv(TaskEnvironment):
             raise TypeError("system_prompt must be str or None")
         self.max_turns = max_turns
         self.sandbox = sandbox if sandbox is not None else Sandbox(timeout_s=10.0)
-        self._own_grader = grader is None
-        self.grader = grader if grader is not None else MathGrader(timeout_s=timeout_s)
+        self.grader = grader if grader is not None else shared_grader(timeout_s)
         self.system_prompt = system_prompt
         self.observation_template = observation_template
         self._reset_counters()
@@ -188,7 +187,3 @@ class PythonToolEnv(TaskEnvironment):
         text = format_tool_output(result, self.sandbox.timeout_s)
         return StepResult(observation=self.observation_template.replace("{observation}", text),
                           reward=0.0, done=False)
-
-    def close(self) -> None:
-        if self._own_grader:
-            self.grader.close()
