@@ -32,6 +32,10 @@ def test_extract_code_forms():
     assert extract_code("```python\nnever closed") is None
     assert extract_code("```\nplain fence is not code\n```") is None
     assert extract_code("no code") is None
+    # the block that ends last wins, whichever form it has
+    assert extract_code("<code>a</code> ```python\nb\n```")[0] == "b\n"
+    assert extract_code("```python\nb\n``` <code>a</code>")[0] == "a"
+    assert extract_code("<code>" * 1000 + "x") is None
 
 
 def test_tool_episode_runs_code_then_grades_the_answer(grader):

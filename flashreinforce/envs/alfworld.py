@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from typing import Any, Sequence
 
 from flashreinforce.envs.base import StepResult
@@ -41,15 +40,14 @@ DEFAULT_INSTRUCTION = (
     "<action>...</action>."
 )
 
-_ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
-
-
 def extract_action(text: str) -> str | None:
     """The last ``<action>...</action>`` of ``text``, lower-cased with spaces collapsed, or None."""
-    matches = _ACTION.findall(text)
-    if not matches:
+    lowered = text.lower()  # tags match in any case; found from the end to stay linear
+    close = lowered.rfind("</action>")
+    open_ = lowered.rfind("<action>", 0, close) if close >= 0 else -1
+    if open_ < 0:
         return None
-    action = " ".join(matches[-1].split()).lower()
+    action = " ".join(lowered[open_ + len("<action>"):close].split())
     return action or None
 
 

@@ -43,7 +43,6 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 _FENCED = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_TAGGED = re.compile(r"<code>(.*?)</code>", re.DOTALL)
 _INNER_FENCE = re.compile(r"^\s*```[ \t]*(?:python3?|py)?[ \t]*\r?\n(.*?)\r?\n?```\s*$", re.DOTALL | re.IGNORECASE)
 
 
@@ -55,19 +54,19 @@ def extract_code(text: str) -> tuple[str, int] | None:
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be str, got {type(text).__name__}")
-    best = None
-    for pattern in (_FENCED, _TAGGED):
-        for match in pattern.finditer(text):
-            if best is None or match.end() > best.end():
-                best = match
-    if best is None:
-        return None
-    code = best.group(1)
-    if best.re is _TAGGED:
+    best: tuple[str, int] | None = None
+    # Fences: every later opening fence contains the ``` that closes an earlier block, so this
+    # scan stays linear in the text.
+    for match in _FENCED.finditer(text):
+        best = (match.group(1), match.end())
+    # Tags: found from the end with rfind (a regex over many unclosed <code> tags is quadratic).
+    close = text.rfind("</code>")
+    open_ = text.rfind("<code>", 0, close) if close >= 0 else -1
+    if open_ >= 0 and (best is None or close + len("</code>") > best[1]):
+        code = text[open_ + len("<code>"):close]
         inner = _INNER_FENCE.match(code)
-        if inner is not None:
-            code = inner.group(1)
-    return code, best.end()
+        best = (inner.group(1) if inner is not None else code, close + len("</code>"))
+    return best
 
 
 def format_tool_output(result: SandboxResult, timeout_s: float) -> str:
