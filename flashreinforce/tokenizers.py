@@ -87,13 +87,15 @@ class CharTokenizer:
 class HFTokenizer:
     """Adapter around a Hugging Face tokenizer (``AutoTokenizer``) loaded from a local directory.
 
-    With ``apply_chat_template`` the prompt is rendered as one user message with the generation
-    prompt, and each observation as the template's text between an assistant turn and the next
-    assistant turn (a user message), found once by rendering a probe conversation; a template that
-    does not render conversations as growing prefixes is refused with ``ValueError``.
+    ``chat_prompt``: the prompt text is rendered as one user message with the generation prompt
+    (leave it off when the environment renders the template itself). ``chat_observations``: each
+    observation is wrapped as a user message followed by the generation prompt, using the
+    template's text between an assistant turn and the next one (found once by rendering a probe
+    conversation); a template that does not render conversations as growing prefixes is refused
+    with ``ValueError``.
     """
 
-    def __init__(self, tokenizer, *, apply_chat_template: bool = False) -> None:
+    def __init__(self, tokenizer, *, chat_prompt: bool = False, chat_observations: bool = False) -> None:
         self.tok = tokenizer
         self.vocab_size = len(tokenizer)
         eos = tokenizer.eos_token_id
@@ -102,10 +104,11 @@ class HFTokenizer:
         self.eos_token_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         pad = tokenizer.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_ids[0]
-        self.apply_chat_template = bool(apply_chat_template)
-        if self.apply_chat_template:
-            if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("data.apply_chat_template is set but the tokenizer has no chat template")
+        self.chat_prompt = bool(chat_prompt)
+        self.chat_observations = bool(chat_observations)
+        if (self.chat_prompt or self.chat_observations) and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("data.apply_chat_template is set but the tokenizer has no chat template")
+        if self.chat_observations:
             self._obs_prefix, self._obs_suffix = self._observation_wrapping()
 
     def _render(self, messages, generation_prompt: bool) -> str:
@@ -126,7 +129,7 @@ class HFTokenizer:
         return prefix, suffix
 
     def encode_prompt(self, text: str) -> list[int]:
-        if self.apply_chat_template:
+        if self.chat_prompt:
             rendered = self._render([{"role": "user", "content": text}], True)
             return list(self.tok(rendered, add_special_tokens=False)["input_ids"])
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
@@ -134,7 +137,7 @@ class HFTokenizer:
         return ([bos] if bos is not None else []) + ids
 
     def encode_observation(self, text: str) -> list[int]:
-        if self.apply_chat_template:
+        if self.chat_observations:
             text = self._obs_prefix + text + self._obs_suffix
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
@@ -145,7 +148,7 @@ class HFTokenizer:
         self.tok.save_pretrained(str(directory))
 
 
-def load_tokenizer(spec: str, *, apply_chat_template: bool = False):
+def load_tokenizer(spec: str, *, chat_prompt: bool = False, chat_observations: bool = False):
     """``"char"`` gives :class:`CharTokenizer`; a directory gives its char tokenizer (if it holds
     ``char_tokenizer.json``) or its Hugging Face tokenizer (local files only, never a download)."""
     if spec == "char":
@@ -158,4 +161,4 @@ def load_tokenizer(spec: str, *, apply_chat_template: bool = False):
     from transformers import AutoTokenizer
 
     return HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True),
-                       apply_chat_template=apply_chat_template)
+                       chat_prompt=chat_prompt, chat_observations=chat_observations)

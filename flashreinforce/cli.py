@@ -1,0 +1,60 @@
+"""The ``flashreinforce`` console script.
+
+``flashreinforce train [--preset NAME] [--env MODULE:CLASS] [--model M] --output DIR [--resume] [--FLAG VALUE ...]``
+trains with the native asynchronous trainer; ``flashreinforce train --help`` lists every flag.
+Exit status: 0 when training completed, 130 after Ctrl-C (a checkpoint was saved), 2 for a bad
+configuration (the message names the flag).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Sequence
+
+__all__ = ["main"]
+
+USAGE = """usage: flashreinforce COMMAND [ARGS]
+
+commands:
+  train    train a policy with asynchronous FlashREINFORCE (flashreinforce train --help)
+"""
+
+
+def train(argv: Sequence[str]) -> int:
+    from flashreinforce.config import ConfigError, parse_train_args
+    from flashreinforce.presets import PRESETS
+
+    try:
+        cfg = parse_train_args(argv, PRESETS)
+    except ConfigError as err:
+        print(f"flashreinforce train: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from flashreinforce.trainer import Trainer
+
+    try:
+        summary = Trainer(cfg).run()
+    except ConfigError as err:
+        print(f"flashreinforce train: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, default=str))
+    return 130 if summary["status"] == "interrupted" else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        return train(rest)
+    print(f"flashreinforce: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
