@@ -153,6 +153,7 @@ class RolloutBuffer:
         self._cond = threading.Condition()
         self._ready: collections.deque[tuple[Ticket, list[Trajectory]]] = collections.deque()
         self._outstanding: dict[int, Ticket] = {}  # handed out, not yet consumed or freed
+        self._generating: set[int] = set()  # handed out, not yet put or cancelled
         self._closed = False
         self.updates_done = 0
         self.issued = 0
@@ -177,6 +178,7 @@ class RolloutBuffer:
             pid, seed = self.prompts.next()
             ticket = Ticket(pid, seed, self.group_size)
             self._outstanding[pid] = ticket
+            self._generating.add(pid)
             self.issued += 1
             return ticket
 
@@ -194,9 +196,10 @@ class RolloutBuffer:
                 with self._cond:
                     self.counters["rejected_trajectories"] += 1
         with self._cond:
-            if ticket.prompt_id not in self._outstanding:
+            if ticket.prompt_id not in self._generating:
                 raise ValueError(f"put: ticket for prompt {ticket.prompt_id} is not outstanding "
                                  "(already put, cancelled, or issued by another buffer)")
+            self._generating.discard(ticket.prompt_id)
             if valid:
                 self._ready.append((ticket, valid))
                 self.counters["put_trajectories"] += len(valid)
@@ -211,8 +214,10 @@ class RolloutBuffer:
     def cancel(self, ticket: Ticket, reason: str = "") -> None:
         """The worker could not finish ``ticket`` (error, shutdown): free the slot, hand the prompt out again."""
         with self._cond:
-            if self._outstanding.pop(ticket.prompt_id, None) is None:
+            if ticket.prompt_id not in self._generating:
                 return
+            self._generating.discard(ticket.prompt_id)
+            del self._outstanding[ticket.prompt_id]
             self.freed += 1
             self.counters["cancelled_groups"] += 1
             self.prompts.requeue([(ticket.prompt_id, ticket.seed)])
@@ -251,6 +256,8 @@ class RolloutBuffer:
                     self.prompts.requeue([(ticket.prompt_id, ticket.seed)])
                     dropped_groups += 1
                     dropped_trajs += len(trajs)
+                    self.counters["dropped_stale_groups"] += 1
+                    self.counters["dropped_stale_trajectories"] += len(trajs)
                     self._cond.notify_all()
                     continue
                 groups.append((ticket, trajs))
@@ -258,8 +265,6 @@ class RolloutBuffer:
                 del self._outstanding[ticket.prompt_id]
             self.counters["taken_groups"] += len(groups)
             self.counters["taken_trajectories"] += sum(len(g) for _, g in groups)
-            self.counters["dropped_stale_groups"] += dropped_groups
-            self.counters["dropped_stale_trajectories"] += dropped_trajs
         return Batch([g for _, g in groups], learner_version, time.monotonic() - start, dropped_groups, dropped_trajs)
 
     def update_done(self) -> None:

@@ -207,12 +207,39 @@ class Learner:
         """One optimizer step on ``trajectories`` (the whole batch); returns the update's metrics.
 
         ``group_ids[i]``: the prompt group of trajectory i (needed by ``ppo``; default one group each).
+        Raises ``FloatingPointError`` (and leaves weights and version unchanged) on a non-finite gradient.
+        """
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self.accumulate_gradients(trajectories, group_ids)
+        s = self.settings
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if s.max_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_norm))
+        else:
+            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+        if not math.isfinite(grad_norm):
+            # A non-finite gradient would poison the weights: skip the step, keep the version.
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        metrics.update(grad_norm=grad_norm, lr=lr, learner_compute_s=time.perf_counter() - t0)
+        return metrics
+
+    def accumulate_gradients(self, trajectories: Sequence[Trajectory],
+                             group_ids: Sequence[int] | None = None) -> dict[str, float]:
+        """Forward and backward over the batch in micro-batches, adding into ``p.grad``; no optimizer step.
+
+        Returns the loss and the loss statistics of the batch.
         """
         s = self.settings
-        t0 = time.perf_counter()
         trajectories = list(trajectories)
         if not trajectories:
-            raise ValueError("Learner.step: no trajectories")
+            raise ValueError("Learner: no trajectories")
         b = len(trajectories)
         rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
         baseline = float(rewards.mean())
@@ -224,7 +251,6 @@ class Learner:
         need_entropy = s.neg_topq < 1.0 and s.loss_mode == "flash_reinforce" or s.entropy_coef != 0.0
         autocast = PARAM_DTYPES[s.param_dtype]
 
-        self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         entropy_sum = 0.0
         kl = torch.zeros(b, dtype=torch.float64)
@@ -265,24 +291,8 @@ class Learner:
             loss.backward()
             loss_sum += float(loss.detach())
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if s.max_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_norm))
-        else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
-        if not math.isfinite(grad_norm):
-            # A non-finite gradient would poison the weights: skip the step, keep the version.
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-
         metrics = {
-            "loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "reward_baseline": baseline,
-            "policy_tokens": total_policy_tokens, "learner_compute_s": time.perf_counter() - t0,
+            "loss": loss_sum, "reward_baseline": baseline, "policy_tokens": total_policy_tokens,
         }
         if s.loss_mode == "flash_reinforce":
             metrics.update(acceptance_rate=float(admitted.double().mean()), sequence_kl_mean=float(kl.mean()),
