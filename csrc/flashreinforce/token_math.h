@@ -133,7 +133,7 @@ template <class S> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
 // ---------------------------------------------------------------------------------------------
-// exp / log / log1p.
+// exp / log.
 
 // exp for float32: Cody-Waite range reduction by ln 2 and a degree-6 polynomial (Cephes' expf
 // coefficients); about 1 ulp. Overflow gives +inf (x > ln(FLT_MAX)); results below FLT_MIN
@@ -162,6 +162,28 @@ FR_HD float exp_fast(float x) {
   res = x > kHi ? kInf : res;
   res = x < kLo ? 0.0f : res;
   return (x == x) ? res : x;
+}
+
+// exp(x) split as scale * (1 + s) with scale = 2^n and s = e^r - 1 (|r| <= ln2 / 2), for
+// x in [ln(FLT_MIN), 0]. Gives both exp(x) = scale + scale * s and, without cancellation,
+// 1 - exp(x) = (1 - scale) - scale * s (accurate to a few ulp even when exp(x) is close to 1).
+FR_HD void exp_parts(float x, float* scale, float* s) {
+  const float kLo = -87.33654475055310f;
+  float xc = x > 0.0f ? 0.0f : x;
+  xc = xc < kLo ? kLo : xc;
+  xc = (xc == xc) ? xc : 0.0f;
+  const float fx = floorf(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  *s = y * z + r;
+  *scale = f32_from_bits(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
 }
 
 // Natural log for positive normal float32 (the only arguments used here: probabilities and
@@ -193,35 +215,22 @@ FR_HD float log_fast(float x) {
   return r;
 }
 
-// log1p(x) for x in (-1, 0]: log(1 + x) with the rounding error of 1 + x corrected to first order
-// (keeps full relative accuracy for tiny |x|, where log(1 + x) alone would lose it).
-FR_HD float log1p_fast(float x) {
-  const float u = 1.0f + x;
-  const float correction = (x - (u - 1.0f)) / u;
-  return log_fast(u) + correction;
-}
-
 FR_HD float exp_c(float x) { return exp_fast(x); }
-FR_HD float log1p_c(float x) { return log1p_fast(x); }
 FR_HD double exp_c(double x) { return ::exp(x); }
-FR_HD double log1p_c(double x) { return ::log1p(x); }
 
 // ---------------------------------------------------------------------------------------------
 // The clamped Bernoulli KL proxy (SEMANTICS.md step 3).
 
+// Probabilities in the gate are clamped to [1e-6, 1 - 1e-6] (rounded to C). Since exp is
+// monotone, clamp(exp(x)) = exp(clamp(x, kLogLo, kLogHi)) with the logs of those bounds: the code
+// clamps log-probabilities, which also gives log p of a clamped p without computing a log.
 template <class C> struct Clamp;
 template <> struct Clamp<float> {
-  // p, q are clamped to [1e-6, 1 - 1e-6] in float32; log p of a clamped p is the clamp of the log
-  // to [ln(1e-6f), ln(1 - 1e-6f)] (monotone), which saves a log per probability.
-  static constexpr float kLo = 9.99999997e-07f;
-  static constexpr float kHi = 0.999998987f;      // float32(1 - float32(1e-6))
-  static constexpr float kLogLo = -13.8155107f;   // ln(kLo)
-  static constexpr float kLogHi = -1.01327953e-06f;  // ln(kHi)
+  static constexpr float kLogLo = -13.8155107f;      // ln(float32(1e-6))
+  static constexpr float kLogHi = -1.01327953e-06f;  // ln(float32(1 - float32(1e-6)))
 };
 template <> struct Clamp<double> {
-  static constexpr double kLo = 1e-6;
-  static constexpr double kHi = 1.0 - 1e-6;
-  static constexpr double kLogLo = -13.815510557964274;    // ln(1e-6)
+  static constexpr double kLogLo = -13.815510557964274;     // ln(1e-6)
   static constexpr double kLogHi = -1.000000500029089e-06;  // ln(double(1 - 1e-6))
 };
 
@@ -230,15 +239,91 @@ template <class C> FR_HD C clamp_to(C x, C lo, C hi) {
   return x > hi ? hi : x;
 }
 
-// d = p (log p - log q) + (1 - p) (log(1-p) - log(1-q)) with p = clamp(exp(behavior)),
-// q = clamp(exp(current)). Finite for any finite inputs (and for -inf inputs).
+// p = exp(log_p) and 1 - p for a clamped log_p, both to a few ulp (1 - p without cancellation,
+// also when p is close to 1). Float32: exp(log_p) = scale * (1 + s) (exp_parts), and
+// 1 - p = (1 - scale) - scale * s where both parts are exact.
+FR_HD void prob_pair(float log_p, float* p, float* one_minus_p) {
+  float scale, s;
+  exp_parts(log_p, &scale, &s);
+  *p = scale + scale * s;
+  *one_minus_p = (1.0f - scale) - scale * s;
+}
+FR_HD void prob_pair(double log_p, double* p, double* one_minus_p) {
+  *p = ::exp(log_p);
+  *one_minus_p = -::expm1(log_p);
+}
+
+// expm1(d) and its excess expm1(d) - d (= d^2/2 + d^3/6 + ...) without cancellation, |d| <= 14.
+FR_HD float expm1_with_excess(float d, float* excess) {
+  const float fx = floorf(d * 1.44269504088896341f + 0.5f);
+  float r = d - fx * 0.693359375f;
+  r = r - fx * -2.12194440e-4f;
+  const float z = r * r;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  const float s = y * z + r;  // e^r - 1
+  const float scale = f32_from_bits(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
+  const float em = scale * s + (scale - 1.0f);
+  // With fx == 0, r == d exactly and the excess is the polynomial part y * r^2.
+  *excess = fx == 0.0f ? y * z : em - d;
+  return em;
+}
+FR_HD double expm1_with_excess(double d, double* excess) {
+  const double em = ::expm1(d);
+  const double series =
+      d * d * (0.5 + d * (1.0 / 6 + d * (1.0 / 24 + d * (1.0 / 120 + d * (1.0 / 720 + d * (1.0 / 5040))))));
+  *excess = (d < 0.01 && d > -0.01) ? series : em - d;
+  return em;
+}
+
+// h(z) = -z - log(1 - z) >= 0 for |z| <= 1/4, by the atanh series: with w = -z / (2 - z),
+// log(1 - z) = 2 (w + w^3/3 + w^5/5 + ...) and -z - 2w = z^2 / (2 - z).
+FR_HD float h_small(float z) {
+  const float w = -z / (2.0f - z);
+  const float w2 = w * w;
+  const float series = 1.0f / 3 + w2 * (1.0f / 5 + w2 * (1.0f / 7 + w2 * (1.0f / 9)));
+  return z * z / (2.0f - z) - 2.0f * w * w2 * series;
+}
+FR_HD double h_small(double z) {
+  const double w = -z / (2.0 - z);
+  const double w2 = w * w;
+  const double series =
+      1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 * (1.0 / 9 + w2 * (1.0 / 11 + w2 * (1.0 / 13 + w2 * (1.0 / 15 + w2 * (1.0 / 17)))))));
+  return z * z / (2.0 - z) - 2.0 * w * w2 * series;
+}
+
+FR_HD float log_c(float x) { return log_fast(x); }
+FR_HD double log_c(double x) { return ::log(x); }
+
+// The clamped Bernoulli KL proxy (SEMANTICS.md step 3):
+//   d = p (log p - log q) + (1 - p) (log(1-p) - log(1-q)),  p = clamp(exp(behavior)),
+//   q = clamp(exp(current)), clamps to [1e-6, 1 - 1e-6].
+// Written that way, its two terms cancel to first order when p is close to q (d ~ (p-q)^2), and a
+// float32 evaluation loses most digits of a small KL. With delta = log p - log q,
+// z = q expm1(delta) / (1 - q) (so that 1 - z = (1-p)/(1-q)) and h(z) = -z - log(1 - z) >= 0,
+// the same quantity is
+//   d = q g(delta) + q z expm1(delta) - (1 - p) h(z),   g = delta e^delta - expm1(delta) >= 0,
+// whose three terms have the same order of magnitude when |z| <= 1/4 (then h comes from a series)
+// and keep a few-ulp accuracy. For |z| > 1/4 the two terms of the direct form no longer cancel
+// badly, and the direct form is used. 1 - p and 1 - q come from expm1, never from 1 - p.
 template <class C> FR_HD C bernoulli_kl(C behavior, C current) {
   using K = Clamp<C>;
-  const C p = clamp_to<C>(exp_c(behavior), K::kLo, K::kHi);
-  const C q = clamp_to<C>(exp_c(current), K::kLo, K::kHi);
   const C log_p = clamp_to<C>(behavior, K::kLogLo, K::kLogHi);
   const C log_q = clamp_to<C>(current, K::kLogLo, K::kLogHi);
-  return p * (log_p - log_q) + (C(1) - p) * (log1p_c(-p) - log1p_c(-q));
+  C p, one_minus_p, q, one_minus_q;
+  prob_pair(log_p, &p, &one_minus_p);
+  prob_pair(log_q, &q, &one_minus_q);
+  const C delta = log_p - log_q;
+  C excess;
+  const C em = expm1_with_excess(delta, &excess);
+  const C z = q * em / one_minus_q;
+  const C stable = q * (delta * em - excess) + z * q * em - one_minus_p * h_small(z);
+  const C direct = p * delta + one_minus_p * log_c(one_minus_p / one_minus_q);
+  return (z <= C(0.25) && z >= C(-0.25)) ? stable : direct;
 }
 
 // A policy-token log probability is valid when finite and <= 0 (NaN fails both comparisons).

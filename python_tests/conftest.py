@@ -1,0 +1,32 @@
+"""Shared pytest fixtures (generic: any test module may use or extend them)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh random seed per test (set FR_TEST_SEED to replay one); printed on failure.
+
+    Tests draw their inputs from ``torch.Generator().manual_seed(seed)`` so that every run checks
+    new random inputs while a failing run can be reproduced exactly.
+    """
+    value = int(os.environ.get("FR_TEST_SEED", random.SystemRandom().randrange(2**31)))
+    request.node.user_properties.append(("seed", value))
+    print(f"[seed] {request.node.nodeid}: FR_TEST_SEED={value}")
+    return value
+
+
+@pytest.fixture
+def generator(seed) -> torch.Generator:
+    """A CPU torch.Generator seeded with :func:`seed`."""
+    return torch.Generator().manual_seed(seed)
+
+
+cuda_available = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not cuda_available, reason="needs a CUDA device (none found)")
