@@ -1,0 +1,400 @@
+// C++ tests of the framework-agnostic core (CPU path) against a double-precision computation
+// written here from SEMANTICS.md, on random segments and edge cases. Run through CTest
+// (python_tests/test_cpp_core.py builds and runs it).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flashreinforce/core.h"
+#include "flashreinforce/token_math.h"
+
+using namespace flashreinforce;
+
+static int g_failures = 0;
+static std::string g_case;
+
+#define CHECK(cond)                                                                            \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      std::fprintf(stderr, "FAIL [%s] %s:%d: %s\n", g_case.c_str(), __FILE__, __LINE__, #cond); \
+      ++g_failures;                                                                            \
+    }                                                                                          \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// Double-precision computation (straightforward; long double for the cancelling KL).
+
+struct Problem {
+  std::vector<int64_t> cu;
+  std::vector<double> lp, blp, ent;  // values as doubles (exactly representable in the input dtype)
+  std::vector<uint8_t> mask, failures;
+  std::vector<double> rewards;
+  double delta = INFINITY, q = 1.0;
+  bool no_is = false;
+  LossAgg agg = LossAgg::kSeqMeanTokenMean;
+  double lsf = 0.0;
+};
+
+struct Result {
+  double loss = 0;
+  std::vector<double> grad, adv, kl, rate;
+  std::vector<uint8_t> admitted;
+  std::vector<int64_t> policy, retained;
+};
+
+static long double kl_exact(double behavior, double current, bool f32) {
+  const long double lo = f32 ? (long double)9.99999997475242708e-07L : 1e-6L;
+  const long double hi = f32 ? (long double)0.999998986721038818359375L : (long double)(1.0 - 1e-6);
+  long double p = std::exp((long double)behavior), q = std::exp((long double)current);
+  p = std::min(std::max(p, lo), hi);
+  q = std::min(std::max(q, lo), hi);
+  return p * (std::log(p) - std::log(q)) + (1 - p) * (std::log1p(-p) - std::log1p(-q));
+}
+
+static Result expected(const Problem& P, bool f32) {
+  const int64_t b = static_cast<int64_t>(P.rewards.size());
+  const int64_t n = static_cast<int64_t>(P.lp.size());
+  Result R;
+  R.grad.assign(n, 0.0);
+  double mean = 0;
+  for (double r : P.rewards) mean += r;
+  mean /= b;
+  for (int64_t i = 0; i < b; ++i) {
+    std::vector<int64_t> pos;
+    for (int64_t t = P.cu[i]; t < P.cu[i + 1]; ++t)
+      if (P.mask.empty() || P.mask[t]) pos.push_back(t);
+    const int64_t T = static_cast<int64_t>(pos.size());
+    long double kl = 0;
+    for (int64_t t : pos) kl += kl_exact(P.blp[t], P.lp[t], f32);
+    double seq_kl = P.no_is ? 0.0 : std::max(0.0, (double)(kl / T));
+    const bool ok = P.no_is || seq_kl <= P.delta;
+    std::vector<int64_t> kept = pos;
+    if (P.q < 1.0 && P.failures[i]) {
+      const int64_t k = static_cast<int64_t>(std::ceil(P.q * T));
+      std::stable_sort(kept.begin(), kept.end(), [&](int64_t a, int64_t c) { return P.ent[a] > P.ent[c]; });
+      kept.resize(std::min<int64_t>(k, T));
+    }
+    const double a = P.rewards[i] - mean;
+    double s = 1.0 / (T * (double)b);
+    if (P.agg == LossAgg::kSeqMeanTokenSumNorm) s = 1.0 / (P.lsf * b);
+    if (ok) {
+      for (int64_t t : kept) {
+        const double rho = P.no_is ? 1.0 : std::exp(P.lp[t] - P.blp[t]);
+        R.grad[t] = -rho * a * s;
+        R.loss += R.grad[t] * P.lp[t];
+      }
+    }
+    R.adv.push_back(a);
+    R.kl.push_back(seq_kl);
+    R.admitted.push_back(ok);
+    R.policy.push_back(T);
+    R.retained.push_back(ok ? (int64_t)kept.size() : 0);
+  }
+  return R;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Running the core.
+
+template <class T> struct Typed;
+template <> struct Typed<float> {
+  static constexpr DType kType = DType::kFloat32;
+};
+template <> struct Typed<double> {
+  static constexpr DType kType = DType::kFloat64;
+};
+
+template <class T>
+static Error run_core(const Problem& P, Result& out, int threads) {
+  const int64_t b = static_cast<int64_t>(P.rewards.size());
+  const int64_t n = static_cast<int64_t>(P.lp.size());
+  std::vector<T> lp(P.lp.begin(), P.lp.end()), blp(P.blp.begin(), P.blp.end()), ent(P.ent.begin(), P.ent.end());
+  std::vector<T> grad(n), adv(b), kl(b);
+  T loss = 0, rate = 0;
+  std::vector<uint8_t> admitted(b);
+  std::vector<int64_t> policy(b), retained(b);
+  LossInputs in;
+  in.num_tokens = n;
+  in.batch = b;
+  in.log_probs = lp.data();
+  in.log_probs_dtype = Typed<T>::kType;
+  in.behavior_log_probs = blp.data();
+  in.behavior_dtype = Typed<T>::kType;
+  in.rewards = P.rewards.data();
+  in.rewards_dtype = DType::kFloat64;
+  in.cu_seqlens = P.cu.data();
+  in.cu_dtype = DType::kInt64;
+  in.action_mask = P.mask.empty() ? nullptr : P.mask.data();
+  in.entropies = P.q < 1.0 ? ent.data() : nullptr;
+  in.entropies_dtype = Typed<T>::kType;
+  in.failures = P.q < 1.0 ? P.failures.data() : nullptr;
+  in.delta = P.delta;
+  in.negative_token_fraction = P.q;
+  in.no_is = P.no_is;
+  in.loss_agg = P.agg;
+  in.loss_scale_factor = P.lsf;
+  LossOutputs o;
+  o.loss = &loss;
+  o.grad = grad.data();
+  o.advantages = adv.data();
+  o.sequence_kl = kl.data();
+  o.admitted = admitted.data();
+  o.acceptance_rate = &rate;
+  o.policy_tokens = policy.data();
+  o.retained_tokens = retained.data();
+  const Error e = loss_forward_cpu(in, o, threads);
+  out.loss = loss;
+  out.grad.assign(grad.begin(), grad.end());
+  out.adv.assign(adv.begin(), adv.end());
+  out.kl.assign(kl.begin(), kl.end());
+  out.admitted = admitted;
+  out.policy = policy;
+  out.retained = retained;
+  out.rate = {static_cast<double>(rate)};
+  return e;
+}
+
+static void compare(const Problem& P, const Result& got, bool f32) {
+  const Result want = expected(P, f32);
+  const size_t b = P.rewards.size();
+  double gmax = 0, terms = 0;
+  for (double g : want.grad) gmax = std::max(gmax, std::fabs(g));
+  for (size_t t = 0; t < want.grad.size(); ++t) {
+    if (want.grad[t] != 0) terms += std::fabs(want.grad[t] * P.lp[t]);
+  }
+  CHECK(got.policy == want.policy);
+  bool same_admission = true;
+  for (size_t i = 0; i < b; ++i) {
+    const double tol = f32 ? 5e-3 * want.kl[i] + 1e-9 : 1e-10 * want.kl[i] + 1e-300;
+    CHECK(std::fabs(got.kl[i] - want.kl[i]) <= tol);
+    const bool far = std::fabs(want.kl[i] - P.delta) > 1e-2 * P.delta;
+    if (far) CHECK(got.admitted[i] == want.admitted[i]);
+    same_admission = same_admission && got.admitted[i] == want.admitted[i];
+  }
+  if (!same_admission) return;
+  CHECK(got.retained == want.retained);
+  const double gtol = (f32 ? 1e-5 : 1e-10) * gmax;
+  for (size_t t = 0; t < want.grad.size(); ++t) {
+    if (!(std::fabs(got.grad[t] - want.grad[t]) <= gtol)) {
+      std::fprintf(stderr, "  grad[%zu] = %.17g, want %.17g\n", t, got.grad[t], want.grad[t]);
+      CHECK(false);
+      break;
+    }
+  }
+  CHECK(std::fabs(got.loss - want.loss) <= (f32 ? 1e-5 : 1e-10) * terms + 1e-300);
+}
+
+// Random problem: lengths from `lengths`, 75% policy tokens (first token of each trajectory is
+// a prompt token unless it is the only one), masked slots hold NaN / inf garbage.
+static Problem random_problem(std::mt19937_64& rng, const std::vector<int64_t>& lengths, double spread, double q,
+                              bool ties) {
+  Problem P;
+  std::uniform_real_distribution<double> u(0, 1);
+  std::normal_distribution<double> nrm(0, 1);
+  P.cu.push_back(0);
+  for (int64_t L : lengths) P.cu.push_back(P.cu.back() + L);
+  const int64_t n = P.cu.back();
+  P.mask.assign(n, 0);
+  P.lp.resize(n);
+  P.blp.resize(n);
+  P.ent.resize(n);
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const int64_t a = P.cu[i], b = P.cu[i + 1];
+    bool any = false;
+    for (int64_t t = a; t < b; ++t) {
+      P.mask[t] = (t > a || b - a == 1) && u(rng) < 0.75;
+      any = any || P.mask[t];
+    }
+    if (!any) P.mask[b - 1] = 1;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    // Round to float so the float32 run sees exactly these values.
+    const double x = (double)(float)(-6.0 * u(rng) * u(rng));
+    const double y = (double)(float)std::min(0.0, x + spread * nrm(rng));
+    P.lp[t] = P.mask[t] ? x : NAN;
+    P.blp[t] = P.mask[t] ? y : INFINITY;
+    P.ent[t] = P.mask[t] ? (ties ? 0.5 * (double)(rng() % 3) : (double)(float)(5.0 * u(rng))) : NAN;
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    P.rewards.push_back(u(rng) < 0.5 ? 1.0 : 0.0);
+    P.failures.push_back(u(rng) < 0.5);
+  }
+  P.q = q;
+  return P;
+}
+
+template <class T>
+static void check_case(const std::string& name, const Problem& P) {
+  g_case = name + (sizeof(T) == 4 ? " [float32]" : " [float64]");
+  Result got;
+  const Error e = run_core<T>(P, got, 2);
+  CHECK(e.code == ErrorCode::kOk);
+  if (e.code == ErrorCode::kOk) compare(P, got, sizeof(T) == 4);
+}
+
+int main() {
+  std::mt19937_64 rng(std::random_device{}());
+  const uint64_t seed = rng();
+  rng.seed(seed);
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+
+  // Random segments: 1 token to thousands, with and without the filter, gate on and off.
+  for (int rep = 0; rep < 4; ++rep) {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 40; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % (i % 9 == 8 ? 5000 : 60)));
+    for (double q : {1.0, 0.3}) {
+      Problem P = random_problem(rng, lengths, 0.05, q, rep % 2 == 1);
+      check_case<double>("random", P);
+      check_case<float>("random", P);
+      std::vector<double> kls = expected(P, false).kl;
+      std::sort(kls.begin(), kls.end());
+      P.delta = 0.5 * (kls[kls.size() / 2] + kls[kls.size() / 2 - 1]);
+      check_case<double>("random gated", P);
+      P.no_is = true;
+      check_case<double>("random no_is", P);
+      P.no_is = false;
+      P.agg = LossAgg::kSeqMeanTokenSumNorm;
+      P.lsf = 4096;
+      check_case<float>("random sum-norm", P);
+    }
+  }
+  // Single-token trajectories only.
+  {
+    Problem P = random_problem(rng, std::vector<int64_t>(50, 1), 0.1, 0.5, false);
+    check_case<double>("single tokens", P);
+  }
+  // All masked but one token in a long trajectory.
+  {
+    Problem P = random_problem(rng, {3000, 2, 1}, 0.05, 1.0, false);
+    std::fill(P.mask.begin(), P.mask.begin() + 3000, 0);
+    P.mask[1777] = 1;
+    P.lp[1777] = -0.3;
+    P.blp[1777] = -0.31;
+    check_case<double>("all masked but one", P);
+    check_case<float>("all masked but one", P);
+  }
+  // Huge lengths: one 300k-token failed trajectory of tied entropies (the radix select's
+  // threshold bin exceeds its candidate scratch), beside short ones.
+  {
+    std::vector<int64_t> lengths = {300000, 5, 9, 1};
+    Problem P = random_problem(rng, lengths, 0.02, 0.37, true);
+    P.failures = {1, 1, 0, 1};
+    check_case<float>("huge tied trajectory", P);
+    Problem Q = P;
+    for (int64_t t = 0; t < 300000; ++t) Q.ent[t] = Q.mask[t] ? 1.25 : NAN;  // every entropy equal
+    check_case<double>("huge all-equal entropies", Q);
+  }
+  // Filter ties: exact-count keep with ties broken by position.
+  {
+    Problem P;
+    P.cu = {0, 7};
+    P.lp = {-1, -1, -1, -1, -1, -1, -1};
+    P.blp = P.lp;
+    P.mask = {0, 1, 1, 1, 1, 1, 1};
+    P.ent = {9, 2, 3, 2, 3, 2, 1};
+    P.rewards = {0.0, 1.0};
+    P.cu = {0, 7, 8};
+    P.lp.push_back(-1);
+    P.blp.push_back(-1);
+    P.mask.push_back(1);
+    P.ent.push_back(0);
+    P.failures = {1, 0};
+    P.q = 0.5;  // T = 6, keep 3: the two 3.0s and the first 2.0 (position 1)
+    g_case = "filter ties";
+    Result got;
+    CHECK(run_core<double>(P, got, 1).code == ErrorCode::kOk);
+    CHECK(got.retained[0] == 3);
+    CHECK(got.grad[1] != 0 && got.grad[2] != 0 && got.grad[4] != 0);
+    CHECK(got.grad[3] == 0 && got.grad[5] == 0 && got.grad[6] == 0 && got.grad[0] == 0);
+    check_case<double>("filter ties", P);
+  }
+  // Thread count independence (bitwise).
+  {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 64; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % 20000));
+    Problem P = random_problem(rng, lengths, 0.05, 0.5, false);
+    P.delta = 0.01;
+    g_case = "threads";
+    Result r1, r2, r4;
+    run_core<float>(P, r1, 1);
+    run_core<float>(P, r2, 2);
+    run_core<float>(P, r4, 4);
+    CHECK(r1.loss == r2.loss && r1.loss == r4.loss);
+    CHECK(r1.grad == r2.grad && r1.grad == r4.grad);
+    CHECK(r1.kl == r2.kl && r1.kl == r4.kl);
+  }
+  // Errors: code and index.
+  {
+    Problem P = random_problem(rng, {4, 5, 6}, 0.05, 1.0, false);
+    Result r;
+    g_case = "error cu";
+    Problem Q = P;
+    Q.cu[1] = 10;
+    Q.cu[2] = 9;
+    Error e = run_core<double>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kBadCuSeqlens && e.index == 2);
+    g_case = "error no policy";
+    Q = P;
+    std::fill(Q.mask.begin() + 4, Q.mask.begin() + 9, 0);
+    e = run_core<double>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kNoPolicyTokens && e.index == 1);
+    g_case = "error log prob";
+    Q = P;
+    const int64_t t = std::find(Q.mask.begin() + 9, Q.mask.end(), 1) - Q.mask.begin();
+    Q.lp[t] = 0.5;
+    e = run_core<double>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kBadLogProb && e.index == t);
+    g_case = "error overflow";
+    Q = P;
+    Q.blp[t] = -800.0;
+    Q.lp[t] = -0.1;
+    e = run_core<double>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kRatioOverflow && e.index == t);
+    e = run_core<float>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kRatioOverflow && e.index == t);
+    g_case = "error reward";
+    Q = P;
+    Q.rewards[2] = NAN;
+    e = run_core<double>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kNonFiniteReward && e.index == 2);
+  }
+  // Per-token arithmetic of the shared header against long double.
+  {
+    g_case = "token math";
+    std::uniform_real_distribution<double> u(0, 1);
+    double worst = 0;
+    for (int k = 0; k < 200000; ++k) {
+      const float x = static_cast<float>(-8.0 * u(rng) * u(rng));
+      const float y = std::min(0.0f, static_cast<float>(x + std::exp(-12.0 * u(rng)) * (u(rng) - 0.5)));
+      const double got = math::bernoulli_kl<float>(y, x);
+      const long double want = kl_exact(y, x, true);
+      if (want > 0) worst = std::max(worst, (double)(std::fabs(got - want) / want));
+      const float e = math::exp_fast(x - y);
+      CHECK(std::fabs(e - std::exp((double)x - (double)y)) <= 4e-7 * std::exp((double)x - (double)y));
+    }
+    std::printf("float32 bernoulli_kl worst relative error %.3g\n", worst);
+    CHECK(worst < 1e-4);
+    for (float h : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1e-5f, 5.96e-8f, 1e-3f, 3.14159f}) {
+      const uint16_t bits = math::float_to_half(h);
+      const float back = math::half_to_float(bits);
+      CHECK(std::fabs(back - h) <= std::fabs(h) * 1e-3f + 6e-8f);
+    }
+    CHECK(math::bf16_to_float(math::float_to_bf16(1.0f)) == 1.0f);
+    CHECK(math::entropy_key(-0.0f) == math::entropy_key(0.0f));
+    CHECK(math::entropy_key(-1.0f) < math::entropy_key(0.5f));
+  }
+
+  if (g_failures) {
+    std::fprintf(stderr, "%d check(s) failed (seed %llu)\n", g_failures, static_cast<unsigned long long>(seed));
+    return 1;
+  }
+  std::printf("all core checks passed\n");
+  return 0;
+}
