@@ -29,6 +29,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+import flashreinforce
 from flashreinforce.logprobs import sampled_token_logprobs
 from flashreinforce.packing import PackedBatch, micro_batches, to_padded
 from flashreinforce.ppo import group_advantages, ppo_clipped_loss_packed
@@ -40,19 +41,6 @@ LOSS_MODES = ("flash_reinforce", "ppo")
 SCHEDULERS = ("cosine_with_min_lr", "constant", "constant_with_warmup")
 PARAM_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                 "fp16": torch.float16, "float16": torch.float16}
-
-
-def _fused_loss():
-    """The public fused op. Until the compiled extension is importable the reference (same signature)
-    stands in; :attr:`Learner.loss_impl` says which one runs and the trainer logs it."""
-    try:
-        import flashreinforce
-
-        return flashreinforce.flashreinforce_loss_packed, "fused"
-    except ImportError:
-        from flashreinforce.loss import flashreinforce_loss_packed
-
-        return flashreinforce_loss_packed, "reference"
 
 
 @dataclass
@@ -200,7 +188,9 @@ class Learner:
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
                                            betas=settings.betas, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, settings))
-        self.loss_fn, self.loss_impl = _fused_loss()
+        # The public fused op (compiled extension); importing it fails loudly when the extension is missing.
+        self.loss_fn = flashreinforce.flashreinforce_loss_packed
+        self.loss_impl = "fused"
 
     # ------------------------------------------------------------------ one update
     def step(self, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None = None) -> dict[str, float]:
