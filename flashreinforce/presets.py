@@ -45,6 +45,7 @@ _TOY_COMMON: dict[str, Any] = {
     "eval.num_prompts": 64,
     "eval.n_samples_per_prompt": 1,
     "logger.logging_steps": 10,
+    "torch_threads": 1,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
