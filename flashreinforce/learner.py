@@ -183,7 +183,8 @@ class Learner:
         if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
         if settings.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         model.train()
         self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
                                            betas=settings.betas, weight_decay=settings.weight_decay)
