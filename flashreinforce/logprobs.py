@@ -172,33 +172,51 @@ class _SampledTokenLogprobs(torch.autograd.Function):
             z = _chunk_logits(h, weight, bias, temperature, z_buf[:n],
                               None if low_buf is None else low_buf[:n])
             p = torch.softmax(z, 1, out=p_buf[:n])
+            y = targets[start:stop, None]
             if e is None:
-                grad_z = p.mul_(-g[start:stop, None])  # -g p
+                # logp only: grad_z = -g (p - onehot). Form D = p - onehot in place and apply the
+                # per-row factor -g to the small [n, H] operands instead of the [n, V] buffer:
+                # one pass over the chunk saved.
+                d = p.scatter_(1, y, p.gather(1, y).sub_(1.0))
+                row_scale = -g[start:stop, None]
+                if low:
+                    # The cast to the GEMM dtype is a pass anyway; scale while casting.
+                    gz = torch.mul(d, row_scale, out=low_buf[:n])
+                    h_scaled = h
+                else:
+                    gz = d
+                    h_scaled = h * row_scale
             else:
-                # -p (g + e (z - mu)), built in z's buffer.
+                # -p (g + e (z - mu)) + g onehot, built in z's buffer.
                 t = z.sub_(mu[start:stop, None]).mul_(-e[start:stop, None])
                 if g is not None:
                     t.sub_(g[start:stop, None])
                 grad_z = t.mul_(p)
-            if g is not None:
-                # + g at the target: gather/scatter rather than scatter_add_, which is
-                # deterministic on every backend (each row has one target).
-                y = targets[start:stop, None]
-                grad_z.scatter_(1, y, grad_z.gather(1, y).add_(g[start:stop, None]))
+                if g is not None:
+                    # gather/scatter rather than scatter_add_: deterministic on every backend
+                    # (each row has one target).
+                    grad_z.scatter_(1, y, grad_z.gather(1, y).add_(g[start:stop, None]))
+                row_scale = None
+                gz = low_buf[:n].copy_(grad_z) if low else grad_z
+                h_scaled = h
 
-            if low:
-                gz = low_buf[:n].copy_(grad_z)
-            else:
-                gz = grad_z
+            # Now the logit gradient is diag(row_scale) @ gz (row_scale None: identity), with gz
+            # in the GEMM dtype.
             if need_h:
-                torch.mm(gz, weight, out=grad_h[start:stop])
+                out_h = torch.mm(gz, weight, out=grad_h[start:stop])
+                if row_scale is not None and not low:
+                    out_h.mul_(row_scale)
             if need_w:
                 if low:
-                    grad_w.add_(torch.mm(gz.t(), h, out=low_gw))
+                    grad_w.add_(torch.mm(gz.t(), h_scaled, out=low_gw))
                 else:
-                    grad_w.addmm_(gz.t(), h)
+                    grad_w.addmm_(gz.t(), h_scaled)
             if need_b:
-                grad_b.add_(grad_z.sum(0))
+                # From the compute-dtype values, not the low-precision GEMM operand.
+                if row_scale is not None:
+                    grad_b.addmv_(d.t(), row_scale.squeeze(1))
+                else:
+                    grad_b.add_(grad_z.sum(0))
 
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)
