@@ -72,7 +72,7 @@ def reference_loss64(model64, trajs, *, delta, q=1.0, temperature=1.0, loss_agg=
             continue
         kept = pos
         if q < 1.0 and t.failed:
-            order = sorted(pos, key=lambda k: (-float(ent[k]), k))
+            order = sorted(pos, key=lambda k: (-float(ent.detach()[k]), k))
             kept = sorted(order[: math.ceil(q * T)])
         adv = t.reward - baseline
         scale = 1.0 / (T * b) if loss_agg == "seq-mean-token-mean" else 1.0 / total_tokens

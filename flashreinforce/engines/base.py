@@ -104,7 +104,8 @@ class WeightStore(abc.ABC):
 
 
 class LocalWeightStore(WeightStore):
-    """Weights shared between threads of one process: a detached CPU copy per published version.
+    """Weights shared between threads of one process: a detached copy per published version, on the
+    device of the published tensors (engines on another device copy from it when they load).
 
     The learner keeps training its own parameters; the copy taken at :meth:`publish` is immutable,
     so an engine can load it at any time without a lock on the learner.
@@ -118,7 +119,7 @@ class LocalWeightStore(WeightStore):
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         if version <= self._version:
             raise ValueError(f"publish: version {version} is not newer than {self._version}")
-        copy = {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()}
+        copy = {k: v.detach().clone() for k, v in state_dict.items()}
         with self._lock:
             self._state, self._version = copy, int(version)
 
