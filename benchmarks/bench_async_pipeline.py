@@ -25,7 +25,6 @@ import argparse
 import math
 import random
 import statistics
-import threading
 import time
 from typing import Mapping, Sequence
 

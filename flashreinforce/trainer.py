@@ -26,7 +26,6 @@ import importlib.util
 import inspect
 import json
 import logging
-import math
 import random
 import signal
 import sys
@@ -46,7 +45,7 @@ from flashreinforce.envs.base import Environment
 from flashreinforce.learner import Learner, LearnerSettings
 from flashreinforce.presets import TINY_MODELS
 from flashreinforce.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
-from flashreinforce.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
+from flashreinforce.tokenizers import HFTokenizer, load_tokenizer
 
 __all__ = ["Trainer", "build_model", "environment_factory", "num_prompts"]
 

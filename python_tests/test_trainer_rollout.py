@@ -1,6 +1,5 @@
 """Rollout workers: multi-turn layout (observations masked), versions, limits, failures, errors."""
 
-import threading
 import time
 
 import pytest
