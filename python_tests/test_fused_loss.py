@@ -328,3 +328,40 @@ def test_worked_example_entropy_filter(padded, q, kept_row1):
         assert g[1, j].item() == (pytest.approx(1 / 12, rel=1e-12) if kept_row1[j] else 0.0)
     assert g[0, 3].item() == 0.0 and g[1, 3].item() == 0.0
     assert stats["retained_tokens"].tolist() == [3, sum(kept_row1)]
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+def test_each_cpu_instruction_set(tmp_path, seed, isa):
+    """Every compiled instruction-set variant of the CPU path (chosen per process through
+    FLASHREINFORCE_CPU_ISA; a variant above what this CPU supports falls back) against float64."""
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import math, sys, torch
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+import flashreinforce as fr
+from flashreinforce import _C
+from fused_cases import random_batch
+gen = torch.Generator().manual_seed({seed})
+out = {{"isa": _C.cpu_isa()}}
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    b = random_batch(gen, dtype=dtype, filter_q=0.4, batch=17)
+    lp = b.log_probs.clone().requires_grad_()
+    loss, stats = fr.flashreinforce_loss_packed(lp, b.behavior_log_probs, b.rewards, b.cu_seqlens, b.action_mask,
+                                                delta=math.inf, **b.options)
+    loss.backward()
+    out[str(dtype)] = (b, loss.detach(), lp.grad, stats)
+torch.save(out, {str(tmp_path / 'out.pt')!r})
+"""
+    env = dict(os.environ, FLASHREINFORCE_CPU_ISA=isa)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    print("instruction set in use:", out.pop("isa"))
+    for key, (b, loss, grad, stats) in out.items():
+        dtype = b.log_probs.dtype
+        exp = expected_loss(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens, b.action_mask,
+                            delta=math.inf, **b.options)
+        check_against_expected(loss, grad, stats, exp, dtype, math.inf, where=f"{isa} {key}")

@@ -9,7 +9,9 @@
 // small per-thread scratch for the filter's candidate tokens.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -93,173 +95,40 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Entropy filter.
+// Instruction set of the main pass: the best the CPU supports, or the one named by the
+// environment variable FLASHREINFORCE_CPU_ISA (avx512, avx2 or generic; for tests and benchmarks).
+enum class Isa { kGeneric, kAvx2, kAvx512 };
 
-template <class E> using KeyOf = typename math::EntropyKey<E>::type;
-template <class E> using ValueOf = typename math::EntropyKey<E>::value;
-
-template <class E> KeyOf<E> key_at(const E* e, int64_t t) {
-  return math::entropy_key(static_cast<ValueOf<E>>(math::to_compute(e[t], ValueOf<E>())));
-}
-
-// First policy token (in [c0, c1)) whose entropy is not finite, or -1.
-template <class E>
-int64_t first_bad_entropy(const E* e, const uint8_t* mask, int64_t c0, int64_t c1) {
-  using V = ValueOf<E>;
-  int bad = 0;
-#pragma omp simd reduction(| : bad)
-  for (int64_t t = c0; t < c1; ++t) {
-    const V v = math::to_compute(e[t], V());
-    bad |= static_cast<int>((!mask || mask[t]) & !(v - v == V(0)));
-  }
-  if (!bad) return -1;
-  for (int64_t t = c0; t < c1; ++t) {
-    const V v = math::to_compute(e[t], V());
-    if ((!mask || mask[t]) && !(v - v == V(0))) return t;
-  }
-  return -1;
-}
-
-// The kept tokens of a failed trajectory [a, b) with k of its T policy tokens kept (0 < k < T)
-// are exactly those whose (key, -position) is >= (key*, -pos*) lexicographically, where
-// (key*, pos*) is the k-th largest. Found with a radix select on the key's top bits; the
-// candidates of the threshold bin are then ordered exactly (nth_element) when they are few, or
-// the radix passes continue and the ties are resolved by position when they are many.
-template <class E>
-std::pair<KeyOf<E>, int64_t> select_threshold(const E* e, const uint8_t* mask, int64_t a,
-                                              int64_t b, int64_t k,
-                                              std::vector<std::pair<KeyOf<E>, int64_t>>& scratch) {
-  using K = KeyOf<E>;
-  constexpr int kBits = 11;
-  constexpr int kKeyBits = static_cast<int>(sizeof(K) * 8);
-  constexpr size_t kScratchMax = 1 << 16;  // bounded scratch, independent of N
-  std::vector<int64_t> hist(size_t(1) << kBits);
-  int shift = kKeyBits - kBits;
-  K prefix = 0;       // digits above `shift + kBits` fixed so far
-  int fixed_bits = 0;  // number of fixed top bits
-  int64_t remaining = k;
-  for (;;) {
-    std::fill(hist.begin(), hist.end(), 0);
-    const int width = shift >= 0 ? kBits : kBits + shift;
-    const int low = shift >= 0 ? shift : 0;
-    const K digit_mask = static_cast<K>((K(1) << width) - 1);
-    for (int64_t t = a; t < b; ++t) {
-      if (mask && !mask[t]) continue;
-      const K key = key_at(e, t);
-      if (fixed_bits > 0 && (key >> (kKeyBits - fixed_bits)) != prefix) continue;
-      ++hist[(key >> low) & digit_mask];
-    }
-    int64_t above = 0;
-    int64_t bin = (int64_t(1) << width) - 1;
-    for (; bin > 0; --bin) {
-      if (above + hist[bin] >= remaining) break;
-      above += hist[bin];
-    }
-    remaining -= above;
-    const int64_t in_bin = hist[bin];
-    prefix = static_cast<K>((fixed_bits > 0 ? (prefix << width) : K(0)) | static_cast<K>(bin));
-    fixed_bits += width;
-    const int free_bits = kKeyBits - fixed_bits;
-    if (in_bin == remaining) {
-      // Every token of the bin is kept: the threshold is the bin's smallest key, no position cut.
-      const K lowest = free_bits > 0 ? static_cast<K>(prefix << free_bits) : prefix;
-      return {lowest, std::numeric_limits<int64_t>::max()};
-    }
-    if (free_bits == 0) {
-      // Ties on the full key: keep the first `remaining` of them by position.
-      int64_t seen = 0;
-      for (int64_t t = a; t < b; ++t) {
-        if (mask && !mask[t]) continue;
-        if (key_at(e, t) == prefix && ++seen == remaining) return {prefix, t};
-      }
-      return {prefix, b - 1};  // unreachable: the bin holds at least `remaining` ties
-    }
-    if (static_cast<size_t>(in_bin) <= kScratchMax) {
-      scratch.clear();
-      for (int64_t t = a; t < b; ++t) {
-        if (mask && !mask[t]) continue;
-        const K key = key_at(e, t);
-        if ((key >> free_bits) == prefix) scratch.emplace_back(key, t);
-      }
-      auto before = [](const std::pair<K, int64_t>& x, const std::pair<K, int64_t>& y) {
-        return x.first != y.first ? x.first > y.first : x.second < y.second;
-      };
-      std::nth_element(scratch.begin(), scratch.begin() + (remaining - 1), scratch.end(), before);
-      return scratch[remaining - 1];
-    }
-    shift -= kBits;
-  }
-}
-
-// Writes 1 (kept) or 0 into grad over [a, b) for the selection (key*, pos*).
-template <class E, class LP>
-void write_keep_flags(const E* e, const uint8_t* mask, LP* grad, int64_t a, int64_t b,
-                      KeyOf<E> key_star, int64_t pos_star) {
-  const LP one = math::Store<LP>::from(1.0f), zero = math::Store<LP>::from(0.0f);
-  for (int64_t t = a; t < b; ++t) {
-    const KeyOf<E> key = key_at(e, t);
-    const bool kept = (!mask || mask[t]) && (key > key_star || (key == key_star && t <= pos_star));
-    grad[t] = kept ? one : zero;
-  }
-}
-
-template <class E, class LP>
-void select_and_flag(const LossInputs& in, const std::vector<int64_t>& cu,
-                     const std::vector<int64_t>& selected, const std::vector<int64_t>& keep_count,
-                     void* grad, int num_threads) {
-  using K = KeyOf<E>;
-  const E* e = static_cast<const E*>(in.entropies);
-  parallel_for(num_threads, static_cast<int64_t>(selected.size()), [&](int64_t j) {
-    thread_local std::vector<std::pair<K, int64_t>> scratch;
-    const int64_t i = selected[j];
-    const auto star = select_threshold<E>(e, in.action_mask, cu[i], cu[i + 1], keep_count[i], scratch);
-    write_keep_flags<E, LP>(e, in.action_mask, static_cast<LP*>(grad), cu[i], cu[i + 1], star.first,
-                            star.second);
-    if (scratch.capacity() > (1u << 16)) std::vector<std::pair<K, int64_t>>().swap(scratch);
-  });
-}
-
-template <class E>
-void select_dispatch_lp(const LossInputs& in, const std::vector<int64_t>& cu,
-                        const std::vector<int64_t>& selected, const std::vector<int64_t>& keep_count,
-                        void* grad, int num_threads) {
-  switch (in.log_probs_dtype) {
-    case DType::kFloat16: return select_and_flag<E, Half>(in, cu, selected, keep_count, grad, num_threads);
-    case DType::kBFloat16: return select_and_flag<E, BFloat16>(in, cu, selected, keep_count, grad, num_threads);
-    case DType::kFloat32: return select_and_flag<E, float>(in, cu, selected, keep_count, grad, num_threads);
-    default: return select_and_flag<E, double>(in, cu, selected, keep_count, grad, num_threads);
-  }
-}
-
-template <class E>
-int64_t check_entropies(const LossInputs& in, int num_threads) {
-  const int64_t chunks = num_chunks(in.num_tokens);
-  std::vector<int64_t> bad(chunks, -1);
-  const E* e = static_cast<const E*>(in.entropies);
-  parallel_for(num_threads, chunks, [&](int64_t c) {
-    const int64_t c0 = c * kChunk, c1 = std::min(in.num_tokens, c0 + kChunk);
-    bad[c] = first_bad_entropy<E>(e, in.action_mask, c0, c1);
-  });
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (bad[c] >= 0) return bad[c];
-  }
-  return -1;
-}
-
-const MainPassTable& best_table_for(DType lp, DType blp) {
-  const int i = static_cast<int>(lp), j = static_cast<int>(blp);
+Isa selected_isa() {
+  static const Isa isa = [] {
+    Isa best = Isa::kGeneric;
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-                             __builtin_cpu_supports("fma");
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && main_pass_avx512() && main_pass_avx512()->fn[i][j]) return *main_pass_avx512();
-  if (avx2 && main_pass_avx2() && main_pass_avx2()->fn[i][j]) return *main_pass_avx2();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && kernels_avx2()) best = Isa::kAvx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
+        kernels_avx512()) {
+      best = Isa::kAvx512;
+    }
 #endif
-  (void)i;
-  (void)j;
-  return main_pass_generic();
+    const char* env = std::getenv("FLASHREINFORCE_CPU_ISA");
+    if (env != nullptr) {
+      const std::string want(env);
+      if (want == "generic") return Isa::kGeneric;
+      if (want == "avx2" && best != Isa::kGeneric) return Isa::kAvx2;  // never above what the CPU has
+      if (want == "avx512") return best;
+    }
+    return best;
+  }();
+  return isa;
+}
+
+const KernelTable& best_table_for(DType lp, DType blp) {
+  const int i = static_cast<int>(lp), j = static_cast<int>(blp);
+  const Isa isa = selected_isa();
+  // A table without the (log_probs, behavior) main kernel (float64) falls back to generic.
+  if (isa == Isa::kAvx512 && kernels_avx512()->main[i][j]) return *kernels_avx512();
+  if (isa != Isa::kGeneric && kernels_avx2() && kernels_avx2()->main[i][j]) return *kernels_avx2();
+  return kernels_generic();
 }
 
 Error make_error(ErrorCode code, int64_t index, double value = 0.0) {
@@ -274,9 +143,9 @@ Error make_error(ErrorCode code, int64_t index, double value = 0.0) {
 
 // Name of the instruction set the CPU main pass uses for float32 inputs on this machine.
 const char* cpu_isa_name() {
-  const MainPassTable& t = best_table_for(DType::kFloat32, DType::kFloat32);
-  if (main_pass_avx512() && &t == main_pass_avx512()) return "avx512";
-  if (main_pass_avx2() && &t == main_pass_avx2()) return "avx2";
+  const KernelTable& t = best_table_for(DType::kFloat32, DType::kFloat32);
+  if (kernels_avx512() && &t == kernels_avx512()) return "avx512";
+  if (kernels_avx2() && &t == kernels_avx2()) return "avx2";
   return "generic";
 }
 
@@ -360,22 +229,14 @@ Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_thr
   // 3. Filter: validate entropies, then select and write keep flags into grad.
   int64_t bad_entropy = -1;
   if (filter) {
-    switch (in.entropies_dtype) {
-      case DType::kFloat16: bad_entropy = check_entropies<Half>(in, num_threads); break;
-      case DType::kBFloat16: bad_entropy = check_entropies<BFloat16>(in, num_threads); break;
-      case DType::kFloat32: bad_entropy = check_entropies<float>(in, num_threads); break;
-      default: bad_entropy = check_entropies<double>(in, num_threads); break;
-    }
+    const KernelTable& kernels = best_table_for(in.log_probs_dtype, in.behavior_dtype);
+    const int e = static_cast<int>(in.entropies_dtype);
+    bad_entropy = kernels.check_entropies[e](in, num_threads);
     if (bad_entropy >= 0) {
       // Still run the main pass (log-prob errors are reported first), without the selection.
       for (int64_t i : selected) keep[i] = kKeepAll;
     } else if (!selected.empty()) {
-      switch (in.entropies_dtype) {
-        case DType::kFloat16: select_dispatch_lp<Half>(in, cu, selected, keep_count, out.grad, num_threads); break;
-        case DType::kBFloat16: select_dispatch_lp<BFloat16>(in, cu, selected, keep_count, out.grad, num_threads); break;
-        case DType::kFloat32: select_dispatch_lp<float>(in, cu, selected, keep_count, out.grad, num_threads); break;
-        default: select_dispatch_lp<double>(in, cu, selected, keep_count, out.grad, num_threads); break;
-      }
+      kernels.select[e][static_cast<int>(in.log_probs_dtype)](in, cu, selected, keep_count, out.grad, num_threads);
     }
   }
 
@@ -405,7 +266,7 @@ Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_thr
   args.bad_log_prob = bad_lp.data();
   args.bad_behavior = bad_blp.data();
   const MainChunkFn fn = best_table_for(in.log_probs_dtype, in.behavior_dtype)
-                             .fn[static_cast<int>(in.log_probs_dtype)][static_cast<int>(in.behavior_dtype)];
+                             .main[static_cast<int>(in.log_probs_dtype)][static_cast<int>(in.behavior_dtype)];
   parallel_for(num_threads, chunks, [&](int64_t c) { fn(args, c); });
 
   // 5. Combine in a fixed order, then report errors by priority.

@@ -12,8 +12,10 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "flashreinforce/core.h"
+#include "flashreinforce/token_math.h"
 
 namespace flashreinforce {
 namespace cpu {
@@ -58,15 +60,32 @@ struct MainPassArgs {
 
 using MainChunkFn = void (*)(const MainPassArgs&, int64_t chunk);
 
-// Kernel table of one instruction set, indexed by [log_probs dtype][behavior dtype] (the four
-// float DType values). Entries may be null (not specialized for this instruction set).
-struct MainPassTable {
-  MainChunkFn fn[4][4];
+// Entropy filter entry points (filter_impl.h). `selected` lists the failed trajectories that keep
+// keep_count[i] of their tokens (0 < keep_count[i] < T_i); their flags are written into grad.
+using SelectFn = void (*)(const LossInputs& in, const std::vector<int64_t>& cu,
+                          const std::vector<int64_t>& selected, const std::vector<int64_t>& keep_count,
+                          void* grad, int num_threads);
+// First policy token with a non-finite entropy, or -1.
+using CheckEntropiesFn = int64_t (*)(const LossInputs& in, int num_threads);
+
+// Kernels of one instruction set, indexed by the float DType values: main[log_probs][behavior],
+// select[entropies][log_probs], check_entropies[entropies]. Main entries may be null (not
+// specialized for this instruction set: float64 log-probs use the generic table).
+struct KernelTable {
+  MainChunkFn main[4][4];
+  SelectFn select[4][4];
+  CheckEntropiesFn check_entropies[4];
 };
 
-const MainPassTable& main_pass_generic();
-const MainPassTable* main_pass_avx2();    // null when not compiled in
-const MainPassTable* main_pass_avx512();  // null when not compiled in
+const KernelTable& kernels_generic();
+const KernelTable* kernels_avx2();    // null when not compiled in
+const KernelTable* kernels_avx512();  // null when not compiled in
+
+template <class T> struct DTypeOf;
+template <> struct DTypeOf<math::Half> { static constexpr DType value = DType::kFloat16; };
+template <> struct DTypeOf<math::BFloat16> { static constexpr DType value = DType::kBFloat16; };
+template <> struct DTypeOf<float> { static constexpr DType value = DType::kFloat32; };
+template <> struct DTypeOf<double> { static constexpr DType value = DType::kFloat64; };
 
 }  // namespace cpu
 }  // namespace flashreinforce

@@ -135,6 +135,13 @@ template <> struct ComputeOf<double> { using type = double; };
 // ---------------------------------------------------------------------------------------------
 // exp / log.
 
+// Nearest integer of |x| < 2^22 (ties to even), by adding and subtracting 1.5 * 2^23: no library
+// call, so the loops around it vectorize (floorf does not without -fno-trapping-math).
+FR_HD float round_to_int(float x) {
+  const float kMagic = 12582912.0f;
+  return (x + kMagic) - kMagic;
+}
+
 // exp for float32: Cody-Waite range reduction by ln 2 and a degree-6 polynomial (Cephes' expf
 // coefficients); about 1 ulp. Overflow gives +inf (x > ln(FLT_MAX)); results below FLT_MIN
 // flush to 0 (an absolute error below 1.2e-38); NaN propagates. Branch-free.
@@ -144,7 +151,7 @@ FR_HD float exp_fast(float x) {
   float xc = x > kHi ? kHi : x;
   xc = xc < kLo ? kLo : xc;
   xc = (xc == xc) ? xc : 0.0f;  // NaN -> 0 here; fixed up below
-  const float fx = floorf(xc * 1.44269504088896341f + 0.5f);
+  const float fx = round_to_int(xc * 1.44269504088896341f);
   float r = xc - fx * 0.693359375f;  // ln 2 split in two parts for an exact product
   r = r - fx * -2.12194440e-4f;
   const float z = r * r;
@@ -172,7 +179,7 @@ FR_HD void exp_parts(float x, float* scale, float* s) {
   float xc = x > 0.0f ? 0.0f : x;
   xc = xc < kLo ? kLo : xc;
   xc = (xc == xc) ? xc : 0.0f;
-  const float fx = floorf(xc * 1.44269504088896341f + 0.5f);
+  const float fx = round_to_int(xc * 1.44269504088896341f);
   float r = xc - fx * 0.693359375f;
   r = r - fx * -2.12194440e-4f;
   const float z = r * r;
@@ -255,7 +262,7 @@ FR_HD void prob_pair(double log_p, double* p, double* one_minus_p) {
 
 // expm1(d) and its excess expm1(d) - d (= d^2/2 + d^3/6 + ...) without cancellation, |d| <= 14.
 FR_HD float expm1_with_excess(float d, float* excess) {
-  const float fx = floorf(d * 1.44269504088896341f + 0.5f);
+  const float fx = round_to_int(d * 1.44269504088896341f);
   float r = d - fx * 0.693359375f;
   r = r - fx * -2.12194440e-4f;
   const float z = r * r;

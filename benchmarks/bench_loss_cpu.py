@@ -1,0 +1,248 @@
+"""CPU benchmark of the fused FlashREINFORCE loss (issue 5, target 1).
+
+Forward + backward over a packed batch, side by side with a straightforward eager PyTorch
+implementation of the same objective (segment sums with ``index_add_``) and with ``torch.compile``
+of that implementation. Prints tables of medians and ratios:
+
+1. the main comparison (N = 4,194,304 tokens, B = 1024 uneven trajectories, 90% policy tokens,
+   float32, delta = 3e-3) at 2 threads, with ns/token;
+2. 1 vs 2 threads;
+3. N from 64k to 16M (ns/token: linear time means a flat column);
+4. the entropy filter (q = 0.5, half the trajectories failed) vs the base path;
+5. peak memory above the inputs, per implementation (fresh subprocesses).
+
+    python benchmarks/bench_loss_cpu.py            # everything (a few minutes on 2 cores)
+    python benchmarks/bench_loss_cpu.py --quick    # fewer repeats, smaller sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import flashreinforce as fr
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+
+
+def make_batch(num_tokens: int, batch: int, seed: int = 0, dtype=torch.float32):
+    """Uneven lengths (lognormal), 90% policy tokens, behavior close to current (most admitted)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.randn(batch, generator=gen, dtype=torch.float64) * 1.0)
+    lengths = torch.clamp((weights / weights.sum() * num_tokens).long(), min=2)
+    lengths[-1] += num_tokens - int(lengths.sum())
+    while int(lengths[-1]) < 2:  # keep every trajectory >= 2 tokens
+        j = int(lengths.argmax())
+        lengths[j] -= 10
+        lengths[-1] += 10
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    cu[1:] = lengths.cumsum(0)
+    mask = torch.rand(num_tokens, generator=gen) < 0.9
+    mask[cu[:-1].long()] = False  # first token of each trajectory: prompt
+    mask[cu[1:].long() - 1] = True
+    current = -(torch.rand(num_tokens, generator=gen) ** 2) * 4.0
+    behavior = (current + 0.02 * torch.randn(num_tokens, generator=gen)).clamp(max=0.0)
+    rewards = (torch.rand(batch, generator=gen) < 0.5).float()
+    entropies = torch.rand(num_tokens, generator=gen) * 5.0
+    failures = torch.zeros(batch, dtype=torch.bool)
+    failures[torch.randperm(batch, generator=gen)[: batch // 2]] = True
+    return dict(log_probs=current.to(dtype), behavior_log_probs=behavior.to(dtype), rewards=rewards,
+                cu_seqlens=cu, action_mask=mask, entropies=entropies.to(dtype), failures=failures)
+
+
+# ------------------------------------------------------------------------------------------------
+# The straightforward eager implementation (what a user would write; no entropy filter)
+
+
+def eager_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta: float = 3e-3):
+    batch = rewards.shape[0]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(batch), lengths)
+    mask = action_mask.to(log_probs.dtype)
+    counts = torch.zeros(batch, dtype=log_probs.dtype).index_add_(0, segment, mask)
+    advantages = rewards - rewards.mean()
+    with torch.no_grad():
+        p = behavior_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+        q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
+        d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+        kl = torch.zeros(batch, dtype=log_probs.dtype).index_add_(0, segment, d * mask) / counts
+        admitted = kl.clamp_min(0) <= delta
+        active = mask * admitted[segment].to(mask.dtype)
+        weight = torch.exp(log_probs - behavior_log_probs) * advantages[segment] * active
+    per_traj = torch.zeros(batch, dtype=log_probs.dtype).index_add(0, segment, weight * log_probs)
+    return -(per_traj / counts).sum() / batch
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+
+
+def time_fn(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def fused_step(data, **opts):
+    def run():
+        lp = data["log_probs"].requires_grad_()
+        loss, _ = fr.flashreinforce_loss_packed(lp, data["behavior_log_probs"], data["rewards"], data["cu_seqlens"],
+                                                data["action_mask"], delta=3e-3, **opts)
+        loss.backward()
+        lp.grad = None
+    return run
+
+
+def eager_step(data, fn=eager_loss):
+    def run():
+        lp = data["log_probs"].requires_grad_()
+        loss = fn(lp, data["behavior_log_probs"], data["rewards"], data["cu_seqlens"], data["action_mask"])
+        loss.backward()
+        lp.grad = None
+    return run
+
+
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:9.2f}"
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory (fresh subprocess per implementation: peak RSS above the inputs)
+
+
+def _memory_child(kind: str, num_tokens: int, batch: int) -> None:
+    def hwm_kib() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM"):
+                    return int(line.split()[1])
+        return 0
+
+    def reset_hwm() -> None:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+    data = make_batch(num_tokens, batch)
+    step = {"fused": fused_step(data), "fused_filter": fused_step(
+        data, negative_token_fraction=0.5, entropies=data["entropies"], failures=data["failures"]),
+        "eager": eager_step(data)}[kind]
+    step()  # first call: lazy initialization, op registration
+    reset_hwm()
+    base = hwm_kib()
+    step()
+    print(json.dumps({"peak_above_inputs_mib": (hwm_kib() - base) / 1024}))
+
+
+def measure_memory(kind: str, num_tokens: int, batch: int) -> float:
+    out = subprocess.run([sys.executable, __file__, "--memory-child", kind, str(num_tokens), str(batch)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_above_inputs_mib"]
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="CPU benchmark of the fused loss")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and a smaller N sweep")
+    parser.add_argument("--tokens", type=int, default=4_194_304)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_child:
+        kind, n, b = args.memory_child
+        torch.set_num_threads(args.threads)
+        _memory_child(kind, int(n), int(b))
+        return
+
+    repeats = 5 if args.quick else 11
+    torch.set_num_threads(args.threads)
+    print(f"# bench_loss_cpu: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs, {args.threads} threads, fused ISA {fr.ops._C.cpu_isa()}")
+
+    data = make_batch(args.tokens, args.batch)
+    n = args.tokens
+    _, stats = fr.flashreinforce_loss_packed(data["log_probs"], data["behavior_log_probs"], data["rewards"],
+                                             data["cu_seqlens"], data["action_mask"], delta=3e-3)
+    print(f"# N = {n:,} tokens, B = {args.batch}, policy tokens {float(data['action_mask'].float().mean()):.1%}, "
+          f"acceptance rate {float(stats['acceptance_rate']):.3f}, longest trajectory "
+          f"{int((data['cu_seqlens'][1:] - data['cu_seqlens'][:-1]).max()):,}")
+
+    # 1. Main comparison.
+    t_fused = time_fn(fused_step(data), repeats)
+    t_eager = time_fn(eager_step(data), max(3, repeats // 2), warmup=1)
+    compiled = torch.compile(eager_loss, dynamic=False)
+    t_compiled = time_fn(eager_step(data, compiled), max(3, repeats // 2), warmup=2)
+    rows = [
+        ["fused (flashreinforce._C)", fmt_ms(t_fused), f"{t_fused / n * 1e9:.3f}", "1.0x"],
+        ["eager PyTorch (index_add_)", fmt_ms(t_eager), f"{t_eager / n * 1e9:.3f}", f"{t_eager / t_fused:.1f}x"],
+        ["torch.compile(eager)", fmt_ms(t_compiled), f"{t_compiled / n * 1e9:.3f}", f"{t_compiled / t_fused:.1f}x"],
+    ]
+    print_table(f"forward + backward, float32, {args.threads} threads (median of runs)",
+                ["implementation", "ms", "ns/token", "fused speedup"], rows)
+
+    # 2. Thread scaling.
+    torch.set_num_threads(1)
+    t_fused_1 = time_fn(fused_step(data), repeats)
+    torch.set_num_threads(args.threads)
+    t_fused_2 = time_fn(fused_step(data), repeats)
+    print_table("thread scaling (fused)", ["threads", "ms", "ns/token", "speedup vs 1"], [
+        ["1", fmt_ms(t_fused_1), f"{t_fused_1 / n * 1e9:.3f}", "1.00x"],
+        [str(args.threads), fmt_ms(t_fused_2), f"{t_fused_2 / n * 1e9:.3f}", f"{t_fused_1 / t_fused_2:.2f}x"],
+    ])
+
+    # 3. N sweep.
+    sizes = [65_536, 262_144, 1_048_576, 4_194_304] + ([] if args.quick else [16_777_216])
+    rows = []
+    for size in sizes:
+        d = make_batch(size, max(8, min(args.batch, size // 64)), seed=1)
+        t = time_fn(fused_step(d), repeats if size < 16_000_000 else max(3, repeats // 2))
+        rows.append([f"{size:,}", fmt_ms(t), f"{t / size * 1e9:.3f}"])
+    print_table("time vs N (fused, float32)", ["N", "ms", "ns/token"], rows)
+
+    # 4. Entropy filter.
+    t_filter = time_fn(fused_step(data, negative_token_fraction=0.5, entropies=data["entropies"],
+                                  failures=data["failures"]), repeats)
+    print_table("entropy filter (q = 0.5, half the trajectories failed)", ["path", "ms", "ns/token", "vs base"], [
+        ["base (q = 1)", fmt_ms(t_fused_2), f"{t_fused_2 / n * 1e9:.3f}", "1.00x"],
+        ["filter", fmt_ms(t_filter), f"{t_filter / n * 1e9:.3f}", f"{t_filter / t_fused_2:.2f}x"],
+    ])
+
+    # 5. Memory.
+    grad_mib = n * 4 / 2**20
+    rows = []
+    for kind in ("fused", "fused_filter", "eager"):
+        peak = measure_memory(kind, n, args.batch)
+        rows.append([kind, f"{peak:.1f}", f"{peak / grad_mib:.2f}x"])
+    print_table(f"peak memory above the inputs during forward + backward (gradient = {grad_mib:.1f} MiB)",
+                ["implementation", "MiB", "x gradient size"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+// Template implementation of the CPU entropy filter (SEMANTICS.md step 5): entropy validation
+// and the per-trajectory selection of the kept tokens, written as 1 / 0 flags into the gradient
+// buffer for the main pass. Included by the per-instruction-set TUs like main_pass_impl.h.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <iterator>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "flashreinforce/core.h"
+#include "flashreinforce/token_math.h"
+#include "main_pass.h"
+#include "thread_pool.h"
+
+namespace flashreinforce {
+namespace cpu {
+namespace FR_ISA_NAMESPACE {
+
+
+template <class E> using KeyOf = typename math::EntropyKey<E>::type;
+template <class E> using ValueOf = typename math::EntropyKey<E>::value;
+
+template <class E> static KeyOf<E> key_at(const E* e, int64_t t) {
+  return math::entropy_key(static_cast<ValueOf<E>>(math::to_compute(e[t], ValueOf<E>())));
+}
+
+// Keys of the tokens [a, a + len) (len <= kKeyBlock) into `keys`; tokens off the policy get the
+// key 0, which no finite entropy has (it is the key of a NaN bit pattern), so it sorts below every
+// policy token and never matches a threshold prefix. Vectorizable: no branch, no library call.
+constexpr int64_t kKeyBlock = 2048;
+
+template <class E>
+static void block_keys(const E* __restrict e, const uint8_t* __restrict mask, int64_t a, int64_t len,
+                KeyOf<E>* __restrict keys) {
+  if (mask) {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) keys[j] = mask[a + j] ? key_at(e, a + j) : KeyOf<E>(0);
+  } else {
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) keys[j] = key_at(e, a + j);
+  }
+}
+
+// First policy token (in [c0, c1)) whose entropy is not finite, or -1.
+template <class E>
+static int64_t first_bad_entropy(const E* e, const uint8_t* mask, int64_t c0, int64_t c1) {
+  using V = ValueOf<E>;
+  int bad = 0;
+  if (mask) {
+#pragma omp simd reduction(| : bad)
+    for (int64_t t = c0; t < c1; ++t) {
+      const V v = math::to_compute(e[t], V());
+      bad |= static_cast<int>((mask[t] != 0) & !(v - v == V(0)));
+    }
+  } else {
+#pragma omp simd reduction(| : bad)
+    for (int64_t t = c0; t < c1; ++t) {
+      const V v = math::to_compute(e[t], V());
+      bad |= static_cast<int>(!(v - v == V(0)));
+    }
+  }
+  if (!bad) return -1;
+  for (int64_t t = c0; t < c1; ++t) {
+    const V v = math::to_compute(e[t], V());
+    if ((!mask || mask[t]) && !(v - v == V(0))) return t;
+  }
+  return -1;
+}
+
+// The kept tokens of a failed trajectory [a, b) with k of its T policy tokens kept (0 < k < T)
+// are exactly those whose (key, -position) is >= (key*, -pos*) lexicographically, where
+// (key*, pos*) is the k-th largest. Found with a radix select on the key's top bits; the
+// candidates of the threshold bin are then ordered exactly (nth_element) when they are few, or
+// the radix passes continue and the ties are resolved by position when they are many.
+template <class E>
+static std::pair<KeyOf<E>, int64_t> select_threshold(const E* e, const uint8_t* mask, int64_t a,
+                                              int64_t b, int64_t k,
+                                              std::vector<std::pair<KeyOf<E>, int64_t>>& scratch) {
+  using K = KeyOf<E>;
+  constexpr int kBits = 11;
+  constexpr int kKeyBits = static_cast<int>(sizeof(K) * 8);
+  constexpr size_t kScratchMax = 1 << 16;  // bounded scratch, independent of N
+  int64_t hist[size_t(1) << kBits];
+  K keys[kKeyBlock];
+  int shift = kKeyBits - kBits;
+  K prefix = 0;        // digits above `shift + kBits` fixed so far
+  int fixed_bits = 0;  // number of fixed top bits
+  int64_t remaining = k;
+  for (;;) {
+    std::fill(std::begin(hist), std::end(hist), 0);
+    const int width = shift >= 0 ? kBits : kBits + shift;
+    const int low = shift >= 0 ? shift : 0;
+    const K digit_mask = static_cast<K>((K(1) << width) - 1);
+    for (int64_t blk = a; blk < b; blk += kKeyBlock) {
+      const int64_t len = std::min(kKeyBlock, b - blk);
+      block_keys(e, mask, blk, len, keys);
+      if (fixed_bits == 0) {
+        for (int64_t j = 0; j < len; ++j) ++hist[(keys[j] >> low) & digit_mask];
+      } else {
+        for (int64_t j = 0; j < len; ++j) {
+          if ((keys[j] >> (kKeyBits - fixed_bits)) == prefix) ++hist[(keys[j] >> low) & digit_mask];
+        }
+      }
+    }
+    if (fixed_bits == 0) hist[0] = 0;  // the key-0 sentinels of non-policy tokens
+    int64_t above = 0;
+    int64_t bin = (int64_t(1) << width) - 1;
+    for (; bin > 0; --bin) {
+      if (above + hist[bin] >= remaining) break;
+      above += hist[bin];
+    }
+    remaining -= above;
+    const int64_t in_bin = hist[bin];
+    prefix = static_cast<K>((fixed_bits > 0 ? (prefix << width) : K(0)) | static_cast<K>(bin));
+    fixed_bits += width;
+    const int free_bits = kKeyBits - fixed_bits;
+    if (in_bin == remaining) {
+      // Every token of the bin is kept: the threshold is the bin's smallest key, no position cut.
+      const K lowest = free_bits > 0 ? static_cast<K>(prefix << free_bits) : prefix;
+      return {lowest, std::numeric_limits<int64_t>::max()};
+    }
+    if (free_bits == 0) {
+      // Ties on the full key: keep the first `remaining` of them by position.
+      int64_t seen = 0;
+      for (int64_t t = a; t < b; ++t) {
+        if (mask && !mask[t]) continue;
+        if (key_at(e, t) == prefix && ++seen == remaining) return {prefix, t};
+      }
+      return {prefix, b - 1};  // unreachable: the bin holds at least `remaining` ties
+    }
+    if (static_cast<size_t>(in_bin) <= kScratchMax) {
+      scratch.clear();
+      for (int64_t blk = a; blk < b; blk += kKeyBlock) {
+        const int64_t len = std::min(kKeyBlock, b - blk);
+        block_keys(e, mask, blk, len, keys);
+        for (int64_t j = 0; j < len; ++j) {
+          if ((keys[j] >> free_bits) == prefix) scratch.emplace_back(keys[j], blk + j);
+        }
+      }
+      auto before = [](const std::pair<K, int64_t>& x, const std::pair<K, int64_t>& y) {
+        return x.first != y.first ? x.first > y.first : x.second < y.second;
+      };
+      std::nth_element(scratch.begin(), scratch.begin() + (remaining - 1), scratch.end(), before);
+      return scratch[remaining - 1];
+    }
+    shift -= kBits;
+  }
+}
+
+// Writes 1 (kept) or 0 into grad over [a, b) for the selection (key*, pos*).
+template <class E, class LP>
+static void write_keep_flags(const E* e, const uint8_t* mask, LP* __restrict grad, int64_t a, int64_t b,
+                      KeyOf<E> key_star, int64_t pos_star) {
+  const LP one = math::Store<LP>::from(1.0f), zero = math::Store<LP>::from(0.0f);
+  KeyOf<E> keys[kKeyBlock];
+  for (int64_t blk = a; blk < b; blk += kKeyBlock) {
+    const int64_t len = std::min(kKeyBlock, b - blk);
+    block_keys(e, mask, blk, len, keys);  // non-policy tokens get key 0 < key*: not kept
+#pragma omp simd
+    for (int64_t j = 0; j < len; ++j) {
+      const KeyOf<E> key = keys[j];
+      const bool kept = (key > key_star) | ((key == key_star) & (blk + j <= pos_star));
+      grad[blk + j] = kept ? one : zero;
+    }
+  }
+}
+
+template <class E, class LP>
+static void select_and_flag(const LossInputs& in, const std::vector<int64_t>& cu,
+                     const std::vector<int64_t>& selected, const std::vector<int64_t>& keep_count,
+                     void* grad, int num_threads) {
+  using K = KeyOf<E>;
+  const E* e = static_cast<const E*>(in.entropies);
+  parallel_for(num_threads, static_cast<int64_t>(selected.size()), [&](int64_t j) {
+    thread_local std::vector<std::pair<K, int64_t>> scratch;
+    const int64_t i = selected[j];
+    const auto star = select_threshold<E>(e, in.action_mask, cu[i], cu[i + 1], keep_count[i], scratch);
+    write_keep_flags<E, LP>(e, in.action_mask, static_cast<LP*>(grad), cu[i], cu[i + 1], star.first,
+                            star.second);
+    if (scratch.capacity() > (1u << 16)) std::vector<std::pair<K, int64_t>>().swap(scratch);
+  });
+}
+
+template <class E>
+static int64_t check_entropies(const LossInputs& in, int num_threads) {
+  const int64_t chunks = (in.num_tokens + kChunk - 1) / kChunk;
+  std::vector<int64_t> bad(chunks, -1);
+  const E* e = static_cast<const E*>(in.entropies);
+  parallel_for(num_threads, chunks, [&](int64_t c) {
+    const int64_t c0 = c * kChunk, c1 = std::min(in.num_tokens, c0 + kChunk);
+    bad[c] = first_bad_entropy<E>(e, in.action_mask, c0, c1);
+  });
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (bad[c] >= 0) return bad[c];
+  }
+  return -1;
+}
+
+
+template <class E>
+static void fill_filter_row(KernelTable& table) {
+  const int e = static_cast<int>(DTypeOf<E>::value);
+  table.select[e][static_cast<int>(DType::kFloat16)] = &select_and_flag<E, math::Half>;
+  table.select[e][static_cast<int>(DType::kBFloat16)] = &select_and_flag<E, math::BFloat16>;
+  table.select[e][static_cast<int>(DType::kFloat32)] = &select_and_flag<E, float>;
+  table.select[e][static_cast<int>(DType::kFloat64)] = &select_and_flag<E, double>;
+  table.check_entropies[e] = &check_entropies<E>;
+}
+
+static void fill_filter(KernelTable& table) {
+  fill_filter_row<math::Half>(table);
+  fill_filter_row<math::BFloat16>(table);
+  fill_filter_row<float>(table);
+  fill_filter_row<double>(table);
+}
+
+}  // namespace FR_ISA_NAMESPACE
+}  // namespace cpu
+}  // namespace flashreinforce
