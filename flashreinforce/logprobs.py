@@ -6,11 +6,14 @@ distribution). Written naively this is ``log_softmax(hidden @ weight.T)`` gather
 targets: with 8k tokens and a 152k vocabulary the float32 logits alone take 5 GB, and autograd
 keeps the log-softmax (and builds two more ``[N, V]`` buffers in backward).
 
-:func:`sampled_token_logprobs` computes the same numbers chunk by chunk over the tokens. Only
-per-row scalars survive the forward pass (the log-sum-exp and, with entropy, the entropy);
-backward recomputes each chunk's logits with one extra GEMM and turns them into the gradient
-with respect to the logits in place, then feeds it to the two gradient GEMMs. Peak memory is
-the inputs, their gradients and a few chunk-sized work buffers (:data:`DEFAULT_CHUNK_BYTES`).
+:func:`sampled_token_logprobs` computes the same numbers tile by tile: a tile is a block of token
+rows times a block of vocabulary columns, and a running (online) log-sum-exp combines the
+vocabulary blocks of a row. Only per-row scalars survive the forward pass (the log-sum-exp and,
+with entropy, the entropy); backward recomputes each tile's logits with one extra GEMM, turns them
+into the gradient with respect to the logits in place, and feeds that to the two gradient GEMMs.
+Peak memory is the inputs, their gradients and two or three tile-sized work buffers. On CPU the
+default tile (:data:`CPU_TILE`) is small enough to stay in cache; on GPUs a tile spans the whole
+vocabulary and holds as many rows as fit in :data:`DEFAULT_CHUNK_BYTES`.
 
 Math, for one row with logits ``z = (h W^T + b) / temperature``, ``p = softmax(z)``,
 ``lse = logsumexp(z)``, target ``y``:
@@ -31,12 +34,19 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logprobs"]
+__all__ = ["CPU_TILE", "DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logprobs"]
 
-#: Default budget, in bytes, for the chunk-sized ``[rows, V]`` work buffers that exist at any one
-#: time (forward or backward). 256 MiB is ~220 rows at V = 151,936 in float32 with the two
-#: buffers the code uses: enough rows for the GEMMs to run near peak on CPU and GPU.
+#: Default budget, in bytes, for the tile-sized work buffers that exist at any one time (forward
+#: or backward). On GPUs a tile spans the whole vocabulary, so 256 MiB is ~220 rows at
+#: V = 151,936 in float32: enough rows for the GEMMs to run near peak.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+#: Default ``(rows, vocabulary columns)`` of a tile on CPU. A 256 x 8192 float32 tile (8 MiB) and
+#: the 8 MiB slice of the weight it is computed from stay in the last-level cache, so the
+#: softmax passes that follow each GEMM read cache instead of DRAM, and GEMMs of this shape run
+#: faster on CPU than ones that write a full ``[rows, V]`` block (measured in
+#: ``benchmarks/bench_learner_memory.py``; see docs/performance.md).
+CPU_TILE = (256, 8192)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -46,38 +56,37 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _row_bytes(vocab_size: int, dtype: torch.dtype) -> int:
-    """Bytes of work buffers per chunk row: two compute-dtype ``[rows, V]`` buffers, plus one
-    in the input dtype for low-precision inputs (the GEMM output before the upcast)."""
-    compute = _compute_dtype(dtype)
-    per_row = 2 * torch.empty((), dtype=compute).element_size()
+def _element_bytes(dtype: torch.dtype) -> int:
+    """Bytes of work buffers per tile element: two compute-dtype tiles, plus one in the input
+    dtype for low-precision inputs (the GEMM operand/result before or after the cast)."""
+    per = 2 * torch.empty((), dtype=_compute_dtype(dtype)).element_size()
     if dtype in _LOW_PRECISION:
-        per_row += torch.empty((), dtype=dtype).element_size()
-    return vocab_size * per_row
+        per += torch.empty((), dtype=dtype).element_size()
+    return per
 
 
 def chunk_rows(vocab_size: int, dtype: torch.dtype = torch.float32,
                budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Number of token rows per chunk so that the ``[rows, vocab_size]`` work buffers fit in
-    ``budget_bytes`` (at least one row). ``dtype`` is the dtype of ``hidden``/``weight``."""
+    """Number of token rows per tile so that tiles spanning ``vocab_size`` columns fit their
+    work buffers in ``budget_bytes`` (at least one row). ``dtype``: dtype of ``hidden``."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
     if not isinstance(budget_bytes, int) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-    return max(1, budget_bytes // _row_bytes(vocab_size, dtype))
+    return max(1, budget_bytes // (vocab_size * _element_bytes(dtype)))
 
 
-def _chunk_logits(h_chunk, weight, bias, temperature, out, low_out):
-    """Write the chunk's logits ``(h W^T + b) / temperature`` into ``out`` (compute dtype).
+def _tile_logits(h, weight, bias, temperature, out, low_out):
+    """Write the tile's logits ``(h W^T + b) / temperature`` into ``out`` (compute dtype).
 
     The GEMM runs in the input dtype, as the model's own lm_head would; low-precision results
     land in ``low_out`` first and are upcast, so everything after the GEMM is float32.
     """
     target = out if low_out is None else low_out
     if bias is None:
-        torch.mm(h_chunk, weight.t(), out=target)
+        torch.mm(h, weight.t(), out=target)
     else:
-        torch.addmm(bias, h_chunk, weight.t(), out=target)
+        torch.addmm(bias, h, weight.t(), out=target)
     if low_out is not None:
         out.copy_(low_out)
     if temperature != 1.0:
@@ -85,46 +94,96 @@ def _chunk_logits(h_chunk, weight, bias, temperature, out, low_out):
     return out
 
 
+class _Tiles:
+    """Tile geometry and the reusable flat work buffers of one forward or backward call."""
+
+    def __init__(self, hidden, vocab, rows, cols, n_buffers):
+        self.rows, self.cols, self.vocab = rows, cols, vocab
+        self.cdt = _compute_dtype(hidden.dtype)
+        self.low = hidden.dtype in _LOW_PRECISION
+        size = rows * cols
+        dev = hidden.device
+        self.bufs = [torch.empty(size, dtype=self.cdt, device=dev) for _ in range(n_buffers)]
+        self.low_buf = torch.empty(size, dtype=hidden.dtype, device=dev) if self.low else None
+
+    def view(self, buf, n, vb):
+        """A contiguous ``[n, vb]`` view of a flat buffer (slicing a 2-D buffer would leave a
+        row stride of ``cols``, which GEMM ``out=`` and the reductions handle less well)."""
+        return buf[: n * vb].view(n, vb)
+
+    def blocks(self, n_tokens):
+        """Row blocks ``(r0, r1)``."""
+        return [(r0, min(r0 + self.rows, n_tokens)) for r0 in range(0, n_tokens, self.rows)]
+
+    def vocab_blocks(self):
+        """Vocabulary blocks ``(index, v0, v1)``."""
+        return [(i, v0, min(v0 + self.cols, self.vocab)) for i, v0 in enumerate(range(0, self.vocab, self.cols))]
+
+
+def _target_slots(targets, cols):
+    """Per target: its vocabulary block index and its column inside that block, ``[n, 1]``."""
+    return targets // cols, (targets % cols)[:, None]
+
+
 class _SampledTokenLogprobs(torch.autograd.Function):
-    """Chunked forward; backward recomputes each chunk's logits (see module docstring)."""
+    """Tiled forward with an online log-sum-exp; backward recomputes each tile's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, cols, with_entropy):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        cdt = _compute_dtype(hidden.dtype)
-        low = hidden.dtype in _LOW_PRECISION
-        logp = torch.empty(n_tokens, dtype=cdt, device=hidden.device)
-        lse = torch.empty(n_tokens, dtype=cdt, device=hidden.device)
-        entropy = torch.empty(n_tokens if with_entropy else 0, dtype=cdt, device=hidden.device)
+        rows, cols = max(1, min(rows, n_tokens)), min(cols, vocab)
+        tiles = _Tiles(hidden, vocab, rows, cols, 2 if with_entropy else 1)
+        cdt, dev = tiles.cdt, hidden.device
+        logp = torch.empty(n_tokens, dtype=cdt, device=dev)
+        lse = torch.empty(n_tokens, dtype=cdt, device=dev)
+        entropy = torch.empty(n_tokens if with_entropy else 0, dtype=cdt, device=dev)
 
-        rows = max(1, min(rows, n_tokens))
-        if n_tokens > 0:
-            z_buf = torch.empty(rows, vocab, dtype=cdt, device=hidden.device)
-            lsm_buf = torch.empty_like(z_buf)
-            low_buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device) if low else None
-        for start in range(0, n_tokens, rows):
-            stop = min(start + rows, n_tokens)
-            n = stop - start
-            y = targets[start:stop, None]
-            z = _chunk_logits(hidden[start:stop], weight, bias, temperature, z_buf[:n],
-                              None if low_buf is None else low_buf[:n])
-            lsm = torch.log_softmax(z, 1, out=lsm_buf[:n])
-            lp = lsm.gather(1, y).squeeze(1)
-            logp[start:stop] = lp
-            # lse = z_y - log p_y: exact to rounding and saves a separate reduction pass.
-            torch.sub(z.gather(1, y).squeeze(1), lp, out=lse[start:stop])
+        for r0, r1 in tiles.blocks(n_tokens):
+            n = r1 - r0
+            h = hidden[r0:r1]
+            y_block, y_col = _target_slots(targets[r0:r1], cols)
+            # Running per-row statistics relative to the running max m: s = sum exp(z - m),
+            # a = sum exp(z - m) (z - m) (entropy only), and the target logit z_y.
+            m = s = a = z_y = None
+            for b, v0, v1 in tiles.vocab_blocks():
+                vb = v1 - v0
+                z = _tile_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], temperature,
+                                 tiles.view(tiles.bufs[0], n, vb),
+                                 None if tiles.low_buf is None else tiles.view(tiles.low_buf, n, vb))
+                zy_here = z.gather(1, y_col.clamp(max=vb - 1)).squeeze(1)
+                z_y = zy_here if z_y is None else torch.where(y_block == b, zy_here, z_y)
+                m_tile = z.amax(1)
+                m_new = m_tile if m is None else torch.maximum(m, m_tile)
+                z.sub_(m_new[:, None])
+                if with_entropy:
+                    ez = torch.exp(z, out=tiles.view(tiles.bufs[1], n, vb))
+                    s_tile = ez.sum(1)
+                    a_tile = ez.mul_(z).sum(1)
+                else:
+                    s_tile = z.exp_().sum(1)
+                if m is None:
+                    s, a = s_tile, (a_tile if with_entropy else None)
+                else:
+                    # Rescale the old sums from the old max to the new one (factor <= 1).
+                    shift = m - m_new
+                    scale = shift.exp()
+                    if with_entropy:
+                        a = (a + shift * s).mul_(scale).add_(a_tile)
+                    s = s.mul_(scale).add_(s_tile)
+                m = m_new
+            log_s = s.log()
+            # lse >= m >= z_y exactly (s >= 1), so logp <= 0 in floating point too.
+            torch.add(m, log_s, out=lse[r0:r1])
+            torch.sub(z_y, lse[r0:r1], out=logp[r0:r1])
             if with_entropy:
-                # H = -sum p log p with p = exp(log_softmax); z is no longer needed, so p goes there.
-                p = torch.exp(lsm, out=z)
-                entropy[start:stop] = -p.mul_(lsm).sum(1)
+                # H = lse - sum p z = log s - a / s.
+                torch.sub(log_s, a / s, out=entropy[r0:r1])
 
         if with_entropy:
             ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         else:
             ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature = temperature
-        ctx.rows = rows
-        ctx.with_entropy = with_entropy
+        ctx.temperature, ctx.rows, ctx.cols, ctx.with_entropy = temperature, rows, cols, with_entropy
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -137,103 +196,106 @@ class _SampledTokenLogprobs(torch.autograd.Function):
             hidden, weight, bias, targets, lse = ctx.saved_tensors
             entropy, grad_entropy = None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        nothing = (None,) * 8
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
+            return nothing
 
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
-        cdt = _compute_dtype(hidden.dtype)
-        low = hidden.dtype in _LOW_PRECISION
-        temperature = ctx.temperature
-        rows = max(1, min(ctx.rows, n_tokens))
-        dev = hidden.device
+        temperature, cols = ctx.temperature, ctx.cols
+        use_entropy = grad_entropy is not None
+        tiles = _Tiles(hidden, vocab, ctx.rows, cols, 2 if use_entropy else 1)
+        cdt, low, dev = tiles.cdt, tiles.low, hidden.device
 
         # The 1/temperature of the chain rule is folded into the per-row upstream gradients,
         # since the logit gradient is linear in them.
         g = None if grad_logp is None else grad_logp.to(cdt) / temperature
-        e = None if grad_entropy is None else grad_entropy.to(cdt) / temperature
+        e = grad_entropy.to(cdt) / temperature if use_entropy else None
         # mu = sum p z = lse - H; only the entropy gradient needs it.
-        mu = None if e is None else lse - entropy
+        mu = lse - entropy if use_entropy else None
 
-        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=dev) if need_h else None
-        # Low-precision weights accumulate their gradient over chunks in float32 (one rounding
-        # at the end, as a single un-chunked GEMM would have); float32/64 accumulate in place.
+        # Gradients accumulate over tiles in the compute dtype (for low-precision inputs: one
+        # rounding at the end, as a single un-tiled GEMM would have).
+        grad_h = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
         grad_b = torch.zeros(vocab, dtype=cdt, device=dev) if need_b else None
-        if n_tokens > 0:
-            z_buf = torch.empty(rows, vocab, dtype=cdt, device=dev)
-            p_buf = torch.empty_like(z_buf)
-            low_buf = torch.empty(rows, vocab, dtype=hidden.dtype, device=dev) if low else None
-            low_gw = torch.empty(weight.shape, dtype=weight.dtype, device=dev) if (low and need_w) else None
 
-        for start in range(0, n_tokens, rows):
-            stop = min(start + rows, n_tokens)
-            n = stop - start
-            h = hidden[start:stop]
-            z = _chunk_logits(h, weight, bias, temperature, z_buf[:n],
-                              None if low_buf is None else low_buf[:n])
-            p = torch.softmax(z, 1, out=p_buf[:n])
-            y = targets[start:stop, None]
-            if e is None:
-                # logp only: grad_z = -g (p - onehot). Form D = p - onehot in place and apply the
-                # per-row factor -g to the small [n, H] operands instead of the [n, V] buffer:
-                # one pass over the chunk saved.
-                d = p.scatter_(1, y, p.gather(1, y).sub_(1.0))
-                row_scale = -g[start:stop, None]
-                if low:
-                    # The cast to the GEMM dtype is a pass anyway; scale while casting.
-                    gz = torch.mul(d, row_scale, out=low_buf[:n])
-                    h_scaled = h
-                else:
-                    gz = d
-                    h_scaled = h * row_scale
-            else:
-                # -p (g + e (z - mu)) + g onehot, built in z's buffer.
-                t = z.sub_(mu[start:stop, None]).mul_(-e[start:stop, None])
-                if g is not None:
-                    t.sub_(g[start:stop, None])
-                grad_z = t.mul_(p)
-                if g is not None:
-                    # gather/scatter rather than scatter_add_: deterministic on every backend
-                    # (each row has one target).
-                    grad_z.scatter_(1, y, grad_z.gather(1, y).add_(g[start:stop, None]))
+        for r0, r1 in tiles.blocks(n_tokens):
+            n = r1 - r0
+            h = hidden[r0:r1]
+            y_block, y_col = _target_slots(targets[r0:r1], cols)
+            lse_r = lse[r0:r1, None]
+            if use_entropy:
+                # Logit gradient = -p (g + e (z - mu)) + g onehot: not a row scaling of one tile.
                 row_scale = None
-                gz = low_buf[:n].copy_(grad_z) if low else grad_z
-                h_scaled = h
-
-            # Now the logit gradient is diag(row_scale) @ gz (row_scale None: identity), with gz
-            # in the GEMM dtype.
-            if need_h:
-                out_h = torch.mm(gz, weight, out=grad_h[start:stop])
-                if row_scale is not None and not low:
-                    out_h.mul_(row_scale)
-            if need_w:
-                if low:
-                    grad_w.add_(torch.mm(gz.t(), h_scaled, out=low_gw))
+                h_op = h
+                e_r, mu_r = -e[r0:r1, None], mu[r0:r1, None]
+                g_r = None if g is None else g[r0:r1, None]
+            else:
+                # logp only: logit gradient = -g (p - onehot). The per-row factor -g is applied
+                # to the small [n, H] operands, not to the tile: one pass over each tile saved.
+                row_scale = -g[r0:r1, None]
+                h_op = h if low else h * row_scale
+            for b, v0, v1 in tiles.vocab_blocks():
+                vb = v1 - v0
+                w_b = weight[v0:v1]
+                z = _tile_logits(h, w_b, None if bias is None else bias[v0:v1], temperature,
+                                 tiles.view(tiles.bufs[0], n, vb),
+                                 None if tiles.low_buf is None else tiles.view(tiles.low_buf, n, vb))
+                col = y_col.clamp(max=vb - 1)
+                here = (y_block == b)[:, None]
+                if use_entropy:
+                    p = torch.sub(z, lse_r, out=tiles.view(tiles.bufs[1], n, vb)).exp_()
+                    grad_z = z.sub_(mu_r).mul_(e_r)
+                    if g_r is not None:
+                        grad_z.sub_(g_r)
+                    grad_z.mul_(p)
+                    if g_r is not None:
+                        # + g at the target. gather/scatter rather than scatter_add_: it is
+                        # deterministic on every backend (one target per row).
+                        grad_z.scatter_(1, col, torch.where(here, grad_z.gather(1, col) + g_r, grad_z.gather(1, col)))
+                    gz = tiles.view(tiles.low_buf, n, vb).copy_(grad_z) if low else grad_z
                 else:
-                    grad_w.addmm_(gz.t(), h_scaled)
-            if need_b:
-                # From the compute-dtype values, not the low-precision GEMM operand.
-                if row_scale is not None:
-                    grad_b.addmv_(d.t(), row_scale.squeeze(1))
-                else:
-                    grad_b.add_(grad_z.sum(0))
+                    d = z.sub_(lse_r).exp_()  # p
+                    d.scatter_(1, col, d.gather(1, col) - here.to(cdt))  # p - onehot
+                    grad_z = d
+                    # The cast to the GEMM dtype is a pass anyway: scale while casting.
+                    gz = torch.mul(d, row_scale, out=tiles.view(tiles.low_buf, n, vb)) if low else d
+                if need_h:
+                    if low:
+                        grad_h[r0:r1].add_(torch.mm(gz, w_b))
+                    else:
+                        grad_h[r0:r1].addmm_(gz, w_b)
+                if need_w:
+                    if low:
+                        grad_w[v0:v1].add_(torch.mm(gz.t(), h_op))
+                    else:
+                        grad_w[v0:v1].addmm_(gz.t(), h_op)
+                if need_b:
+                    # From the compute-dtype values, not the low-precision GEMM operand.
+                    if row_scale is None:
+                        grad_b[v0:v1].add_(grad_z.sum(0))
+                    else:
+                        grad_b[v0:v1].addmv_(grad_z.t(), row_scale.squeeze(1))
+            if need_h and row_scale is not None and not low:
+                grad_h[r0:r1].mul_(row_scale)
 
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return (None if grad_h is None else grad_h.to(hidden.dtype),
+                None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None, None, None)
 
 
 def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                            bias: torch.Tensor | None = None, temperature: float = 1.0,
                            chunk_size: int | None = None, with_entropy: bool = False,
+                           vocab_chunk_size: int | None = None,
                            chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES):
     """Log-probability of each target token, and optionally the full entropy, from hidden states.
 
     Computes ``log_softmax((hidden @ weight.T + bias) / temperature)[i, targets[i]]`` and
-    ``-sum_j p_ij log p_ij`` row by row in chunks of ``chunk_size`` tokens, never holding the
-    ``[N, V]`` logits; backward recomputes each chunk's logits (one extra GEMM per chunk).
+    ``-sum_j p_ij log p_ij`` tile by tile (``chunk_size`` tokens x ``vocab_chunk_size`` vocabulary
+    entries, with a running log-sum-exp over the vocabulary tiles), never holding the ``[N, V]``
+    logits; backward recomputes each tile's logits (one extra GEMM).
 
     Args:
         hidden: ``[N, H]`` float64/float32/bfloat16/float16, the last hidden states (the rows that
@@ -243,10 +305,13 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         targets: ``[N]`` integer token ids in ``[0, V)`` (int64 or int32).
         bias: optional ``[V]`` output bias, same dtype and device as ``weight``.
         temperature: positive finite float dividing the logits (the sampling temperature).
-        chunk_size: tokens per chunk; default: as many as fit in ``chunk_budget_bytes``.
+        chunk_size: tokens per tile; default: as many as fit in ``chunk_budget_bytes``, and at
+            most ``CPU_TILE[0]`` on CPU.
         with_entropy: also return the entropy of each row's distribution.
-        chunk_budget_bytes: byte budget of the ``[chunk, V]`` work buffers when ``chunk_size``
-            is None (see :func:`chunk_rows`).
+        vocab_chunk_size: vocabulary entries per tile; default: ``CPU_TILE[1]`` on CPU (cache
+            blocking), the whole vocabulary on other devices.
+        chunk_budget_bytes: byte budget of the tile work buffers when ``chunk_size`` is None
+            (see :func:`chunk_rows`).
 
     Returns:
         ``(logp, entropy)``: ``[N]`` tensors in float32 (float64 for float64 inputs), in nats;
@@ -298,8 +363,19 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     temperature = float(temperature)
     if not (math.isfinite(temperature) and temperature > 0.0):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if isinstance(chunk_budget_bytes, bool) or not isinstance(chunk_budget_bytes, int) or chunk_budget_bytes < 1:
+        raise ValueError(f"chunk_budget_bytes must be a positive int, got {chunk_budget_bytes!r}")
+    on_cpu = hidden.device.type == "cpu"
+    if vocab_chunk_size is None:
+        cols = min(vocab, CPU_TILE[1]) if on_cpu else vocab
+    elif isinstance(vocab_chunk_size, bool) or not isinstance(vocab_chunk_size, int) or vocab_chunk_size < 1:
+        raise ValueError(f"vocab_chunk_size must be a positive int or None, got {vocab_chunk_size!r}")
+    else:
+        cols = min(vocab, vocab_chunk_size)
     if chunk_size is None:
-        rows = chunk_rows(vocab, hidden.dtype, chunk_budget_bytes)
+        rows = chunk_rows(cols, hidden.dtype, chunk_budget_bytes)
+        if on_cpu:
+            rows = min(rows, CPU_TILE[0])
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     else:
@@ -311,6 +387,6 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                              f"[{int(lo)}, {int(hi)}]")
     targets = targets.to(torch.int64)
 
-    logp, entropy = _SampledTokenLogprobs.apply(hidden, weight, bias, targets, temperature, rows,
+    logp, entropy = _SampledTokenLogprobs.apply(hidden, weight, bias, targets, temperature, rows, cols,
                                                 bool(with_entropy))
     return logp, (entropy if with_entropy else None)

@@ -46,12 +46,17 @@ def _grads(fn, hidden, weight, bias, coeff_logp, coeff_ent):
     return (logp, ent), torch.autograd.grad(obj, leaves)
 
 
-@pytest.mark.parametrize("n,h,v,chunk", [(37, 16, 101, 5), (64, 8, 1000, 64), (1, 3, 7, None),
-                                         (129, 24, 513, 50)])
+# (tokens, hidden, vocab, token rows per tile, vocabulary columns per tile): tiles that do not
+# divide the shapes, a single tile, one-row and one-column tiles.
+SHAPES = [(37, 16, 101, 5, 13), (64, 8, 1000, 64, None), (1, 3, 7, None, 1), (129, 24, 513, 50, 100),
+          (20, 5, 64, 3, 64)]
+
+
+@pytest.mark.parametrize("n,h,v,chunk,vchunk", SHAPES)
 @pytest.mark.parametrize("temperature,use_bias", [(1.0, False), (0.6, True), (1.7, False)])
 @pytest.mark.parametrize("grad_from", ["logp", "entropy", "both"])
-def test_matches_naive_float64(n, h, v, chunk, temperature, use_bias, grad_from):
-    seed = zlib.crc32(repr((n, h, v, chunk, temperature, use_bias, grad_from)).encode())
+def test_matches_naive_float64(n, h, v, chunk, vchunk, temperature, use_bias, grad_from):
+    seed = zlib.crc32(repr((n, h, v, chunk, vchunk, temperature, use_bias, grad_from)).encode())
     hidden, weight, bias, targets = _inputs(n, h, v, torch.float64, bias=use_bias, seed=seed, scale=3.0)
     gen = torch.Generator().manual_seed(seed + 1)
     c1 = torch.randn(n, generator=gen, dtype=torch.float64) if grad_from in ("logp", "both") else None
@@ -59,7 +64,7 @@ def test_matches_naive_float64(n, h, v, chunk, temperature, use_bias, grad_from)
 
     def chunked(hd, w, *b):
         return sampled_token_logprobs(hd, w, targets, bias=b[0] if b else None, temperature=temperature,
-                                      chunk_size=chunk, with_entropy=True)
+                                      chunk_size=chunk, vocab_chunk_size=vchunk, with_entropy=True)
 
     def naive(hd, w, *b):
         return _reference(hd, w, targets, b[0] if b else None, temperature)
@@ -86,7 +91,7 @@ def test_float32_matches_float64_reference(with_entropy):
 
     def chunked(hd, w, b):
         return sampled_token_logprobs(hd, w, targets, bias=b, temperature=0.8, chunk_size=77,
-                                      with_entropy=with_entropy)
+                                      vocab_chunk_size=500, with_entropy=with_entropy)
 
     def naive64(hd, w, b):
         return _reference(hd.double(), w.double(), targets, b.double(), 0.8)
@@ -116,7 +121,7 @@ def test_low_precision_matches_same_dtype_naive(dtype, entropy_grad):
 
     def chunked(hd, w, b):
         return sampled_token_logprobs(hd, w, targets, bias=b, temperature=0.9, chunk_size=16,
-                                      with_entropy=True)
+                                      vocab_chunk_size=300, with_entropy=True)
 
     def naive(hd, w, b):
         return _reference(hd, w, targets, b, 0.9)
@@ -138,7 +143,7 @@ def test_gradcheck_float64():
 
     def fn(hd, w, b):
         return sampled_token_logprobs(hd, w, targets, bias=b, temperature=0.7, chunk_size=3,
-                                      with_entropy=True)
+                                      vocab_chunk_size=4, with_entropy=True)
 
     assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7, rtol=1e-5)
 
@@ -173,13 +178,47 @@ def test_partial_gradients_and_no_grad():
 def test_chunking_does_not_change_results():
     # Any chunk size gives the same values; default chunking uses the byte budget.
     hidden, weight, _, targets = _inputs(101, 12, 301, torch.float32, seed=41, scale=3.0)
-    outs = [sampled_token_logprobs(hidden, weight, targets, chunk_size=c, with_entropy=True)
-            for c in (1, 10, 100, 101, 1000, None)]
+    outs = [sampled_token_logprobs(hidden, weight, targets, chunk_size=c, vocab_chunk_size=vc,
+                                   with_entropy=True)
+            for c, vc in [(1, None), (10, 7), (100, 300), (101, 301), (1000, 1000), (None, None), (33, 1)]]
     for lp, ent in outs[1:]:
         torch.testing.assert_close(lp, outs[0][0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ent, outs[0][1], rtol=1e-6, atol=1e-6)
     small_budget = sampled_token_logprobs(hidden, weight, targets, chunk_budget_bytes=301 * 8 * 3)
     torch.testing.assert_close(small_budget[0], outs[0][0], rtol=1e-6, atol=1e-6)
+
+
+def test_online_logsumexp_across_vocab_tiles_with_extreme_logits():
+    # Each row's largest logits sit in a late vocabulary tile, 60 nats above the rest, so the
+    # running sums of early tiles are rescaled by ~exp(-60); one row puts almost all mass on its
+    # target, whose log-probability must stay <= 0 (the loss rejects positive log-probs).
+    n, h, v = 6, 4, 50
+    hidden, weight, _, targets = _inputs(n, h, v, torch.float64, seed=71)
+    bias = torch.zeros(v, dtype=torch.float64)
+    bias[41:44] = 60.0
+    bias[0] = -30.0
+    targets[0] = 42
+    targets[1] = 0
+    hidden32, weight32, bias32 = hidden.float(), weight.float(), bias.float()
+    weight32[42] *= 30.0  # row 0: target logit far above everything else
+    for hd, w, b, tol in [(hidden, weight, bias, 1e-12), (hidden32, weight32, bias32, 2e-5)]:
+        lp, ent = sampled_token_logprobs(hd, w, targets, bias=b, chunk_size=4, vocab_chunk_size=9,
+                                         with_entropy=True)
+        lp_ref, ent_ref = _reference(hd.double(), w.double(), targets, b.double())
+        torch.testing.assert_close(lp.double(), lp_ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(ent.double(), ent_ref, rtol=tol, atol=tol)
+        assert bool((lp <= 0).all())
+
+
+def test_logp_never_positive_when_one_token_dominates():
+    gen = torch.Generator().manual_seed(81)
+    hidden = torch.randn(64, 8, generator=gen) * 50.0
+    weight = torch.randn(300, 8, generator=gen)
+    targets = (hidden @ weight.t()).argmax(1)  # the dominant token: p ~ 1, logp ~ -0
+    lp, _ = sampled_token_logprobs(hidden, weight, targets, chunk_size=7, vocab_chunk_size=37)
+    assert bool((lp <= 0).all())
+    torch.testing.assert_close(lp.double(), _reference(hidden.double(), weight.double(), targets)[0],
+                               rtol=0, atol=1e-4)
 
 
 def test_chunk_rows_respects_budget():
@@ -228,6 +267,9 @@ def test_int32_targets_and_noncontiguous_hidden():
     (dict(temperature=-1.0), "temperature"),
     (dict(chunk_size=0), "chunk_size"),
     (dict(chunk_size=2.5), "chunk_size"),
+    (dict(vocab_chunk_size=0), "vocab_chunk_size"),
+    (dict(vocab_chunk_size=True), "vocab_chunk_size"),
+    (dict(chunk_budget_bytes=0), "chunk_budget_bytes"),
 ])
 def test_validation_names_the_argument(kwargs, match):
     args = dict(hidden=torch.zeros(3, 4), weight=torch.zeros(5, 4), targets=torch.tensor([0, 4, 1]))
