@@ -125,6 +125,21 @@ def _target_slots(targets, cols):
     return targets // cols, (targets % cols)[:, None]
 
 
+def _accumulate_mm(acc, a, b, *, first, low):
+    """``acc (=|+=) a @ b``; ``acc`` in the compute dtype, ``a``/``b`` in the GEMM dtype (a
+    low-precision product is computed in its dtype, then added in the compute dtype)."""
+    if low:
+        prod = torch.mm(a, b)
+        if first:
+            acc.copy_(prod)
+        else:
+            acc.add_(prod)
+    elif first:
+        torch.mm(a, b, out=acc)
+    else:
+        acc.addmm_(a, b)
+
+
 class _SampledTokenLogprobs(torch.autograd.Function):
     """Tiled forward with an online log-sum-exp; backward recomputes each tile's logits."""
 
@@ -215,8 +230,11 @@ class _SampledTokenLogprobs(torch.autograd.Function):
 
         # Gradients accumulate over tiles in the compute dtype (for low-precision inputs: one
         # rounding at the end, as a single un-tiled GEMM would have).
-        grad_h = torch.zeros(hidden.shape, dtype=cdt, device=dev) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=cdt, device=dev) if need_w else None
+        # No zero fill: the first tile that touches a slice writes it (GEMM with beta = 0).
+        # (With no tokens no tile runs, and the weight gradient is zero.)
+        grad_h = torch.empty(hidden.shape, dtype=cdt, device=dev) if need_h else None
+        alloc_w = torch.empty if n_tokens > 0 else torch.zeros
+        grad_w = alloc_w(weight.shape, dtype=cdt, device=dev) if need_w else None
         grad_b = torch.zeros(vocab, dtype=cdt, device=dev) if need_b else None
 
         for r0, r1 in tiles.blocks(n_tokens):
@@ -261,15 +279,9 @@ class _SampledTokenLogprobs(torch.autograd.Function):
                     # The cast to the GEMM dtype is a pass anyway: scale while casting.
                     gz = torch.mul(d, row_scale, out=tiles.view(tiles.low_buf, n, vb)) if low else d
                 if need_h:
-                    if low:
-                        grad_h[r0:r1].add_(torch.mm(gz, w_b))
-                    else:
-                        grad_h[r0:r1].addmm_(gz, w_b)
+                    _accumulate_mm(grad_h[r0:r1], gz, w_b, first=b == 0, low=low)
                 if need_w:
-                    if low:
-                        grad_w[v0:v1].add_(torch.mm(gz.t(), h_op))
-                    else:
-                        grad_w[v0:v1].addmm_(gz.t(), h_op)
+                    _accumulate_mm(grad_w[v0:v1], gz.t(), h_op, first=r0 == 0, low=low)
                 if need_b:
                     # From the compute-dtype values, not the low-precision GEMM operand.
                     if row_scale is None:
