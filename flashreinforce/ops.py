@@ -184,10 +184,25 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])
 
 
+def _plain_cpu_scalar(t: Tensor) -> bool:
+    """A real 0-d CPU tensor outside any tracing (compile, fake or functional tensors, modes)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() == 0
+            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
+
+
 def _backward(ctx, grad_loss, *unused):
     (grad,) = ctx.saved_tensors
+    if grad_loss is None:
+        return (None,) * 16
+    # The common case, loss.backward() on the CPU: the incoming gradient is exactly 1, and the
+    # saved gradient is the answer (skips an N-sized multiply and allocation). Not while tracing,
+    # where the value is unknown, and not on CUDA, where reading it would synchronize.
+    if _plain_cpu_scalar(grad_loss) and float(grad_loss) == 1.0:
+        return (grad,) + (None,) * 15
     # grad_loss is 0-d in the compute dtype; the gradient keeps log_probs' dtype.
-    grad_log_probs = (grad * grad_loss).to(grad.dtype) if grad_loss is not None else None
+    grad_log_probs = (grad * grad_loss).to(grad.dtype)
     return (grad_log_probs,) + (None,) * 15
 
 

@@ -288,19 +288,19 @@ FR_HD double expm1_with_excess(double d, double* excess) {
 }
 
 // h(z) = -z - log(1 - z) >= 0 for |z| <= 1/4, by the atanh series: with w = -z / (2 - z),
-// log(1 - z) = 2 (w + w^3/3 + w^5/5 + ...) and -z - 2w = z^2 / (2 - z).
-FR_HD float h_small(float z) {
-  const float w = -z / (2.0f - z);
+// log(1 - z) = 2 (w + w^3/3 + w^5/5 + ...) and -z - 2w = z^2 / (2 - z). `inv` is 1 / (2 - z).
+FR_HD float h_small(float z, float inv) {
+  const float w = -z * inv;
   const float w2 = w * w;
   const float series = 1.0f / 3 + w2 * (1.0f / 5 + w2 * (1.0f / 7 + w2 * (1.0f / 9)));
-  return z * z / (2.0f - z) - 2.0f * w * w2 * series;
+  return z * z * inv - 2.0f * w * w2 * series;
 }
-FR_HD double h_small(double z) {
-  const double w = -z / (2.0 - z);
+FR_HD double h_small(double z, double inv) {
+  const double w = -z * inv;
   const double w2 = w * w;
   const double series =
       1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 * (1.0 / 9 + w2 * (1.0 / 11 + w2 * (1.0 / 13 + w2 * (1.0 / 15 + w2 * (1.0 / 17)))))));
-  return z * z / (2.0 - z) - 2.0 * w * w2 * series;
+  return z * z * inv - 2.0 * w * w2 * series;
 }
 
 FR_HD float log_c(float x) { return log_fast(x); }
@@ -327,9 +327,10 @@ template <class C> FR_HD C bernoulli_kl(C behavior, C current) {
   const C delta = log_p - log_q;
   C excess;
   const C em = expm1_with_excess(delta, &excess);
-  const C z = q * em / one_minus_q;
-  const C stable = q * (delta * em - excess) + z * q * em - one_minus_p * h_small(z);
-  const C direct = p * delta + one_minus_p * log_c(one_minus_p / one_minus_q);
+  const C inv_one_minus_q = C(1) / one_minus_q;
+  const C z = q * em * inv_one_minus_q;
+  const C stable = q * (delta * em - excess) + z * q * em - one_minus_p * h_small(z, C(1) / (C(2) - z));
+  const C direct = p * delta + one_minus_p * log_c(one_minus_p * inv_one_minus_q);
   return (z <= C(0.25) && z >= C(-0.25)) ? stable : direct;
 }
 
