@@ -15,7 +15,7 @@ on the current CUDA stream.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from numbers import Integral, Real
 from typing import Optional
 
@@ -134,6 +134,15 @@ def _fused_loss(
         nbytes = _C.workspace_bytes(_desc(log_probs_c), _desc(rewards), padded, float(negative_token_fraction))
         workspace = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
         stream = torch.cuda.current_stream(device).cuda_stream
+    launch = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with launch:  # kernels run on the inputs' device, on its current stream
+        _launch(padded, inputs, delta, negative_token_fraction, reward_baseline, num_trajectories, loss_agg,
+                loss_scale_factor, num_policy_tokens, no_is, outputs, workspace, error, stream, raise_errors)
+    return (*outputs, error)
+
+
+def _launch(padded, inputs, delta, negative_token_fraction, reward_baseline, num_trajectories, loss_agg,
+            loss_scale_factor, num_policy_tokens, no_is, outputs, workspace, error, stream, raise_errors):
     _C.loss_forward(
         padded,
         *[_desc(t) for t in inputs],
@@ -152,7 +161,6 @@ def _fused_loss(
         stream,
         raise_errors,
     )
-    return (*outputs, error)
 
 
 @_fused_loss.register_fake

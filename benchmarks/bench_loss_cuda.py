@@ -1,0 +1,218 @@
+"""CUDA benchmark of the fused FlashREINFORCE loss (issue 5, target 2). Needs a CUDA device.
+
+Prints tables of:
+
+1. achieved bandwidth of the fused forward (loss, gradient and statistics in one launch
+   sequence) for N >= 16M tokens, against the measured device-to-device copy bandwidth; bytes
+   counted are those that must move: log_probs, behavior_log_probs and action_mask read, the
+   gradient written (13 bytes per float32 token, 7 per bfloat16 token);
+2. fused forward + backward against eager PyTorch (the same straightforward objective as
+   bench_loss_cpu.py, with index_add_);
+3. one 1M-token trajectory among thousands of short ones: time and agreement with the CPU path;
+4. the entropy filter (q = 0.5, half failed) against the base path;
+5. CUDA graph capture of the capturable variant: replay time, and equality with eager launches.
+
+    python benchmarks/bench_loss_cuda.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import flashreinforce as fr
+from flashreinforce import _C
+from flashreinforce.ops import fused_loss_capturable, raise_for_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss_cpu import make_batch, print_table  # noqa: E402
+
+
+def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
+    """Median seconds per call, timed with CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def to_cuda(data: dict, dtype=None) -> dict:
+    out = {k: v.cuda() for k, v in data.items()}
+    if dtype is not None:
+        for k in ("log_probs", "behavior_log_probs", "entropies"):
+            out[k] = out[k].to(dtype)
+    return out
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), repeats=20)
+    return 2 * src.numel() * 4 / t  # read + write
+
+
+def fused_forward(d, **opts):
+    return lambda: torch.ops.flashreinforce.fused_loss(
+        d["log_probs"], d["behavior_log_probs"], d["rewards"], d["cu_seqlens"], d["action_mask"],
+        opts.get("entropies"), opts.get("failures"), 3e-3, opts.get("negative_token_fraction", 1.0), None, None,
+        "seq-mean-token-mean", None, None, False, opts.get("raise_errors", False))
+
+
+def fused_step(d, **opts):
+    def run():
+        lp = d["log_probs"].requires_grad_()
+        loss, _ = fr.flashreinforce_loss_packed(lp, d["behavior_log_probs"], d["rewards"], d["cu_seqlens"],
+                                                d["action_mask"], delta=3e-3, **opts)
+        loss.backward()
+        lp.grad = None
+    return run
+
+
+def eager_loss_cuda(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta=3e-3):
+    """eager_loss with its index tensors on the GPU (repeat_interleave on the device)."""
+    batch = rewards.shape[0]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    segment = torch.repeat_interleave(torch.arange(batch, device=log_probs.device), lengths,
+                                      output_size=log_probs.shape[0])
+    mask = action_mask.to(log_probs.dtype)
+    counts = torch.zeros(batch, dtype=log_probs.dtype, device=log_probs.device).index_add_(0, segment, mask)
+    advantages = rewards - rewards.mean()
+    with torch.no_grad():
+        p = behavior_log_probs.exp().clamp(1e-6, 1 - 1e-6)
+        q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
+        d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
+        kl = torch.zeros_like(counts).index_add_(0, segment, d * mask) / counts
+        admitted = kl.clamp_min(0) <= delta
+        active = mask * admitted[segment].to(mask.dtype)
+        weight = torch.exp(log_probs - behavior_log_probs) * advantages[segment] * active
+    per_traj = torch.zeros_like(counts).index_add(0, segment, weight * log_probs)
+    return -(per_traj / counts).sum() / batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="CUDA benchmark of the fused loss")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_loss_cuda: no CUDA device; nothing measured")
+        return
+    if not _C.has_cuda():
+        print("bench_loss_cuda: flashreinforce._C was built without CUDA; nothing measured")
+        return
+    props = torch.cuda.get_device_properties(0)
+    print(f"# bench_loss_cuda: {props.name}, {props.multi_processor_count} SMs, "
+          f"{props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")
+    repeats = 10 if args.quick else 30
+
+    # 1. Bandwidth.
+    copy_bw = copy_bandwidth(2**30)
+    rows = [["device-to-device copy (1 GiB)", "-", f"{copy_bw / 1e9:,.0f}", "100%"]]
+    sizes = [16 * 2**20] + ([] if args.quick else [64 * 2**20])
+    for n in sizes:
+        for dtype, bytes_per_token in ((torch.float32, 13), (torch.bfloat16, 7)):
+            d = to_cuda(make_batch(n, 4096, seed=2), dtype)
+            t = cuda_time(fused_forward(d), repeats)
+            bw = bytes_per_token * n / t
+            rows.append([f"fused forward N={n / 2**20:.0f}M {str(dtype)[6:]}", f"{t * 1e3:.3f}", f"{bw / 1e9:,.0f}",
+                         f"{bw / copy_bw:.0%}"])
+            del d
+    print_table("bandwidth (bytes that must move / time; copy counts read + write)",
+                ["what", "ms", "GB/s", "of copy"], rows)
+
+    # 2. Against eager PyTorch (forward + backward), N = 16M.
+    n = 16 * 2**20
+    d = to_cuda(make_batch(n, 4096, seed=3))
+    t_fused = cuda_time(fused_step(d), repeats)
+
+    def eager():
+        lp = d["log_probs"].requires_grad_()
+        eager_loss_cuda(lp, d["behavior_log_probs"], d["rewards"], d["cu_seqlens"], d["action_mask"]).backward()
+        lp.grad = None
+
+    t_eager = cuda_time(eager, max(5, repeats // 3))
+    print_table(f"forward + backward, N = {n:,}, B = 4096, float32", ["implementation", "ms", "fused speedup"], [
+        ["fused", f"{t_fused * 1e3:.3f}", "1.0x"],
+        ["eager PyTorch", f"{t_eager * 1e3:.3f}", f"{t_eager / t_fused:.1f}x"],
+    ])
+
+    # 3. One 1M-token trajectory among thousands of short ones.
+    lengths = [12] * 8000
+    lengths[4321] = 1_000_000
+    cpu = make_batch(sum(lengths), len(lengths), seed=4)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    cpu["cu_seqlens"] = cu
+    mask = cpu["action_mask"].clone()
+    mask[cu[:-1].long()] = False
+    mask[cu[1:].long() - 1] = True
+    cpu["action_mask"] = mask
+    gpu = to_cuda(cpu)
+    loss_c, stats_c = fr.flashreinforce_loss_packed(cpu["log_probs"], cpu["behavior_log_probs"], cpu["rewards"],
+                                                    cu, mask, delta=3e-3)
+    loss_g, stats_g = fr.flashreinforce_loss_packed(gpu["log_probs"], gpu["behavior_log_probs"], gpu["rewards"],
+                                                    gpu["cu_seqlens"], gpu["action_mask"], delta=3e-3)
+    t_long = cuda_time(fused_forward(gpu), repeats)
+    uniform = to_cuda(make_batch(sum(lengths), len(lengths), seed=4))
+    t_uniform = cuda_time(fused_forward(uniform), repeats)
+    kl_err = float((stats_c["sequence_kl"] - stats_g["sequence_kl"].cpu()).abs().max())
+    print_table(f"one 1M-token trajectory among {len(lengths) - 1} of 12 tokens (N = {sum(lengths):,})",
+                ["batch", "forward ms", "loss |cpu - gpu|", "max |kl cpu - gpu|", "same admissions"], [
+        ["skewed", f"{t_long * 1e3:.3f}", f"{abs(float(loss_c) - float(loss_g)):.2e}", f"{kl_err:.2e}",
+         str(torch.equal(stats_c["admitted"], stats_g["admitted"].cpu()))],
+        ["lognormal lengths (same N, B)", f"{t_uniform * 1e3:.3f}", "-", "-", "-"],
+    ])
+
+    # 4. Entropy filter.
+    d16 = to_cuda(make_batch(16 * 2**20, 4096, seed=5))
+    t_base = cuda_time(fused_forward(d16), repeats)
+    t_filter = cuda_time(fused_forward(d16, negative_token_fraction=0.5, entropies=d16["entropies"],
+                                      failures=d16["failures"]), repeats)
+    print_table("entropy filter (q = 0.5, half failed), N = 16M, forward", ["path", "ms", "vs base"], [
+        ["base", f"{t_base * 1e3:.3f}", "1.00x"],
+        ["filter", f"{t_filter * 1e3:.3f}", f"{t_filter / t_base:.2f}x"],
+    ])
+
+    # 5. CUDA graph capture.
+    opts = dict(delta=3e-3)
+    static = d16["log_probs"].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"], d16["cu_seqlens"],
+                                  d16["action_mask"], **opts)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_loss, g_stats, g_error = fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"],
+                                                         d16["cu_seqlens"], d16["action_mask"], **opts)
+    t_graph = cuda_time(graph.replay, repeats)
+    t_plain = cuda_time(lambda: fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"],
+                                                      d16["cu_seqlens"], d16["action_mask"], **opts), repeats)
+    graph.replay()
+    torch.cuda.synchronize()
+    raise_for_error(g_error, static.numel(), d16["rewards"].numel())
+    ref_loss, _ = fr.flashreinforce_loss_packed(static, d16["behavior_log_probs"], d16["rewards"], d16["cu_seqlens"],
+                                                d16["action_mask"], **opts)
+    print_table("CUDA graph capture (capturable variant, N = 16M)", ["launch", "ms", "loss equals eager launch"], [
+        ["graph replay", f"{t_graph * 1e3:.3f}", str(torch.equal(g_loss, ref_loss))],
+        ["eager launches", f"{t_plain * 1e3:.3f}", "-"],
+    ])
+    assert math.isfinite(float(ref_loss))
+
+
+if __name__ == "__main__":
+    main()
