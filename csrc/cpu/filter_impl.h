@@ -83,29 +83,62 @@ static std::pair<KeyOf<E>, int64_t> select_threshold(const E* e, const uint8_t* 
   constexpr int kBits = 11;
   constexpr int kKeyBits = static_cast<int>(sizeof(K) * 8);
   constexpr size_t kScratchMax = 1 << 16;  // bounded scratch, independent of N
-  int64_t hist[size_t(1) << kBits];
+  constexpr int kBins = 1 << kBits;
+  int64_t hist[kBins + 1];  // + the discard bin
   K keys[kKeyBlock];
-  int shift = kKeyBits - kBits;
-  K prefix = 0;        // digits above `shift + kBits` fixed so far
-  int fixed_bits = 0;  // number of fixed top bits
+  uint32_t digits[kKeyBlock];
+  // Range of the policy keys: the first digit starts below their common leading bits, so the
+  // 2048 bins spread over the values actually present (entropies share their top exponent bits).
+  K kmin = std::numeric_limits<K>::max(), kmax = 0;
+  for (int64_t blk = a; blk < b; blk += kKeyBlock) {
+    const int64_t len = std::min(kKeyBlock, b - blk);
+    block_keys(e, mask, blk, len, keys);
+#pragma omp simd reduction(min : kmin) reduction(max : kmax)
+    for (int64_t j = 0; j < len; ++j) {
+      kmax = keys[j] > kmax ? keys[j] : kmax;
+      const K v = keys[j] == K(0) ? std::numeric_limits<K>::max() : keys[j];  // skip sentinels
+      kmin = v < kmin ? v : kmin;
+    }
+  }
+  if (kmin == kmax) {
+    // Every policy entropy is equal: keep the first k policy tokens.
+    int64_t seen = 0;
+    for (int64_t t = a; t < b; ++t) {
+      if ((!mask || mask[t]) && ++seen == k) return {kmin, t};
+    }
+    return {kmin, b - 1};  // unreachable: k <= T
+  }
+  const K diff = static_cast<K>(kmin ^ kmax);
+  const int common = sizeof(K) == 8 ? __builtin_clzll(static_cast<unsigned long long>(diff))
+                                     : __builtin_clz(static_cast<unsigned int>(diff));
+  int fixed_bits = common;  // number of fixed top bits
+  K prefix = fixed_bits > 0 ? static_cast<K>(kmin >> (kKeyBits - fixed_bits)) : K(0);
+  int shift = kKeyBits - fixed_bits - kBits;
   int64_t remaining = k;
   for (;;) {
     std::fill(std::begin(hist), std::end(hist), 0);
     const int width = shift >= 0 ? kBits : kBits + shift;
     const int low = shift >= 0 ? shift : 0;
     const K digit_mask = static_cast<K>((K(1) << width) - 1);
+    // Non-policy tokens carry the key 0; it passes the prefix test only while the prefix is 0, and
+    // then lands in bin 0, where no policy key can be (the top 11 bits of a finite entropy's key
+    // are never all 0).
+    const bool sentinels_in_bin0 = prefix == K(0);
     for (int64_t blk = a; blk < b; blk += kKeyBlock) {
       const int64_t len = std::min(kKeyBlock, b - blk);
       block_keys(e, mask, blk, len, keys);
-      if (fixed_bits == 0) {
-        for (int64_t j = 0; j < len; ++j) ++hist[(keys[j] >> low) & digit_mask];
-      } else {
-        for (int64_t j = 0; j < len; ++j) {
-          if ((keys[j] >> (kKeyBits - fixed_bits)) == prefix) ++hist[(keys[j] >> low) & digit_mask];
-        }
+      // Digits in a vectorized loop (tokens outside the prefix go to the discard bin kBins),
+      // then a plain increment loop.
+      const int prefix_shift = kKeyBits - fixed_bits;  // == kKeyBits when nothing is fixed
+#pragma omp simd
+      for (int64_t j = 0; j < len; ++j) {
+        const K key = keys[j];
+        const bool in_prefix = prefix_shift >= kKeyBits || (key >> (prefix_shift & (kKeyBits - 1))) == prefix;
+        digits[j] = in_prefix ? static_cast<uint32_t>((key >> low) & digit_mask) : static_cast<uint32_t>(kBins);
       }
+      for (int64_t j = 0; j < len; ++j) ++hist[digits[j]];
     }
-    if (fixed_bits == 0) hist[0] = 0;  // the key-0 sentinels of non-policy tokens
+    if (sentinels_in_bin0) hist[0] = 0;
     int64_t above = 0;
     int64_t bin = (int64_t(1) << width) - 1;
     for (; bin > 0; --bin) {
