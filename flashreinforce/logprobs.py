@@ -11,9 +11,9 @@ rows times a block of vocabulary columns, and a running (online) log-sum-exp com
 vocabulary blocks of a row. Only per-row scalars survive the forward pass (the log-sum-exp and,
 with entropy, the entropy); backward recomputes each tile's logits with one extra GEMM, turns them
 into the gradient with respect to the logits in place, and feeds that to the two gradient GEMMs.
-Peak memory is the inputs, their gradients and two or three tile-sized work buffers. On CPU the
-default tile (:data:`CPU_TILE`) is small enough to stay in cache; on GPUs a tile spans the whole
-vocabulary and holds as many rows as fit in :data:`DEFAULT_CHUNK_BYTES`.
+Peak memory is the inputs, their gradients (accumulated in float32 for low-precision inputs)
+and two or three tile-sized work buffers. On CPU the default tile is :data:`CPU_TILE`; on GPUs a
+tile spans the whole vocabulary and holds as many rows as fit in :data:`DEFAULT_CHUNK_BYTES`.
 
 Math, for one row with logits ``z = (h W^T + b) / temperature``, ``p = softmax(z)``,
 ``lse = logsumexp(z)``, target ``y``:
@@ -41,12 +41,13 @@ __all__ = ["CPU_TILE", "DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logpr
 #: V = 151,936 in float32: enough rows for the GEMMs to run near peak.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
-#: Default ``(rows, vocabulary columns)`` of a tile on CPU. A 256 x 8192 float32 tile (8 MiB) and
-#: the 8 MiB slice of the weight it is computed from stay in the last-level cache, so the
-#: softmax passes that follow each GEMM read cache instead of DRAM, and GEMMs of this shape run
-#: faster on CPU than ones that write a full ``[rows, V]`` block (measured in
-#: ``benchmarks/bench_learner_memory.py``; see docs/performance.md).
-CPU_TILE = (256, 8192)
+#: Default ``(rows, vocabulary columns)`` of a tile on CPU: a 1024 x 16384 float32 tile is 64 MiB.
+#: On an idle 2-core machine tile shapes from 512 x 8192 to 2048 x 16384 are within 2% of each
+#: other and ~7% faster than tiles spanning the whole vocabulary; when other processes compete
+#: for the cores, every parallel region (one per elementwise op per tile) can wait a scheduler
+#: slice for its second thread, so fewer, larger tiles are much faster than small cache-sized
+#: ones. Measurements: docs/performance.md, "Learner memory".
+CPU_TILE = (1024, 16384)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -320,7 +321,7 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         chunk_size: tokens per tile; default: as many as fit in ``chunk_budget_bytes``, and at
             most ``CPU_TILE[0]`` on CPU.
         with_entropy: also return the entropy of each row's distribution.
-        vocab_chunk_size: vocabulary entries per tile; default: ``CPU_TILE[1]`` on CPU (cache
+        vocab_chunk_size: vocabulary entries per tile; default: ``CPU_TILE[1]`` on CPU (vocabulary
             blocking), the whole vocabulary on other devices.
         chunk_budget_bytes: byte budget of the tile work buffers when ``chunk_size`` is None
             (see :func:`chunk_rows`).
