@@ -78,9 +78,12 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
     while (t < c1) {
       while (cu[seg + 1] <= t) ++seg;
       const int64_t end = std::min(cu[seg + 1], c1);
-      int64_t sum = 0;
+      // bool tensors hold bytes 0 / 1; a piece has at most kChunk tokens (32-bit lanes suffice).
+      const uint8_t* __restrict m = mask + t;
+      const int32_t len = static_cast<int32_t>(end - t);
+      int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t u = t; u < end; ++u) sum += mask[u] != 0;
+      for (int32_t u = 0; u < len; ++u) sum += m[u];
       if (cu[seg] >= c0) {
         counts[seg] = sum;
       } else {
