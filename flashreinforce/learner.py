@@ -31,11 +31,11 @@ from torch import Tensor
 
 import flashreinforce
 from flashreinforce.logprobs import sampled_token_logprobs
-from flashreinforce.packing import PackedBatch, micro_batches, to_padded
+from flashreinforce.packing import PackedBatch, micro_batches, pack, to_padded
 from flashreinforce.ppo import group_advantages, ppo_clipped_loss_packed
 from flashreinforce.trajectory import Trajectory
 
-__all__ = ["Learner", "LearnerSettings", "lr_factor", "token_log_probs"]
+__all__ = ["BatchTotals", "Learner", "LearnerSettings", "PolicyLogProbs", "lr_factor", "token_log_probs"]
 
 LOSS_MODES = ("flash_reinforce", "ppo")
 SCHEDULERS = ("cosine_with_min_lr", "constant", "constant_with_warmup")
@@ -165,6 +165,129 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     return full_logp, full_ent
 
 
+class PolicyLogProbs(torch.nn.Module):
+    """The learner's forward as one module: the model body and the sampled-token log-probabilities.
+
+    :func:`token_log_probs` reads the output projection's weight directly (no ``[tokens, vocab]``
+    logits), outside any ``forward`` of the model. Wrapping the computation in a module whose
+    ``forward`` is the whole of it lets FSDP2 (``fully_shard``) treat this module as the root:
+    the embedding, final norm and output projection are gathered for its forward and their
+    gradients reduced after its backward.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
+                packed_forward: bool = True, pad_token_id: int = 0,
+                autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+        return token_log_probs(self.model, batch, temperature=temperature, with_entropy=with_entropy,
+                               packed_forward=packed_forward, pad_token_id=pad_token_id,
+                               autocast_dtype=autocast_dtype)
+
+
+@dataclass
+class BatchTotals:
+    """Batch-global quantities that make the loss of any part of a batch a summand of the batch's loss.
+
+    num_trajectories: B of the whole batch. reward_baseline: mean reward of the whole batch.
+    policy_tokens: action tokens of the whole batch (``token-mean`` and the ppo loss divide by it).
+    advantages: ``[B]`` float32 group advantages indexed by batch row (``ppo`` only, else ``None``).
+    """
+
+    num_trajectories: int
+    reward_baseline: float
+    policy_tokens: int
+    advantages: Tensor | None = None
+
+    @classmethod
+    def of(cls, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None,
+           settings: LearnerSettings) -> "BatchTotals":
+        """The totals of the whole batch ``trajectories`` (float64 mean of the rewards)."""
+        b = len(trajectories)
+        if b == 0:
+            raise ValueError("Learner: no trajectories")
+        rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
+        advantages = None
+        if settings.loss_mode == "ppo":
+            gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
+            if gids.numel() != b:
+                raise ValueError(f"group_ids has {gids.numel()} entries for {b} trajectories")
+            advantages = group_advantages(rewards, gids, whiten=settings.whiten).to(torch.float32)
+        return cls(num_trajectories=b, reward_baseline=float(rewards.mean()),
+                   policy_tokens=sum(t.num_action_tokens for t in trajectories), advantages=advantages)
+
+
+@dataclass
+class GradientParts:
+    """What :meth:`Learner.accumulate_gradient_parts` measured on its part of a batch (all detached, CPU).
+
+    rows: batch rows of the part's trajectories. loss, entropy_sum, clip_tokens: sums over the part.
+    sequence_kl, admitted, retained: per trajectory of the part, in ``rows`` order (flash_reinforce).
+    error: the loss error met with ``collective_forwards`` (the passes went on with zero loss).
+    """
+
+    rows: list[int]
+    loss: float = 0.0
+    entropy_sum: float = 0.0
+    clip_tokens: float = 0.0
+    sequence_kl: Tensor | None = None
+    admitted: Tensor | None = None
+    retained: Tensor | None = None
+    error: BaseException | None = None
+
+
+def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, settings: LearnerSettings) -> dict[str, float]:
+    """The batch's loss and statistics from the parts that cover it (each row exactly once)."""
+    b = totals.num_trajectories
+    kl = torch.zeros(b, dtype=torch.float64)
+    admitted = torch.zeros(b, dtype=torch.bool)
+    retained = torch.zeros(b, dtype=torch.float64)
+    seen = torch.zeros(b, dtype=torch.int64)
+    for p in parts:
+        if not p.rows:
+            continue
+        rows = torch.tensor(p.rows, dtype=torch.int64)
+        seen[rows] += 1
+        if p.sequence_kl is not None:
+            kl[rows] = p.sequence_kl.double()
+            admitted[rows] = p.admitted
+            retained[rows] = p.retained.double()
+    if not bool((seen == 1).all()):
+        raise ValueError(f"summarize_parts: the parts do not cover rows 0..{b - 1} exactly once")
+    tokens = totals.policy_tokens
+    metrics = {"loss": sum(p.loss for p in parts), "reward_baseline": totals.reward_baseline, "policy_tokens": tokens}
+    if settings.loss_mode == "flash_reinforce":
+        metrics.update(acceptance_rate=float(admitted.double().mean()), sequence_kl_mean=float(kl.mean()),
+                       sequence_kl_max=float(kl.max()),
+                       retained_token_fraction=float(retained.sum()) / max(1, tokens))
+    else:
+        metrics.update(acceptance_rate=1.0, sequence_kl_mean=float("nan"),
+                       clip_fraction=sum(p.clip_tokens for p in parts) / max(1, tokens),
+                       advantage_abs_mean=float(totals.advantages.abs().mean()))
+    if _needs_entropy(settings):
+        metrics["entropy_mean"] = sum(p.entropy_sum for p in parts) / max(1, tokens)
+    return metrics
+
+
+def _needs_entropy(s: LearnerSettings) -> bool:
+    return s.neg_topq < 1.0 and s.loss_mode == "flash_reinforce" or s.entropy_coef != 0.0
+
+
+def _zero_backward(logp: Tensor, ent: Tensor | None) -> None:
+    """A backward pass that adds exactly zero to every gradient (it still runs FSDP's reductions)."""
+    zero = logp.sum() * 0.0
+    if ent is not None:
+        zero = zero + ent.sum() * 0.0
+    zero.backward()
+
+
+def _placeholder_micro_batch() -> PackedBatch:
+    """Two padding tokens, the second an action: a forward that contributes exactly zero gradient."""
+    return pack([Trajectory([0, 0], [False, True], [0.0, -1.0], reward=0.0, failed=False)])
+
+
 class Learner:
     """Owns the trained model, its optimizer and scheduler, and the policy version.
 
@@ -172,9 +295,12 @@ class Learner:
         model: a ``transformers`` causal LM (float32 master weights), already on its device.
         settings: :class:`LearnerSettings`.
         pad_token_id: padding id for the padded forward.
+        parallelize: optional callable applied to the :class:`PolicyLogProbs` module before the
+            optimizer is built (the data-parallel learner shards it with FSDP2 here).
     """
 
-    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, *, pad_token_id: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, settings: LearnerSettings, *, pad_token_id: int = 0,
+                 parallelize=None) -> None:
         self.model = model
         self.settings = settings
         self.pad_token_id = pad_token_id
@@ -186,7 +312,10 @@ class Learner:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
         model.train()
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=settings.lr,
+        self.scorer = PolicyLogProbs(model)
+        if parallelize is not None:
+            self.scorer = parallelize(self.scorer)
+        self.optimizer = torch.optim.AdamW([p for p in self.scorer.parameters() if p.requires_grad], lr=settings.lr,
                                            betas=settings.betas, weight_decay=settings.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, settings))
         # The public fused op (compiled extension); importing it fails loudly when the extension is missing.
@@ -203,12 +332,23 @@ class Learner:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(trajectories, group_ids)
+        metrics.update(self.apply_gradients())
+        metrics["learner_compute_s"] = time.perf_counter() - t0
+        return metrics
+
+    def apply_gradients(self) -> dict[str, float]:
+        """Clip the accumulated gradients, make one optimizer and scheduler step, bump the version.
+
+        Returns ``grad_norm`` (before clipping) and ``lr`` (of this step). Raises ``FloatingPointError``
+        (gradients dropped, weights and version unchanged) when the gradient norm is not finite.
+        """
         s = self.settings
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for p in self.scorer.parameters() if p.grad is not None]
         if s.max_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.max_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, s.max_norm)
         else:
-            grad_norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))) if params else 0.0
+            norm = torch.linalg.vector_norm(torch.stack([_local(p.grad).norm() for p in params])) if params else 0.0
+        grad_norm = float(_local(norm)) if isinstance(norm, Tensor) else float(norm)
         if not math.isfinite(grad_norm):
             # A non-finite gradient would poison the weights: skip the step, keep the version.
             self.optimizer.zero_grad(set_to_none=True)
@@ -218,8 +358,7 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        metrics.update(grad_norm=grad_norm, lr=lr, learner_compute_s=time.perf_counter() - t0)
-        return metrics
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def accumulate_gradients(self, trajectories: Sequence[Trajectory],
                              group_ids: Sequence[int] | None = None) -> dict[str, float]:
@@ -227,75 +366,104 @@ class Learner:
 
         Returns the loss and the loss statistics of the batch.
         """
+        trajectories = list(trajectories)
+        totals = BatchTotals.of(trajectories, group_ids, self.settings)
+        parts = self.accumulate_gradient_parts(trajectories, totals)
+        return summarize_parts([parts], totals, self.settings)
+
+    def accumulate_gradient_parts(self, trajectories: Sequence[Trajectory], totals: BatchTotals, *,
+                                  rows: Sequence[int] | None = None, num_micro_batches: int | None = None,
+                                  collective_forwards: bool = False) -> GradientParts:
+        """Forward and backward of a part of a batch, adding into ``p.grad``.
+
+        ``trajectories`` are the part's trajectories, ``rows`` their rows in the whole batch (default
+        0..n-1), ``totals`` the whole batch's :class:`BatchTotals`: the part's loss and gradients are
+        then exactly its summand of the whole batch's. The part may be empty. ``num_micro_batches``:
+        run at least this many forward/backward passes, padding with passes that contribute zero
+        (FSDP ranks must run the same number of forwards, since each one gathers parameters).
+        ``collective_forwards``: a loss error does not stop the passes (the other ranks wait in their
+        collectives): it is kept in ``error`` and the remaining passes contribute zero gradient.
+        """
         s = self.settings
         trajectories = list(trajectories)
-        if not trajectories:
-            raise ValueError("Learner: no trajectories")
-        b = len(trajectories)
-        rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
-        baseline = float(rewards.mean())
-        total_policy_tokens = sum(t.num_action_tokens for t in trajectories)
-        advantages = None
-        if s.loss_mode == "ppo":
-            gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
-            advantages = group_advantages(rewards, gids, whiten=s.whiten).to(torch.float32)
-        need_entropy = s.neg_topq < 1.0 and s.loss_mode == "flash_reinforce" or s.entropy_coef != 0.0
+        rows = list(range(len(trajectories))) if rows is None else [int(r) for r in rows]
+        if len(rows) != len(trajectories):
+            raise ValueError(f"rows has {len(rows)} entries for {len(trajectories)} trajectories")
+        need_entropy = _needs_entropy(s)
         autocast = PARAM_DTYPES[s.param_dtype]
-
-        loss_sum = 0.0
-        entropy_sum = 0.0
-        kl = torch.zeros(b, dtype=torch.float64)
-        admitted = torch.zeros(b, dtype=torch.bool)
-        retained = torch.zeros(b, dtype=torch.float64)
-        clip_tokens = 0.0
-        for mb in micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
-                                max_trajectories=s.micro_batch_trajectories or None):
-            logp, ent = token_log_probs(self.model, mb, temperature=s.temperature, with_entropy=need_entropy,
-                                        packed_forward=s.packed_forward, pad_token_id=self.pad_token_id,
-                                        autocast_dtype=autocast)
-            dev = logp.device
-            blp = mb.behavior_log_probs.to(dev)
-            cu = mb.cu_seqlens.to(dev)
-            mask = mb.action_mask.to(dev)
-            rows = torch.tensor(mb.rows)
-            if s.loss_mode == "flash_reinforce":
-                loss, stats = self.loss_fn(
-                    logp, blp, mb.rewards.to(dev), cu, mask, delta=s.delta, negative_token_fraction=s.neg_topq,
-                    entropies=ent if s.neg_topq < 1.0 else None,
-                    failures=mb.failures.to(dev) if s.neg_topq < 1.0 else None,
-                    reward_baseline=baseline, num_trajectories=b, loss_agg=s.loss_agg,
-                    loss_scale_factor=s.loss_scale_factor if s.loss_agg == "seq-mean-token-sum-norm" else None,
-                    num_policy_tokens=total_policy_tokens if s.loss_agg == "token-mean" else None, no_is=s.no_is)
-                kl[rows] = stats["sequence_kl"].detach().double().cpu()
-                admitted[rows] = stats["admitted"].detach().cpu()
-                retained[rows] = stats["retained_tokens"].detach().double().cpu()
-            else:
-                loss, stats = ppo_clipped_loss_packed(
-                    logp, blp, advantages[rows].to(dev), cu, mask, eps_clip_low=s.eps_clip[0],
-                    eps_clip_high=s.eps_clip[1], num_policy_tokens=total_policy_tokens)
-                clip_tokens += float(stats["clip_fraction"]) * mb.num_action_tokens
-            if ent is not None:
-                ent_sum = ent[mask].sum()
-                entropy_sum += float(ent_sum.detach())
-                if s.entropy_coef != 0.0:
-                    loss = loss - s.entropy_coef * ent_sum / total_policy_tokens
-            loss.backward()
-            loss_sum += float(loss.detach())
-
-        metrics = {
-            "loss": loss_sum, "reward_baseline": baseline, "policy_tokens": total_policy_tokens,
-        }
+        out = GradientParts(rows=rows)
+        n = len(trajectories)
         if s.loss_mode == "flash_reinforce":
-            metrics.update(acceptance_rate=float(admitted.double().mean()), sequence_kl_mean=float(kl.mean()),
-                           sequence_kl_max=float(kl.max()),
-                           retained_token_fraction=float(retained.sum()) / max(1, total_policy_tokens))
+            out.sequence_kl = torch.zeros(n, dtype=torch.float64)
+            out.admitted = torch.zeros(n, dtype=torch.bool)
+            out.retained = torch.zeros(n, dtype=torch.float64)
+        mbs = micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
+                            max_trajectories=s.micro_batch_trajectories or None) if trajectories else []
+        for mb in mbs:
+            logp, ent = self.scorer(mb, temperature=s.temperature, with_entropy=need_entropy,
+                                    packed_forward=s.packed_forward, pad_token_id=self.pad_token_id,
+                                    autocast_dtype=autocast)
+            if out.error is not None:
+                _zero_backward(logp, ent)
+                continue
+            try:
+                loss = self._part_loss(mb, logp, ent, rows, totals, out)
+            except (FloatingPointError, ValueError) as err:
+                if not collective_forwards:
+                    raise
+                out.error = err
+                _zero_backward(logp, ent)
+                continue
+            loss.backward()
+            out.loss += float(loss.detach())
+        for _ in range(len(mbs), num_micro_batches or 0):
+            logp, ent = self.scorer(_placeholder_micro_batch(), temperature=s.temperature, with_entropy=need_entropy,
+                                    packed_forward=s.packed_forward, pad_token_id=self.pad_token_id,
+                                    autocast_dtype=autocast)
+            _zero_backward(logp, ent)
+        return out
+
+    def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
+                   out: GradientParts) -> Tensor:
+        """The loss of micro-batch ``mb`` as a summand of the whole batch's; records its statistics in ``out``."""
+        s = self.settings
+        dev = logp.device
+        blp = mb.behavior_log_probs.to(dev)
+        cu = mb.cu_seqlens.to(dev)
+        mask = mb.action_mask.to(dev)
+        local = torch.tensor(mb.rows)  # indices into this part
+        batch_rows = torch.tensor([rows[i] for i in mb.rows])
+        if s.loss_mode == "flash_reinforce":
+            loss, stats = self.loss_fn(
+                logp, blp, mb.rewards.to(dev), cu, mask, delta=s.delta, negative_token_fraction=s.neg_topq,
+                entropies=ent if s.neg_topq < 1.0 else None,
+                failures=mb.failures.to(dev) if s.neg_topq < 1.0 else None,
+                reward_baseline=totals.reward_baseline, num_trajectories=totals.num_trajectories,
+                loss_agg=s.loss_agg,
+                loss_scale_factor=s.loss_scale_factor if s.loss_agg == "seq-mean-token-sum-norm" else None,
+                num_policy_tokens=totals.policy_tokens if s.loss_agg == "token-mean" else None, no_is=s.no_is)
+            out.sequence_kl[local] = stats["sequence_kl"].detach().double().cpu()
+            out.admitted[local] = stats["admitted"].detach().cpu()
+            out.retained[local] = stats["retained_tokens"].detach().double().cpu()
         else:
-            metrics.update(acceptance_rate=1.0, sequence_kl_mean=float("nan"),
-                           clip_fraction=clip_tokens / max(1, total_policy_tokens),
-                           advantage_abs_mean=float(advantages.abs().mean()))
-        if need_entropy:
-            metrics["entropy_mean"] = entropy_sum / max(1, total_policy_tokens)
-        return metrics
+            loss, stats = ppo_clipped_loss_packed(
+                logp, blp, totals.advantages[batch_rows].to(dev), cu, mask, eps_clip_low=s.eps_clip[0],
+                eps_clip_high=s.eps_clip[1], num_policy_tokens=totals.policy_tokens)
+            out.clip_tokens += float(stats["clip_fraction"]) * mb.num_action_tokens
+        if ent is not None:
+            ent_sum = ent[mask].sum()
+            out.entropy_sum += float(ent_sum.detach())
+            if s.entropy_coef != 0.0:
+                loss = loss - s.entropy_coef * ent_sum / totals.policy_tokens
+        return loss
+
+    def num_micro_batches(self, trajectories: Sequence[Trajectory]) -> int:
+        """How many forward passes :meth:`accumulate_gradient_parts` makes for ``trajectories``."""
+        s = self.settings
+        if not trajectories:
+            return 0
+        return len(micro_batches(list(trajectories), max_tokens=s.micro_batch_tokens or None,
+                                 max_trajectories=s.micro_batch_trajectories or None))
 
     # ------------------------------------------------------------------ weights and state
     def policy_state(self) -> dict[str, Tensor]:
@@ -310,3 +478,9 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's full value (FSDP2 gradients and norms), any other tensor unchanged."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
