@@ -29,6 +29,7 @@ import time
 import torch
 
 import flashreinforce as fr
+from flashreinforce import _C
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,6 +118,19 @@ def eager_step(data, fn=eager_loss):
     return run
 
 
+def machine_parallelism(threads: int) -> float:
+    """Speedup of a plain PyTorch elementwise op from 1 to `threads` threads right now: a
+    reference for the thread-scaling numbers (other processes on the machine lower it)."""
+    x = torch.rand(16 * 2**20)
+    out = torch.empty_like(x)
+    times = []
+    for n in (1, threads):
+        torch.set_num_threads(n)
+        times.append(time_fn(lambda: torch.exp(x, out=out), 7))
+    torch.set_num_threads(threads)
+    return times[0] / times[1]
+
+
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:9.2f}"
 
@@ -183,7 +197,10 @@ def main() -> None:
     repeats = 5 if args.quick else 11
     torch.set_num_threads(args.threads)
     print(f"# bench_loss_cpu: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, {args.threads} threads, fused ISA {fr.ops._C.cpu_isa()}")
+          f"{os.cpu_count()} CPUs, {args.threads} threads, fused ISA {_C.cpu_isa()}")
+    print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"machine parallelism now (torch.exp on 16M floats, 1 vs {args.threads} threads): "
+          f"{machine_parallelism(args.threads):.2f}x")
 
     data = make_batch(args.tokens, args.batch)
     n = args.tokens
@@ -232,6 +249,8 @@ def main() -> None:
         ["base (q = 1)", fmt_ms(t_fused_2), f"{t_fused_2 / n * 1e9:.3f}", "1.00x"],
         ["filter", fmt_ms(t_filter), f"{t_filter / n * 1e9:.3f}", f"{t_filter / t_fused_2:.2f}x"],
     ])
+
+    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
     # 5. Memory.
     grad_mib = n * 4 / 2**20

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -13,96 +14,101 @@ namespace flashreinforce {
 namespace cpu {
 namespace {
 
-class Pool {
- public:
-  ~Pool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
-  void run(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn) {
-    std::lock_guard<std::mutex> job_lock(job_mutex_);  // one job at a time
-    const int helpers = static_cast<int>(std::min<int64_t>(num_threads, num_tasks)) - 1;
-    ensure_threads(helpers);
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      num_tasks_ = num_tasks;
-      next_.store(0);
-      active_helpers_ = helpers;
-      finished_helpers_ = 0;
-      error_ = nullptr;
-      ++generation_;
-    }
-    wake_.notify_all();
-    work();
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [&] { return finished_helpers_ == active_helpers_; });
-    fn_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
-  }
-
- private:
-  void ensure_threads(int count) {
-    while (static_cast<int>(threads_.size()) < count) {
-      const int id = static_cast<int>(threads_.size());
-      threads_.emplace_back([this, id] { loop(id); });
-    }
-  }
+// One parallel_for call. Helpers that wake up late find `next` exhausted and leave at once; the
+// caller waits for completed tasks, never for helpers to check in (a helper the OS has not
+// scheduled yet must not delay a call that the caller could finish alone).
+struct Job {
+  const std::function<void(int64_t)>* fn = nullptr;
+  int64_t num_tasks = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  std::mutex mutex;
+  std::condition_variable finished;
+  std::exception_ptr error;
 
   void work() {
     for (;;) {
-      const int64_t task = next_.fetch_add(1);
-      if (task >= num_tasks_) return;
+      const int64_t task = next.fetch_add(1);
+      if (task >= num_tasks) return;
+      int64_t completed = 1;
       try {
-        (*fn_)(task);
+        (*fn)(task);
       } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!error_) error_ = std::current_exception();
-        next_.store(num_tasks_);
+        {
+          std::lock_guard<std::mutex> lock(mutex);
+          if (!error) error = std::current_exception();
+        }
+        // Abandon the tasks nobody claimed yet and count them as done.
+        const int64_t rest = next.exchange(num_tasks);
+        if (rest < num_tasks) completed += num_tasks - rest;
+      }
+      if (done.fetch_add(completed) + completed == num_tasks) {
+        std::lock_guard<std::mutex> lock(mutex);
+        finished.notify_all();
       }
     }
   }
+};
 
+class Pool {
+ public:
+  void run(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+    std::lock_guard<std::mutex> job_lock(job_mutex_);  // one job at a time
+    const int helpers = static_cast<int>(std::min<int64_t>(num_threads, num_tasks)) - 1;
+    auto job = std::make_shared<Job>();
+    job->fn = &fn;
+    job->num_tasks = num_tasks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      while (static_cast<int>(threads_.size()) < helpers) {
+        const int id = static_cast<int>(threads_.size());
+        threads_.emplace_back([this, id] { loop(id); });
+      }
+      current_ = job;
+      wanted_ = helpers;
+      ++generation_;
+    }
+    wake_.notify_all();
+    job->work();
+    {
+      std::unique_lock<std::mutex> lock(job->mutex);
+      job->finished.wait(lock, [&] { return job->done.load() == num_tasks; });
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (current_ == job) current_.reset();
+    }
+    if (job->error) std::rethrow_exception(job->error);
+  }
+
+ private:
   void loop(int id) {
     uint64_t seen = 0;
     for (;;) {
+      std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-        if (stop_) return;
+        wake_.wait(lock, [&] { return generation_ != seen; });
         seen = generation_;
-        if (id >= active_helpers_) continue;  // not needed for this job
+        if (id >= wanted_ || !current_) continue;
+        job = current_;
       }
-      work();
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ++finished_helpers_;
-      }
-      done_.notify_all();
+      job->work();
     }
   }
 
   std::mutex job_mutex_;
   std::mutex mutex_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_;
   std::vector<std::thread> threads_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t num_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  int active_helpers_ = 0;
-  int finished_helpers_ = 0;
+  std::shared_ptr<Job> current_;
+  int wanted_ = 0;
   uint64_t generation_ = 0;
-  bool stop_ = false;
-  std::exception_ptr error_;
 };
 
 // The pool's threads do not survive fork(): a child process gets a fresh pool (the parent's
-// object is deliberately leaked in the child, since its threads do not exist there).
+// object is deliberately leaked in the child, where its threads do not exist). Pools are never
+// destroyed: their threads block on a condition variable until the process exits.
 Pool* pool_for_this_process() {
   static std::mutex mutex;
   static Pool* pool = nullptr;
