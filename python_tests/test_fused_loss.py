@@ -204,7 +204,9 @@ def test_microbatches_sum_to_full_batch(generator, dtype):
 
 
 def test_results_do_not_depend_on_thread_count(generator):
-    b = random_batch(generator, dtype=torch.float32, batch=40, filter_q=0.5, max_long=60_000)
+    # ~500k tokens: enough for the core to use every thread it is given (>= 128k tokens each).
+    lengths = [int(x) for x in torch.randint(1, 25_000, (40,), generator=generator)]
+    b = random_batch(generator, dtype=torch.float32, lengths=lengths, filter_q=0.5)
     delta = pick_delta(b, 0.5)
     threads = torch.get_num_threads()
     try:

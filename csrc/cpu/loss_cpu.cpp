@@ -157,7 +157,9 @@ const char* cpu_isa_name() {
 Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_threads) {
   using namespace cpu;
   const int64_t n = in.num_tokens, b = in.batch;
-  num_threads = std::max(1, num_threads);
+  // Waking a pool thread costs tens of microseconds: below ~128k tokens per thread it does not pay.
+  constexpr int64_t kMinTokensPerThread = 131072;
+  num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n / kMinTokensPerThread)));
   const DType compute = compute_dtype(in.log_probs_dtype);
 
   // 1. Offsets.
