@@ -99,6 +99,24 @@ def time_fn(fn, repeats: int, warmup: int = 2) -> float:
     return statistics.median(samples)
 
 
+def time_interleaved(fns: dict, repeats: int, warmup: int = 2, threads: dict | None = None) -> dict:
+    """Median seconds per call of each function, measured in interleaved rounds (one call of each
+    per round) so that load from other processes affects every entry alike. ``threads`` optionally
+    sets torch's thread count per entry."""
+    threads = threads or {}
+    default = torch.get_num_threads()
+    samples = {name: [] for name in fns}
+    for r in range(warmup + repeats):
+        for name, fn in fns.items():
+            torch.set_num_threads(threads.get(name, default))
+            t0 = time.perf_counter()
+            fn()
+            if r >= warmup:
+                samples[name].append(time.perf_counter() - t0)
+    torch.set_num_threads(default)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def fused_step(data, **opts):
     def run():
         lp = data["log_probs"].requires_grad_()
@@ -224,25 +242,24 @@ def main() -> None:
           f"acceptance rate {float(stats['acceptance_rate']):.3f}, longest trajectory "
           f"{int((data['cu_seqlens'][1:] - data['cu_seqlens'][:-1]).max()):,}")
 
-    # 1. Main comparison.
-    t_fused = time_fn(fused_step(data), repeats)
-    t_eager = time_fn(eager_step(data), max(3, repeats // 2), warmup=1)
+    # 1. Main comparison (interleaved rounds).
     compiled = torch.compile(eager_loss, dynamic=False)
-    t_compiled = time_fn(eager_step(data, compiled), max(3, repeats // 2), warmup=2)
+    t = time_interleaved({"fused": fused_step(data), "eager": eager_step(data),
+                          "compiled": eager_step(data, compiled)}, max(5, repeats // 2), warmup=2)
+    t_fused, t_eager, t_compiled = t["fused"], t["eager"], t["compiled"]
     rows = [
         ["fused (flashreinforce._C)", fmt_ms(t_fused), f"{t_fused / n * 1e9:.3f}", "1.0x"],
         ["eager PyTorch (index_add_)", fmt_ms(t_eager), f"{t_eager / n * 1e9:.3f}", f"{t_eager / t_fused:.1f}x"],
         ["torch.compile(eager)", fmt_ms(t_compiled), f"{t_compiled / n * 1e9:.3f}", f"{t_compiled / t_fused:.1f}x"],
     ]
-    print_table(f"forward + backward, float32, {args.threads} threads (median of runs)",
+    print_table(f"forward + backward, float32, {args.threads} threads (median of interleaved runs)",
                 ["implementation", "ms", "ns/token", "fused speedup"], rows)
 
-    # 2. Thread scaling.
-    torch.set_num_threads(1)
-    t_fused_1 = time_fn(fused_step(data), repeats)
-    torch.set_num_threads(args.threads)
-    t_fused_2 = time_fn(fused_step(data), repeats)
-    print_table("thread scaling (fused)", ["threads", "ms", "ns/token", "speedup vs 1"], [
+    # 2. Thread scaling (interleaved 1 / N threads).
+    t = time_interleaved({"1": fused_step(data), "n": fused_step(data)}, repeats * 2,
+                         threads={"1": 1, "n": args.threads})
+    t_fused_1, t_fused_2 = t["1"], t["n"]
+    print_table("thread scaling (fused, interleaved)", ["threads", "ms", "ns/token", "speedup vs 1"], [
         ["1", fmt_ms(t_fused_1), f"{t_fused_1 / n * 1e9:.3f}", "1.00x"],
         [str(args.threads), fmt_ms(t_fused_2), f"{t_fused_2 / n * 1e9:.3f}", f"{t_fused_1 / t_fused_2:.2f}x"],
     ])
@@ -256,15 +273,16 @@ def main() -> None:
         rows.append([f"{size:,}", fmt_ms(t), f"{t / size * 1e9:.3f}"])
     print_table("time vs N (fused, float32)", ["N", "ms", "ns/token"], rows)
 
-    # 4. Entropy filter.
-    t_filter = time_fn(fused_step(data, negative_token_fraction=0.5, entropies=data["entropies"],
-                                  failures=data["failures"]), repeats)
+    # 4. Entropy filter (interleaved with the base path).
+    t = time_interleaved({"base": fused_step(data), "filter": fused_step(
+        data, negative_token_fraction=0.5, entropies=data["entropies"], failures=data["failures"])}, repeats * 2)
     print_table("entropy filter (q = 0.5, half the trajectories failed)", ["path", "ms", "ns/token", "vs base"], [
-        ["base (q = 1)", fmt_ms(t_fused_2), f"{t_fused_2 / n * 1e9:.3f}", "1.00x"],
-        ["filter", fmt_ms(t_filter), f"{t_filter / n * 1e9:.3f}", f"{t_filter / t_fused_2:.2f}x"],
+        ["base (q = 1)", fmt_ms(t["base"]), f"{t['base'] / n * 1e9:.3f}", "1.00x"],
+        ["filter", fmt_ms(t["filter"]), f"{t['filter'] / n * 1e9:.3f}", f"{t['filter'] / t['base']:.2f}x"],
     ])
 
-    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"machine parallelism now: {machine_parallelism(args.threads):.2f}x")
 
     # 5. Memory.
     grad_mib = n * 4 / 2**20
