@@ -3,7 +3,9 @@
 Protocol (the whole interface a worker or a learner uses; a Ray actor can wrap it unchanged):
 
 * worker: ``ticket = buffer.acquire()`` -> a prompt to roll out (``None`` once the buffer is closed);
-  then ``buffer.put(ticket, trajectories)`` with its ``group_size`` samples, or ``buffer.cancel(ticket)``.
+  then ``buffer.put(ticket, trajectories)`` with its ``group_size`` samples, or ``buffer.cancel(ticket)``
+  (``acquire_many`` / ``put_many``: the same for several prompts in one call, one round trip for a
+  remote buffer).
 * learner: ``batch = buffer.take(learner_version)`` -> the next ``batch_groups`` groups in completion
   order, each exactly once (one pass: a taken group is never returned again), then, after the
   optimizer step, ``buffer.update_done()``.
@@ -182,6 +184,24 @@ class RolloutBuffer:
             self.issued += 1
             return ticket
 
+    def acquire_many(self, n: int, timeout: float | None = None) -> list[Ticket]:
+        """Up to ``n`` prompts: the first as :meth:`acquire` (blocking up to ``timeout``), the rest only
+        if they may start at once. Empty when closed or timed out."""
+        first = self.acquire(timeout=timeout)
+        if first is None:
+            return []
+        tickets = [first]
+        while len(tickets) < n:
+            more = self.acquire(timeout=0)
+            if more is None:
+                break
+            tickets.append(more)
+        return tickets
+
+    def put_many(self, groups: Sequence[tuple[Ticket, Sequence[Trajectory]]]) -> list[int]:
+        """:meth:`put` for each ``(ticket, trajectories)`` in order; the valid count of each."""
+        return [self.put(ticket, trajs) for ticket, trajs in groups]
+
     def put(self, ticket: Ticket, trajectories: Sequence[Trajectory]) -> int:
         """Hand in the finished samples of ``ticket``; returns how many were valid and queued."""
         valid: list[Trajectory] = []
@@ -211,19 +231,29 @@ class RolloutBuffer:
             self._cond.notify_all()
         return len(valid)
 
-    def cancel(self, ticket: Ticket, reason: str = "") -> None:
-        """The worker could not finish ``ticket`` (error, shutdown): free the slot, hand the prompt out again."""
+    def cancel(self, ticket: Ticket, reason: str = "", *, lost: bool = False) -> bool:
+        """The worker could not finish ``ticket`` (error, shutdown): free the slot, hand the prompt out again.
+
+        ``lost``: the worker died with the ticket (counted as ``lost_groups`` / ``lost_trajectories``,
+        ``group_size`` each, instead of ``cancelled_groups``). Returns False when the ticket was not
+        being generated (already put or cancelled).
+        """
         with self._cond:
             if ticket.prompt_id not in self._generating:
-                return
+                return False
             self._generating.discard(ticket.prompt_id)
             del self._outstanding[ticket.prompt_id]
             self.freed += 1
-            self.counters["cancelled_groups"] += 1
+            if lost:
+                self.counters["lost_groups"] += 1
+                self.counters["lost_trajectories"] += ticket.group_size
+            else:
+                self.counters["cancelled_groups"] += 1
             self.prompts.requeue([(ticket.prompt_id, ticket.seed)])
             self._cond.notify_all()
         if reason:
-            log.warning("prompt %d cancelled: %s", ticket.prompt_id, reason)
+            log.warning("prompt %d %s: %s", ticket.prompt_id, "lost" if lost else "cancelled", reason)
+        return True
 
     # ---------------------------------------------------------------- learner side
     def take(self, learner_version: int, timeout: float | None = None) -> Batch | None:

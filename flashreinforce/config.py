@@ -110,6 +110,9 @@ FLAGS: tuple[Flag, ...] = (
     _f("fsdp.tp_size", "int", 1, "tensor-parallel size (only 1 on this runtime)"),
     _f("fsdp.ep_size", "int", 1, "expert-parallel size (only 1 on this runtime)"),
     _f("fsdp.cp_size", "int", 1, "context-parallel size (only 1 on this runtime)"),
+    _f("fsdp.strategy", "str", "replicate", "data-parallel learner under torchrun: replicate (whole model per rank, "
+       "gradients all-reduced) or fully_shard (FSDP2: parameters, gradients and optimizer state sharded)",
+       ("replicate", "fully_shard")),
     # logging
     _f("logger.logging_steps", "int", 1, "print a log line every this many updates (metrics.jsonl gets every update)"),
     # rollout
@@ -122,10 +125,19 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout.top_k", "int", 0, "sampling top-k (0: off)"),
     _f("rollout.micro_batch_size", "int", 1, "Molt's rollout forward micro-batch (no such pass here)"),
     _f("rollout.vllm_generate_batch_size", "int", 16, "episodes a rollout worker samples together"),
-    _f("rollout.num_workers", "int", 2, "rollout workers running concurrently with the learner"),
-    _f("rollout.backend", "str", "local", "where workers run: local (threads of this process)", ("local", "ray")),
-    _f("rollout.engine", "str", "local", "rollout engine: local (Hugging Face model in this process)",
-       ("local", "vllm")),
+    _f("rollout.num_workers", "int", 2, "rollout workers running concurrently with the learner (engine vllm: "
+       "vllm.num_engines)"),
+    _f("rollout.backend", "str", "local", "where workers run: local (threads of the learner process) or ray "
+       "(Ray actors; see --ray.*)", ("local", "ray")),
+    _f("rollout.engine", "str", "local", "rollout engine: local (Hugging Face model) or vllm (optional extra "
+       "flashreinforce[vllm], needs CUDA)", ("local", "vllm")),
+    # Ray backend
+    _f("ray.address", "str", None, "Ray cluster to join (auto, HOST:PORT, ray://...; default $RAY_ADDRESS); "
+       "without one a local Ray instance is started for the run and stopped after it"),
+    _f("ray.num_cpus_per_worker", "float", 1.0, "Ray CPUs each rollout worker actor reserves"),
+    _f("ray.num_gpus_per_worker", "float", None, "Ray GPUs each rollout worker actor reserves (default: "
+       "vllm.tensor_parallel_size with the vllm engine, else 0; fractions share a GPU)"),
+    _f("ray.max_restarts", "int", 3, "restarts per rollout worker after its process dies (-1: unlimited)"),
     # train
     _f("train.agent_path", "str", None, "environment: MODULE:CLASS, a .py file (optionally FILE.py:CLASS), or a "
        "shipped name (math, python_tool); alias --env"),
@@ -139,11 +151,12 @@ FLAGS: tuple[Flag, ...] = (
     _f("train.max_policy_lag", "optint", None, "drop trajectories more than this many versions old (none: keep)"),
     _f("train.force_on_policy", "bool", False, "Molt's one-update-per-batch switch (always so here)"),
     _f("train.colocate_fsdp_models", "bool", False, "Molt's model colocation switch (one process here)"),
-    # vLLM (no engine on this runtime)
-    _f("vllm.num_engines", "int", 1, "vLLM engines (local backend: see rollout.num_workers)"),
-    _f("vllm.tensor_parallel_size", "int", 1, "vLLM tensor-parallel size"),
-    _f("vllm.sync_backend", "str", "nccl", "vLLM weight-sync backend"),
-    _f("vllm.gpu_memory_utilization", "float", 0.9, "vLLM GPU memory fraction"),
+    # vLLM engine (rollout.engine vllm)
+    _f("vllm.num_engines", "int", 1, "vLLM engines, one per rollout worker (rollout.engine vllm)"),
+    _f("vllm.tensor_parallel_size", "int", 1, "GPUs per vLLM engine"),
+    _f("vllm.sync_backend", "str", "nccl", "Molt's weight-sync backend (weights travel through the weight store "
+       "and vLLM's RPC here)"),
+    _f("vllm.gpu_memory_utilization", "float", 0.9, "fraction of each GPU a vLLM engine may take"),
 )
 
 FLAG_BY_NAME = {f.name: f for f in FLAGS}
@@ -323,6 +336,14 @@ def _check(cfg: ResolvedConfig) -> None:
             if v[n] is None or v[n] < 0 or (v[n] == 0 and not allow_zero):
                 errors.append(f"--{n} must be {'>= 0' if allow_zero else 'positive'}, got {v[n]}")
 
+    if v["ray.num_cpus_per_worker"] is None or not (v["ray.num_cpus_per_worker"] >= 0):
+        errors.append(f"--ray.num_cpus_per_worker must be >= 0, got {v['ray.num_cpus_per_worker']}")
+    if v["ray.num_gpus_per_worker"] is not None and not (v["ray.num_gpus_per_worker"] >= 0):
+        errors.append(f"--ray.num_gpus_per_worker must be >= 0, got {v['ray.num_gpus_per_worker']}")
+    if v["ray.max_restarts"] < -1:
+        errors.append(f"--ray.max_restarts must be >= -1 (-1: unlimited), got {v['ray.max_restarts']}")
+    if not (0 < v["vllm.gpu_memory_utilization"] <= 1):
+        errors.append(f"--vllm.gpu_memory_utilization must lie in (0, 1], got {v['vllm.gpu_memory_utilization']}")
     positive("rollout.batch_size", "rollout.n_samples_per_prompt", "train.batch_size", "rollout.max_new_tokens",
              "data.max_len", "rollout.max_turns", "rollout.vllm_generate_batch_size", "rollout.num_workers",
              "eval.n_samples_per_prompt", "eval.num_prompts", "logger.logging_steps", "train.num_episodes",
@@ -398,20 +419,32 @@ def _check(cfg: ResolvedConfig) -> None:
             inactive[n] = f"dropped: actor.loss_mode is {mode}"
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
-    if v["rollout.backend"] != "local":
-        errors.append(f"--rollout.backend {v['rollout.backend']}: only local is available on this runtime "
-                      "(the Ray backend is planned)")
-    if v["rollout.engine"] != "local":
-        errors.append(f"--rollout.engine {v['rollout.engine']}: only local is available on this runtime "
-                      "(the vLLM engine is planned as an optional extra)")
-    for n in ("vllm.num_engines", "vllm.tensor_parallel_size", "vllm.sync_backend", "vllm.gpu_memory_utilization"):
-        inactive[n] = "no vLLM engine on this runtime (rollout.engine local; workers: rollout.num_workers)"
+    if v["rollout.engine"] == "vllm":
+        if "rollout.num_workers" in cfg.explicit and v["rollout.num_workers"] != v["vllm.num_engines"]:
+            errors.append(f"--rollout.num_workers {v['rollout.num_workers']} and --vllm.num_engines "
+                          f"{v['vllm.num_engines']} disagree: with --rollout.engine vllm every worker runs one vLLM "
+                          "engine; give --vllm.num_engines")
+        inactive["rollout.num_workers"] = "rollout.engine vllm: one worker per vLLM engine (vllm.num_engines)"
+        inactive["vllm.sync_backend"] = ("weights travel through the weight store (Ray object store or this process) "
+                                         "and vLLM's RPC; no NCCL broadcast to vLLM engines")
+    else:
+        for n in ("vllm.num_engines", "vllm.tensor_parallel_size", "vllm.sync_backend",
+                  "vllm.gpu_memory_utilization"):
+            inactive[n] = "no vLLM engine (rollout.engine local; workers: rollout.num_workers)"
+    if v["rollout.backend"] != "ray":
+        for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts"):
+            inactive[n] = "rollout.backend is local (workers are threads of the learner process)"
     for n in ("ref.num_nodes", "ref.num_gpus_per_node"):
         inactive[n] = "no reference model (algo.kl.init_coef is 0)"
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
     for n in ("actor.num_nodes", "actor.num_gpus_per_node"):
-        inactive[n] = "the native learner runs in one process on one device"
-        if v[n] > 1:
-            warn.append(f"--{n} {v[n]}: the native learner uses one device; the update is the same, only slower")
+        inactive[n] = ("the learner's ranks are torchrun's (WORLD_SIZE): launch with torchrun --nnodes N "
+                       "--nproc-per-node G")
+        if v[n] > 1 and ranks <= 1:
+            warn.append(f"--{n} {v[n]}: this run has one learner process; launch with torchrun for a data-parallel "
+                        "learner (the update is the same, only slower)")
+    if ranks <= 1:
+        inactive["fsdp.strategy"] = "one learner process (not launched by torchrun)"
     inactive["rollout.micro_batch_size"] = "behavior log-probs come from the sampler; there is no rollout forward pass"
     inactive["train.colocate_fsdp_models"] = "learner and rollout engines already share this process"
     inactive["train.force_on_policy"] = "every collected batch gets exactly one optimizer step on this runtime"

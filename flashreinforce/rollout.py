@@ -12,8 +12,8 @@ context reaches ``max_len`` tokens (the last two set ``truncated``). An observat
 fit is not appended (the episode ends truncated instead). ``failed`` is the environment's label of
 its last step, or ``reward <= 0`` when it gave none.
 
-Workers run as threads (:class:`ThreadRolloutPool`, the ``local`` backend); a Ray backend can run
-the same :class:`RolloutWorker` in actors against a buffer actor (issue 6).
+Workers run as threads (:class:`ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
+the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray_backend`).
 """
 
 from __future__ import annotations
@@ -211,18 +211,12 @@ class RolloutWorker:
         consecutive_errors = 0
         while not stop.is_set():
             t0 = time.perf_counter()
-            ticket = self.buffer.acquire(timeout=0.2)
-            if ticket is None:
+            tickets = self.buffer.acquire_many(per_call, timeout=0.2)
+            if not tickets:
                 self.idle_s += time.perf_counter() - t0
                 if self.buffer.closed:
                     break
                 continue
-            tickets = [ticket]
-            while len(tickets) < per_call:
-                more = self.buffer.acquire(timeout=0)
-                if more is None:
-                    break
-                tickets.append(more)
             t1 = time.perf_counter()
             self.idle_s += t1 - t0
             try:
@@ -245,9 +239,8 @@ class RolloutWorker:
                     raise
                 continue
             consecutive_errors = 0
-            for t, trajs in zip(tickets, groups):
-                self.buffer.put(t, trajs)
-                self.episodes += len(trajs)
+            self.buffer.put_many(list(zip(tickets, groups)))
+            self.episodes += sum(len(trajs) for trajs in groups)
             self.busy_s += time.perf_counter() - t1
 
     def close(self) -> None:

@@ -2,10 +2,14 @@
 
 :class:`Trainer` wires the pieces together from a :class:`~flashreinforce.config.ResolvedConfig`:
 
-* rollout workers (``rollout.num_workers`` threads, each with its own engine copy of the policy)
-  roll out prompts the buffer hands out and put finished trajectories into it;
+* rollout workers (``rollout.num_workers`` threads, or Ray actors with ``--rollout.backend ray``, each
+  with its own engine copy of the policy) roll out prompts the buffer hands out and put finished
+  trajectories into it;
 * the learner loop takes the next batch (``rollout.batch_size`` groups in completion order), makes
   one optimizer step, publishes the new weights by version, and lets the next batch start;
+* under ``torchrun`` the learner is data-parallel (:mod:`flashreinforce.distributed.data_parallel`):
+  rank 0 runs everything above and hands each rank its share of every batch; the other ranks only
+  compute gradients;
 * every update appends one JSON line to ``OUTPUT/metrics.jsonl``; checkpoints every
   ``ckpt.save_steps`` updates, at the end and on Ctrl-C; ``--resume`` continues from the newest one
   with the same metrics history.
@@ -26,11 +30,13 @@ import importlib.util
 import inspect
 import json
 import logging
+import os
 import random
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,10 +50,10 @@ from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engi
 from flashreinforce.envs.base import Environment
 from flashreinforce.learner import Learner, LearnerSettings
 from flashreinforce.presets import TINY_MODELS
-from flashreinforce.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
+from flashreinforce.rollout import RolloutBackend, RolloutSettings, RolloutWorker, ThreadRolloutPool
 from flashreinforce.tokenizers import HFTokenizer, load_tokenizer
 
-__all__ = ["Trainer", "build_model", "environment_factory", "num_prompts"]
+__all__ = ["EnvSpec", "Trainer", "build_model", "environment_factory", "num_prompts"]
 
 log = logging.getLogger("flashreinforce.trainer")
 
@@ -130,6 +136,28 @@ def environment_factory(spec: str, config: dict[str, Any], env_kwargs: dict[str,
     return factory
 
 
+@dataclass(frozen=True)
+class EnvSpec:
+    """How to build the run's environments anywhere (picklable: Ray workers rebuild them from it).
+
+    spec / config / kwargs: :func:`environment_factory`'s arguments. chat_template: the environment
+    renders its prompt itself with the tokenizer's chat template (it takes ``apply_chat_template``).
+    """
+
+    spec: str
+    config: dict[str, Any]
+    kwargs: dict[str, Any]
+    chat_template: bool = False
+
+    def factory(self, tokenizer) -> Callable[[], Environment]:
+        chat = None
+        if self.chat_template:
+            from flashreinforce.envs.dataset import chat_template_from_tokenizer
+
+            chat = chat_template_from_tokenizer(tokenizer.tok)
+        return environment_factory(self.spec, self.config, self.kwargs, chat)
+
+
 def num_prompts(env: Environment) -> int | None:
     """Size of the environment's finite prompt set (dataset rows), or ``None`` for endless seeds."""
     tasks = getattr(env, "tasks", None)
@@ -173,6 +201,9 @@ class Trainer:
         self.device = _device(cfg.device)
         self._interrupted = threading.Event()
         self._eval_worker: RolloutWorker | None = None
+        self.dist = None  # DistContext under torchrun
+        self._ray = None  # RayRollout with --rollout.backend ray
+        self._loaded: dict | None = None  # the checkpoint being resumed from
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -190,13 +221,10 @@ class Trainer:
         chat = bool(f["data.apply_chat_template"])
         spec = f["train.agent_path"]
         self.tokenizer = load_tokenizer(tok_spec)
-        chat_callable = None
+        env_renders = False
         if chat and isinstance(self.tokenizer, HFTokenizer):
-            from flashreinforce.envs.dataset import chat_template_from_tokenizer
-
             env_renders = self._env_accepts_chat_template(spec)
             self.tokenizer = HFTokenizer(self.tokenizer.tok, chat_prompt=not env_renders, chat_observations=True)
-            chat_callable = chat_template_from_tokenizer(self.tokenizer.tok) if env_renders else None
         elif chat:
             cfg.inactive["data.apply_chat_template"] = "the character tokenizer has no chat template"
         emb = self.model.get_input_embeddings().weight.shape[0]
@@ -206,7 +234,10 @@ class Trainer:
         if cfg.flags["fsdp.packing_samples"] and not self._packed_forward_supported():
             raise ConfigError("--fsdp.packing_samples: this transformers version does not separate packed "
                               "sequences by position_ids; drop the flag to use the padded forward")
-        self.env_factory = environment_factory(spec, cfg.env_config(), cfg.env_kwargs, chat_callable)
+        if spec is None:
+            raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
+        self.env_spec = EnvSpec(spec, cfg.env_config(), dict(cfg.env_kwargs), env_renders)
+        self.env_factory = self.env_spec.factory(self.tokenizer)
         probe = self.env_factory()
         try:
             self.num_prompts = num_prompts(probe)
@@ -222,7 +253,7 @@ class Trainer:
                                   f"make no full batch of rollout.batch_size {f['rollout.batch_size']}")
         lo, hi = f["actor.eps_clip_low_high"]
         gc = str(f["actor.gradient_checkpoint"]).lower() in ("full", "true")
-        self.learner = Learner(self.model, LearnerSettings(
+        settings = LearnerSettings(
             loss_mode=f["actor.loss_mode"], delta=f["actor.flash_gate_delta"], neg_topq=f["actor.flash_neg_topq"],
             loss_agg=f["actor.flash_loss_agg"], loss_scale_factor=f["actor.loss_scale_factor"],
             no_is=f["actor.flash_no_is"], eps_clip=(lo, hi), whiten=not f["algo.advantage.no_whiten"],
@@ -232,19 +263,49 @@ class Trainer:
             entropy_coef=f["actor.entropy_coef"], temperature=f["rollout.temperature"],
             micro_batch_trajectories=f["train.micro_batch_size"], micro_batch_tokens=f["train.micro_batch_tokens"],
             packed_forward=bool(f["fsdp.packing_samples"]), param_dtype=f["fsdp.param_dtype"],
-            gradient_checkpointing=gc), pad_token_id=self.tokenizer.pad_token_id)
-        self.buffer = RolloutBuffer(
-            batch_groups=f["rollout.batch_size"], group_size=f["rollout.n_samples_per_prompt"],
-            async_queue_size=f["train.async_queue_size"], max_policy_lag=f["train.max_policy_lag"],
-            prompts=PromptStream(num_prompts=self.num_prompts, seed=cfg.seed), vocab_size=self.tokenizer.vocab_size)
+            gradient_checkpointing=gc)
+        self._load_checkpoint_weights()  # before any sharding of the model
+        if self.dist is not None:
+            from flashreinforce.distributed.data_parallel import DataParallelLearner
+
+            self.learner = DataParallelLearner(self.model, settings, self.dist, pad_token_id=self.tokenizer.pad_token_id,
+                                               strategy=f["fsdp.strategy"])
+        else:
+            self.learner = Learner(self.model, settings, pad_token_id=self.tokenizer.pad_token_id)
+        self.step = 0
+        self.counters: dict[str, float] = {"skipped_updates": 0, "wall_time_s": 0.0}
+        if not self._leads:
+            return
+        buffer_kwargs = dict(batch_groups=f["rollout.batch_size"], group_size=f["rollout.n_samples_per_prompt"],
+                             async_queue_size=f["train.async_queue_size"], max_policy_lag=f["train.max_policy_lag"],
+                             vocab_size=self.tokenizer.vocab_size)
+        prompt_kwargs = dict(num_prompts=self.num_prompts, seed=cfg.seed)
+        if f["rollout.engine"] == "vllm":
+            from flashreinforce.engines.vllm import import_vllm
+
+            try:
+                import_vllm()
+            except ImportError as err:
+                raise ConfigError(f"--rollout.engine vllm: {err}") from None
+        if f["rollout.backend"] == "ray":
+            from flashreinforce.distributed.ray_backend import RayRollout, import_ray
+
+            try:
+                import_ray()
+            except ImportError as err:
+                raise ConfigError(f"--rollout.backend ray: {err}") from None
+            self._ray = RayRollout.create(address=f["ray.address"], buffer_kwargs=buffer_kwargs,
+                                          prompt_kwargs=prompt_kwargs)
+            self.buffer = self._ray.buffer
+            self.weights = self._ray.weights
+        else:
+            self.buffer = RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs))
+            self.weights = LocalWeightStore()
         self.rollout_settings = RolloutSettings(
             max_new_tokens=f["rollout.max_new_tokens"], max_len=f["data.max_len"], max_turns=f["rollout.max_turns"],
             sampling=SamplingParams(f["rollout.temperature"], f["rollout.top_p"], f["rollout.top_k"],
                                     self.tokenizer.eos_token_ids),
             episodes_per_call=f["rollout.vllm_generate_batch_size"], seed=cfg.seed)
-        self.weights = LocalWeightStore()
-        self.step = 0
-        self.counters: dict[str, float] = {"skipped_updates": 0, "wall_time_s": 0.0}
 
     def _env_accepts_chat_template(self, spec: str) -> bool:
         from flashreinforce.envs.dataset import BUILTIN_ENVIRONMENTS
@@ -266,18 +327,38 @@ class Trainer:
             return False
         return True
 
-    def _resume(self) -> None:
+    @property
+    def _leads(self) -> bool:
+        """This process runs the rollout side, metrics and checkpoints (always, except torchrun ranks > 0)."""
+        return self.dist is None or self.dist.is_leader
+
+    @property
+    def _sharded(self) -> bool:
+        return bool(getattr(self.learner, "sharded", False))
+
+    def _load_checkpoint_weights(self) -> None:
+        """With ``--resume``: the checkpoint's weights into the (not yet sharded) model, on every rank."""
         cfg = self.cfg
         if not cfg.resume:
             return
         path = latest_checkpoint(self.ckpt_dir) if cfg.resume == "latest" else Path(cfg.resume)
         if path is None:
             raise ConfigError(f"--resume: no checkpoint in {self.ckpt_dir}")
-        loaded = load_checkpoint(path, model=self.model)
-        self.learner.load_state_dict(loaded["learner"])
-        state = loaded["state"]
-        self.buffer.load_state_dict(state["buffer"])
+        self._loaded = load_checkpoint(path, model=self.model)
+        self._loaded["path"] = path
+
+    def _resume(self) -> None:
+        if self._loaded is None:
+            return
+        state = self._loaded["state"]
+        learner_state = dict(self._loaded["learner"])
+        if state.get("optimizer_format"):
+            learner_state["optimizer_format"] = state["optimizer_format"]
+        self.learner.load_state_dict(learner_state)
         self.step = int(state["step"])
+        if not self._leads:
+            return
+        self.buffer.load_state_dict(state["buffer"])
         self.counters.update(state.get("trainer", {}))
         # The metrics history continues from the checkpoint: later lines (from updates whose
         # effect the checkpoint does not hold) are removed.
@@ -286,22 +367,73 @@ class Trainer:
             if p.is_file():
                 kept = [ln for ln in p.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= self.step]
                 p.write_text("".join(ln + "\n" for ln in kept))
-        log.info("resumed from %s at step %d (policy version %d)", path, self.step, self.learner.version)
+        log.info("resumed from %s at step %d (policy version %d)", self._loaded["path"], self.step,
+                 self.learner.version)
 
     def _save(self) -> Path:
+        learner_state = self.learner.state_dict()  # gathered to rank 0 under fully_shard
         state = {"buffer": self.buffer.state_dict(), "trainer": self.counters, "max_steps": self.max_steps}
-        return save_checkpoint(self.ckpt_dir, self.step, model=self.model, learner_state=self.learner.state_dict(),
+        if learner_state.get("optimizer_format"):
+            state["optimizer_format"] = learner_state["optimizer_format"]
+        model = self._full_model() if self._sharded else self.model
+        return save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
                                state=state, tokenizer=self.tokenizer, max_keep=self.cfg.flags["ckpt.max_ckpt_num"])
 
-    def _make_workers(self) -> ThreadRolloutPool:
+    def _full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
+        """An unsharded copy of the current policy (float32 on ``device``), for engines and exports."""
+        if not self._sharded:
+            return copy.deepcopy(self.model).to(device)
+        import transformers
+
+        state = self.learner.policy_state()  # collective: every rank gathers its shard to rank 0
+        model = transformers.AutoModelForCausalLM.from_config(self.model.config).to(dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        if [k for k in missing if k not in tied] or unexpected:
+            raise RuntimeError(f"gathered weights do not match the model: missing {missing[:5]}, unexpected "
+                               f"{unexpected[:5]}")
+        return model.to(device)
+
+    def _make_workers(self):
+        f = self.cfg.flags
+        engine_kind = f["rollout.engine"]
+        num_workers = f["vllm.num_engines"] if engine_kind == "vllm" else f["rollout.num_workers"]
+        options = self._engine_options()
+        if f["rollout.backend"] == "ray":
+            from flashreinforce.distributed.ray_backend import WorkerRecipe
+
+            recipe = WorkerRecipe(model_config=self.model.config, engine=engine_kind, tokenizer=self.tokenizer,
+                                  env=self.env_spec, settings=self.rollout_settings,
+                                  group_size=f["rollout.n_samples_per_prompt"], engine_options=options,
+                                  torch_threads=self.cfg.torch_threads)
+            gpus = f["ray.num_gpus_per_worker"]
+            if gpus is None:
+                gpus = f["vllm.tensor_parallel_size"] if engine_kind == "vllm" else 0.0
+            return self._ray.backend(recipe, num_workers, num_cpus=f["ray.num_cpus_per_worker"], num_gpus=gpus,
+                                     max_restarts=f["ray.max_restarts"])
         workers = []
-        for i in range(self.cfg.flags["rollout.num_workers"]):
-            engine_model = copy.deepcopy(self.model)
-            engine = create_engine(self.cfg.flags["rollout.engine"], engine_model,
-                                   pad_token_id=self.tokenizer.pad_token_id, version=self.learner.version)
+        for i in range(num_workers):
+            if engine_kind == "vllm":
+                # No weights yet (version -1): the first sync before generating loads the newest ones.
+                engine = create_engine("vllm", self.model.config, pad_token_id=self.tokenizer.pad_token_id,
+                                       options=options)
+            else:
+                engine = create_engine("local", self._full_model(self.device), pad_token_id=self.tokenizer.pad_token_id,
+                                       version=self.learner.version)
             workers.append(RolloutWorker(i, engine, self.env_factory, self.tokenizer, self.buffer, self.weights,
                                          self.rollout_settings))
         return ThreadRolloutPool(workers)
+
+    def _engine_options(self) -> dict[str, Any]:
+        """The vLLM engine's options from the flags (empty for the local engine)."""
+        f = self.cfg.flags
+        if f["rollout.engine"] != "vllm":
+            return {}
+        dtype = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(
+            f["fsdp.param_dtype"], "auto")
+        return {"tensor_parallel_size": f["vllm.tensor_parallel_size"],
+                "gpu_memory_utilization": f["vllm.gpu_memory_utilization"], "dtype": dtype, "seed": self.cfg.seed,
+                "max_model_len": f["data.max_len"]}
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -321,7 +453,7 @@ class Trainer:
                 eval_prompts = min(self.num_prompts, f["eval.num_prompts"])
             offset = 0 if eval_prompts is not None else EVAL_SEED_OFFSET
             self._eval_seeds = [offset + i for i in range(eval_prompts or f["eval.num_prompts"])]
-            engine = create_engine("local", copy.deepcopy(self.model), pad_token_id=self.tokenizer.pad_token_id,
+            engine = create_engine("local", self._full_model(self.device), pad_token_id=self.tokenizer.pad_token_id,
                                    version=-1)
             settings = copy.copy(self.rollout_settings)
             settings.sampling = SamplingParams(f["eval.temperature"], f["eval.top_p"], f["rollout.top_k"],
@@ -354,14 +486,63 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
-        cfg, f = self.cfg, self.cfg.flags
-        self.out.mkdir(parents=True, exist_ok=True)
+        """Train; returns the summary (torchrun ranks > 0 return ``status: follower``)."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from flashreinforce.distributed.data_parallel import distributed_context
+
+            self.dist = distributed_context(self.cfg.device)
+            self.device = self.dist.device
+        try:
+            return self._run() if self._leads else self._run_follower()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Remove the Ray actors and disconnect (stopping only a Ray instance this run started);
+        leave the torch.distributed job."""
+        try:
+            if self._ray is not None:
+                self._ray.close()
+                self._ray = None
+        finally:
+            if self.dist is not None:
+                self.dist.close()
+
+    def _run_follower(self) -> dict[str, Any]:
+        """torchrun ranks > 0: compute gradients for rank 0 until it says stop."""
         self._setup()
         self._resume()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the run ends
+        updates = self.learner.serve()
+        return {"status": "follower", "rank": self.dist.rank, "updates": updates,
+                "policy_version": self.learner.version}
+
+    def _run(self) -> dict[str, Any]:
+        cfg, f = self.cfg, self.cfg.flags
+        self.out.mkdir(parents=True, exist_ok=True)
+        try:
+            self._setup()
+            self._resume()
+        except BaseException:
+            if self.dist is not None and getattr(self, "learner", None) is not None:
+                self.learner.stop()  # release the other ranks
+            raise
+        try:
+            return self._train()
+        finally:
+            if self.dist is not None:
+                self.learner.stop()
+
+    def _train(self) -> dict[str, Any]:
+        cfg, f = self.cfg, self.cfg.flags
         record = cfg.to_json()
         record.update(max_steps=self.max_steps, loss_impl=self.learner.loss_impl, num_prompts=self.num_prompts,
                       device=str(self.device), torch_threads=torch.get_num_threads(),
-                      tokenizer_kind=type(self.tokenizer).__name__)
+                      tokenizer_kind=type(self.tokenizer).__name__,
+                      learner_ranks=1 if self.dist is None else self.dist.world_size,
+                      learner_strategy=None if self.dist is None else f["fsdp.strategy"],
+                      rollout_backend=f["rollout.backend"], rollout_engine=f["rollout.engine"])
         (self.out / "config.json").write_text(json.dumps(record, indent=1, default=str))
         for w in cfg.warnings:
             log.warning(w)
@@ -447,7 +628,7 @@ class Trainer:
                 log.info("checkpoint saved to %s", ckpt)
         if status == "completed":
             self.hf_dir.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(str(self.hf_dir))
+            (self._full_model() if self._sharded else self.model).save_pretrained(str(self.hf_dir))
             self.tokenizer.save_pretrained(self.hf_dir)
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
@@ -458,7 +639,7 @@ class Trainer:
         return summary
 
     def _metrics(self, m: dict, trajs, batch, version_before: int, idle: float, step_time: float, wall: float,
-                 pool: ThreadRolloutPool) -> dict[str, Any]:
+                 pool: RolloutBackend) -> dict[str, Any]:
         lags = [t.policy_lag(version_before) for t in trajs]
         tokens = sum(t.num_tokens for t in trajs)
         stats = self.buffer.stats()
@@ -487,6 +668,8 @@ class Trainer:
             "rejected_trajectories": stats.get("rejected_trajectories", 0),
             "dropped_stale_trajectories": stats.get("dropped_stale_trajectories", 0),
             "cancelled_groups": stats.get("cancelled_groups", 0),
+            "lost_trajectories": stats.get("lost_trajectories", 0),
+            "worker_restarts": sum(int(w.get("restarts", 0)) for w in worker_stats),
             "multi_version_trajectories": sum(t.policy_version_max != t.policy_version_min for t in trajs),
             "truncated_fraction": _mean(float(t.truncated) for t in trajs),
             "num_turns_mean": _mean(t.num_turns for t in trajs),

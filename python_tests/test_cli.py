@@ -81,7 +81,10 @@ def test_flags_without_effect_are_recorded_as_inactive_with_reasons():
     (["--actor.flash_neg_topq", "1.5"], "flash_neg_topq"),
     (["--actor.flash_loss_agg", "seq-mean-token-sum-norm"], "loss_scale_factor"),
     (["--actor.loss_mode", "ppo"], "grpo"),
-    (["--rollout.backend", "ray"], "rollout.backend"),
+    (["--rollout.backend", "ray", "--ray.num_cpus_per_worker", "-1"], "ray.num_cpus_per_worker"),
+    (["--rollout.backend", "ray", "--ray.max_restarts", "-2"], "ray.max_restarts"),
+    (["--rollout.engine", "vllm", "--rollout.num_workers", "3", "--vllm.num_engines", "2"], "vllm.num_engines"),
+    (["--vllm.gpu_memory_utilization", "1.5"], "vllm.gpu_memory_utilization"),
     (["--data.max_len", "1"], "data.max_len"),
 ])
 def test_values_this_runtime_cannot_honour_are_errors_naming_the_flag(argv, needle):

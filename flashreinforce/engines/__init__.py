@@ -1,8 +1,11 @@
 """Rollout engines behind one interface (:class:`RolloutEngine`) and weight publication by version.
 
-``local`` (the default) is :class:`HFEngine`, a Hugging Face model sampled in this process. A vLLM
-engine (issue 6) will plug in behind the same interface as an optional extra.
+``local`` (the default) is :class:`HFEngine`, a Hugging Face model sampled in this process.
+``vllm`` is :class:`flashreinforce.engines.vllm.VLLMEngine` (optional extra ``flashreinforce[vllm]``),
+imported only when selected.
 """
+
+from typing import Any, Mapping
 
 from flashreinforce.engines.base import (Generation, GenerationRequest, LocalWeightStore, RolloutEngine,
                                          SamplingParams, WeightStore)
@@ -11,13 +14,27 @@ from flashreinforce.engines.hf import HFEngine, sampling_log_probs
 __all__ = ["ENGINE_KINDS", "Generation", "GenerationRequest", "HFEngine", "LocalWeightStore", "RolloutEngine",
            "SamplingParams", "WeightStore", "create_engine", "sampling_log_probs"]
 
-#: Engine kinds ``create_engine`` knows; only ``local`` is implemented on this runtime.
-ENGINE_KINDS = ("local",)
+#: Engine kinds ``create_engine`` knows.
+ENGINE_KINDS = ("local", "vllm")
 
 
-def create_engine(kind: str, model, *, pad_token_id: int, version: int = -1) -> RolloutEngine:
-    """An engine of ``kind`` around ``model`` (the engine's own copy of the policy)."""
+def create_engine(kind: str, model, *, pad_token_id: int, version: int = -1,
+                  options: Mapping[str, Any] | None = None) -> RolloutEngine:
+    """An engine of ``kind``.
+
+    ``local``: ``model`` is the engine's own copy of the policy (a ``transformers`` causal LM).
+    ``vllm``: ``model`` is a Hugging Face checkpoint directory, a ``transformers`` config, or a
+    causal LM (its config; and its weights when ``version >= 0``); ``options`` are
+    :class:`~flashreinforce.engines.vllm.VLLMEngine` keyword arguments. vLLM is imported here,
+    only when selected; without it this raises ``ImportError`` naming the extra to install.
+    """
+    options = dict(options or {})
     if kind == "local":
+        if options:
+            raise ValueError(f"the local engine takes no options, got {sorted(options)}")
         return HFEngine(model, pad_token_id=pad_token_id, version=version)
-    raise ValueError(f"rollout engine {kind!r} is not available; known engines: {ENGINE_KINDS} "
-                     "(the vLLM engine is planned as an optional extra)")
+    if kind == "vllm":
+        from flashreinforce.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, version=version, **options)
+    raise ValueError(f"rollout engine {kind!r} is not available; known engines: {ENGINE_KINDS}")
