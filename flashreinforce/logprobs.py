@@ -37,17 +37,17 @@ from torch.autograd.function import once_differentiable
 __all__ = ["CPU_TILE", "DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logprobs"]
 
 #: Default budget, in bytes, for the tile-sized work buffers that exist at any one time (forward
-#: or backward). On GPUs a tile spans the whole vocabulary, so 256 MiB is ~220 rows at
-#: V = 151,936 in float32: enough rows for the GEMMs to run near peak.
+#: or backward). On GPUs a tile spans the whole vocabulary, so 256 MiB is 441 rows at
+#: V = 151,936 in float32 (220 with entropy): enough rows for the GEMMs to run near peak.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
-#: Default ``(rows, vocabulary columns)`` of a tile on CPU: a 1024 x 16384 float32 tile is 64 MiB.
-#: On an idle 2-core machine tile shapes from 512 x 8192 to 2048 x 16384 are within 2% of each
-#: other and ~7% faster than tiles spanning the whole vocabulary; when other processes compete
-#: for the cores, every parallel region (one per elementwise op per tile) can wait a scheduler
-#: slice for its second thread, so fewer, larger tiles are much faster than small cache-sized
-#: ones. Measurements: docs/performance.md, "Learner memory".
-CPU_TILE = (1024, 16384)
+#: Largest ``(rows, vocabulary columns)`` of a tile on CPU (rows are further limited by the
+#: budget: 2048 x 32768 float32 is 256 MiB, 1024 rows with entropy). Measured on a 2-core machine
+#: (docs/performance.md, "Learner memory"): on idle cores, tile shapes from 512 x 8192 to whole
+#: vocabulary rows are within ~7% of each other; when other processes compete for the cores,
+#: every parallel region (one per elementwise op per tile) can wait a scheduler slice for its
+#: second thread, and 2048 x 32768 tiles took ~10% less CPU time than 1024 x 16384 ones.
+CPU_TILE = (2048, 32768)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -57,24 +57,26 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _element_bytes(dtype: torch.dtype) -> int:
-    """Bytes of work buffers per tile element: two compute-dtype tiles, plus one in the input
-    dtype for low-precision inputs (the GEMM operand/result before or after the cast)."""
-    per = 2 * torch.empty((), dtype=_compute_dtype(dtype)).element_size()
+def _element_bytes(dtype: torch.dtype, with_entropy: bool) -> int:
+    """Bytes of work buffers per tile element: one compute-dtype tile (two with entropy), plus
+    one in the input dtype for low-precision inputs (the GEMM result before the upcast, and the
+    gradient after the downcast)."""
+    per = (2 if with_entropy else 1) * torch.empty((), dtype=_compute_dtype(dtype)).element_size()
     if dtype in _LOW_PRECISION:
         per += torch.empty((), dtype=dtype).element_size()
     return per
 
 
 def chunk_rows(vocab_size: int, dtype: torch.dtype = torch.float32,
-               budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+               budget_bytes: int = DEFAULT_CHUNK_BYTES, *, with_entropy: bool = False) -> int:
     """Number of token rows per tile so that tiles spanning ``vocab_size`` columns fit their
-    work buffers in ``budget_bytes`` (at least one row). ``dtype``: dtype of ``hidden``."""
+    work buffers in ``budget_bytes`` (at least one row). ``dtype``: dtype of ``hidden``;
+    ``with_entropy``: entropies are computed (one more buffer)."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
     if not isinstance(budget_bytes, int) or budget_bytes < 1:
         raise ValueError(f"budget_bytes must be a positive int, got {budget_bytes!r}")
-    return max(1, budget_bytes // (vocab_size * _element_bytes(dtype)))
+    return max(1, budget_bytes // (vocab_size * _element_bytes(dtype, bool(with_entropy))))
 
 
 def _tile_logits(h, weight, bias, temperature, out, low_out):
@@ -386,7 +388,7 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     else:
         cols = min(vocab, vocab_chunk_size)
     if chunk_size is None:
-        rows = chunk_rows(cols, hidden.dtype, chunk_budget_bytes)
+        rows = chunk_rows(cols, hidden.dtype, chunk_budget_bytes, with_entropy=with_entropy)
         if on_cpu:
             rows = min(rows, CPU_TILE[0])
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

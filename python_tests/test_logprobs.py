@@ -184,7 +184,7 @@ def test_chunking_does_not_change_results():
     for lp, ent in outs[1:]:
         torch.testing.assert_close(lp, outs[0][0], rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(ent, outs[0][1], rtol=1e-6, atol=1e-6)
-    small_budget = sampled_token_logprobs(hidden, weight, targets, chunk_budget_bytes=301 * 8 * 3)
+    small_budget = sampled_token_logprobs(hidden, weight, targets, chunk_budget_bytes=301 * 4 * 3)
     torch.testing.assert_close(small_budget[0], outs[0][0], rtol=1e-6, atol=1e-6)
 
 
@@ -224,8 +224,11 @@ def test_logp_never_positive_when_one_token_dominates():
 def test_chunk_rows_respects_budget():
     v = 151936
     rows = chunk_rows(v)
+    assert rows * v * 4 <= DEFAULT_CHUNK_BYTES < (rows + 1) * v * 4
+    rows = chunk_rows(v, with_entropy=True)
     assert rows * v * 8 <= DEFAULT_CHUNK_BYTES < (rows + 1) * v * 8
-    assert chunk_rows(v, torch.bfloat16) * v * 10 <= DEFAULT_CHUNK_BYTES
+    assert chunk_rows(v, torch.bfloat16) * v * 6 <= DEFAULT_CHUNK_BYTES
+    assert chunk_rows(v, torch.float64, with_entropy=True) * v * 16 <= DEFAULT_CHUNK_BYTES
     assert chunk_rows(v, budget_bytes=1) == 1
     with pytest.raises(ValueError, match="budget_bytes"):
         chunk_rows(v, budget_bytes=0)
