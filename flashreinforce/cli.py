@@ -3,7 +3,8 @@
 ``flashreinforce train [--preset NAME] [--env MODULE:CLASS] [--model M] --output DIR [--resume] [--FLAG VALUE ...]``
 trains with the native asynchronous trainer; ``flashreinforce train --help`` lists every flag.
 Exit status: 0 when training completed, 130 after Ctrl-C (a checkpoint was saved), 2 for a bad
-configuration (the message names the flag).
+configuration (the message names the flag). Under ``torchrun`` every rank runs this script; rank 0
+prints the summary (see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def train(argv: Sequence[str]) -> int:
     except ConfigError as err:
         print(f"flashreinforce train: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(summary, default=str))
+    if summary["status"] != "follower":  # under torchrun, rank 0 reports for the job
+        print(json.dumps(summary, default=str))
     return 130 if summary["status"] == "interrupted" else 0
 
 

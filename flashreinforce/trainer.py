@@ -204,6 +204,7 @@ class Trainer:
         self.dist = None  # DistContext under torchrun
         self._ray = None  # RayRollout with --rollout.backend ray
         self._loaded: dict | None = None  # the checkpoint being resumed from
+        self.pool: RolloutBackend | None = None  # the running rollout workers (for tools and tests)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -562,7 +563,7 @@ class Trainer:
                 ev = self.evaluate()
                 self._write_eval(ev)
                 bar.write(f"eval at start: reward {ev['eval_reward_mean']:.3f}, success {ev['eval_success_rate']:.3f}")
-            pool = self._make_workers()
+            pool = self.pool = self._make_workers()
             pool.start()
             t_run = time.perf_counter()
             t_last = time.perf_counter()

@@ -670,12 +670,14 @@ class RayRolloutBackend(RolloutBackend):
 
     def _revived(self, i: int, ref) -> None:
         ray = import_ray()
-        from ray.exceptions import ActorUnavailableError, RayActorError
+        from ray.exceptions import RayActorError
 
+        # Newer Ray answers "restarting, try again" with ActorUnavailableError; older Ray queues the call.
+        unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
         self._reviving[i] = None
         try:
             ray.get(ref)
-        except ActorUnavailableError:  # still restarting: ask again shortly
+        except unavailable:  # still restarting: ask again shortly
             self._ping_again[i] = time.monotonic() + self.poll_s
             return
         except RayActorError as err:  # gone for good (e.g. its constructor fails now)
