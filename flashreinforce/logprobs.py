@@ -43,8 +43,8 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 #: Largest ``(rows, vocabulary columns)`` of a tile on CPU (rows are further limited by the
 #: budget: 2048 x 32768 float32 is 256 MiB, 1024 rows with entropy). Measured on a 2-core machine
-#: (docs/performance.md, "Learner memory"): on idle cores, tile shapes from 512 x 8192 to whole
-#: vocabulary rows are within ~7% of each other; when other processes compete for the cores,
+#: (docs/performance.md, "Learner memory"): on a free core, tile shapes from 512 x 8192 to whole
+#: vocabulary rows cost within 4% of each other; when other processes compete for the cores,
 #: every parallel region (one per elementwise op per tile) can wait a scheduler slice for its
 #: second thread, and 2048 x 32768 tiles took ~10% less CPU time than 1024 x 16384 ones.
 CPU_TILE = (2048, 32768)
