@@ -273,7 +273,8 @@ class _SampledTokenLogprobs(torch.autograd.Function):
                     if g_r is not None:
                         # + g at the target. gather/scatter rather than scatter_add_: it is
                         # deterministic on every backend (one target per row).
-                        grad_z.scatter_(1, col, torch.where(here, grad_z.gather(1, col) + g_r, grad_z.gather(1, col)))
+                        at_col = grad_z.gather(1, col)
+                        grad_z.scatter_(1, col, torch.where(here, at_col + g_r, at_col))
                     gz = tiles.view(tiles.low_buf, n, vb).copy_(grad_z) if low else grad_z
                 else:
                     d = z.sub_(lse_r).exp_()  # p
