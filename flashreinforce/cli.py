@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from typing import Sequence
 
@@ -43,7 +44,16 @@ def train(argv: Sequence[str]) -> int:
         return 2
     if summary["status"] != "follower":  # under torchrun, rank 0 reports for the job
         print(json.dumps(summary, default=str))
-    return 130 if summary["status"] == "interrupted" else 0
+    code = 130 if summary["status"] == "interrupted" else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun rank whose run is complete: every output file is written and closed and the
+        # process group destroyed. Skip the interpreter's teardown, where gloo's C++ objects were
+        # seen (rarely) to abort the process after a completed run, turning success into SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -355,6 +355,9 @@ class Trainer:
         learner_state = dict(self._loaded["learner"])
         if state.get("optimizer_format"):
             learner_state["optimizer_format"] = state["optimizer_format"]
+            if not self._sharded:
+                raise ConfigError(f"--resume: {self._loaded['path']} holds the optimizer state of a fully_shard "
+                                  "learner; resume it under torchrun with --fsdp.strategy fully_shard")
         self.learner.load_state_dict(learner_state)
         self.step = int(state["step"])
         if not self._leads:

@@ -304,8 +304,10 @@ class DataParallelLearner:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         if state.get("optimizer_format") != "fsdp_full":
-            raise ValueError("this checkpoint's optimizer state was not written by a fully_shard learner; "
-                             "resume it with --fsdp.strategy replicate (or one process)")
+            from flashreinforce.config import ConfigError
+
+            raise ConfigError("--resume: this checkpoint's optimizer state was not written by a fully_shard "
+                              "learner; resume it with --fsdp.strategy replicate (or in one process)")
         set_optimizer_state_dict(self.learner.scorer, self.learner.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         self.learner.scheduler.load_state_dict(state["scheduler"])

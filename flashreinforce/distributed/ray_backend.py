@@ -520,10 +520,12 @@ class RayRolloutBackend(RolloutBackend):
         num_cpus / num_gpus: Ray resources each worker actor reserves.
         max_restarts: restarts per worker after its process dies (-1: unlimited).
         poll_s: how often the supervisor looks for finished or dead workers.
+        placement_timeout_s: how long :meth:`start` waits for Ray to place and build every worker.
     """
 
     def __init__(self, recipe: WorkerRecipe, num_workers: int, buffer: RemoteBuffer, registry, *,
-                 num_cpus: float = 1.0, num_gpus: float = 0.0, max_restarts: int = 3, poll_s: float = 0.2) -> None:
+                 num_cpus: float = 1.0, num_gpus: float = 0.0, max_restarts: int = 3, poll_s: float = 0.2,
+                 placement_timeout_s: float = 600.0) -> None:
         if num_workers <= 0:
             raise ValueError(f"num_workers must be positive, got {num_workers}")
         self.recipe = recipe
@@ -534,6 +536,7 @@ class RayRolloutBackend(RolloutBackend):
         self.num_gpus = float(num_gpus)
         self.max_restarts = int(max_restarts)
         self.poll_s = poll_s
+        self.placement_timeout_s = placement_timeout_s
         self.actors: list = []
         self._runs: list = []
         self.incarnation: list[int] = []
@@ -560,10 +563,12 @@ class RayRolloutBackend(RolloutBackend):
                                       name=None).remote(i, [self._recipe_ref], self.buffer.handle, self.registry)
             self.actors.append(actor)
         try:
-            self.placement = ray.get([a.ready.remote() for a in self.actors])
+            self.placement = self._wait_ready()
         except Exception as err:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
+            if isinstance(err, TimeoutError):
+                raise
             raise RuntimeError(f"a Ray rollout worker could not be built: {err}") from err
         log.info("Ray rollout workers: %s", self.placement)
         self.incarnation = [0] * self.num_workers
@@ -573,6 +578,26 @@ class RayRolloutBackend(RolloutBackend):
         self._runs = [a.run.remote(0) for a in self.actors]
         self._thread = threading.Thread(target=self._supervise, name="ray-rollout-supervisor", daemon=True)
         self._thread.start()
+
+    def _wait_ready(self) -> list[dict[str, Any]]:
+        """Wait until every worker actor is placed and built; a clear error when the cluster cannot
+        place them (Ray would otherwise keep them pending forever)."""
+        ray = import_ray()
+        refs = [a.ready.remote() for a in self.actors]
+        start = time.monotonic()
+        while True:
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=30.0)
+            if not pending:
+                return ray.get(refs)
+            waited = time.monotonic() - start
+            need = f"{self.num_cpus:g} CPU and {self.num_gpus:g} GPU each"
+            if waited >= self.placement_timeout_s:
+                raise TimeoutError(
+                    f"Ray placed only {len(done)} of {len(refs)} rollout workers in {waited:.0f} s ({need}; "
+                    f"available now: {ray.available_resources()}); lower --ray.num_cpus_per_worker / "
+                    "--ray.num_gpus_per_worker or the number of workers, or add nodes")
+            log.warning("waiting for Ray to place %d more rollout worker(s) (%s; available: %s)", len(pending), need,
+                        ray.available_resources())
 
     def stop(self, timeout: float = 30.0) -> None:
         ray = import_ray()
