@@ -523,7 +523,6 @@ class Trainer:
                 "policy_version": self.learner.version}
 
     def _run(self) -> dict[str, Any]:
-        cfg, f = self.cfg, self.cfg.flags
         self.out.mkdir(parents=True, exist_ok=True)
         try:
             self._setup()

@@ -178,14 +178,17 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
 
         for _ in range(2):
             learn_one()
-        deadline = time.monotonic() + 30
-        while backend.held(0) == 0:  # wait until worker 0 is in the middle of episodes
-            assert time.monotonic() < deadline
+        deadline = time.monotonic() + 60
+        while True:  # freeze worker 0 in the middle of episodes: what it holds cannot change any more
+            assert time.monotonic() < deadline, "worker 0 never held a prompt"
+            pid = backend.worker_pid(0)
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)  # once a call it sent just before (a put) has reached the buffer actor
+            held = ray_instance.get(rollout.buffer.handle.held_prompts.remote(0))
+            if held:
+                break
+            os.kill(pid, signal.SIGCONT)
             time.sleep(0.01)
-        pid = backend.worker_pid(0)
-        os.kill(pid, signal.SIGSTOP)  # frozen: what it holds cannot change any more
-        held = ray_instance.get(rollout.buffer.handle.held_prompts.remote(0))
-        assert held, "worker 0 holds no prompt"
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 90
         while backend.restarts[0] == 0 or not workers_after:

@@ -102,6 +102,7 @@ def test_a_killed_rollout_worker_does_not_stop_training(tmp_path):
             while time.monotonic() < deadline:
                 pid = backend.worker_pid(0)
                 os.kill(pid, signal.SIGSTOP)  # freeze it; kill it only while it holds prompts
+                time.sleep(0.3)  # let a call it sent just before (a put) reach the buffer actor
                 held = backend.held(0)
                 if held:
                     killed.update(pid=pid, held=held, step=trainer.step)
