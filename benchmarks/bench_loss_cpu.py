@@ -102,13 +102,16 @@ def time_fn(fn, repeats: int, warmup: int = 2) -> float:
 def time_interleaved(fns: dict, repeats: int, warmup: int = 2, threads: dict | None = None) -> dict:
     """Median seconds per call of each function, measured in interleaved rounds (one call of each
     per round) so that load from other processes affects every entry alike. ``threads`` optionally
-    sets torch's thread count per entry."""
+    sets torch's thread count per entry. Each call starts after a 30 ms pause: PyTorch's OpenMP
+    threads keep spinning for milliseconds after a parallel region (GOMP_SPINCOUNT), and would
+    otherwise take the cores from whatever entry comes next (see `after_openmp` in main)."""
     threads = threads or {}
     default = torch.get_num_threads()
     samples = {name: [] for name in fns}
     for r in range(warmup + repeats):
         for name, fn in fns.items():
             torch.set_num_threads(threads.get(name, default))
+            time.sleep(0.03)
             t0 = time.perf_counter()
             fn()
             if r >= warmup:
@@ -254,6 +257,23 @@ def main() -> None:
     ]
     print_table(f"forward + backward, float32, {args.threads} threads (median of interleaved runs)",
                 ["implementation", "ms", "ns/token", "fused speedup"], rows)
+
+    # 1b. The same fused call right after a PyTorch parallel op (OpenMP threads still spinning).
+    x = torch.rand(16 * 2**20)
+    out = torch.empty_like(x)
+    step = fused_step(data)
+    samples = []
+    for r in range(2 + repeats):
+        time.sleep(0.03)
+        torch.exp(x, out=out)
+        t0 = time.perf_counter()
+        step()
+        if r >= 2:
+            samples.append(time.perf_counter() - t0)
+    after_openmp = statistics.median(samples)
+    print(f"\nfused right after a PyTorch parallel op: {after_openmp * 1e3:.2f} ms "
+          f"({after_openmp / n * 1e9:.3f} ns/token; PyTorch's OpenMP threads spin for a while after a parallel "
+          f"region: OMP_WAIT_POLICY=PASSIVE avoids it)")
 
     # 2. Thread scaling (interleaved 1 / N threads).
     t = time_interleaved({"1": fused_step(data), "n": fused_step(data)}, repeats * 2,
