@@ -31,7 +31,7 @@ from flashreinforce.engines.base import GenerationRequest, RolloutEngine, Sampli
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.trajectory import Trajectory
 
-__all__ = ["RolloutBackend", "RolloutSettings", "RolloutWorker", "ThreadRolloutPool", "episode_seed"]
+__all__ = ["RolloutBackend", "RolloutSettings", "RolloutWorker", "ThreadRolloutPool", "episode_seed", "fair_share"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,15 @@ def episode_seed(run_seed: int, prompt_id: int, sample_index: int, turn: int) ->
     so a rollout is reproducible whatever worker or batch it lands in."""
     x = (run_seed * 0x9E3779B1 + prompt_id) * 0x85EBCA77 + sample_index * 0xC2B2AE3D + turn * 0x27D4EB2F
     return x % (2**63 - 1)
+
+
+def fair_share(batch_groups: int, async_queue_size: int, num_workers: int) -> int:
+    """Prompts one worker may take in one call so that ``num_workers`` workers can all have work:
+    the prompts that may be in flight at once (``batch_groups * (1 + async_queue_size)``) divided
+    among the workers, rounded up (at least 1)."""
+    if num_workers <= 0:
+        raise ValueError(f"num_workers must be positive, got {num_workers}")
+    return max(1, -(-batch_groups * (1 + async_queue_size) // num_workers))
 
 
 @dataclass
@@ -131,6 +140,9 @@ class RolloutWorker:
         self.errors = 0
         self.weight_loads = 0
         self.last_error: str | None = None
+        # Set by the pool (fair_share): with a large episodes_per_call one worker would otherwise take
+        # every prompt that may be in flight and leave the other engines idle.
+        self.max_prompts_per_call: int | None = None
 
     # ------------------------------------------------------------------ episodes
     def _env(self, k: int) -> Environment:
@@ -208,6 +220,8 @@ class RolloutWorker:
     def run(self, stop: threading.Event) -> None:
         """Roll out until ``stop`` is set or the buffer closes."""
         per_call = max(1, self.settings.episodes_per_call // max(1, self.buffer.group_size))
+        if self.max_prompts_per_call:
+            per_call = min(per_call, self.max_prompts_per_call)
         consecutive_errors = 0
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -284,6 +298,10 @@ class ThreadRolloutPool(RolloutBackend):
         if not workers:
             raise ValueError("ThreadRolloutPool needs at least one worker")
         self.workers = list(workers)
+        for w in self.workers:
+            if w.max_prompts_per_call is None and isinstance(w.buffer, RolloutBuffer):
+                w.max_prompts_per_call = fair_share(w.buffer.batch_groups, w.buffer.async_queue_size,
+                                                    len(self.workers))
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._failures: dict[int, BaseException] = {}

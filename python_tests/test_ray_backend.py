@@ -15,7 +15,7 @@ import torch
 from flashreinforce.buffer import PromptStream, RolloutBuffer
 from flashreinforce.distributed.ray_backend import OwnedBuffer, RayRollout, StaleIncarnation, WorkerRecipe
 from flashreinforce.engines import SamplingParams
-from flashreinforce.rollout import RolloutSettings
+from flashreinforce.rollout import RolloutSettings, fair_share
 from flashreinforce.tokenizers import load_tokenizer
 from flashreinforce.trainer import EnvSpec, build_model
 from flashreinforce.trajectory import Trajectory
@@ -76,6 +76,14 @@ def test_a_late_put_after_release_never_lands_on_the_reissued_ticket():
     assert owned.put_many(1, 0, [(t2, [traj(t2, reward=2.0)])]) == [1]
     batch = owned.buffer.take(0, timeout=0)
     assert [g[0].reward for g in batch.groups] == [2.0]
+
+
+def test_fair_share_leaves_work_for_every_worker():
+    assert fair_share(128, 1, 2) == 128  # 256 prompts may be in flight: half each
+    assert fair_share(4, 1, 3) == 3  # rounded up
+    assert fair_share(1, 0, 8) == 1  # at least one
+    with pytest.raises(ValueError, match="num_workers"):
+        fair_share(4, 1, 0)
 
 
 # ---------------------------------------------------------------------------- on a local Ray instance

@@ -47,7 +47,7 @@ import torch
 
 from flashreinforce.buffer import Batch, RolloutBuffer, Ticket
 from flashreinforce.engines.base import WeightStore
-from flashreinforce.rollout import RolloutBackend, RolloutSettings
+from flashreinforce.rollout import RolloutBackend, RolloutSettings, fair_share
 
 __all__ = ["BufferActor", "OwnedBuffer", "RayConnection", "RayRollout", "RayRolloutBackend", "RayWeightStore",
            "RemoteBuffer", "RolloutWorkerActor", "StaleIncarnation", "WeightRegistry", "WorkerBufferClient",
@@ -260,10 +260,11 @@ class RemoteBuffer:
     """The learner's side of the buffer actor, with :class:`~flashreinforce.buffer.RolloutBuffer`'s
     learner-side interface (``take`` waits in slices of at most :data:`MAX_BLOCK_S`)."""
 
-    def __init__(self, handle, *, batch_groups: int, group_size: int) -> None:
+    def __init__(self, handle, *, batch_groups: int, group_size: int, async_queue_size: int = 1) -> None:
         self.handle = handle
         self.batch_groups = batch_groups
         self.group_size = group_size
+        self.async_queue_size = async_queue_size
 
     def _get(self, ref):
         return import_ray().get(ref)
@@ -432,7 +433,8 @@ class WorkerRecipe:
     tokenizer: the run's tokenizer object. env: the :class:`~flashreinforce.trainer.EnvSpec`.
     settings: the :class:`~flashreinforce.rollout.RolloutSettings`. group_size: samples per prompt
     (the buffer's). engine_options: extra engine arguments (vLLM). torch_threads: intra-op threads
-    of the worker process (``None``: torch's default).
+    of the worker process (``None``: torch's default). max_prompts_per_call: the worker's share of
+    the prompts that may be in flight (set by :class:`RayRolloutBackend`, see :func:`fair_share`).
     """
 
     model_config: Any
@@ -443,6 +445,7 @@ class WorkerRecipe:
     group_size: int = 1
     engine_options: dict[str, Any] = field(default_factory=dict)
     torch_threads: int | None = None
+    max_prompts_per_call: int | None = None
 
 
 class RolloutWorkerActor:
@@ -471,6 +474,7 @@ class RolloutWorkerActor:
         buffer = WorkerBufferClient(buffer_handle, worker_id, recipe.group_size)
         self.worker = RolloutWorker(worker_id, engine, recipe.env.factory(recipe.tokenizer), recipe.tokenizer,
                                     buffer, RayWeightStore(registry_handle), recipe.settings)
+        self.worker.max_prompts_per_call = recipe.max_prompts_per_call
         self._stop = threading.Event()
         self._running = threading.Lock()
         self.device = str(device)
@@ -556,6 +560,9 @@ class RayRolloutBackend(RolloutBackend):
     def start(self) -> None:
         ray = import_ray()
         actor_cls = ray.remote(RolloutWorkerActor)
+        if self.recipe.max_prompts_per_call is None:
+            self.recipe.max_prompts_per_call = fair_share(self.buffer.batch_groups, self.buffer.async_queue_size,
+                                                          self.num_workers)
         self._recipe_ref = ray.put(self.recipe)
         for i in range(self.num_workers):
             actor = actor_cls.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_restarts=self.max_restarts,
@@ -774,7 +781,8 @@ class RayRollout:
                 dict(buffer_kwargs), dict(prompt_kwargs))
             registry = ray.remote(WeightRegistry).options(num_cpus=0).remote()
             remote = RemoteBuffer(buffer_actor, batch_groups=buffer_kwargs["batch_groups"],
-                                  group_size=buffer_kwargs.get("group_size", 1))
+                                  group_size=buffer_kwargs.get("group_size", 1),
+                                  async_queue_size=buffer_kwargs.get("async_queue_size", 1))
             remote.stats()  # wait until the buffer actor is up (and surface its errors here)
         except BaseException:
             conn.close()
