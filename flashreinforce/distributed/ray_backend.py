@@ -560,6 +560,8 @@ class RayRolloutBackend(RolloutBackend):
     def start(self) -> None:
         ray = import_ray()
         actor_cls = ray.remote(RolloutWorkerActor)
+        if self.recipe.torch_threads is None:  # as many intra-op threads as CPUs reserved, not the node's all
+            self.recipe.torch_threads = max(1, int(self.num_cpus))
         if self.recipe.max_prompts_per_call is None:
             self.recipe.max_prompts_per_call = fair_share(self.buffer.batch_groups, self.buffer.async_queue_size,
                                                           self.num_workers)
