@@ -98,7 +98,6 @@ def distributed_context(device: str = "auto") -> DistContext | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return None
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "auto":
         dev = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
