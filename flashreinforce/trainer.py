@@ -682,7 +682,8 @@ class Trainer:
             "worker_errors": sum(w["errors"] for w in worker_stats),
             "wall_time_s": self.counters["wall_time_s"] + wall,
         }
-        for key in ("sequence_kl_max", "retained_token_fraction", "entropy_mean", "clip_fraction", "advantage_abs_mean"):
+        for key in ("sequence_kl_max", "retained_token_fraction", "entropy_mean", "clip_fraction", "advantage_abs_mean",
+                    "rank_tokens_max", "rank_tokens_min"):
             if key in m:
                 out[key] = m[key]
         return out

@@ -224,7 +224,6 @@ class DataParallelLearner:
         self.settings = settings
         self.model = model
         self.loss_impl = self.learner.loss_impl
-        self.updates_by_rank: list[int] = []
 
     # ------------------------------------------------------------------ shared state
     @property
@@ -258,7 +257,8 @@ class DataParallelLearner:
         return out[0][1]
 
     def step(self, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None = None) -> dict[str, float]:
-        """Rank 0: one update on the whole batch ``trajectories``; returns the batch's metrics.
+        """Rank 0: one update on the whole batch ``trajectories``; returns the batch's metrics, plus
+        ``rank_tokens_max`` / ``rank_tokens_min`` (tokens of the most and least loaded rank).
 
         Same contract as :meth:`Learner.step`: ``FloatingPointError`` (on every rank) when the update
         is skipped, with weights and version unchanged.
@@ -267,11 +267,12 @@ class DataParallelLearner:
         trajectories = list(trajectories)
         totals = BatchTotals.of(trajectories, group_ids, self.settings)
         shards = partition_by_tokens([t.num_tokens for t in trajectories], self.ctx.world_size)
-        self.updates_by_rank = [sum(trajectories[i].num_tokens for i in s) for s in shards]
+        rank_tokens = [sum(trajectories[i].num_tokens for i in s) for s in shards]
         per_rank = [{"trajectories": [trajectories[i] for i in s], "rows": s, "totals": totals} for s in shards]
         mine = self._send("step", per_rank)
         metrics = self._step(mine)
-        metrics["learner_compute_s"] = time.perf_counter() - t0
+        metrics.update(learner_compute_s=time.perf_counter() - t0, rank_tokens_max=max(rank_tokens),
+                       rank_tokens_min=min(rank_tokens))
         return metrics
 
     def policy_state(self) -> dict[str, Tensor]:
