@@ -68,6 +68,9 @@ def test_torchrun_two_ranks_make_the_one_process_update(single, strategy, tmp_pa
     assert cfg["learner_ranks"] == 2 and cfg["learner_strategy"] == strategy
     assert m2["trajectories"] == m1["trajectories"] == 128 and m2["tokens"] == m1["tokens"]
     assert m2["reward_mean"] == m1["reward_mean"]  # the same batch
+    # split over the two ranks, balanced by tokens (toy trajectories differ by a few tokens at most)
+    assert m2["rank_tokens_max"] + m2["rank_tokens_min"] == m2["tokens"]
+    assert m2["rank_tokens_max"] - m2["rank_tokens_min"] <= 24
     for key in ("loss", "grad_norm", "acceptance_rate", "sequence_kl_mean"):
         assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-9), key
     assert m1["grad_norm"] > 0 and m1["lr"] == pytest.approx(LR)
