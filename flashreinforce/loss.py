@@ -135,11 +135,15 @@ def flashreinforce_loss_packed(
         baseline = rewards_c.mean() if reward_baseline is None else torch.tensor(reward_baseline, dtype=compute, device=device)
         advantages = rewards_c - baseline
 
-        divergence = torch.where(mask, bernoulli_kl(behavior, current.detach()), 0.0)
-        kl_sum = torch.zeros(batch, dtype=compute, device=device).index_add_(0, segment, divergence)
-        sequence_kl = (kl_sum / lengths_c).clamp_min(0.0)
-        # Compare in double so the inclusive threshold does not depend on rounding delta to float32.
-        admitted = sequence_kl.to(torch.float64) <= delta
+        # The gate statistic is evaluated in float64 whatever the input precision: the two terms of the
+        # Bernoulli KL cancel when p is close to q, and in float32 this textbook form would lose
+        # percents of the value. (The fused kernel uses a cancellation-free form in the compute dtype.)
+        # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
+        # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
+        divergence = torch.where(mask, bernoulli_kl(behavior.double(), current.detach().double()), 0.0)
+        kl_sum = torch.zeros(batch, dtype=torch.float64, device=device).index_add_(0, segment, divergence)
+        sequence_kl = (kl_sum / policy_tokens).clamp_min(0.0).to(compute)
+        admitted = sequence_kl.double() <= delta
 
         kept = mask
         if q_frac < 1.0:

@@ -214,3 +214,18 @@ def test_masked_garbage_is_ignored_and_ratio_overflow_raises():
     args["behavior_log_probs"] = torch.tensor([-0.5, -1.0, -0.2, -200.0])
     with pytest.raises(FloatingPointError):
         ref.flashreinforce_loss_packed(**args, delta=math.inf)
+
+
+def test_float32_sequence_kl_is_accurate_when_policies_are_close():
+    # p close to q: the two terms of the Bernoulli KL cancel; the reference must still be within
+    # SEMANTICS.md's float32 tolerance (5e-3 relative) of the float64 value.
+    gen = torch.Generator().manual_seed(3)
+    lp64 = -torch.rand(4000, generator=gen, dtype=torch.float64) * 4 - 1e-3
+    blp64 = (lp64 + torch.randn(4000, generator=gen, dtype=torch.float64) * 3e-5).clamp(max=-1e-4)
+    lp32, blp32 = lp64.float(), blp64.float()
+    cu = torch.tensor([0, 1000, 2500, 4000])
+    want = ref.flashreinforce_loss_packed(lp32.double(), blp32.double(), torch.zeros(3, dtype=torch.float64),
+                                          cu)[1]["sequence_kl"]
+    got = ref.flashreinforce_loss_packed(lp32, blp32, torch.zeros(3), cu)[1]["sequence_kl"]
+    assert got.dtype == torch.float32 and (want > 0).all()
+    torch.testing.assert_close(got.double(), want, rtol=5e-3, atol=0)
