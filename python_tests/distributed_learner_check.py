@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import random
 import sys
 
@@ -225,6 +226,11 @@ def main() -> None:
         with open(sys.argv[1], "w") as fh:
             json.dump(results, fh, indent=1)
     ctx.close()
+    # Like the CLI under torchrun: skip the interpreter's teardown, where gloo's C++ objects were
+    # seen (rarely) to abort a rank after a completed run. The results file is closed already.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
