@@ -148,10 +148,9 @@ class ALFWorldEnv(TaskEnvironment):
                           reward=0.0, done=False)
 
     def step(self, action: str) -> StepResult:
-        if self.task is None or self._game is None:
+        self._begin_step(action)
+        if self._game is None:
             raise RuntimeError("step() before reset()")
-        if not isinstance(action, str):
-            raise TypeError(f"action must be str, got {type(action).__name__}")
         self._turn += 1
         command = extract_action(action)
         if command is None:

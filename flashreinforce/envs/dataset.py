@@ -236,6 +236,13 @@ class TaskEnvironment(Environment):
         self.task = task
         return self.start(task)
 
+    def _begin_step(self, action: str) -> None:
+        """Checks shared by every ``step``: an episode is running and ``action`` is text."""
+        if self.task is None:
+            raise RuntimeError("step() before reset()")
+        if not isinstance(action, str):
+            raise TypeError(f"action must be str, got {type(action).__name__}")
+
     def start(self, task: Task) -> str:
         """Begin an episode on ``task``; returns the prompt text. Default: the rendered prompt."""
         return render_prompt(task.prompt, self.apply_chat_template)

@@ -309,10 +309,7 @@ class MathEnv(TaskEnvironment):
         return super().start(task)
 
     def step(self, action: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("step() before reset()")
-        if not isinstance(action, str):
-            raise TypeError(f"action must be str, got {type(action).__name__}")
+        self._begin_step(action)
         self._turn += 1
         answer = extract_boxed(action)
         if answer is None and self._turn < self.max_turns:

@@ -165,10 +165,7 @@ class PythonToolEnv(TaskEnvironment):
         return StepResult(reward=1.0 if info["correct"] else 0.0, done=True, failed=not info["correct"], info=info)
 
     def step(self, action: str) -> StepResult:
-        if self.task is None:
-            raise RuntimeError("step() before reset()")
-        if not isinstance(action, str):
-            raise TypeError(f"action must be str, got {type(action).__name__}")
+        self._begin_step(action)
         self._turn += 1
         code = extract_code(action)
         after_code = action if code is None else action[code[1]:]
