@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "flashreinforce/core.h"
+#include "flashreinforce/dtype_load.h"
 #include "flashreinforce/token_math.h"
 #include "main_pass.h"
 #include "thread_pool.h"
@@ -27,22 +28,6 @@ namespace {
 
 using math::BFloat16;
 using math::Half;
-
-double load_double(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kFloat16: return math::half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBFloat16: return math::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kFloat64: return static_cast<const double*>(p)[i];
-    case DType::kInt32: return static_cast<const int32_t*>(p)[i];
-    case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-    case DType::kBool:
-    case DType::kUInt8: return static_cast<const uint8_t*>(p)[i];
-    case DType::kInt8: return static_cast<const int8_t*>(p)[i];
-    case DType::kInt16: return static_cast<const int16_t*>(p)[i];
-  }
-  return 0.0;
-}
 
 void store_compute(void* p, DType compute, int64_t i, double v) {
   if (compute == DType::kFloat64) {
@@ -193,7 +178,7 @@ Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_thr
   std::vector<double> rewards(b);
   double reward_sum = 0.0;
   for (int64_t i = 0; i < b; ++i) {
-    rewards[i] = load_double(in.rewards, in.rewards_dtype, i);
+    rewards[i] = load_as_double(in.rewards, in.rewards_dtype, i);
     if (!std::isfinite(rewards[i])) return make_error(ErrorCode::kNonFiniteReward, i, rewards[i]);
     reward_sum += rewards[i];
   }
@@ -277,17 +262,17 @@ Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_thr
   // 5. Combine in a fixed order, then report errors by priority.
   for (int64_t c = 0; c < chunks; ++c) {
     if (bad_lp[c] >= 0) {
-      return make_error(ErrorCode::kBadLogProb, bad_lp[c], load_double(in.log_probs, in.log_probs_dtype, bad_lp[c]));
+      return make_error(ErrorCode::kBadLogProb, bad_lp[c], load_as_double(in.log_probs, in.log_probs_dtype, bad_lp[c]));
     }
   }
   for (int64_t c = 0; c < chunks; ++c) {
     if (bad_blp[c] >= 0) {
       return make_error(ErrorCode::kBadBehaviorLogProb, bad_blp[c],
-                        load_double(in.behavior_log_probs, in.behavior_dtype, bad_blp[c]));
+                        load_as_double(in.behavior_log_probs, in.behavior_dtype, bad_blp[c]));
     }
   }
   if (bad_entropy >= 0) {
-    return make_error(ErrorCode::kBadEntropy, bad_entropy, load_double(in.entropies, in.entropies_dtype, bad_entropy));
+    return make_error(ErrorCode::kBadEntropy, bad_entropy, load_as_double(in.entropies, in.entropies_dtype, bad_entropy));
   }
   std::vector<int64_t> overflow(body_overflow);
   for (int64_t c = 0; c < chunks; ++c) {
@@ -316,8 +301,8 @@ Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_thr
   }
   if (first_overflow >= 0) {
     return make_error(ErrorCode::kRatioOverflow, first_overflow,
-                      load_double(in.log_probs, in.log_probs_dtype, first_overflow) -
-                          load_double(in.behavior_log_probs, in.behavior_dtype, first_overflow));
+                      load_as_double(in.log_probs, in.log_probs_dtype, first_overflow) -
+                          load_as_double(in.behavior_log_probs, in.behavior_dtype, first_overflow));
   }
   std::vector<int64_t> rejected;
   for (int64_t i = 0; i < b; ++i) {

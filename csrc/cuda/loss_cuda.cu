@@ -34,6 +34,7 @@
 #include <string>
 
 #include "flashreinforce/core.h"
+#include "flashreinforce/dtype_load.h"
 #include "flashreinforce/token_math.h"
 
 namespace flashreinforce {
@@ -343,20 +344,6 @@ __global__ void lengths_kernel(const int64_t* cu, int64_t batch, int64_t* counts
   if (i < batch) counts[i] = cu[i + 1] - cu[i];
 }
 
-__device__ __forceinline__ double load_reward(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::kFloat16: return math::half_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kBFloat16: return math::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::kFloat32: return static_cast<const float*>(p)[i];
-    case DType::kFloat64: return static_cast<const double*>(p)[i];
-    case DType::kInt32: return static_cast<const int32_t*>(p)[i];
-    case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-    case DType::kInt8: return static_cast<const int8_t*>(p)[i];
-    case DType::kInt16: return static_cast<const int16_t*>(p)[i];
-    default: return static_cast<const uint8_t*>(p)[i];
-  }
-}
-
 struct TrajParams {
   const void* rewards;
   DType rewards_dtype;
@@ -380,7 +367,7 @@ __global__ void __launch_bounds__(1024) trajectory_kernel(TrajParams p, int64_t 
   __shared__ double shared_sum[2];
   double reward_sum = 0.0, token_sum = 0.0;
   for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
-    const double r = load_reward(p.rewards, p.rewards_dtype, i);
+    const double r = load_as_double(p.rewards, p.rewards_dtype, i);
     if (!isfinite(r)) report(w.error_key, ErrorCode::kNonFiniteReward, i);
     if (w.counts[i] == 0) report(w.error_key, ErrorCode::kNoPolicyTokens, i);
     reward_sum += r;
@@ -397,7 +384,7 @@ __global__ void __launch_bounds__(1024) trajectory_kernel(TrajParams p, int64_t 
   const double baseline = p.has_baseline ? p.baseline : shared_sum[0] / static_cast<double>(batch);
   const double num_policy = p.num_policy_tokens > 0 ? p.num_policy_tokens : shared_sum[1];
   for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
-    const double r = load_reward(p.rewards, p.rewards_dtype, i);
+    const double r = load_as_double(p.rewards, p.rewards_dtype, i);
     const C advantage = static_cast<C>(r - baseline);
     advantages[i] = advantage;
     const int64_t count = w.counts[i];
