@@ -66,21 +66,23 @@ def make_batch(num_tokens: int, batch: int, seed: int = 0, dtype=torch.float32):
 
 
 def eager_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta: float = 3e-3):
+    """The straightforward eager PyTorch packed objective (any device; CUDA benchmark too)."""
     batch = rewards.shape[0]
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    segment = torch.repeat_interleave(torch.arange(batch), lengths)
+    segment = torch.repeat_interleave(torch.arange(batch, device=log_probs.device), lengths,
+                                      output_size=log_probs.shape[0])
     mask = action_mask.to(log_probs.dtype)
-    counts = torch.zeros(batch, dtype=log_probs.dtype).index_add_(0, segment, mask)
+    counts = torch.zeros(batch, dtype=log_probs.dtype, device=log_probs.device).index_add_(0, segment, mask)
     advantages = rewards - rewards.mean()
     with torch.no_grad():
         p = behavior_log_probs.exp().clamp(1e-6, 1 - 1e-6)
         q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
         d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
-        kl = torch.zeros(batch, dtype=log_probs.dtype).index_add_(0, segment, d * mask) / counts
+        kl = torch.zeros_like(counts).index_add_(0, segment, d * mask) / counts
         admitted = kl.clamp_min(0) <= delta
         active = mask * admitted[segment].to(mask.dtype)
         weight = torch.exp(log_probs - behavior_log_probs) * advantages[segment] * active
-    per_traj = torch.zeros(batch, dtype=log_probs.dtype).index_add(0, segment, weight * log_probs)
+    per_traj = torch.zeros_like(counts).index_add(0, segment, weight * log_probs)
     return -(per_traj / counts).sum() / batch
 
 

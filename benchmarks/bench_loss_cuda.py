@@ -30,7 +30,7 @@ from flashreinforce import _C
 from flashreinforce.ops import fused_loss_capturable, raise_for_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss_cpu import make_batch, print_table  # noqa: E402
+from bench_loss_cpu import eager_loss, fused_step, make_batch, print_table  # noqa: E402
 
 
 def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
@@ -71,37 +71,6 @@ def fused_forward(d, **opts):
         "seq-mean-token-mean", None, None, False, opts.get("raise_errors", False))
 
 
-def fused_step(d, **opts):
-    def run():
-        lp = d["log_probs"].requires_grad_()
-        loss, _ = fr.flashreinforce_loss_packed(lp, d["behavior_log_probs"], d["rewards"], d["cu_seqlens"],
-                                                d["action_mask"], delta=3e-3, **opts)
-        loss.backward()
-        lp.grad = None
-    return run
-
-
-def eager_loss_cuda(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta=3e-3):
-    """eager_loss with its index tensors on the GPU (repeat_interleave on the device)."""
-    batch = rewards.shape[0]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    segment = torch.repeat_interleave(torch.arange(batch, device=log_probs.device), lengths,
-                                      output_size=log_probs.shape[0])
-    mask = action_mask.to(log_probs.dtype)
-    counts = torch.zeros(batch, dtype=log_probs.dtype, device=log_probs.device).index_add_(0, segment, mask)
-    advantages = rewards - rewards.mean()
-    with torch.no_grad():
-        p = behavior_log_probs.exp().clamp(1e-6, 1 - 1e-6)
-        q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
-        d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
-        kl = torch.zeros_like(counts).index_add_(0, segment, d * mask) / counts
-        admitted = kl.clamp_min(0) <= delta
-        active = mask * admitted[segment].to(mask.dtype)
-        weight = torch.exp(log_probs - behavior_log_probs) * advantages[segment] * active
-    per_traj = torch.zeros_like(counts).index_add(0, segment, weight * log_probs)
-    return -(per_traj / counts).sum() / batch
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description="CUDA benchmark of the fused loss")
     parser.add_argument("--quick", action="store_true")
@@ -139,7 +108,7 @@ def main() -> None:
 
     def eager():
         lp = d["log_probs"].requires_grad_()
-        eager_loss_cuda(lp, d["behavior_log_probs"], d["rewards"], d["cu_seqlens"], d["action_mask"]).backward()
+        eager_loss(lp, d["behavior_log_probs"], d["rewards"], d["cu_seqlens"], d["action_mask"]).backward()
         lp.grad = None
 
     t_eager = cuda_time(eager, max(5, repeats // 3))
