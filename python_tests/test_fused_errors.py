@@ -234,3 +234,41 @@ def test_capturable_variant_records_errors_instead_of_raising():
                                      case["cu_seqlens"], case["action_mask"], delta=0.1)
     assert ok.tolist() == [0, -1]
     raise_for_error(ok, lp.numel(), 2)
+
+
+def _long_packed(dtype, with_mask):
+    """~50k tokens in 3 trajectories (so trajectories span the core's 512-token blocks and
+    16384-token chunks), valid values on every token."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = [20_000, 7, 30_000]
+    n = sum(lengths)
+    lp = (-(torch.rand(n, generator=gen) ** 2) * 3.0).to(dtype)
+    blp = (lp.double() - 0.01).clamp(max=0.0).to(dtype)
+    cu = torch.tensor([0, 20_000, 20_007, 50_007], dtype=torch.int64)
+    mask = torch.ones(n, dtype=torch.bool) if with_mask else None
+    return lp, blp, torch.tensor([1.0, 0.0, 0.5]), cu, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("with_mask", [True, False])
+@pytest.mark.parametrize("kind,code", [("log_probs", 4), ("behavior", 5), ("overflow", 7)])
+def test_first_offending_token_is_reported_across_blocks_and_chunks(dtype, with_mask, kind, code):
+    """The recorded index is the first bad token even when several blocks and chunks hold one."""
+    first, later = 33_333, 45_000  # a later block of the second chunk of trajectory 2; and after it
+    lp, blp, rewards, cu, mask = _long_packed(dtype, with_mask)
+    for t in (later, first):
+        if kind == "log_probs":
+            lp[t] = math.nan
+        elif kind == "behavior":
+            blp[t] = 0.5
+        else:  # the ratio exp(lp - blp) overflows every dtype's range
+            lp[t], blp[t] = -1e-3, -1000.0 if dtype == torch.float64 else -200.0
+    from flashreinforce.ops import fused_loss_capturable
+
+    _, _, error = fused_loss_capturable(lp, blp, rewards, cu, mask, delta=math.inf)
+    assert error.tolist()[1] == first, (kind, error.tolist())
+    assert error.tolist()[0] != 0
+    expected = {4: "log_probs: policy token 33333", 5: "behavior_log_probs: policy token 33333",
+                7: "active token 33333"}[code]
+    with pytest.raises((ValueError, FloatingPointError), match=expected):
+        fr.flashreinforce_loss_packed(lp, blp, rewards, cu, mask, delta=math.inf)

@@ -15,149 +15,204 @@ namespace FR_ISA_NAMESPACE {
 
 using math::Store;
 
+// Tokens per block. A chunk is processed block by block in two stages:
+//   1. token stage, over the whole block regardless of trajectory boundaries (one long
+//      vectorized loop, so short trajectories cost no scalar remainder of exp / log): the
+//      Bernoulli-KL term and the importance ratio of every token go to small scratch arrays
+//      (L1-resident), and the validity checks are OR-reduced;
+//   2. piece stage, per trajectory piece inside the block: KL and loss sums and the gradient,
+//      from the scratch arrays (a multiply and two adds per token).
+// Sums inside a block are kept in the compute type (float32 lanes vectorize; a mixed float/double
+// reduction does not), then added to double accumulators. With 16 lanes a lane sums at most 32
+// terms, so the relative error of a block sum is ~2e-6 of the sum of magnitudes, and the block
+// sums add up in double. Block boundaries are fixed offsets from the chunk start, so the order of
+// every sum depends on kChunk and kBlock alone, never on the number of threads.
+constexpr int64_t kBlock = 512;
+
+struct BlockFlags {
+  int bad = 0;           // a policy token with an invalid log_prob
+  int bad_behavior = 0;  // a token whose behavior log-prob is used and invalid
+};
+
+// Stage 1 over [a, b) (b - a <= kBlock): kl[t - a] = the token's KL term (0 where the behavior
+// policy is not used), rho[t - a] = its importance ratio. kNoIs: ratios are exactly 1 and the
+// behavior log-probs are never read. Compile-time options only: GCC unswitches loops on
+// loop-invariant runtime conditions and then silently drops the vectorized copy.
+template <class LP, class BLP, bool kMask, bool kNoIs>
+static BlockFlags token_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
+                              int64_t a, int64_t b, typename math::ComputeOf<LP>::type* __restrict kl,
+                              typename math::ComputeOf<LP>::type* __restrict rho) {
+  using C = typename math::ComputeOf<LP>::type;
+  int bad = 0, bad_behavior = 0;
+  const int64_t len = b - a;
+  lp += a;
+  blp += a;
+  if (kMask) mask += a;
+#pragma omp simd reduction(| : bad, bad_behavior)
+  for (int64_t u = 0; u < len; ++u) {
+    const bool policy = kMask ? mask[u] != 0 : true;
+    const C x = math::to_compute(lp[u], C());
+    bad |= static_cast<int>(policy & !math::valid_log_prob(x));
+    if (kNoIs) {
+      kl[u] = C(0);
+      rho[u] = C(1);
+    } else {
+      const C y = math::to_compute(blp[u], C());
+      bad_behavior |= static_cast<int>(policy & !math::valid_log_prob(y));
+      const C d = math::bernoulli_kl<C>(y, x);
+      kl[u] = policy ? d : C(0);
+      rho[u] = math::exp_c(policy ? x - y : C(0));
+    }
+  }
+  BlockFlags f;
+  f.bad = bad;
+  f.bad_behavior = bad_behavior;
+  return f;
+}
+
 struct PieceSums {
   double kl = 0.0;
   double loss = 0.0;
-  bool bad = false;
-  bool bad_behavior = false;
-  bool overflow = false;
+  bool overflow = false;  // a kept token with a non-finite ratio
 };
 
-// Tokens per inner block: sums inside a block are kept in the compute type (float32 lanes
-// vectorize; a mixed float/double reduction does not), then added to double accumulators.
-// With 16 lanes a lane sums at most 32 terms, so the relative error of a block sum is ~2e-6 of
-// the sum of magnitudes, and the block sums add up in double.
-constexpr int64_t kBlock = 512;
-
-// One piece [a, b) of one trajectory. kMask: a mask is present; kFlags: kept flags are in grad.
-// Loop-invariant options (keep_all, no_is) enter as 0 / 1 factors of varying conditions, never
-// as selects on the invariant itself: GCC unswitches loops on invariant conditions and then
-// silently drops the vectorized copy.
-template <class LP, class BLP, bool kMask, bool kFlags>
-static PieceSums piece(const LP* __restrict lp, const BLP* __restrict blp,
-                       const uint8_t* __restrict mask, LP* __restrict grad, int64_t a, int64_t b,
-                       typename math::ComputeOf<LP>::type coef, bool keep_all, bool no_is) {
+// Stage 2 over one piece [a, b) of one trajectory inside the block that starts at `blk` (kl and
+// rho are that block's scratch arrays). kMask: a mask is present; kFlags: kept flags are in grad
+// (entropy filter). keep_all enters as a 0 / 1 factor of the varying mask, never as a select on
+// the invariant itself (see token_stage).
+template <class LP, bool kMask, bool kFlags>
+static PieceSums piece_stage(const LP* __restrict lp, const uint8_t* __restrict mask, LP* __restrict grad,
+                             int64_t blk, int64_t a, int64_t b, const typename math::ComputeOf<LP>::type* __restrict kl,
+                             const typename math::ComputeOf<LP>::type* __restrict rho,
+                             typename math::ComputeOf<LP>::type coef, bool keep_all) {
   using C = typename math::ComputeOf<LP>::type;
-  double kl = 0.0, loss = 0.0;
-  int bad = 0, bad_behavior = 0, overflow = 0;
   const C kMax = std::numeric_limits<C>::max();
   const C keep_f = keep_all ? C(1) : C(0);
-  const C is_f = no_is ? C(0) : C(1);  // 0: the behavior policy is not used at all
-  for (int64_t blk = a; blk < b; blk += kBlock) {
-    const int64_t blk_end = std::min(b, blk + kBlock);
-    C kl_b = C(0), loss_b = C(0);
-#pragma omp simd reduction(+ : kl_b, loss_b) reduction(| : bad, bad_behavior, overflow)
-    for (int64_t t = blk; t < blk_end; ++t) {
-      const C m = kMask ? (mask[t] ? C(1) : C(0)) : C(1);
-      const C x = math::to_compute(lp[t], C());
-      const C y = math::to_compute(blp[t], C());
-      const bool policy = m != C(0);
-      const bool uses_behavior = m * is_f != C(0);
-      bad |= static_cast<int>(policy & !math::valid_log_prob(x));
-      bad_behavior |= static_cast<int>(uses_behavior & !math::valid_log_prob(y));
-      const C d = math::bernoulli_kl<C>(y, x);
-      kl_b += uses_behavior ? d : C(0);
-      bool kept;
-      if (kFlags) {
-        kept = policy & (math::to_compute(grad[t], C()) != C(0));
-      } else {
-        kept = m * keep_f != C(0);
-      }
-      // Without importance sampling the ratio is exactly exp(0) = 1 (and y is never read).
-      const C rho = math::exp_c(uses_behavior ? x - y : C(0));
-      overflow |= static_cast<int>(kept & !(rho <= kMax));
-      const C g = kept ? -rho * coef : C(0);
-      grad[t] = Store<LP>::from(g);
-      loss_b += kept ? g * x : C(0);
+  C kl_sum = C(0), loss_sum = C(0);
+  int overflow = 0;
+  const int64_t len = b - a;
+  lp += a;
+  grad += a;
+  if (kMask) mask += a;
+  kl += a - blk;
+  rho += a - blk;
+#pragma omp simd reduction(+ : kl_sum, loss_sum) reduction(| : overflow)
+  for (int64_t u = 0; u < len; ++u) {
+    const C m = kMask ? (mask[u] ? C(1) : C(0)) : C(1);
+    kl_sum += kl[u];
+    bool kept;
+    if (kFlags) {
+      kept = (m != C(0)) & (math::to_compute(grad[u], C()) != C(0));
+    } else {
+      kept = m * keep_f != C(0);
     }
-    kl += static_cast<double>(kl_b);
-    loss += static_cast<double>(loss_b);
+    const C r = rho[u];
+    overflow |= static_cast<int>(kept & !(r <= kMax));
+    const C g = kept ? -r * coef : C(0);
+    grad[u] = Store<LP>::from(g);
+    loss_sum += kept ? g * math::to_compute(lp[u], C()) : C(0);
   }
   PieceSums s;
-  s.kl = kl;
-  s.loss = loss;
-  s.bad = bad != 0;
-  s.bad_behavior = bad_behavior != 0;
+  s.kl = static_cast<double>(kl_sum);
+  s.loss = static_cast<double>(loss_sum);
   s.overflow = overflow != 0;
   return s;
 }
 
-template <class LP, class BLP>
-static void main_chunk(const MainPassArgs& A, int64_t chunk) {
+// First policy token in [a, b) whose log-prob in `v` is invalid, or -1 (rare path: scalar).
+template <class T, class C>
+static int64_t first_invalid(const T* v, const uint8_t* mask, int64_t a, int64_t b) {
+  for (int64_t u = a; u < b; ++u) {
+    if ((!mask || mask[u]) && !math::valid_log_prob(math::to_compute(v[u], C()))) return u;
+  }
+  return -1;
+}
+
+template <class LP, class BLP, bool kMask, bool kNoIs>
+static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
   using C = typename math::ComputeOf<LP>::type;
   const LP* lp = static_cast<const LP*>(A.log_probs);
   const BLP* blp = static_cast<const BLP*>(A.behavior);
+  const uint8_t* mask = kMask ? A.mask : nullptr;
   LP* grad = static_cast<LP*>(A.grad);
   const int64_t c0 = chunk * kChunk;
   const int64_t c1 = std::min(A.num_tokens, c0 + kChunk);
-  // Trajectory containing c0: the last i with cu[i] <= c0 (skipping empty trajectories).
-  int64_t seg = static_cast<int64_t>(std::upper_bound(A.cu, A.cu + A.batch + 1, c0) - A.cu) - 1;
+  alignas(64) C kl[kBlock];
+  alignas(64) C rho[kBlock];
   A.head_segment[chunk] = -1;
   A.head_overflow[chunk] = -1;
-  A.bad_log_prob[chunk] = -1;
-  A.bad_behavior[chunk] = -1;
   int64_t first_bad = -1, first_bad_behavior = -1;
-  int64_t t = c0;
-  while (t < c1) {
-    while (A.cu[seg + 1] <= t) ++seg;
-    const int64_t end = std::min(A.cu[seg + 1], c1);
-    const C coef = static_cast<C>(A.coef[seg]);
-    const uint8_t keep = A.keep[seg];
-    PieceSums s;
-    if (A.mask) {
-      s = keep == kKeepFlags
-              ? piece<LP, BLP, true, true>(lp, blp, A.mask, grad, t, end, coef, false, A.no_is)
-              : piece<LP, BLP, true, false>(lp, blp, A.mask, grad, t, end, coef, keep == kKeepAll, A.no_is);
-    } else {
-      s = keep == kKeepFlags
-              ? piece<LP, BLP, false, true>(lp, blp, A.mask, grad, t, end, coef, false, A.no_is)
-              : piece<LP, BLP, false, false>(lp, blp, A.mask, grad, t, end, coef, keep == kKeepAll, A.no_is);
-    }
-    // Rare paths: locate the first offending token of the piece with a scalar rescan.
-    if (s.bad && first_bad < 0) {
-      for (int64_t u = t; u < end; ++u) {
-        if ((!A.mask || A.mask[u]) && !math::valid_log_prob(math::to_compute(lp[u], C()))) {
-          first_bad = u;
-          break;
-        }
-      }
-    }
-    if (s.bad_behavior && first_bad_behavior < 0) {
-      for (int64_t u = t; u < end; ++u) {
-        if ((!A.mask || A.mask[u]) && !math::valid_log_prob(math::to_compute(blp[u], C()))) {
-          first_bad_behavior = u;
-          break;
-        }
-      }
-    }
-    int64_t overflow_at = -1;
-    if (s.overflow) {
-      // A kept token with an overflowing ratio has a non-finite gradient (+-inf, or NaN when the
-      // advantage is 0); every other token's gradient is finite or 0. Confirm with the ratio.
-      for (int64_t u = t; u < end; ++u) {
-        if (A.mask && !A.mask[u]) continue;
-        const C g = math::to_compute(grad[u], C());
-        const C r = math::exp_c(math::to_compute(lp[u], C()) - math::to_compute(blp[u], C()));
-        if (!(g == g && g - g == C(0)) && !(r - r == C(0))) {
-          overflow_at = u;
-          break;
-        }
-      }
-    }
+
+  // Trajectory containing c0: the last i with cu[i] <= c0 (trajectories are never empty here:
+  // the driver rejects a trajectory without policy tokens before the main pass).
+  int64_t seg = static_cast<int64_t>(std::upper_bound(A.cu, A.cu + A.batch + 1, c0) - A.cu) - 1;
+  double seg_kl = 0.0, seg_loss = 0.0;
+  int64_t seg_overflow = -1;
+  auto flush = [&] {  // the sums of `seg` over this chunk are complete
     if (A.cu[seg] >= c0) {
-      A.body_kl[seg] = s.kl;
-      A.body_loss[seg] = s.loss;
-      A.body_overflow[seg] = overflow_at;
+      A.body_kl[seg] = seg_kl;
+      A.body_loss[seg] = seg_loss;
+      A.body_overflow[seg] = seg_overflow;
     } else {
       A.head_segment[chunk] = seg;
-      A.head_kl[chunk] = s.kl;
-      A.head_loss[chunk] = s.loss;
-      A.head_overflow[chunk] = overflow_at;
+      A.head_kl[chunk] = seg_kl;
+      A.head_loss[chunk] = seg_loss;
+      A.head_overflow[chunk] = seg_overflow;
     }
-    t = end;
+    seg_kl = seg_loss = 0.0;
+    seg_overflow = -1;
+  };
+
+  for (int64_t blk = c0; blk < c1; blk += kBlock) {
+    const int64_t blk_end = std::min(c1, blk + kBlock);
+    const BlockFlags f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho);
+    if (f.bad && first_bad < 0) first_bad = first_invalid<LP, C>(lp, mask, blk, blk_end);
+    if (f.bad_behavior && first_bad_behavior < 0) {
+      first_bad_behavior = first_invalid<BLP, C>(blp, mask, blk, blk_end);
+    }
+    int64_t t = blk;
+    while (t < blk_end) {
+      if (A.cu[seg + 1] <= t) {
+        flush();
+        while (A.cu[seg + 1] <= t) ++seg;
+      }
+      const int64_t end = std::min(A.cu[seg + 1], blk_end);
+      const C coef = static_cast<C>(A.coef[seg]);
+      const uint8_t keep = A.keep[seg];
+      const PieceSums s =
+          keep == kKeepFlags ? piece_stage<LP, kMask, true>(lp, mask, grad, blk, t, end, kl, rho, coef, false)
+                             : piece_stage<LP, kMask, false>(lp, mask, grad, blk, t, end, kl, rho, coef,
+                                                             keep == kKeepAll);
+      seg_kl += s.kl;
+      seg_loss += s.loss;
+      if (s.overflow && seg_overflow < 0) {
+        // A kept token with an overflowing ratio has a non-finite gradient (+-inf, or NaN when
+        // the advantage is 0); every other token's gradient is finite or 0. Confirm with rho.
+        for (int64_t u = t; u < end; ++u) {
+          if (mask && !mask[u]) continue;
+          const C g = math::to_compute(grad[u], C());
+          const C r = rho[u - blk];
+          if (!(g == g && g - g == C(0)) && !(r - r == C(0))) {
+            seg_overflow = u;
+            break;
+          }
+        }
+      }
+      t = end;
+    }
   }
+  if (c1 > c0) flush();
   A.bad_log_prob[chunk] = first_bad;
   A.bad_behavior[chunk] = first_bad_behavior;
+}
+
+template <class LP, class BLP>
+static void main_chunk(const MainPassArgs& A, int64_t chunk) {
+  if (A.mask) {
+    A.no_is ? main_chunk_impl<LP, BLP, true, true>(A, chunk) : main_chunk_impl<LP, BLP, true, false>(A, chunk);
+  } else {
+    A.no_is ? main_chunk_impl<LP, BLP, false, true>(A, chunk) : main_chunk_impl<LP, BLP, false, false>(A, chunk);
+  }
 }
 
 template <class LP>
