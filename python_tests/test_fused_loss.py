@@ -145,13 +145,18 @@ def test_no_is_ignores_behavior_values(generator):
     check_against_expected(loss, grad, stats, exp, torch.float32, math.inf)
 
 
-def test_no_mask_means_every_token_is_policy(generator):
-    b = random_batch(generator, dtype=torch.float64, garbage=False)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("no_is", [False, True])
+def test_no_mask_means_every_token_is_policy(generator, dtype, no_is):
+    # Long trajectories cross the core's 512-token blocks and its 16384-token chunks.
+    b = random_batch(generator, dtype=dtype, garbage=False, lengths=[5, 9000, 1, 40, 12000, 3, 700, 2])
     lp = b.log_probs.clone().requires_grad_()
-    loss, stats = fr.flashreinforce_loss_packed(lp, b.behavior_log_probs, b.rewards, b.cu_seqlens, delta=math.inf)
+    loss, stats = fr.flashreinforce_loss_packed(lp, b.behavior_log_probs, b.rewards, b.cu_seqlens, delta=math.inf,
+                                                no_is=no_is)
     loss.backward()
-    exp = expected_loss(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens, None, delta=math.inf)
-    check_against_expected(loss.detach(), lp.grad, stats, exp, torch.float64, math.inf)
+    exp = expected_loss(b.log_probs.double(), b.behavior_log_probs.double(), b.rewards, b.cu_seqlens, None,
+                        delta=math.inf, no_is=no_is)
+    check_against_expected(loss.detach(), lp.grad, stats, exp, dtype, math.inf)
     assert torch.equal(stats["policy_tokens"], b.cu_seqlens[1:] - b.cu_seqlens[:-1])
 
 
@@ -204,7 +209,7 @@ def test_microbatches_sum_to_full_batch(generator, dtype):
 
 
 def test_results_do_not_depend_on_thread_count(generator):
-    # ~500k tokens: enough for the core to use every thread it is given (>= 128k tokens each).
+    # ~500k tokens: enough for the core to use every thread it is given (>= 32k tokens each).
     lengths = [int(x) for x in torch.randint(1, 25_000, (40,), generator=generator)]
     b = random_batch(generator, dtype=torch.float32, lengths=lengths, filter_q=0.5)
     delta = pick_delta(b, 0.5)
@@ -367,3 +372,30 @@ torch.save(out, {str(tmp_path / 'out.pt')!r})
         exp = expected_loss(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens, b.action_mask,
                             delta=math.inf, **b.options)
         check_against_expected(loss, grad, stats, exp, dtype, math.inf, where=f"{isa} {key}")
+
+
+def test_concurrent_calls_from_python_threads(generator):
+    """Calls from several host threads share the core's thread pool; each gets its own results."""
+    import threading
+
+    lengths = [int(x) for x in torch.randint(1, 30_000, (24,), generator=generator)]
+    batches = [random_batch(generator, dtype=torch.float32, lengths=lengths, filter_q=q) for q in (None, 0.5, None)]
+    expected = [run_fused(b, delta=math.inf) for b in batches]
+    failures = []
+
+    def worker(k):
+        try:
+            for r in range(6):
+                j = (k + r) % len(batches)
+                loss, grad, stats = run_fused(batches[j], delta=math.inf)
+                if not (torch.equal(loss, expected[j][0]) and torch.equal(grad, expected[j][1])):
+                    failures.append((k, r))
+        except Exception as exc:  # surfaced below
+            failures.append(repr(exc))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
