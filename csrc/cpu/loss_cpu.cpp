@@ -142,8 +142,10 @@ const char* cpu_isa_name() {
 Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_threads) {
   using namespace cpu;
   const int64_t n = in.num_tokens, b = in.batch;
-  // Waking a pool thread costs tens of microseconds: below ~128k tokens per thread it does not pay.
-  constexpr int64_t kMinTokensPerThread = 131072;
+  // A helper joins a few microseconds after its wake-up at best (tasks are claimed dynamically, so
+  // a late one costs nothing but the wake-up itself): below ~32k tokens (~40 us) per thread it
+  // does not pay.
+  constexpr int64_t kMinTokensPerThread = 32768;
   num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n / kMinTokensPerThread)));
   const DType compute = compute_dtype(in.log_probs_dtype);
 

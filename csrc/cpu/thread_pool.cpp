@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -66,7 +67,7 @@ class Pool {
       }
       current_ = job;
       wanted_ = helpers;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     job->work();
@@ -85,11 +86,20 @@ class Pool {
   void loop(int id) {
     uint64_t seen = 0;
     for (;;) {
+      // A loss call runs several parallel_for in a row (counting, main pass, zeroing), and a
+      // training step calls the loss right after its previous call: after a job, watch for the
+      // next one for a short while before sleeping, so that it does not pay a wake-up (tens of
+      // microseconds on virtual machines) each time. Bounded, so an idle pool costs nothing.
+      const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+      while (generation_.load(std::memory_order_acquire) == seen &&
+             std::chrono::steady_clock::now() < spin_until) {
+        cpu_relax();
+      }
       std::shared_ptr<Job> job;
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+        seen = generation_.load(std::memory_order_relaxed);
         if (id >= wanted_ || !current_) continue;
         job = current_;
       }
@@ -97,13 +107,23 @@ class Pool {
     }
   }
 
+  static void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  static constexpr std::chrono::microseconds kSpin{100};
+
   std::mutex job_mutex_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::vector<std::thread> threads_;
   std::shared_ptr<Job> current_;
   int wanted_ = 0;
-  uint64_t generation_ = 0;
+  std::atomic<uint64_t> generation_{0};
 };
 
 // The pool's threads do not survive fork(): a child process gets a fresh pool (the parent's
