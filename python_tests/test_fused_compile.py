@@ -96,3 +96,24 @@ def test_torch_compile_inductor(generator):
     compiled(r1, blp, b.rewards, b.cu_seqlens, b.action_mask).backward()
     step(r2, blp, b.rewards, b.cu_seqlens, b.action_mask).backward()
     assert torch.allclose(r1.grad, r2.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_eager_entry_point_equals_the_registered_op(generator):
+    """Eager calls take a lighter autograd.Function; results and gradients equal the op's."""
+    b = random_batch(generator, dtype=torch.float32, filter_q=0.5)
+    args = op_args(b, q=0.5)
+    x_op = args[0]
+    out_op = torch.ops.flashreinforce.fused_loss(*args)
+    (out_op[0] * 3.0).backward()
+    x_eager = b.log_probs.clone().requires_grad_()
+    loss, stats = fr.flashreinforce_loss_packed(x_eager, b.behavior_log_probs, b.rewards, b.cu_seqlens, b.action_mask,
+                                                delta=0.05, negative_token_fraction=0.5, entropies=b.entropies,
+                                                failures=b.failures)
+    assert loss.grad_fn is not None and "EagerFusedLoss" in type(loss.grad_fn).__name__
+    (loss * 3.0).backward()
+    assert torch.equal(loss.detach(), out_op[0].detach())
+    assert torch.equal(x_eager.grad, x_op.grad)
+    for i, key in enumerate(["advantages", "sequence_kl", "admitted", "acceptance_rate", "policy_tokens",
+                             "retained_tokens"], start=2):
+        assert torch.equal(stats[key], out_op[i]), key
+        assert not stats[key].requires_grad
