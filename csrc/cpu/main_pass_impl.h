@@ -70,6 +70,9 @@ static BlockFlags token_stage(const LP* __restrict lp, const BLP* __restrict blp
   return f;
 }
 
+// Pieces shorter than this take the scalar loop of piece_stage.
+constexpr int64_t kShortPiece = 16;
+
 struct PieceSums {
   double kl = 0.0;
   double loss = 0.0;
@@ -96,10 +99,9 @@ static PieceSums piece_stage(const LP* __restrict lp, const uint8_t* __restrict 
   if (kMask) mask += a;
   kl += a - blk;
   rho += a - blk;
-#pragma omp simd reduction(+ : kl_sum, loss_sum) reduction(| : overflow)
-  for (int64_t u = 0; u < len; ++u) {
+  auto body = [&](int64_t u, C& kl_acc, C& loss_acc, int& overflow_acc) {
     const C m = kMask ? (mask[u] ? C(1) : C(0)) : C(1);
-    kl_sum += kl[u];
+    kl_acc += kl[u];
     bool kept;
     if (kFlags) {
       kept = (m != C(0)) & (math::to_compute(grad[u], C()) != C(0));
@@ -107,10 +109,18 @@ static PieceSums piece_stage(const LP* __restrict lp, const uint8_t* __restrict 
       kept = m * keep_f != C(0);
     }
     const C r = rho[u];
-    overflow |= static_cast<int>(kept & !(r <= kMax));
+    overflow_acc |= static_cast<int>(kept & !(r <= kMax));
     const C g = kept ? -r * coef : C(0);
     grad[u] = Store<LP>::from(g);
-    loss_sum += kept ? g * math::to_compute(lp[u], C()) : C(0);
+    loss_acc += kept ? g * math::to_compute(lp[u], C()) : C(0);
+  };
+  if (len < kShortPiece) {
+    // Short pieces (many trajectories of a few tokens): a plain loop, without the set-up and
+    // horizontal reductions of the vector loop, which cost more than the tokens themselves.
+    for (int64_t u = 0; u < len; ++u) body(u, kl_sum, loss_sum, overflow);
+  } else {
+#pragma omp simd reduction(+ : kl_sum, loss_sum) reduction(| : overflow)
+    for (int64_t u = 0; u < len; ++u) body(u, kl_sum, loss_sum, overflow);
   }
   PieceSums s;
   s.kl = static_cast<double>(kl_sum);
