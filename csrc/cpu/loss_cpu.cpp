@@ -67,8 +67,12 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
       const uint8_t* __restrict m = mask + t;
       const int32_t len = static_cast<int32_t>(end - t);
       int32_t sum = 0;
+      if (len < 64) {  // short pieces: no vector set-up and horizontal sum
+        for (int32_t u = 0; u < len; ++u) sum += m[u];
+      } else {
 #pragma omp simd reduction(+ : sum)
-      for (int32_t u = 0; u < len; ++u) sum += m[u];
+        for (int32_t u = 0; u < len; ++u) sum += m[u];
+      }
       if (cu[seg] >= c0) {
         counts[seg] = sum;
       } else {
