@@ -10,6 +10,11 @@
 # ignored by git), and Python finds the package through PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Keep a full log where the device tool returns files ($OUT), or under build/ elsewhere.
+LOG_DIR=${OUT:-build}
+mkdir -p "$LOG_DIR"
+exec > >(tee -a "$LOG_DIR/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 ARCHS=${CUDA_ARCHS:-90}   # the lent GPUs are Hopper (sm_90); the default install builds 80;90
 BUILD=build/gpu-check
