@@ -145,3 +145,101 @@ def test_cuda_graph_capture(generator):
                                                             b.cu_seqlens, b.action_mask, **opts)
         assert torch.equal(loss, ref_loss)
         assert torch.equal(stats["admitted"], ref_stats["admitted"])
+
+
+def _midpoint_delta(kl: torch.Tensor) -> float:
+    """A gate threshold halfway between two distinct sequence KLs (no decision sits on it)."""
+    values = sorted(set(kl.double().tolist()))
+    if len(values) < 2:
+        return math.inf
+    j = len(values) // 2
+    return 0.5 * (values[j - 1] + values[j])
+
+
+# Layouts and dtypes the CUDA path handles with separate code: tile (2048-token) boundaries, a single
+# trajectory, a partial last tile, no mask (lengths kernel), int32 offsets, mixed input dtypes,
+# float64 / float16 entropy keys (12 / 8 radix passes), q = 0 and no_is.
+_LAYOUTS = {
+    "tile boundaries": dict(lengths=[2048, 2047, 1, 2049, 4096, 3, 2048]),
+    "one trajectory": dict(lengths=[5000]),
+    "no mask": dict(lengths=[3, 2050, 700, 4097], no_mask=True),
+    "int32 offsets": dict(batch=40, cu_dtype=torch.int32, max_long=9000),
+    "bf16 lp, f32 behavior, f16 entropies": dict(batch=30, dtype=torch.bfloat16, behavior_dtype=torch.float32,
+                                                 entropy_dtype=torch.float16, max_long=6000),
+    "f64 lp, f16 behavior, f64 entropies": dict(batch=30, dtype=torch.float64, behavior_dtype=torch.float16,
+                                                entropy_dtype=torch.float64, entropy_ties=True, max_long=6000),
+    "q = 0": dict(batch=30, filter_q=0.0),
+    "no_is": dict(batch=30, no_is=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_cuda_layouts_match_cpu(generator, layout):
+    spec = dict(_LAYOUTS[layout])
+    no_mask = spec.pop("no_mask", False)
+    no_is = spec.pop("no_is", False)
+    spec.setdefault("filter_q", 0.4)
+    b = random_batch(generator, garbage=not no_mask, **spec)
+    opts = dict(no_is=no_is)
+    if no_mask:
+        b.action_mask = torch.ones_like(b.action_mask)
+    cpu = run(b, delta=math.inf, **opts)
+    delta = _midpoint_delta(cpu[2]["sequence_kl"])
+    cpu = run(b, delta=delta, **opts)
+    to_cuda(b)
+    if no_mask:
+        b.action_mask = None
+    gpu = run(b, delta=delta, **opts)
+    for key in ("admitted", "policy_tokens", "retained_tokens"):
+        assert torch.equal(cpu[2][key], gpu[2][key].cpu()), key
+    dtype = b.log_probs.dtype
+    assert gpu[1].dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else (1e-5 if dtype == torch.float32 else 1e-2)
+    scale = max(float(cpu[1].double().abs().max()), 1e-30)
+    assert float((cpu[1].double() - gpu[1].cpu().double()).abs().max()) <= tol * scale
+    kl_tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert torch.allclose(cpu[2]["sequence_kl"], gpu[2]["sequence_kl"].cpu(), rtol=kl_tol, atol=1e-30)
+    assert abs(float(cpu[0]) - float(gpu[0])) <= max(tol, 1e-5) * max(abs(float(cpu[0])), 1e-30)
+
+
+def _policy_tokens(b, trajectory):
+    a, e = int(b.cu_seqlens[trajectory]), int(b.cu_seqlens[trajectory + 1])
+    return [t for t in range(a, e) if bool(b.action_mask[t])]
+
+
+@pytest.mark.parametrize("case", ["log_probs twice", "behavior before log_probs", "entropy before overflow",
+                                  "two overflows", "offsets", "no policy and reward"])
+def test_cuda_error_record_matches_cpu(generator, case):
+    """Several errors at once: the CUDA record holds the CPU's (smallest code, then smallest index)."""
+    from flashreinforce.ops import fused_loss_capturable
+    b = random_batch(generator, lengths=[3000, 9, 5000, 7, 2500])
+    b.failures = torch.tensor([True, False, False, True, False])
+    opts = dict(delta=math.inf)
+    late, early = _policy_tokens(b, 2)[-1], _policy_tokens(b, 0)[-1]  # different tiles
+    if case == "log_probs twice":
+        b.log_probs[late], b.log_probs[early] = math.nan, 0.5
+    elif case == "behavior before log_probs":
+        b.log_probs[late], b.behavior_log_probs[early] = math.inf, math.nan
+    elif case == "entropy before overflow":
+        b.entropies[late] = math.nan
+        t = _policy_tokens(b, 1)[0]
+        b.log_probs[t], b.behavior_log_probs[t] = -1e-3, -200.0
+        opts.update(negative_token_fraction=0.5, entropies=b.entropies, failures=b.failures)
+    elif case == "two overflows":
+        for t in (late, _policy_tokens(b, 4)[0]):
+            b.log_probs[t], b.behavior_log_probs[t] = -1e-3, -200.0
+    elif case == "offsets":
+        b.cu_seqlens = torch.tensor([0, 3000, 2000, 8009, 8000, 99], dtype=b.cu_seqlens.dtype)
+    else:
+        b.action_mask[int(b.cu_seqlens[3]):int(b.cu_seqlens[4])] = False
+        b.rewards[1] = math.inf
+    *_, cpu_error = fused_loss_capturable(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens,
+                                          b.action_mask, **opts)
+    assert cpu_error.tolist()[0] != 0
+    to_cuda(b)
+    if "entropies" in opts:
+        opts.update(entropies=b.entropies, failures=b.failures)
+    *_, gpu_error = fused_loss_capturable(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens,
+                                          b.action_mask, **opts)
+    assert gpu_error.device.type == "cuda"
+    assert gpu_error.tolist() == cpu_error.tolist(), case
