@@ -56,7 +56,20 @@ def train(argv: Sequence[str]) -> int:
     return code
 
 
+def _quiet_openmp_threads() -> None:
+    """Let PyTorch's OpenMP threads sleep, rather than spin, between parallel regions.
+
+    libgomp's default keeps them spinning for milliseconds after each PyTorch CPU op, so the fused
+    loss called right after one finds both of its cores taken (measured at 4M tokens on 2 cores:
+    8.65 ms instead of 5.42 ms; the toy preset ran 15.4 s instead of 16.9 s). A value the user set
+    is kept. It only takes effect before torch is first imported, which is the case here.
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _quiet_openmp_threads()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)

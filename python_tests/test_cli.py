@@ -2,6 +2,7 @@
 refusals that name the flag, and the environment factory (.py agent file, dataset-driven env)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -159,3 +160,16 @@ def test_missing_output_and_environment_are_clear_errors(tmp_path):
                            "--output", str(tmp_path / "o"), "--train.max_steps", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--env" in proc.stderr
+
+
+@pytest.mark.parametrize("preset,torch_first,expected", [(None, False, "PASSIVE"), ("ACTIVE", False, "ACTIVE"),
+                                                         (None, True, None)])
+def test_console_script_quiets_openmp_threads_unless_told_otherwise(preset, torch_first, expected):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    code = ("import os, sys\n" + ("import torch\n" if torch_first else "") +
+            "from flashreinforce.cli import main\nmain(['--help'])\n"
+            "print('policy=' + str(os.environ.get('OMP_WAIT_POLICY')))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert f"policy={expected}" in out
