@@ -6,8 +6,10 @@ of that implementation. Prints tables of medians and ratios:
 
 1. the main comparison (N = 4,194,304 tokens, B = 1024 uneven trajectories, 90% policy tokens,
    float32, delta = 3e-3) at 2 threads, with ns/token;
-2. 1 vs 2 threads;
-3. N from 64k to 16M (ns/token: linear time means a flat column);
+   then the same fused call right after a PyTorch parallel op, and with / without an action mask;
+2. 1 vs 2 threads, with every call after a 30 ms pause and back-to-back;
+3. N from 64k to 16M at B = 1024: ns/token, and ns/token beyond the per-call overhead (the time of
+   an 8,192-token call), whose flat column means linear time;
 4. the entropy filter (q = 0.5, half the trajectories failed) vs the base path;
 5. heap memory held between forward and backward, per implementation (fresh subprocesses).
 
@@ -277,23 +279,41 @@ def main() -> None:
           f"({after_openmp / n * 1e9:.3f} ns/token; PyTorch's OpenMP threads spin for a while after a parallel "
           f"region: OMP_WAIT_POLICY=PASSIVE avoids it)")
 
+    # 1c. Without an action mask (every token a policy token), back-to-back.
+    no_mask = dict(data, action_mask=None)
+    t_masked = time_fn(fused_step(data), repeats)
+    t_no_mask = time_fn(fused_step(no_mask), repeats)
+    print(f"fused back-to-back: with the action mask {t_masked * 1e3:.2f} ms ({t_masked / n * 1e9:.3f} ns/token), "
+          f"without one {t_no_mask * 1e3:.2f} ms ({t_no_mask / n * 1e9:.3f} ns/token)")
+
     # 2. Thread scaling (interleaved 1 / N threads).
     t = time_interleaved({"1": fused_step(data), "n": fused_step(data)}, repeats * 2,
                          threads={"1": 1, "n": args.threads})
     t_fused_1, t_fused_2 = t["1"], t["n"]
-    print_table("thread scaling (fused, interleaved)", ["threads", "ms", "ns/token", "speedup vs 1"], [
-        ["1", fmt_ms(t_fused_1), f"{t_fused_1 / n * 1e9:.3f}", "1.00x"],
-        [str(args.threads), fmt_ms(t_fused_2), f"{t_fused_2 / n * 1e9:.3f}", f"{t_fused_1 / t_fused_2:.2f}x"],
+    b2b = {"1": [], "n": []}
+    for _ in range(3):  # alternate blocks of back-to-back calls, so that drift hits both alike
+        for key, count in (("1", 1), ("n", args.threads)):
+            torch.set_num_threads(count)
+            b2b[key].append(time_fn(fused_step(data), repeats))
+    torch.set_num_threads(args.threads)
+    b2b_1, b2b_2 = statistics.median(b2b["1"]), statistics.median(b2b["n"])
+    print_table("thread scaling (fused): each call after a 30 ms pause (interleaved), and back-to-back",
+                ["threads", "ms (after pause)", "speedup vs 1", "ms (back-to-back)", "speedup vs 1"], [
+        ["1", fmt_ms(t_fused_1), "1.00x", fmt_ms(b2b_1), "1.00x"],
+        [str(args.threads), fmt_ms(t_fused_2), f"{t_fused_1 / t_fused_2:.2f}x", fmt_ms(b2b_2), f"{b2b_1 / b2b_2:.2f}x"],
     ])
 
     # 3. N sweep.
     sizes = [65_536, 262_144, 1_048_576, 4_194_304] + ([] if args.quick else [16_777_216])
-    rows = []
-    for size in sizes:
-        d = make_batch(size, max(8, min(args.batch, size // 64)), seed=1)
-        t = time_fn(fused_step(d), repeats if size < 16_000_000 else max(3, repeats // 2))
-        rows.append([f"{size:,}", fmt_ms(t), f"{t / size * 1e9:.3f}"])
-    print_table("time vs N (fused, float32)", ["N", "ms", "ns/token"], rows)
+    times = []
+    for size in [8192] + sizes:
+        d = make_batch(size, args.batch, seed=1)
+        times.append(time_fn(fused_step(d), repeats * 2 if size < 16_000_000 else max(3, repeats // 2)))
+    overhead, times = times[0], times[1:]
+    rows = [[f"{size:,}", fmt_ms(t), f"{t / size * 1e9:.3f}", f"{(t - overhead) / (size - 8192) * 1e9:.3f}"]
+            for size, t in zip(sizes, times)]
+    print_table(f"time vs N (fused, float32, B = {args.batch}, back-to-back calls); per-call overhead = an 8,192-token "
+                f"call: {overhead * 1e6:.0f} us", ["N", "ms", "ns/token", "ns/token beyond the overhead"], rows)
 
     # 4. Entropy filter (interleaved with the base path).
     t = time_interleaved({"base": fused_step(data), "filter": fused_step(
