@@ -5,7 +5,9 @@ The compiled core computes, in one forward call, the loss, the gradient with res
 ``flashreinforce::fused_loss`` (with a fake implementation for ``torch.compile`` and an autograd
 formula: backward scales the saved gradient by the incoming one) and exposes the two public entry
 points, :func:`flashreinforce_loss_packed` and :func:`flashreinforce_loss`, whose signatures match
-the pure-PyTorch reference in :mod:`flashreinforce.loss`.
+the pure-PyTorch reference in :mod:`flashreinforce.loss`. Eager calls on plain tensors run the
+same forward and backward through a ``torch.autograd.Function`` (less Python dispatch per call);
+calls under ``torch.compile`` or other tracing go through the registered op.
 
 Tensors reach the core as descriptors ``(data_ptr, shape, strides, dtype, device_type,
 device_index)``; the bindings validate every one of them and raise ``ValueError`` naming the
