@@ -221,12 +221,17 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _plain_cpu_scalar(t: Tensor) -> bool:
-    """A real 0-d CPU tensor outside any tracing (compile, fake or functional tensors, modes)."""
+def _outside_tracing() -> bool:
+    """Not under torch.compile, a dispatch mode (fake / functional tensors) or a functorch transform."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    return (type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() == 0
-            and not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None)
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def _plain_cpu_scalar(t: Tensor) -> bool:
+    """A real 0-d CPU tensor outside any tracing."""
+    return type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() == 0 and _outside_tracing()
 
 
 def _backward(ctx, grad_loss, *unused):
@@ -249,9 +254,9 @@ _fused_loss.register_autograd(_backward, setup_context=_setup_context)
 class _EagerFusedLoss(torch.autograd.Function):
     """Eager-mode autograd wrapper of the same forward and backward as the registered op.
 
-    Calling ``torch.ops.flashreinforce.fused_loss`` costs about 100 microseconds of Python
-    dispatch per forward + backward (the custom-op layers and their autograd kernel); this Function
-    costs a fraction of that, which matters for small batches (microbatches, unit-sized steps).
+    Calling ``torch.ops.flashreinforce.fused_loss`` costs about 75 microseconds more Python
+    dispatch per forward + backward (the custom-op layers and their autograd kernel; 130 against
+    56 us in all at 512 tokens) than this Function, which matters for small batches.
     Used only outside tracing (see ``_use_eager_function``); the results are identical.
     """
 
@@ -267,14 +272,8 @@ class _EagerFusedLoss(torch.autograd.Function):
 
 
 def _use_eager_function(tensors) -> bool:
-    """Plain tensors outside torch.compile, fake / functional modes and functorch transforms."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return False
-    return all(t is None or type(t) is torch.Tensor for t in tensors)
+    """Plain tensors (no subclasses) outside any tracing."""
+    return _outside_tracing() and all(t is None or type(t) is torch.Tensor for t in tensors)
 
 
 # ------------------------------------------------------------------------------------------------
