@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 
-from flashreinforce.envs.math import MathGrader
+from flashreinforce.envs.math_env import MathGrader
 from flashreinforce.envs.sandbox import Sandbox
 
 

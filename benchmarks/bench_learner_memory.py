@@ -7,7 +7,7 @@ states and the projection weight.
 
 * ``naive``: ``log_softmax(hidden @ weight.T).gather(targets)`` with autograd (holds ``[N, V]``
   logits, log-softmax, and builds ``[N, V]`` gradients in backward).
-* ``chunked``: :func:`flashreinforce.logprobs.sampled_token_logprobs`.
+* ``chunked``: :func:`flashreinforce.ops.logprobs.sampled_token_logprobs`.
 
 Method. Every (variant, repeat) runs in a fresh subprocess so that no allocator state carries
 over. The worker builds the inputs (seeded, identical for all variants), runs a small warm-up step
@@ -83,7 +83,7 @@ def _worker(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     sys.path.insert(0, _REPO)
-    from flashreinforce.logprobs import sampled_token_logprobs
+    from flashreinforce.ops.logprobs import sampled_token_logprobs
 
     dtype = getattr(torch, args.dtype)
 

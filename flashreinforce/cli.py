@@ -26,7 +26,7 @@ commands:
 
 def train(argv: Sequence[str]) -> int:
     from flashreinforce.config import ConfigError, parse_train_args
-    from flashreinforce.presets import PRESETS
+    from flashreinforce.config.presets import PRESETS
 
     try:
         cfg = parse_train_args(argv, PRESETS)

@@ -37,10 +37,10 @@ echo "build done after $(( $(date +%s) - start )) s"
 
 echo "== tests"
 status=0
-"$PY" -m pytest -q -p no:cacheprovider python_tests/test_fused_cuda.py python_tests/test_fused_loss.py \
-  python_tests/test_fused_errors.py -k "not each_cpu_instruction_set" -x || status=$?
+"$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_fused_cuda.py python_tests/ops/test_fused_loss.py \
+  python_tests/ops/test_fused_errors.py -k "not each_cpu_instruction_set" -x || status=$?
 # The learner's chunked log-probabilities on the GPU (pure PyTorch; needs no build).
-"$PY" -m pytest -q -p no:cacheprovider python_tests/test_logprobs.py -k cuda || status=$?
+"$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_logprobs.py -k cuda || status=$?
 echo "tests done after $(( $(date +%s) - start )) s (exit $status)"
 
 echo "== benchmark"

@@ -7,7 +7,7 @@ the other ranks *follow* (:meth:`DataParallelLearner.serve`) and only compute gr
 
 One update on a batch of B trajectories:
 
-1. rank 0 computes the batch totals once (:class:`~flashreinforce.learner.BatchTotals`: B, the
+1. rank 0 computes the batch totals once (:class:`~flashreinforce.trainer.learner.BatchTotals`: B, the
    float64 mean reward used as the baseline, the policy-token count, GRPO group advantages) and
    partitions the trajectories over the ranks balanced by tokens (:func:`partition_by_tokens`);
    one ``scatter_object_list`` hands each rank its trajectories, their batch rows and the totals;
@@ -28,7 +28,7 @@ Strategies:
 * ``replicate`` (default): each rank holds the whole model and optimizer; gradients are summed
   with bucketed all-reduces after the last micro-batch (no overlap with the backward pass).
 * ``fully_shard``: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every decoder layer and on the
-  :class:`~flashreinforce.learner.PolicyLogProbs` root, for models that do not fit one device.
+  :class:`~flashreinforce.trainer.learner.PolicyLogProbs` root, for models that do not fit one device.
   Parameters, gradients and optimizer moments are sharded; every rank runs the same number of
   forward passes (ranks with fewer micro-batches run zero-gradient placeholder passes), since each
   forward gathers parameters collectively. Full weights for publication and checkpoints are
@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashreinforce.learner import (BatchTotals, GradientParts, Learner, LearnerSettings, PolicyLogProbs,
+from flashreinforce.trainer.learner import (BatchTotals, GradientParts, Learner, LearnerSettings, PolicyLogProbs,
                                     summarize_parts)
-from flashreinforce.trajectory import Trajectory
+from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["STRATEGIES", "DataParallelLearner", "DistContext", "distributed_context", "partition_by_tokens"]
 
@@ -198,7 +198,7 @@ def _all_reduce_gradients(params: Sequence[torch.nn.Parameter]) -> None:
 
 
 class DataParallelLearner:
-    """A :class:`~flashreinforce.learner.Learner` across the ranks of ``ctx`` (see the module docstring).
+    """A :class:`~flashreinforce.trainer.learner.Learner` across the ranks of ``ctx`` (see the module docstring).
 
     Every rank builds it the same way, with the same model (rank 0's parameters are broadcast).
     Rank 0 calls :meth:`step`, :meth:`policy_state`, :meth:`state_dict` and finally :meth:`stop`;

@@ -4,7 +4,7 @@ Pieces (all created by the learner process, the Ray *driver*, and owned by it: w
 disconnects, Ray removes them):
 
 * **buffer actor** (:class:`BufferActor`, ``num_cpus=0``, threaded): one
-  :class:`~flashreinforce.buffer.RolloutBuffer` reachable by every worker and by the learner,
+  :class:`~flashreinforce.trainer.buffer.RolloutBuffer` reachable by every worker and by the learner,
   wrapped in an :class:`OwnedBuffer` that remembers which worker *incarnation* holds each ticket.
   The learner talks to it through :class:`RemoteBuffer` (``take`` / ``update_done`` / ``stats`` /
   ``state_dict`` ...), a worker through :class:`WorkerBufferClient` (``acquire`` / ``put`` / ``cancel``).
@@ -16,7 +16,7 @@ disconnects, Ray removes them):
   :class:`~flashreinforce.engines.LocalWeightStore`; a trajectory records the versions that sampled it.
 * **rollout workers** (:class:`RolloutWorkerActor`): each builds its own engine (``local``: the policy
   from its config, weights from the registry; ``vllm``: a vLLM engine) and its own environments, and
-  runs the same :class:`~flashreinforce.rollout.RolloutWorker` loop as the local backend. Placement
+  runs the same :class:`~flashreinforce.trainer.rollout.RolloutWorker` loop as the local backend. Placement
   through Ray resources: ``--ray.num_cpus_per_worker`` / ``--ray.num_gpus_per_worker``.
 * **supervisor** (:class:`RayRolloutBackend`, a thread of the driver): when a worker process dies
   (crash, OOM kill, node loss), the tickets its incarnation held are released: counted as
@@ -45,9 +45,9 @@ from typing import Any, Mapping
 
 import torch
 
-from flashreinforce.buffer import Batch, RolloutBuffer, Ticket
+from flashreinforce.trainer.buffer import Batch, RolloutBuffer, Ticket
 from flashreinforce.engines.base import WeightStore
-from flashreinforce.rollout import RolloutBackend, RolloutSettings, fair_share
+from flashreinforce.trainer.rollout import RolloutBackend, RolloutSettings, fair_share
 
 __all__ = ["BufferActor", "OwnedBuffer", "RayConnection", "RayRollout", "RayRolloutBackend", "RayWeightStore",
            "RemoteBuffer", "RolloutWorkerActor", "StaleIncarnation", "WeightRegistry", "WorkerBufferClient",
@@ -115,7 +115,7 @@ class StaleIncarnation(RuntimeError):
 
 
 class OwnedBuffer:
-    """A :class:`~flashreinforce.buffer.RolloutBuffer` whose tickets remember who holds them.
+    """A :class:`~flashreinforce.trainer.buffer.RolloutBuffer` whose tickets remember who holds them.
 
     Workers identify themselves by ``(worker_id, incarnation)``; an incarnation is one run of a
     worker's loop (a restarted actor starts a new one). :meth:`release` hands out again every
@@ -207,7 +207,7 @@ class BufferActor:
     """Ray actor body hosting one :class:`OwnedBuffer` (create it with :func:`ray.remote`; threaded)."""
 
     def __init__(self, buffer_kwargs: Mapping[str, Any], prompt_kwargs: Mapping[str, Any]) -> None:
-        from flashreinforce.buffer import PromptStream
+        from flashreinforce.trainer.buffer import PromptStream
 
         self.owned = OwnedBuffer(RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs)))
 
@@ -257,7 +257,7 @@ class BufferActor:
 
 
 class RemoteBuffer:
-    """The learner's side of the buffer actor, with :class:`~flashreinforce.buffer.RolloutBuffer`'s
+    """The learner's side of the buffer actor, with :class:`~flashreinforce.trainer.buffer.RolloutBuffer`'s
     learner-side interface (``take`` waits in slices of at most :data:`MAX_BLOCK_S`)."""
 
     def __init__(self, handle, *, batch_groups: int, group_size: int, async_queue_size: int = 1) -> None:
@@ -431,7 +431,7 @@ class WorkerRecipe:
     model_config: the policy's ``transformers`` config (weights come from the weight store).
     engine / engine_options: :func:`~flashreinforce.engines.create_engine`'s kind and options.
     tokenizer: the run's tokenizer object. env: the :class:`~flashreinforce.trainer.EnvSpec`.
-    settings: the :class:`~flashreinforce.rollout.RolloutSettings`. group_size: samples per prompt
+    settings: the :class:`~flashreinforce.trainer.rollout.RolloutSettings`. group_size: samples per prompt
     (the buffer's). engine_options: extra engine arguments (vLLM). torch_threads: intra-op threads
     of the worker process (``None``: torch's default). max_prompts_per_call: the worker's share of
     the prompts that may be in flight (set by :class:`RayRolloutBackend`, see :func:`fair_share`).
@@ -456,7 +456,7 @@ class RolloutWorkerActor:
         import transformers
 
         from flashreinforce.engines import create_engine
-        from flashreinforce.rollout import RolloutWorker
+        from flashreinforce.trainer.rollout import RolloutWorker
 
         # The recipe comes by reference (the driver keeps it alive), so a restarted actor finds it again.
         recipe: WorkerRecipe = import_ray().get(recipe_ref[0])

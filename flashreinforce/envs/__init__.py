@@ -7,8 +7,8 @@ __all__ = ["Environment", "StepResult"]
 # The shipped environments load on first use, so importing this package starts nothing and
 # imports neither math-verify nor subprocess machinery.
 _LAZY_EXPORTS = {
-    "MathEnv": "flashreinforce.envs.math",
-    "MathGrader": "flashreinforce.envs.math",
+    "MathEnv": "flashreinforce.envs.math_env",
+    "MathGrader": "flashreinforce.envs.math_env",
     "PythonToolEnv": "flashreinforce.envs.python_tool",
     "Sandbox": "flashreinforce.envs.sandbox",
     "SandboxResult": "flashreinforce.envs.sandbox",

@@ -280,7 +280,7 @@ class DatasetEnvironment(Environment):
 
 # name -> "module:Class" of the shipped task environments.
 BUILTIN_ENVIRONMENTS = {
-    "math": "flashreinforce.envs.math:MathEnv",
+    "math": "flashreinforce.envs.math_env:MathEnv",
     "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
     "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
 }

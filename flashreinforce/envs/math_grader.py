@@ -1,7 +1,7 @@
 """Math answer grading with ``math-verify``, and the grading subprocess that bounds it.
 
 This module imports only the standard library (``math_verify`` is imported when grading),
-because it also runs as a standalone script: :class:`flashreinforce.envs.math.MathGrader`
+because it also runs as a standalone script: :class:`flashreinforce.envs.math_env.MathGrader`
 starts it in a child process and kills that child when a grade takes too long. That is the
 only dependable bound: math-verify's own timeout uses ``SIGALRM``, which works only in the
 main thread, and cannot interrupt native code (sympy evaluating ``9^{9^{9^{9}}}`` runs in big-
@@ -154,7 +154,7 @@ def grade_answer(answer: str, ground_truth: str | Sequence[str], *, timeout_s: f
 
     timeout_s: bound in seconds on the whole grade, enforced with ``SIGALRM``; only in the main
         thread (elsewhere the grade runs unbounded) and only for Python code. Use
-        ``flashreinforce.envs.math.MathGrader`` for a hard bound that holds in any thread.
+        ``flashreinforce.envs.math_env.MathGrader`` for a hard bound that holds in any thread.
     """
     if not isinstance(answer, str):
         raise TypeError(f"answer must be str, got {type(answer).__name__}")

@@ -29,7 +29,7 @@ from typing import Sequence
 
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.dataset import ChatTemplate, Task, TaskEnvironment
-from flashreinforce.envs.math import MathGrader, extract_boxed, require_math_verify, shared_grader
+from flashreinforce.envs.math_env import MathGrader, extract_boxed, require_math_verify, shared_grader
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 
 __all__ = ["PythonToolEnv", "extract_code", "format_tool_output", "default_max_turns",

@@ -35,7 +35,7 @@ from flashreinforce.experiments.resolve import (
 )
 
 #: The environment the native trainer uses for the math agent kind when no --agent-path is given.
-NATIVE_MATH_AGENT = "flashreinforce.envs.math:MathEnv"
+NATIVE_MATH_AGENT = "flashreinforce.envs.math_env:MathEnv"
 #: Where a Molt checkout keeps its math agent.
 MOLT_MATH_AGENT = Path("examples/python/agents/math.py")
 

@@ -1,0 +1,15 @@
+"""The objective and everything the learner's loss computes, with no trainer or transformers imports.
+
+``fused``      the fused FlashREINFORCE loss over packed sequences (custom op over ``flashreinforce._C``)
+``reference``  the same objective in plain PyTorch: the readable definition
+``logprobs``   log-probabilities of sampled tokens without ``[tokens, vocab]`` logits
+``ppo``        group advantages and the clipped PPO loss of the GRPO comparison
+
+``import flashreinforce.ops`` loads the compiled extension (for the fused entry points below).
+"""
+
+from flashreinforce.ops.fused import (fused_loss_capturable, flashreinforce_loss, flashreinforce_loss_packed,
+                                      has_cuda, raise_for_error)
+
+__all__ = ["flashreinforce_loss_packed", "flashreinforce_loss", "fused_loss_capturable", "raise_for_error",
+           "has_cuda"]

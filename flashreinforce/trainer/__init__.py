@@ -1,0 +1,8 @@
+"""The asynchronous trainer, in data-flow order: trajectory -> rollout -> buffer -> packing -> learner.
+
+The loop (:mod:`.loop`) wires them together; checkpoints and metrics of a run live beside it.
+"""
+
+from flashreinforce.trainer.loop import EnvSpec, Trainer, build_model
+
+__all__ = ["EnvSpec", "Trainer", "build_model"]

@@ -1,0 +1,349 @@
+"""The rollout buffer between rollout workers and the learner, and the prompt stream it hands out.
+
+Protocol (the whole interface a worker or a learner uses; a Ray actor can wrap it unchanged):
+
+* worker: ``ticket = buffer.acquire()`` -> a prompt to roll out (``None`` once the buffer is closed);
+  then ``buffer.put(ticket, trajectories)`` with its ``group_size`` samples, or ``buffer.cancel(ticket)``
+  (``acquire_many`` / ``put_many``: the same for several prompts in one call, one round trip for a
+  remote buffer).
+* learner: ``batch = buffer.take(learner_version)`` -> the next ``batch_groups`` groups in completion
+  order, each exactly once (one pass: a taken group is never returned again), then, after the
+  optimizer step, ``buffer.update_done()``.
+
+Staleness bound: prompts are handed out only while
+``issued - freed <= batch_groups * (updates_done + 1 + async_queue_size)``, so ``async_queue_size``
+batches may be in flight ahead of the batch the learner is working on (0 = synchronous: the next
+batch starts only after the update). ``freed`` counts prompts whose group was dropped, cancelled or
+entirely rejected (they are replaced). With ``max_policy_lag`` set, ``take`` drops (and counts) groups
+whose oldest trajectory is more than that many versions behind the learner; their prompt is handed
+out again first, so no prompt is lost.
+
+Validation: every trajectory is checked on ``put`` (:meth:`Trajectory.problem`); an invalid one is
+counted, kept in ``buffer.quarantine`` with its reason (the last ``quarantine_size``), logged, and never
+reaches the learner; training goes on with the valid ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from flashreinforce.trainer.trajectory import Trajectory
+
+__all__ = ["Batch", "PromptStream", "RolloutBuffer", "Ticket"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Permission to roll out one prompt: ``group_size`` samples of environment seed ``seed``."""
+
+    prompt_id: int
+    seed: int
+    group_size: int
+
+
+@dataclass
+class Batch:
+    """What ``take`` returns: ``groups`` (each the samples of one prompt), in completion order."""
+
+    groups: list[list[Trajectory]]
+    learner_version: int
+    wait_s: float
+    dropped_groups: int = 0
+    dropped_trajectories: int = 0
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for g in self.groups for t in g]
+
+    @property
+    def group_ids(self) -> list[int]:
+        return [gi for gi, g in enumerate(self.groups) for _ in g]
+
+
+class PromptStream:
+    """An endless, seeded stream of ``(prompt_id, env_seed)``.
+
+    With ``num_prompts`` (a finite prompt set, e.g. a dataset), each pass is a fresh seeded
+    permutation of ``range(num_prompts)`` (one pass = one episode in Molt's ``train.num_episodes``);
+    without it, seeds are ``seed_offset + prompt_id`` (every prompt new). Prompts given back with
+    :meth:`requeue` come out first, in the order given.
+    """
+
+    def __init__(self, *, num_prompts: int | None = None, seed: int = 0, seed_offset: int = 0,
+                 shuffle: bool = True) -> None:
+        if num_prompts is not None and num_prompts <= 0:
+            raise ValueError(f"num_prompts must be positive or None, got {num_prompts}")
+        self.num_prompts = num_prompts
+        self.seed = seed
+        self.seed_offset = seed_offset
+        self.shuffle = shuffle
+        self.next_id = 0
+        self._requeued: collections.deque[tuple[int, int]] = collections.deque()
+        self._perm_epoch = -1
+        self._perm: list[int] = []
+
+    def seed_of(self, prompt_id: int) -> int:
+        if self.num_prompts is None:
+            return self.seed_offset + prompt_id
+        epoch, pos = divmod(prompt_id, self.num_prompts)
+        if epoch != self._perm_epoch:
+            self._perm = list(range(self.num_prompts))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
+            self._perm_epoch = epoch
+        return self._perm[pos]
+
+    def next(self) -> tuple[int, int]:
+        if self._requeued:
+            return self._requeued.popleft()
+        pid = self.next_id
+        self.next_id += 1
+        return pid, self.seed_of(pid)
+
+    def requeue(self, prompts: Iterable[tuple[int, int]]) -> None:
+        self._requeued.extend(prompts)
+
+    def state_dict(self, outstanding: Sequence[tuple[int, int]] = ()) -> dict:
+        """State to resume from; ``outstanding`` prompts (handed out, not consumed) come out first."""
+        return {"next_id": self.next_id, "requeued": [list(p) for p in list(outstanding) + list(self._requeued)]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_id = int(state["next_id"])
+        self._requeued = collections.deque((int(a), int(b)) for a, b in state["requeued"])
+
+
+class RolloutBuffer:
+    """FIFO of finished groups with a staleness bound, validation and exactly-once ``take``.
+
+    Args:
+        batch_groups: groups (prompts) per learner batch, Molt's ``rollout.batch_size``.
+        group_size: samples per prompt, ``rollout.n_samples_per_prompt``.
+        async_queue_size: batches that may be in flight ahead of the learner's current one (>= 0).
+        max_policy_lag: drop groups more than this many versions behind at ``take`` (``None``: never).
+        prompts: the prompt stream (default: endless fresh seeds).
+        vocab_size: token ids must lie in ``[0, vocab_size)`` (``None``: unchecked).
+        quarantine_size: how many rejected trajectories to keep for inspection.
+    """
+
+    def __init__(self, *, batch_groups: int, group_size: int = 1, async_queue_size: int = 1,
+                 max_policy_lag: int | None = None, prompts: PromptStream | None = None,
+                 vocab_size: int | None = None, quarantine_size: int = 64) -> None:
+        if batch_groups <= 0:
+            raise ValueError(f"batch_groups must be positive, got {batch_groups}")
+        if group_size <= 0:
+            raise ValueError(f"group_size must be positive, got {group_size}")
+        if async_queue_size < 0:
+            raise ValueError(f"async_queue_size must be >= 0, got {async_queue_size}")
+        if max_policy_lag is not None and max_policy_lag < 0:
+            raise ValueError(f"max_policy_lag must be >= 0 or None, got {max_policy_lag}")
+        self.batch_groups = batch_groups
+        self.group_size = group_size
+        self.async_queue_size = async_queue_size
+        self.max_policy_lag = max_policy_lag
+        self.prompts = prompts or PromptStream()
+        self.vocab_size = vocab_size
+        self.quarantine: collections.deque[tuple[str, Trajectory]] = collections.deque(maxlen=quarantine_size)
+
+        self._cond = threading.Condition()
+        self._ready: collections.deque[tuple[Ticket, list[Trajectory]]] = collections.deque()
+        self._outstanding: dict[int, Ticket] = {}  # handed out, not yet consumed or freed
+        self._generating: set[int] = set()  # handed out, not yet put or cancelled
+        self._closed = False
+        self.updates_done = 0
+        self.issued = 0
+        self.freed = 0
+        self.counters = collections.Counter()
+
+    # ---------------------------------------------------------------- worker side
+    def _limit(self) -> int:
+        return self.batch_groups * (self.updates_done + 1 + self.async_queue_size)
+
+    def acquire(self, timeout: float | None = None) -> Ticket | None:
+        """Block until a prompt may be started; ``None`` if closed or ``timeout`` seconds passed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._closed and self.issued - self.freed >= self._limit():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(remaining)
+            if self._closed:
+                return None
+            pid, seed = self.prompts.next()
+            ticket = Ticket(pid, seed, self.group_size)
+            self._outstanding[pid] = ticket
+            self._generating.add(pid)
+            self.issued += 1
+            return ticket
+
+    def acquire_many(self, n: int, timeout: float | None = None) -> list[Ticket]:
+        """Up to ``n`` prompts: the first as :meth:`acquire` (blocking up to ``timeout``), the rest only
+        if they may start at once. Empty when closed or timed out."""
+        first = self.acquire(timeout=timeout)
+        if first is None:
+            return []
+        tickets = [first]
+        while len(tickets) < n:
+            more = self.acquire(timeout=0)
+            if more is None:
+                break
+            tickets.append(more)
+        return tickets
+
+    def put_many(self, groups: Sequence[tuple[Ticket, Sequence[Trajectory]]]) -> list[int]:
+        """:meth:`put` for each ``(ticket, trajectories)`` in order; the valid count of each."""
+        return [self.put(ticket, trajs) for ticket, trajs in groups]
+
+    def put(self, ticket: Ticket, trajectories: Sequence[Trajectory]) -> int:
+        """Hand in the finished samples of ``ticket``; returns how many were valid and queued."""
+        valid: list[Trajectory] = []
+        for traj in trajectories:
+            problem = traj.problem(self.vocab_size) if isinstance(traj, Trajectory) else \
+                f"expected a Trajectory, got {type(traj).__name__}"
+            if problem is None:
+                valid.append(traj)
+            else:
+                log.warning("rejected trajectory of prompt %d: %s", ticket.prompt_id, problem)
+                self.quarantine.append((problem, traj))
+                with self._cond:
+                    self.counters["rejected_trajectories"] += 1
+        with self._cond:
+            if ticket.prompt_id not in self._generating:
+                raise ValueError(f"put: ticket for prompt {ticket.prompt_id} is not outstanding "
+                                 "(already put, cancelled, or issued by another buffer)")
+            self._generating.discard(ticket.prompt_id)
+            if valid:
+                self._ready.append((ticket, valid))
+                self.counters["put_trajectories"] += len(valid)
+            else:
+                # Nothing usable: free the slot; the prompt is not retried (its problem may be deterministic).
+                del self._outstanding[ticket.prompt_id]
+                self.freed += 1
+                self.counters["rejected_groups"] += 1
+            self._cond.notify_all()
+        return len(valid)
+
+    def cancel(self, ticket: Ticket, reason: str = "", *, lost: bool = False) -> bool:
+        """The worker could not finish ``ticket`` (error, shutdown): free the slot, hand the prompt out again.
+
+        ``lost``: the worker died with the ticket (counted as ``lost_groups`` / ``lost_trajectories``,
+        ``group_size`` each, instead of ``cancelled_groups``). Returns False when the ticket was not
+        being generated (already put or cancelled).
+        """
+        with self._cond:
+            if ticket.prompt_id not in self._generating:
+                return False
+            self._generating.discard(ticket.prompt_id)
+            del self._outstanding[ticket.prompt_id]
+            self.freed += 1
+            if lost:
+                self.counters["lost_groups"] += 1
+                self.counters["lost_trajectories"] += ticket.group_size
+            else:
+                self.counters["cancelled_groups"] += 1
+            self.prompts.requeue([(ticket.prompt_id, ticket.seed)])
+            self._cond.notify_all()
+        if reason:
+            log.warning("prompt %d %s: %s", ticket.prompt_id, "lost" if lost else "cancelled", reason)
+        return True
+
+    # ---------------------------------------------------------------- learner side
+    def take(self, learner_version: int, timeout: float | None = None) -> Batch | None:
+        """The next ``batch_groups`` groups in completion order, each exactly once.
+
+        Groups more than ``max_policy_lag`` versions behind ``learner_version`` are dropped on the way
+        (counted in ``counters['dropped_stale_*']``, prompt handed out again). Returns ``None`` when
+        the buffer is closed or ``timeout`` seconds pass first; groups already collected then go back
+        to the front of the queue, in order.
+        """
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        groups: list[tuple[Ticket, list[Trajectory]]] = []
+        dropped_groups = dropped_trajs = 0
+        with self._cond:
+            while len(groups) < self.batch_groups:
+                while not self._ready and not self._closed:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                if not self._ready:
+                    self._ready.extendleft(reversed(groups))
+                    return None
+                ticket, trajs = self._ready.popleft()
+                lag = learner_version - min(t.policy_version_min for t in trajs)
+                if self.max_policy_lag is not None and lag > self.max_policy_lag:
+                    del self._outstanding[ticket.prompt_id]
+                    self.freed += 1
+                    self.prompts.requeue([(ticket.prompt_id, ticket.seed)])
+                    dropped_groups += 1
+                    dropped_trajs += len(trajs)
+                    self.counters["dropped_stale_groups"] += 1
+                    self.counters["dropped_stale_trajectories"] += len(trajs)
+                    self._cond.notify_all()
+                    continue
+                groups.append((ticket, trajs))
+            for ticket, _ in groups:
+                del self._outstanding[ticket.prompt_id]
+            self.counters["taken_groups"] += len(groups)
+            self.counters["taken_trajectories"] += sum(len(g) for _, g in groups)
+        return Batch([g for _, g in groups], learner_version, time.monotonic() - start, dropped_groups, dropped_trajs)
+
+    def update_done(self) -> None:
+        """The learner finished an optimizer step: one more batch of prompts may be started."""
+        with self._cond:
+            self.updates_done += 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake every waiter; ``acquire`` and ``take`` return ``None`` from now on."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # ---------------------------------------------------------------- introspection and resume
+    def in_flight(self) -> int:
+        """Prompts handed out and not yet consumed or freed (being generated or waiting in the queue)."""
+        with self._cond:
+            return len(self._outstanding)
+
+    def ready_groups(self) -> int:
+        with self._cond:
+            return len(self._ready)
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            out = dict(self.counters)
+            out.update(issued=self.issued, freed=self.freed, updates_done=self.updates_done,
+                       in_flight=len(self._outstanding), ready_groups=len(self._ready))
+            return out
+
+    def state_dict(self) -> dict:
+        """Counters and the prompt stream; prompts in flight are handed out again first on resume."""
+        with self._cond:
+            outstanding = sorted((t.prompt_id, t.seed) for t in self._outstanding.values())
+            return {"updates_done": self.updates_done, "counters": dict(self.counters),
+                    "prompts": self.prompts.state_dict(outstanding)}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._cond:
+            if self.issued:
+                raise RuntimeError("load_state_dict must be called before any prompt is handed out")
+            self.updates_done = int(state["updates_done"])
+            self.counters = collections.Counter(state["counters"])
+            self.prompts.load_state_dict(state["prompts"])
+            # The slots of the consumed batches are accounted for by updates_done.
+            self.issued = self.batch_groups * self.updates_done
+            self._cond.notify_all()

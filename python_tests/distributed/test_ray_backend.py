@@ -1,0 +1,220 @@
+"""The Ray rollout backend on a local Ray instance: ticket ownership, weights by version through the
+object store, trajectories recording the versions that sampled them (checked against a float64
+recomputation with each version's weights), and a rollout worker killed mid-run."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
+from flashreinforce.distributed.ray_backend import OwnedBuffer, RayRollout, StaleIncarnation, WorkerRecipe
+from flashreinforce.engines import SamplingParams
+from flashreinforce.trainer.rollout import RolloutSettings, fair_share
+from flashreinforce.models.tokenizers import load_tokenizer
+from flashreinforce.trainer import EnvSpec, build_model
+from flashreinforce.trainer.trajectory import Trajectory
+
+TOY = "flashreinforce.envs.toy:ToyCopyEnv"
+
+SLOW_ENV = '''
+import time
+from flashreinforce.envs.toy import ToyCopyEnv
+
+
+class SlowCopyEnv(ToyCopyEnv):
+    """ToyCopyEnv whose step takes a while, so a worker holds its tickets most of the time."""
+
+    def step(self, action):
+        time.sleep(0.05)
+        return super().step(action)
+'''
+
+
+def traj(ticket, reward=1.0):
+    return Trajectory([1, 2, 3], [False, True, True], [0.0, -0.5, -0.7], reward=reward, failed=reward <= 0,
+                      prompt_id=ticket.prompt_id)
+
+
+# ---------------------------------------------------------------------------- ownership (no Ray)
+def test_released_tickets_are_lost_handed_out_again_and_late_calls_are_refused():
+    owned = OwnedBuffer(RolloutBuffer(batch_groups=4, async_queue_size=0, prompts=PromptStream()))
+    a = owned.acquire_many(0, 0, 2, timeout=0)
+    b = owned.acquire_many(1, 0, 2, timeout=0)
+    assert [t.prompt_id for t in a] == [0, 1] and [t.prompt_id for t in b] == [2, 3]
+    assert owned.held(0) == 2 and owned.held(1) == 2
+    assert owned.release(0, 0, "killed") == 2
+    stats = owned.stats()
+    assert stats["lost_groups"] == 2 and stats["lost_trajectories"] == 2 and stats.get("cancelled_groups", 0) == 0
+    # The dead incarnation's late put and its late acquire are refused; nothing of it is queued.
+    assert owned.put_many(0, 0, [(a[0], [traj(a[0])])]) == [-1]
+    with pytest.raises(StaleIncarnation):  # its loop ends instead of asking again and again
+        owned.acquire_many(0, 0, 4, timeout=0)
+    # Its prompts come out first, to the next incarnation, which may put them.
+    again = owned.acquire_many(0, 1, 4, timeout=0)
+    assert [t.prompt_id for t in again] == [0, 1]
+    assert owned.put_many(0, 1, [(t, [traj(t)]) for t in again]) == [1, 1]
+    # A re-issued prompt never takes the old holder's samples (same prompt id, different holder).
+    assert owned.put_many(1, 0, [(t, [traj(t)]) for t in b]) == [1, 1]
+    batch = owned.buffer.take(0, timeout=0)
+    assert sorted(t.prompt_id for g in batch.groups for t in g) == [0, 1, 2, 3]
+    assert owned.stats()["late_calls"] == 2
+
+
+def test_a_late_put_after_release_never_lands_on_the_reissued_ticket():
+    owned = OwnedBuffer(RolloutBuffer(batch_groups=1, async_queue_size=0, prompts=PromptStream()))
+    (t,) = owned.acquire_many(0, 0, 1, timeout=0)
+    owned.release(0, 0)
+    (t2,) = owned.acquire_many(1, 0, 1, timeout=0)
+    assert t2.prompt_id == t.prompt_id  # handed out again
+    assert owned.put_many(0, 0, [(t, [traj(t, reward=5.0)])]) == [-1]  # the dead holder's result is dropped
+    assert owned.put_many(1, 0, [(t2, [traj(t2, reward=2.0)])]) == [1]
+    batch = owned.buffer.take(0, timeout=0)
+    assert [g[0].reward for g in batch.groups] == [2.0]
+
+
+def test_fair_share_leaves_work_for_every_worker():
+    assert fair_share(128, 1, 2) == 128  # 256 prompts may be in flight: half each
+    assert fair_share(4, 1, 3) == 3  # rounded up
+    assert fair_share(1, 0, 8) == 1  # at least one
+    with pytest.raises(ValueError, match="num_workers"):
+        fair_share(4, 1, 0)
+
+
+# ---------------------------------------------------------------------------- on a local Ray instance
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray = pytest.importorskip("ray", reason="the Ray backend tests need ray (pip install 'flashreinforce[ray]')")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def make_rollout(env_spec, *, num_workers=2, batch_groups=8, async_queue_size=0, per_call=4, max_restarts=2):
+    model, _ = build_model("tiny-qwen2", device=torch.device("cpu"), seed=0)
+    tok = load_tokenizer("char")
+    settings = RolloutSettings(max_new_tokens=1, max_len=24, max_turns=1,
+                               sampling=SamplingParams(1.0, 1.0, 0, tok.eos_token_ids), episodes_per_call=per_call,
+                               seed=0)
+    rollout = RayRollout.create(address=None, buffer_kwargs=dict(batch_groups=batch_groups, group_size=1,
+                                                                 async_queue_size=async_queue_size,
+                                                                 vocab_size=tok.vocab_size),
+                                prompt_kwargs=dict(num_prompts=None, seed=0))
+    recipe = WorkerRecipe(model_config=model.config, engine="local", tokenizer=tok, env=env_spec, settings=settings,
+                          torch_threads=1)
+    backend = rollout.backend(recipe, num_workers, num_cpus=1, num_gpus=0, max_restarts=max_restarts)
+    return model, tok, rollout, backend
+
+
+def version_weights(base, version):
+    """Distinct weights per version: the base model moved by a seeded random step."""
+    g = torch.Generator().manual_seed(1000 + version)
+    return {k: v + 0.3 * version * torch.randn(v.shape, generator=g) for k, v in base.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_trajectories_record_the_version_whose_weights_sampled_them(ray_instance):
+    base, tok, rollout, backend = make_rollout(EnvSpec(TOY, {}, {"alphabet": "abcdefgh"}), async_queue_size=0)
+    states = {v: version_weights(base, v) for v in range(3)}
+    try:
+        rollout.weights.publish(states[0], 0)
+        backend.start()
+        got = []
+        for version in range(3):
+            batch = rollout.buffer.take(version, timeout=60)
+            assert batch is not None, "no batch from the Ray workers"
+            got.append(batch.trajectories)
+            # Synchronous schedule: the next batch starts after this update, with the next weights.
+            if version < 2:
+                rollout.weights.publish(states[version + 1], version + 1)
+            rollout.buffer.update_done()
+        stats = rollout.buffer.stats()
+    finally:
+        backend.stop()
+        rollout.close()
+    assert stats["taken_trajectories"] == 24 and stats.get("rejected_trajectories", 0) == 0
+    model64 = copy.deepcopy(base).double()
+    for version, trajs in enumerate(got):
+        assert {t.policy_version_min for t in trajs} == {t.policy_version_max for t in trajs} == {version}
+        assert {t.worker_id for t in trajs} <= {0, 1}
+        for t in trajs:
+            k = t.action_mask.index(True)
+            for v, state in states.items():
+                model64.load_state_dict({n: x.double() for n, x in state.items()})
+                with torch.no_grad():
+                    logits = model64(input_ids=torch.tensor([t.token_ids[:k]])).logits[0, -1]
+                want = float(torch.log_softmax(logits, -1)[t.token_ids[k]])
+                if v == version:  # recorded by the engine = recomputed with that version's weights
+                    assert t.behavior_log_probs[k] == pytest.approx(want, abs=2e-5), (version, t.prompt_id)
+                elif abs(t.behavior_log_probs[k] - want) > 1e-3:
+                    break
+            else:
+                pytest.fail(f"trajectory {t.prompt_id}: its log-prob matches another version's weights too")
+
+
+@pytest.mark.slow
+def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_instance, tmp_path):
+    env_file = tmp_path / "slow_env.py"
+    env_file.write_text(SLOW_ENV)
+    base, tok, rollout, backend = make_rollout(EnvSpec(f"{env_file}:SlowCopyEnv", {}, {}), async_queue_size=2,
+                                               batch_groups=8, per_call=4)
+    taken: list[int] = []
+    workers_after: set[int] = set()
+    version = 0
+    try:
+        rollout.weights.publish(base.state_dict(), 0)
+        backend.start()
+
+        def learn_one():
+            nonlocal version
+            batch = rollout.buffer.take(version, timeout=60)
+            assert batch is not None, "training stalled"
+            taken.extend(t.prompt_id for t in batch.trajectories)
+            version += 1
+            rollout.weights.publish(base.state_dict(), version)
+            rollout.buffer.update_done()
+            return batch
+
+        for _ in range(2):
+            learn_one()
+        deadline = time.monotonic() + 60
+        while True:  # freeze worker 0 in the middle of episodes: what it holds cannot change any more
+            assert time.monotonic() < deadline, "worker 0 never held a prompt"
+            pid = backend.worker_pid(0)
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)  # once a call it sent just before (a put) has reached the buffer actor
+            held = ray_instance.get(rollout.buffer.handle.held_prompts.remote(0))
+            if held:
+                break
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while backend.restarts[0] == 0 or not workers_after:
+            assert time.monotonic() < deadline, "worker 0 was not restarted"
+            batch = learn_one()  # the learner keeps going on the other worker's rollouts
+            if backend.restarts[0]:
+                workers_after |= {t.worker_id for t in batch.trajectories if t.worker_id == 0}
+        for _ in range(2):
+            learn_one()
+        stats = rollout.buffer.stats()
+    finally:
+        backend.stop()
+        rollout.close()
+    worker_stats = backend.stats()  # final: every loop returned its statistics at stop
+    assert backend.restarts == [1, 0]
+    assert stats["lost_groups"] == len(held) and stats["lost_trajectories"] == len(held)
+    assert len(taken) == len(set(taken)), "a prompt was trained on twice"
+    for pid_ in held:  # every lost prompt was handed out again and trained on exactly once
+        assert taken.count(pid_) == 1, pid_
+    assert workers_after == {0}  # the restarted worker produces trajectories again
+    assert worker_stats[0]["restarts"] == 1 and worker_stats[0]["episodes"] > 0

@@ -1,0 +1,176 @@
+"""`flashreinforce train --rollout.backend ray` end to end on this machine: the toy preset learns as
+with local workers, a rollout worker killed mid-run does not stop training (its prompts are handed
+out again, the worker restarts, the metrics count both), and a running cluster is joined and left
+running (a local instance the run started itself is stopped with it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray", reason="the Ray backend tests need ray (pip install 'flashreinforce[ray]')")
+
+from flashreinforce.config import parse_train_args  # noqa: E402
+from flashreinforce.config.presets import PRESETS  # noqa: E402
+from flashreinforce.trainer import Trainer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def env(**extra: str) -> dict[str, str]:
+    out = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0", **extra)
+    out["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in out.get("PYTHONPATH", "").split(os.pathsep) if p])
+    out.pop("RAY_ADDRESS", None)
+    return out
+
+
+def ray_daemons() -> set[int]:
+    """Pids of Ray's per-node daemons (raylet, GCS) running on this machine."""
+    pids = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if cmd.endswith((b"/raylet", b"/gcs_server")):
+            pids.add(int(d.name))
+    return pids
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def mean(xs) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.slow
+def test_toy_preset_learns_with_ray_workers_and_stops_its_local_instance(tmp_path):
+    before = ray_daemons()
+    out = tmp_path / "toy_ray"
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--rollout.backend", "ray",
+           "--output", str(out), "--train.max_steps", "150", "--rollout.vllm_generate_batch_size", "64",
+           "--eval.eval_at_start", "false", "--eval.steps", "0", "--ckpt.save_steps", "0", "--no_progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "completed" and summary["step"] == 150
+    m = metrics(out)
+    rewards = [x["reward_mean"] for x in m]
+    # The same thresholds as the local-worker end-to-end test: chance at first, then the skill.
+    assert mean(rewards[:10]) < 0.1
+    assert mean(rewards[-10:]) > 0.7, rewards[-10:]
+    assert all(0 <= x["policy_lag_min"] and x["policy_lag_max"] <= 4 for x in m)
+    assert m[-1]["lost_trajectories"] == 0 and m[-1]["worker_restarts"] == 0
+    assert summary["buffer"]["taken_trajectories"] == 150 * 128 and summary["buffer"]["late_calls"] == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["rollout_backend"] == "ray" and "ray.address" not in cfg["inactive"]
+    assert (out / "hf" / "model.safetensors").is_file()
+    deadline = time.monotonic() + 60  # Ray stops its daemons asynchronously after the driver exits
+    while not ray_daemons() <= before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_daemons() <= before, "the local Ray instance the run started is still running"
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_worker_does_not_stop_training(tmp_path):
+    out = tmp_path / "kill"
+    cfg = parse_train_args(["--preset", "toy", "--rollout.backend", "ray", "--output", str(out),
+                            "--train.max_steps", "60", "--rollout.vllm_generate_batch_size", "32",
+                            "--eval.eval_at_start", "false", "--eval.steps", "0", "--ckpt.save_steps", "0",
+                            "--no_progress"], PRESETS)
+    trainer = Trainer(cfg)
+    killed: dict = {}
+
+    def kill_worker_0_mid_run() -> None:
+        try:
+            deadline = time.monotonic() + 300
+            while (trainer.pool is None or getattr(trainer, "step", 0) < 15) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            backend = trainer.pool
+            while time.monotonic() < deadline:
+                pid = backend.worker_pid(0)
+                os.kill(pid, signal.SIGSTOP)  # freeze it; kill it only while it holds prompts
+                time.sleep(0.3)  # let a call it sent just before (a put) reach the buffer actor
+                held = backend.held(0)
+                if held:
+                    killed.update(pid=pid, held=held, step=trainer.step)
+                    os.kill(pid, signal.SIGKILL)
+                    return
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.01)
+        except Exception as err:  # reported by the assertions below
+            killed["error"] = repr(err)
+
+    killer = threading.Thread(target=kill_worker_0_mid_run, daemon=True)
+    killer.start()
+    summary = trainer.run()
+    killer.join(10)
+    assert "error" not in killed and killed.get("held"), killed
+    assert summary["status"] == "completed" and summary["step"] == 60
+    m = metrics(out)
+    assert [x["step"] for x in m] == list(range(1, 61))  # every update happened
+    assert m[-1]["worker_restarts"] == 1
+    assert m[-1]["lost_trajectories"] == killed["held"]  # exactly the prompts it held, one sample each
+    assert summary["buffer"]["lost_groups"] == killed["held"]
+    assert summary["buffer"]["taken_trajectories"] == 60 * 128
+    assert mean(x["reward_mean"] for x in m[-10:]) > mean(x["reward_mean"] for x in m[:10])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_joins_a_running_cluster_and_leaves_it_running(tmp_path):
+    port = free_port()
+    # Token authentication set the same way for the cluster and its clients (Ray >= 2.52).
+    cluster_env = env(RAY_AUTH_MODE="token")
+    head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                             "--block"], env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    probe = ("import ray; ray.init(address='{a}'); r = ray.cluster_resources(); a = ray.available_resources(); "
+             "print(r.get('CPU'), a.get('CPU')); ray.shutdown()").format(a=address)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            up = subprocess.run([sys.executable, "-c", probe], env=cluster_env, capture_output=True, text=True,
+                                timeout=120)
+            if up.returncode == 0:
+                break
+            assert time.monotonic() < deadline and head.poll() is None, up.stderr[-3000:]
+            time.sleep(1.0)
+        out = tmp_path / "joined"
+        cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--rollout.backend", "ray",
+               "--ray.address", address, "--output", str(out), "--train.max_steps", "5", "--eval.eval_at_start",
+               "false", "--eval.steps", "0", "--no_progress"]
+        proc = subprocess.run(cmd, cwd=ROOT, env=cluster_env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        assert f"connected to {address}" in proc.stderr
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["step"] == 5
+        # The cluster still runs, and every CPU the run's worker actors reserved is free again.
+        after = subprocess.run([sys.executable, "-c", probe], env=cluster_env, capture_output=True, text=True,
+                               timeout=120)
+        assert after.returncode == 0, after.stderr[-3000:]
+        total, free = (float(x) for x in after.stdout.split()[-2:])
+        assert total == 2.0 and free == 2.0
+        assert head.poll() is None
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)  # the cluster this test started (its own process group)
+        head.wait(30)

@@ -1,0 +1,222 @@
+"""Prompt datasets, prompt rendering, DatasetEnvironment and the make_environment factory."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import types
+
+import pytest
+
+from flashreinforce.envs import Environment, StepResult
+from flashreinforce.envs.dataset import (
+    DatasetEnvironment,
+    Task,
+    TaskEnvironment,
+    chat_template_from_tokenizer,
+    load_tasks,
+    make_environment,
+    render_prompt,
+)
+
+
+def _write_jsonl(path, rows):
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def _math_rows(n, rng):
+    rows = []
+    for i in range(n):
+        a, b = rng.randrange(100), rng.randrange(100)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
+                     "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+                     "datasource": f"bench{i % 2}"})
+    return rows
+
+
+def test_load_jsonl_with_chat_prompts_labels_and_max_samples(tmp_path):
+    rng = random.Random()
+    rows = _math_rows(7, rng)
+    path = _write_jsonl(tmp_path / "train.jsonl", rows)
+    tasks = load_tasks(path, max_samples=5)
+    assert len(tasks) == 5
+    for i, task in enumerate(tasks):
+        assert task.index == i and task.datasource == rows[i]["datasource"]
+        assert task.prompt == tuple(rows[i]["prompt"])
+        assert task.ground_truth == rows[i]["reward_model"]["ground_truth"]
+        assert task.extra == {"datasource": rows[i]["datasource"]}
+    assert len(load_tasks(path)) == 7
+
+
+def test_load_json_list_with_plain_labels(tmp_path):
+    rows = [{"question": "1+1?", "answer": 2}, {"question": "pick", "answer": ["a", "b"]},
+            {"question": "str", "answer": "x"}]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(rows))
+    tasks = load_tasks(path, input_key="question", label_key="answer")
+    assert [t.ground_truth for t in tasks] == ["2", ("a", "b"), "x"]
+    assert [t.prompt for t in tasks] == ["1+1?", "pick", "str"]
+    assert load_tasks(path, input_key="question", label_key=None)[0].ground_truth is None
+    assert load_tasks(path, input_key=None, label_key="answer")[0].prompt == ""
+
+
+@pytest.mark.parametrize("rows,kwargs,message", [
+    ([{"text": "q", "reward_model": "1"}], {}, "row 0: no data.input_key 'prompt'"),
+    ([{"prompt": "q"}], {}, "row 0: no data.label_key 'reward_model'"),
+    ([{"prompt": "q", "reward_model": {"style": "rule"}}], {}, "no 'ground_truth'"),
+    ([{"prompt": "q", "reward_model": None}], {}, "ground truth must be"),
+    ([{"prompt": [{"role": "user"}], "reward_model": "1"}], {}, "chat message 0"),
+    ([{"prompt": "q", "reward_model": "1"}], {"max_samples": 0}, "data.max_samples"),
+    ([], {}, "empty"),
+])
+def test_load_errors_name_the_problem(tmp_path, rows, kwargs, message):
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows) if rows else tmp_path / "empty.jsonl"
+    if not rows:
+        path.write_text("")
+    with pytest.raises(ValueError, match=message):
+        load_tasks(path, **kwargs)
+
+
+def test_load_reports_bad_json_with_its_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text('{"prompt": "a", "reward_model": "1"}\n{not json}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:2"):
+        load_tasks(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tasks(tmp_path / "missing.jsonl")
+
+
+def test_render_prompt_plain_and_with_a_template():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    assert render_prompt(messages) == "System: Be brief.\n\nUser: Hi?\n\nAssistant:"
+    assert render_prompt("just text") == "just text"
+    template = lambda msgs: "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<assistant>"  # noqa: E731
+    assert render_prompt(messages, template) == "<system>Be brief.<user>Hi?<assistant>"
+    assert render_prompt("text", template) == "<user>text<assistant>"
+    with pytest.raises(TypeError, match="must return str"):
+        render_prompt(messages, lambda msgs: 42)
+
+
+def test_chat_template_from_a_tokenizer_like_object():
+    class FakeTokenizer:
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+            assert tokenize is False and add_generation_prompt is True
+            return "T:" + messages[-1]["content"]
+
+    assert render_prompt("q", chat_template_from_tokenizer(FakeTokenizer())) == "T:q"
+    with pytest.raises(TypeError, match="apply_chat_template"):
+        chat_template_from_tokenizer(object())
+
+
+class _EchoTaskEnv(TaskEnvironment):
+    """A task environment whose reward says whether the action equals the ground truth."""
+
+    closed = False
+
+    def step(self, action):
+        correct = action == self.task.ground_truth
+        return StepResult(reward=float(correct), done=True, failed=not correct, info={"index": self.task.index})
+
+    def close(self):
+        self.closed = True
+
+
+def test_dataset_environment_plays_row_seed_mod_len(tmp_path):
+    rng = random.Random()
+    rows = _math_rows(5, rng)
+    tasks = load_tasks(_write_jsonl(tmp_path / "d.jsonl", rows))
+    env = DatasetEnvironment(_EchoTaskEnv(), tasks)
+    for seed in [0, 3, 5, 12, 10 ** 9 + 7]:
+        i = seed % 5
+        assert env.reset(seed=seed) == f"User: {rows[i]['prompt'][0]['content']}\n\nAssistant:"
+        assert env.current_task.index == i
+        assert env.step(rows[i]["reward_model"]["ground_truth"]).reward == 1.0
+    env.close()
+    assert env.env.closed
+    with pytest.raises(TypeError, match="set_task"):
+        DatasetEnvironment(object(), tasks)
+
+
+def _install_module(monkeypatch, name, **attrs):
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_make_environment_builtin_math_with_flat_and_nested_config(tmp_path):
+    rows = _math_rows(4, random.Random())
+    path = _write_jsonl(tmp_path / "m.jsonl", rows)
+    for config in ({"data.prompt_dataset": str(path), "data.max_samples": 3, "rollout.batch_size": 128},
+                   {"data": {"prompt_dataset": str(path), "max_samples": 3}, "actor": {"adam": {"lr": 1e-6}}}):
+        env = make_environment("math", config, timeout_s=3.0)
+        try:
+            assert isinstance(env, DatasetEnvironment) and len(env.tasks) == 3
+            env.reset(seed=4)  # row 4 % 3 == 1
+            truth = rows[1]["reward_model"]["ground_truth"]
+            result = env.step(f"\\boxed{{{truth}}}")
+            assert result.reward == 1.0 and result.info["correct"] is True
+        finally:
+            env.close()
+
+
+def test_make_environment_passes_max_turns_and_template(tmp_path):
+    path = _write_jsonl(tmp_path / "m.jsonl", _math_rows(2, random.Random()))
+    env = make_environment("python_tool", {"data.prompt_dataset": str(path), "max_turns": 4},
+                           apply_chat_template=lambda msgs: "T" + str(len(msgs)))
+    try:
+        assert env.env.max_turns == 4
+        assert env.reset(seed=0) == "T2"  # system prompt + the user message
+    finally:
+        env.close()
+
+
+def test_make_environment_module_class_spec(tmp_path, monkeypatch):
+    class Plain(Environment):
+        def __init__(self, greeting="hi"):
+            self.greeting = greeting
+
+        def reset(self, *, seed):
+            return f"{self.greeting} {seed}"
+
+        def step(self, action):
+            return StepResult(reward=1.0)
+
+    _install_module(monkeypatch, "fr_test_envs", Plain=Plain, EchoEnv=_EchoTaskEnv, NotEnv=dict)
+    env = make_environment("fr_test_envs:Plain", greeting="hello")
+    assert env.reset(seed=3) == "hello 3"
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "reward_model": "x"}])
+    env = make_environment("fr_test_envs:EchoEnv", {"data.prompt_dataset": str(path)})
+    assert env.reset(seed=0) == "p" and env.step("x").reward == 1.0
+    with pytest.raises(TypeError, match="set_task"):
+        make_environment("fr_test_envs:Plain", {"data.prompt_dataset": str(path)})
+    with pytest.raises(TypeError, match="not a flashreinforce.envs.Environment"):
+        make_environment("fr_test_envs:NotEnv")
+    with pytest.raises(ValueError, match="has no Missing"):
+        make_environment("fr_test_envs:Missing")
+    with pytest.raises(ValueError, match="module:Class"):
+        make_environment("nonsense")
+    with pytest.raises(ValueError, match="needs data.prompt_dataset"):
+        make_environment("math", {})
+
+
+def test_task_environment_without_tasks_explains():
+    with pytest.raises(RuntimeError, match="DatasetEnvironment"):
+        _EchoTaskEnv().reset(seed=0)
+    with pytest.raises(ValueError, match="non-empty"):
+        _EchoTaskEnv(tasks=[])
+    env = _EchoTaskEnv(tasks=[Task("a", "1"), Task("b", "2")])
+    assert [env.reset(seed=s) for s in range(3)] == ["a", "b", "a"]
+    env.set_task(Task("override", "3"))
+    assert env.reset(seed=0) == "override" and env.reset(seed=0) == "a"
+
+
+def test_importing_the_package_is_light():
+    import subprocess
+
+    code = ("import sys, flashreinforce.envs as e; "
+            "print(sorted(m for m in ('math_verify', 'flashreinforce.envs.math_env', 'flashreinforce.envs.sandbox') "
+            "if m in sys.modules)); print(e.make_environment.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "flashreinforce.envs.dataset"]
