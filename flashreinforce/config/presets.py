@@ -1,23 +1,16 @@
 """Named presets of ``flashreinforce train`` and the built-in tiny model configurations.
 
 A preset is a dict of flags (dotted Molt names) and options (``env``, ``env.kwargs``, ``model``,
-``tokenizer``); flags given on the command line override it. Presets run out of the box on a
-CPU with no download: the model is built from a config and the tokenizer is character-level.
+``tokenizer``); flags given on the command line override it. The toy presets run out of the box
+on a CPU with no download: the model is built from a config
+(:data:`flashreinforce.models.loading.TINY_MODELS`) and the tokenizer is character-level.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS", "TINY_MODELS"]
-
-#: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
-#: with random weights. Sized for the character tokenizer (vocabulary 100).
-TINY_MODELS: dict[str, dict[str, Any]] = {
-    "tiny-qwen2": dict(vocab_size=100, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       tie_word_embeddings=True, rope_theta=10000.0),
-}
+__all__ = ["PRESETS"]
 
 _TOY_COMMON: dict[str, Any] = {
     "model": "tiny-qwen2",

@@ -12,11 +12,12 @@ _LAZY_EXPORTS = {
     "PythonToolEnv": "flashreinforce.envs.python_tool",
     "Sandbox": "flashreinforce.envs.sandbox",
     "SandboxResult": "flashreinforce.envs.sandbox",
-    "Task": "flashreinforce.envs.dataset",
-    "TaskEnvironment": "flashreinforce.envs.dataset",
-    "DatasetEnvironment": "flashreinforce.envs.dataset",
-    "load_tasks": "flashreinforce.envs.dataset",
-    "make_environment": "flashreinforce.envs.dataset",
+    "Task": "flashreinforce.envs.tasks",
+    "TaskEnvironment": "flashreinforce.envs.tasks",
+    "DatasetEnvironment": "flashreinforce.envs.tasks",
+    "load_tasks": "flashreinforce.envs.tasks",
+    "make_environment": "flashreinforce.envs.registry",
+    "EnvSpec": "flashreinforce.envs.registry",
     "ALFWorldEnv": "flashreinforce.envs.alfworld",
 }
 __all__ += list(_LAZY_EXPORTS)

@@ -29,7 +29,7 @@ import os
 from typing import Any, Sequence
 
 from flashreinforce.envs.base import StepResult
-from flashreinforce.envs.dataset import ChatTemplate, Task, TaskEnvironment, render_prompt
+from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment, render_prompt
 from flashreinforce.envs.python_tool import default_max_turns
 
 __all__ = ["ALFWorldEnv", "DEFAULT_INSTRUCTION", "extract_action", "resolve_game_file"]

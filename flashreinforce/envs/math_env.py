@@ -27,7 +27,7 @@ import weakref
 from typing import Sequence
 
 from flashreinforce.envs.base import StepResult
-from flashreinforce.envs.dataset import ChatTemplate, Task, TaskEnvironment
+from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_grader import Grade, extract_boxed, grade_answer
 
 __all__ = ["MathEnv", "MathGrader", "Grade", "extract_boxed", "grade_answer", "shared_grader"]

@@ -28,7 +28,7 @@ import re
 from typing import Sequence
 
 from flashreinforce.envs.base import StepResult
-from flashreinforce.envs.dataset import ChatTemplate, Task, TaskEnvironment
+from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_env import MathGrader, extract_boxed, require_math_verify, shared_grader
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 

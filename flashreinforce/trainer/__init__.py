@@ -3,6 +3,6 @@
 The loop (:mod:`.loop`) wires them together; checkpoints and metrics of a run live beside it.
 """
 
-from flashreinforce.trainer.loop import EnvSpec, Trainer, build_model
+from flashreinforce.trainer.loop import Trainer
 
-__all__ = ["EnvSpec", "Trainer", "build_model"]
+__all__ = ["Trainer"]

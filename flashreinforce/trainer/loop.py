@@ -25,9 +25,6 @@ over that set (``train.num_episodes`` passes).
 from __future__ import annotations
 
 import copy
-import hashlib
-import importlib.util
-import inspect
 import json
 import logging
 import os
@@ -38,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,134 +44,20 @@ from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
 from flashreinforce.trainer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engine
-from flashreinforce.envs.base import Environment
+from flashreinforce.envs.registry import EnvironmentSpecError, EnvSpec, accepts_chat_template, num_prompts
 from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.config.presets import TINY_MODELS
+from flashreinforce.models.loading import build_model
 from flashreinforce.trainer.rollout import RolloutBackend, RolloutSettings, RolloutWorker, ThreadRolloutPool
 from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 
-__all__ = ["EnvSpec", "Trainer", "build_model", "environment_factory", "num_prompts"]
+__all__ = ["Trainer"]
 
 log = logging.getLogger("flashreinforce.trainer")
 
 EVAL_SEED_OFFSET = 1_000_000_000
 
 
-# ---------------------------------------------------------------------------- building blocks
-def build_model(spec: str, *, device: torch.device, attn_implementation: str | None = None,
-                seed: int = 0) -> tuple[torch.nn.Module, str]:
-    """The policy model and its default tokenizer spec.
-
-    ``spec``: a :data:`~flashreinforce.config.presets.TINY_MODELS` name (random init from ``seed``), a
-    model config JSON file (random init), or a local Hugging Face checkpoint directory (never a
-    download). The model is float32 (master weights) on ``device``.
-    """
-    import transformers
-
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    path = Path(spec)
-    torch.manual_seed(seed)
-    if spec in TINY_MODELS:
-        config = transformers.Qwen2Config(**TINY_MODELS[spec])
-        model, tok = transformers.Qwen2ForCausalLM._from_config(config, **kwargs), "char"
-    elif path.is_file() and path.suffix == ".json":
-        data = json.loads(path.read_text())
-        model_type = data.pop("model_type", None)
-        if model_type is None:
-            raise ConfigError(f"model config {spec}: no model_type")
-        config = transformers.AutoConfig.for_model(model_type, **data)
-        model, tok = transformers.AutoModelForCausalLM.from_config(config, **kwargs), "char"
-    elif path.is_dir() and (path / "config.json").is_file():
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                                  torch_dtype=torch.float32, **kwargs)
-        tok = str(path)
-    else:
-        raise ConfigError(f"--model {spec!r}: expected one of {sorted(TINY_MODELS)}, a model config .json, or a "
-                          "local checkpoint directory with config.json (models are never downloaded)")
-    return model.to(device=device, dtype=torch.float32), tok
-
-
-def _load_agent_file(path: str, class_name: str) -> str:
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise ConfigError(f"train.agent_path: {path} does not exist")
-    name = "flashreinforce_agent_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    module = sys.modules[name]
-    if not class_name:
-        found = [obj.__name__ for obj in vars(module).values()
-                 if isinstance(obj, type) and issubclass(obj, Environment) and obj.__module__ == name
-                 and not inspect.isabstract(obj)]
-        if len(found) != 1:
-            raise ConfigError(f"train.agent_path: {path} defines {len(found)} Environment classes ({found}); "
-                              "name one as FILE.py:CLASS")
-        class_name = found[0]
-    return f"{name}:{class_name}"
-
-
-def environment_factory(spec: str, config: dict[str, Any], env_kwargs: dict[str, Any],
-                        apply_chat_template: Callable | None = None) -> Callable[[], Environment]:
-    """A zero-argument callable building one environment (see the module docstring)."""
-    from flashreinforce.envs import make_environment
-
-    if spec is None:
-        raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
-    file, _, cls = spec.partition(".py:") if ".py:" in spec else (spec[:-3] if spec.endswith(".py") else "", "", "")
-    if file:
-        spec = _load_agent_file(file + ".py", cls)
-    kwargs = dict(env_kwargs)
-
-    def factory() -> Environment:
-        if apply_chat_template is not None:
-            return make_environment(spec, config, apply_chat_template=apply_chat_template, **kwargs)
-        return make_environment(spec, config, **kwargs)
-
-    return factory
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """How to build the run's environments anywhere (picklable: Ray workers rebuild them from it).
-
-    spec / config / kwargs: :func:`environment_factory`'s arguments. chat_template: the environment
-    renders its prompt itself with the tokenizer's chat template (it takes ``apply_chat_template``).
-    """
-
-    spec: str
-    config: dict[str, Any]
-    kwargs: dict[str, Any]
-    chat_template: bool = False
-
-    def factory(self, tokenizer) -> Callable[[], Environment]:
-        chat = None
-        if self.chat_template:
-            from flashreinforce.envs.dataset import chat_template_from_tokenizer
-
-            chat = chat_template_from_tokenizer(tokenizer.tok)
-        return environment_factory(self.spec, self.config, self.kwargs, chat)
-
-
-def num_prompts(env: Environment) -> int | None:
-    """Size of the environment's finite prompt set (dataset rows), or ``None`` for endless seeds."""
-    tasks = getattr(env, "tasks", None)
-    if tasks is not None:
-        return len(tasks)
-    if hasattr(env, "__len__"):
-        return len(env)
-    return None
-
-
-def _accepts(factory_spec_cls, name: str) -> bool:
-    try:
-        return name in inspect.signature(factory_spec_cls).parameters
-    except (TypeError, ValueError):
-        return False
-
-
+# ---------------------------------------------------------------------------- helpers
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -224,7 +107,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(tok_spec)
         env_renders = False
         if chat and isinstance(self.tokenizer, HFTokenizer):
-            env_renders = self._env_accepts_chat_template(spec)
+            env_renders = spec is not None and accepts_chat_template(spec)
             self.tokenizer = HFTokenizer(self.tokenizer.tok, chat_prompt=not env_renders, chat_observations=True)
         elif chat:
             cfg.inactive["data.apply_chat_template"] = "the character tokenizer has no chat template"
@@ -238,7 +121,10 @@ class Trainer:
         if spec is None:
             raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
         self.env_spec = EnvSpec(spec, cfg.env_config(), dict(cfg.env_kwargs), env_renders)
-        self.env_factory = self.env_spec.factory(self.tokenizer)
+        try:
+            self.env_factory = self.env_spec.factory(self.tokenizer)
+        except EnvironmentSpecError as err:
+            raise ConfigError(f"--env {spec!r}: {err}") from None
         probe = self.env_factory()
         try:
             self.num_prompts = num_prompts(probe)
@@ -307,19 +193,6 @@ class Trainer:
             sampling=SamplingParams(f["rollout.temperature"], f["rollout.top_p"], f["rollout.top_k"],
                                     self.tokenizer.eos_token_ids),
             episodes_per_call=f["rollout.vllm_generate_batch_size"], seed=cfg.seed)
-
-    def _env_accepts_chat_template(self, spec: str) -> bool:
-        from flashreinforce.envs.dataset import BUILTIN_ENVIRONMENTS
-
-        target = BUILTIN_ENVIRONMENTS.get(spec, spec)
-        if target.endswith(".py") or ".py:" in target:
-            return False
-        module, _, name = target.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except Exception:
-            return False
-        return _accepts(cls, "apply_chat_template")
 
     def _packed_forward_supported(self) -> bool:
         try:
@@ -448,8 +321,8 @@ class Trainer:
             eval_factory = self.env_factory
             eval_prompts = None
             if f["eval.dataset"]:
-                eval_factory = environment_factory(f["train.agent_path"], self.cfg.env_config(eval_split=True),
-                                                   self.cfg.env_kwargs)
+                eval_factory = EnvSpec(self.env_spec.spec, self.cfg.env_config(eval_split=True),
+                                       self.env_spec.kwargs, self.env_spec.chat_template).factory(self.tokenizer)
                 probe = eval_factory()
                 eval_prompts = num_prompts(probe)
                 probe.close()

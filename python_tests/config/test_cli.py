@@ -120,7 +120,7 @@ def test_every_published_setting_and_variant_parses_and_resolves():
 
 
 AGENT = '''
-from flashreinforce.envs.dataset import TaskEnvironment
+from flashreinforce.envs.tasks import TaskEnvironment
 from flashreinforce.envs.base import StepResult
 
 class EchoLabel(TaskEnvironment):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flashreinforce.trainer import build_model
+from flashreinforce.models.loading import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 LR = 1e-3  # the toy preset's

@@ -17,7 +17,8 @@ from flashreinforce.distributed.ray_backend import OwnedBuffer, RayRollout, Stal
 from flashreinforce.engines import SamplingParams
 from flashreinforce.trainer.rollout import RolloutSettings, fair_share
 from flashreinforce.models.tokenizers import load_tokenizer
-from flashreinforce.trainer import EnvSpec, build_model
+from flashreinforce.envs.registry import EnvSpec
+from flashreinforce.models.loading import build_model
 from flashreinforce.trainer.trajectory import Trajectory
 
 TOY = "flashreinforce.envs.toy:ToyCopyEnv"

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from flashreinforce.envs.alfworld import ALFWorldEnv, extract_action, resolve_game_file
-from flashreinforce.envs.dataset import make_environment
+from flashreinforce.envs.registry import make_environment
 
 _HAS_ALFWORLD = importlib.util.find_spec("alfworld") is not None and importlib.util.find_spec("textworld") is not None
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from flashreinforce.envs.dataset import Task
+from flashreinforce.envs.tasks import Task
 from flashreinforce.envs.math_env import MathEnv, MathGrader, extract_boxed, grade_answer, shared_grader
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from flashreinforce.envs.dataset import Task
+from flashreinforce.envs.tasks import Task
 from flashreinforce.envs.math_env import MathGrader
 from flashreinforce.envs.python_tool import PythonToolEnv, default_max_turns, extract_code
 from flashreinforce.envs.sandbox import Sandbox

@@ -10,15 +10,15 @@ import types
 import pytest
 
 from flashreinforce.envs import Environment, StepResult
-from flashreinforce.envs.dataset import (
+from flashreinforce.envs.tasks import (
     DatasetEnvironment,
     Task,
     TaskEnvironment,
     chat_template_from_tokenizer,
     load_tasks,
-    make_environment,
     render_prompt,
 )
+from flashreinforce.envs.registry import make_environment
 
 
 def _write_jsonl(path, rows):
@@ -219,4 +219,4 @@ def test_importing_the_package_is_light():
             "print(sorted(m for m in ('math_verify', 'flashreinforce.envs.math_env', 'flashreinforce.envs.sandbox') "
             "if m in sys.modules)); print(e.make_environment.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "flashreinforce.envs.dataset"]
+    assert out.splitlines() == ["[]", "flashreinforce.envs.registry"]

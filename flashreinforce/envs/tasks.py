@@ -1,4 +1,4 @@
-"""Prompt datasets, task-driven environments, and the environment factory the trainer calls.
+"""Prompt datasets and task-driven environments: one episode plays one dataset row.
 
 Data format (the one of the published settings): a JSONL file (one JSON object per line), a
 JSON file holding a list of objects, or a Parquet file (needs ``pyarrow``). Each row has
@@ -9,16 +9,11 @@ JSON file holding a list of objects, or a Parquet file (needs ``pyarrow``). Each
   number, or a list of acceptable answers), or the ground truth itself (string or number);
 - optionally ``datasource`` (kept on the :class:`Task`, e.g. to split evaluation metrics).
 
-:func:`make_environment` builds one environment (call it once per rollout worker)::
-
-    env = make_environment("math", {"data.prompt_dataset": "train.jsonl", "data.max_samples": 7500})
-    prompt = env.reset(seed=17)          # row 17 % len(dataset)
-    result = env.step("... so the answer is \\boxed{42}.")
+:func:`flashreinforce.envs.registry.make_environment` builds an environment over such a file.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -27,8 +22,7 @@ from typing import Any, Callable, Mapping, Sequence
 from flashreinforce.envs.base import Environment, StepResult
 
 __all__ = [
-    "Task", "TaskEnvironment", "DatasetEnvironment", "load_tasks", "render_prompt",
-    "chat_template_from_tokenizer", "make_environment", "BUILTIN_ENVIRONMENTS",
+    "Task", "TaskEnvironment", "DatasetEnvironment", "load_tasks", "render_prompt", "chat_template_from_tokenizer",
 ]
 
 Messages = Sequence[Mapping[str, str]]
@@ -276,95 +270,3 @@ class DatasetEnvironment(Environment):
 
     def close(self) -> None:
         self.env.close()
-
-
-# name -> "module:Class" of the shipped task environments.
-BUILTIN_ENVIRONMENTS = {
-    "math": "flashreinforce.envs.math_env:MathEnv",
-    "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
-    "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
-}
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
-
-
-def _import_class(spec: str) -> type:
-    module_name, _, class_name = spec.partition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"environment spec {spec!r} must be one of {sorted(BUILTIN_ENVIRONMENTS)} "
-                         "or 'module:Class'")
-    module = importlib.import_module(module_name)
-    try:
-        cls = getattr(module, class_name)
-    except AttributeError as exc:
-        raise ValueError(f"environment spec {spec!r}: module {module_name} has no {class_name}") from exc
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise TypeError(f"environment spec {spec!r} is not a flashreinforce.envs.Environment subclass")
-    return cls
-
-
-_task_cache: dict[tuple, list[Task]] = {}
-
-
-def _cached_tasks(path: str, input_key: str, label_key: str | None, max_samples: int | None) -> list[Task]:
-    stat = os.stat(path)
-    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, input_key, label_key, max_samples)
-    if key not in _task_cache:
-        _task_cache[key] = load_tasks(path, input_key=input_key, label_key=label_key, max_samples=max_samples)
-    return _task_cache[key]
-
-
-def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
-                     apply_chat_template: ChatTemplate | None = None, **env_kwargs: Any) -> Environment:
-    """Build one environment from a name or ``module:Class`` and the trainer's configuration.
-
-    spec: ``"math"``, ``"python_tool"``, ``"alfworld"``, or ``"module:Class"`` naming any
-        :class:`Environment` subclass.
-    config: the trainer configuration, flat with dotted keys (``{"data.max_samples": 10}``) or
-        nested (``{"data": {"max_samples": 10}}``). Read keys (others are ignored):
-        ``data.prompt_dataset`` (path; required for the shipped task environments),
-        ``data.input_key`` (default ``prompt``), ``data.label_key`` (default ``reward_model``),
-        ``data.max_samples`` (default all rows), ``max_turns`` (default: the environment's own).
-    apply_chat_template: callable rendering chat messages (see :func:`render_prompt`).
-    env_kwargs: passed to the environment's constructor (e.g. ``timeout_s=10``).
-
-    With ``data.prompt_dataset`` set, the environment must accept tasks (``set_task``); it is
-    wrapped in a :class:`DatasetEnvironment`, so ``reset(seed=i)`` plays row ``i % len``. A
-    ``module:Class`` environment gets ``max_turns`` and ``apply_chat_template`` only when set.
-    Call once per rollout worker: each call returns a new environment (the dataset file is read
-    once per process and shared).
-    """
-    if not isinstance(spec, str):
-        raise TypeError(f"spec must be str, got {type(spec).__name__}")
-    flat = _flatten(config or {})
-    builtin = spec in BUILTIN_ENVIRONMENTS
-    cls = _import_class(BUILTIN_ENVIRONMENTS.get(spec, spec))
-    kwargs = dict(env_kwargs)
-    if flat.get("max_turns") is not None:
-        kwargs.setdefault("max_turns", flat["max_turns"])
-    if apply_chat_template is not None:
-        kwargs.setdefault("apply_chat_template", apply_chat_template)
-    dataset = flat.get("data.prompt_dataset")
-    if dataset is None and builtin:
-        raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file)")
-    env = cls(**kwargs)
-    if dataset is None:
-        return env
-    label_key = flat.get("data.label_key", "reward_model")
-    if spec == "alfworld" and "data.label_key" not in flat:
-        label_key = "game_file"
-    tasks = _cached_tasks(os.fspath(dataset), flat.get("data.input_key", "prompt"), label_key,
-                          flat.get("data.max_samples"))
-    try:
-        return DatasetEnvironment(env, tasks)
-    except TypeError:
-        env.close()
-        raise

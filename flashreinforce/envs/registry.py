@@ -1,0 +1,224 @@
+"""Environment resolution: from a name, ``MODULE:CLASS`` or ``FILE.py[:CLASS]`` to environments.
+
+One place decides what ``--env`` (``train.agent_path``) means:
+
+* a shipped name (:data:`BUILTIN_ENVIRONMENTS`: ``math``, ``python_tool``, ``alfworld``);
+* ``MODULE:CLASS`` naming an :class:`~flashreinforce.envs.Environment` subclass;
+* ``FILE.py`` (its one ``Environment`` subclass) or ``FILE.py:CLASS``.
+
+:func:`make_environment` builds one environment from a spec and the run's flat configuration;
+:class:`EnvSpec` is the picklable recipe the trainer hands to rollout workers (threads or Ray
+actors), and :func:`num_prompts` tells whether an environment has a finite prompt set::
+
+    env = make_environment("math", {"data.prompt_dataset": "train.jsonl", "data.max_samples": 7500})
+    prompt = env.reset(seed=17)          # row 17 % len(dataset)
+    result = env.step("... so the answer is \\boxed{42}.")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from flashreinforce.envs.base import Environment
+from flashreinforce.envs.tasks import ChatTemplate, DatasetEnvironment, Task, chat_template_from_tokenizer, load_tasks
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "environment_class",
+           "make_environment", "num_prompts"]
+
+
+class EnvironmentSpecError(ValueError):
+    """An environment spec that names nothing usable (the message says what and why)."""
+
+
+# name -> "module:Class" of the shipped task environments.
+BUILTIN_ENVIRONMENTS = {
+    "math": "flashreinforce.envs.math_env:MathEnv",
+    "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
+    "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
+}
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _import_class(spec: str) -> type:
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise EnvironmentSpecError(f"environment spec {spec!r} must be one of {sorted(BUILTIN_ENVIRONMENTS)} "
+                         "or 'module:Class'")
+    module = importlib.import_module(module_name)
+    try:
+        cls = getattr(module, class_name)
+    except AttributeError as exc:
+        raise EnvironmentSpecError(f"environment spec {spec!r}: module {module_name} has no {class_name}") from exc
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise TypeError(f"environment spec {spec!r} is not a flashreinforce.envs.Environment subclass")
+    return cls
+
+
+_task_cache: dict[tuple, list[Task]] = {}
+
+
+def _cached_tasks(path: str, input_key: str, label_key: str | None, max_samples: int | None) -> list[Task]:
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, input_key, label_key, max_samples)
+    if key not in _task_cache:
+        _task_cache[key] = load_tasks(path, input_key=input_key, label_key=label_key, max_samples=max_samples)
+    return _task_cache[key]
+
+
+def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
+                     apply_chat_template: ChatTemplate | None = None, **env_kwargs: Any) -> Environment:
+    """Build one environment from a name or ``module:Class`` and the trainer's configuration.
+
+    spec: ``"math"``, ``"python_tool"``, ``"alfworld"``, or ``"module:Class"`` naming any
+        :class:`Environment` subclass.
+    config: the trainer configuration, flat with dotted keys (``{"data.max_samples": 10}``) or
+        nested (``{"data": {"max_samples": 10}}``). Read keys (others are ignored):
+        ``data.prompt_dataset`` (path; required for the shipped task environments),
+        ``data.input_key`` (default ``prompt``), ``data.label_key`` (default ``reward_model``),
+        ``data.max_samples`` (default all rows), ``max_turns`` (default: the environment's own).
+    apply_chat_template: callable rendering chat messages (see :func:`render_prompt`).
+    env_kwargs: passed to the environment's constructor (e.g. ``timeout_s=10``).
+
+    With ``data.prompt_dataset`` set, the environment must accept tasks (``set_task``); it is
+    wrapped in a :class:`DatasetEnvironment`, so ``reset(seed=i)`` plays row ``i % len``. A
+    ``module:Class`` environment gets ``max_turns`` and ``apply_chat_template`` only when set.
+    Call once per rollout worker: each call returns a new environment (the dataset file is read
+    once per process and shared).
+    """
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be str, got {type(spec).__name__}")
+    flat = _flatten(config or {})
+    builtin = spec in BUILTIN_ENVIRONMENTS
+    cls = environment_class(spec)
+    kwargs = dict(env_kwargs)
+    if flat.get("max_turns") is not None:
+        kwargs.setdefault("max_turns", flat["max_turns"])
+    if apply_chat_template is not None:
+        kwargs.setdefault("apply_chat_template", apply_chat_template)
+    dataset = flat.get("data.prompt_dataset")
+    if dataset is None and builtin:
+        raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file)")
+    env = cls(**kwargs)
+    if dataset is None:
+        return env
+    label_key = flat.get("data.label_key", "reward_model")
+    if spec == "alfworld" and "data.label_key" not in flat:
+        label_key = "game_file"
+    tasks = _cached_tasks(os.fspath(dataset), flat.get("data.input_key", "prompt"), label_key,
+                          flat.get("data.max_samples"))
+    try:
+        return DatasetEnvironment(env, tasks)
+    except TypeError:
+        env.close()
+        raise
+
+
+def _load_file(path: str, class_name: str) -> str:
+    """Import ``path`` once per process under a name derived from its location; ``module:Class`` of its
+    environment (``class_name``, or its only concrete :class:`Environment` subclass)."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise EnvironmentSpecError(f"environment file {path} does not exist")
+    name = "flashreinforce_agent_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    module = sys.modules[name]
+    if not class_name:
+        found = [obj.__name__ for obj in vars(module).values()
+                 if isinstance(obj, type) and issubclass(obj, Environment) and obj.__module__ == name
+                 and not inspect.isabstract(obj)]
+        if len(found) != 1:
+            raise EnvironmentSpecError(f"{path} defines {len(found)} Environment classes ({found}); "
+                                       "name one as FILE.py:CLASS")
+        class_name = found[0]
+    return f"{name}:{class_name}"
+
+
+def _canonical(spec: str) -> str:
+    """``spec`` as ``module:Class`` (shipped names looked up, files imported)."""
+    if spec in BUILTIN_ENVIRONMENTS:
+        return BUILTIN_ENVIRONMENTS[spec]
+    if spec.endswith(".py"):
+        return _load_file(spec, "")
+    if ".py:" in spec:
+        file, _, cls = spec.partition(".py:")
+        return _load_file(file + ".py", cls)
+    return spec
+
+
+def environment_class(spec: str) -> type:
+    """The :class:`Environment` subclass ``spec`` names (see the module docstring)."""
+    return _import_class(_canonical(spec))
+
+
+def accepts_chat_template(spec: str) -> bool:
+    """Whether the environment renders its prompt itself (its constructor takes ``apply_chat_template``)."""
+    try:
+        cls = environment_class(spec)
+        return "apply_chat_template" in inspect.signature(cls).parameters
+    except Exception:
+        return False
+
+
+def num_prompts(env: Environment) -> int | None:
+    """Size of the environment's finite prompt set (dataset rows), or ``None`` for endless seeds."""
+    tasks = getattr(env, "tasks", None)
+    if tasks is not None:
+        return len(tasks)
+    if hasattr(env, "__len__"):
+        return len(env)
+    return None
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """How to build a run's environments anywhere (picklable: Ray workers rebuild them from it).
+
+    spec: the ``--env`` value. config: the run's flat flags (what :func:`make_environment` reads).
+    kwargs: constructor arguments (``--env.kwargs``). chat_template: the environment renders its
+    prompt itself with the tokenizer's chat template (it takes ``apply_chat_template``).
+    """
+
+    spec: str
+    config: dict[str, Any]
+    kwargs: dict[str, Any]
+    chat_template: bool = False
+
+    def factory(self, tokenizer=None) -> Callable[[], Environment]:
+        """A zero-argument callable building one environment; ``tokenizer`` (a
+        :class:`~flashreinforce.models.tokenizers.HFTokenizer`) supplies the chat template."""
+        chat = chat_template_from_tokenizer(tokenizer.tok) if self.chat_template else None
+        spec = self.spec
+        environment_class(spec)  # fail early, in the caller, on a bad spec
+        config, kwargs = dict(self.config), dict(self.kwargs)
+
+        def build() -> Environment:
+            if chat is not None:
+                return make_environment(spec, config, apply_chat_template=chat, **kwargs)
+            return make_environment(spec, config, **kwargs)
+
+        return build
