@@ -40,11 +40,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
+from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
 from flashreinforce.trainer.checkpoints import latest_checkpoint, load_checkpoint, save_checkpoint
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engine
 from flashreinforce.envs.registry import EnvironmentSpecError, EnvSpec, accepts_chat_template, num_prompts
+from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
 from flashreinforce.trainer.learner import Learner, LearnerSettings
 from flashreinforce.models.loading import build_model
 from flashreinforce.trainer.rollout import RolloutBackend, RolloutSettings, RolloutWorker, ThreadRolloutPool
@@ -53,8 +54,6 @@ from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 __all__ = ["Trainer"]
 
 log = logging.getLogger("flashreinforce.trainer")
-
-EVAL_SEED_OFFSET = 1_000_000_000
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -83,7 +82,7 @@ class Trainer:
         self.hf_dir = Path(f["ckpt.output_dir"] or self.out / "hf")
         self.device = _device(cfg.device)
         self._interrupted = threading.Event()
-        self._eval_worker: RolloutWorker | None = None
+        self._evaluator: Evaluator | None = None
         self.dist = None  # DistContext under torchrun
         self._ray = None  # RayRollout with --rollout.backend ray
         self._loaded: dict | None = None  # the checkpoint being resumed from
@@ -315,43 +314,32 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         """Mean reward and success rate of the current policy on the evaluation prompts."""
+        if self._evaluator is None:
+            self._evaluator = self._make_evaluator()
+        return self._evaluator.evaluate(self.learner.version)
+
+    def _make_evaluator(self) -> Evaluator:
         f = self.cfg.flags
-        t0 = time.perf_counter()
-        if self._eval_worker is None:
-            eval_factory = self.env_factory
-            eval_prompts = None
-            if f["eval.dataset"]:
-                eval_factory = EnvSpec(self.env_spec.spec, self.cfg.env_config(eval_split=True),
-                                       self.env_spec.kwargs, self.env_spec.chat_template).factory(self.tokenizer)
-                probe = eval_factory()
-                eval_prompts = num_prompts(probe)
+        env_factory = self.env_factory
+        seeds = eval_seeds(self.num_prompts, f["eval.num_prompts"])
+        if f["eval.dataset"]:  # every row of the evaluation dataset
+            env_factory = EnvSpec(self.env_spec.spec, self.cfg.env_config(eval_split=True), self.env_spec.kwargs,
+                                  self.env_spec.chat_template).factory(self.tokenizer)
+            probe = env_factory()
+            try:
+                rows = num_prompts(probe)
+            finally:
                 probe.close()
-            elif self.num_prompts is not None:
-                eval_prompts = min(self.num_prompts, f["eval.num_prompts"])
-            offset = 0 if eval_prompts is not None else EVAL_SEED_OFFSET
-            self._eval_seeds = [offset + i for i in range(eval_prompts or f["eval.num_prompts"])]
-            engine = create_engine("local", self._full_model(self.device), pad_token_id=self.tokenizer.pad_token_id,
-                                   version=-1)
-            settings = copy.copy(self.rollout_settings)
-            settings.sampling = SamplingParams(f["eval.temperature"], f["eval.top_p"], f["rollout.top_k"],
-                                               self.tokenizer.eos_token_ids)
-            settings.seed = self.cfg.seed + 1
-            self._eval_worker = RolloutWorker(-1, engine, eval_factory, self.tokenizer, None, self.weights, settings)
-        n = f["eval.n_samples_per_prompt"]
-        tickets = [Ticket(i, s, n) for i, s in enumerate(self._eval_seeds)]
-        per_call = max(1, f["rollout.vllm_generate_batch_size"] // n)
-        trajs = []
-        for k in range(0, len(tickets), per_call):
-            for group in self._eval_worker.run_tickets(tickets[k:k + per_call]):
-                trajs.extend(group)
-        return {"eval_reward_mean": _mean(t.reward for t in trajs),
-                "eval_success_rate": _mean(0.0 if t.failed else 1.0 for t in trajs),
-                "eval_trajectories": len(trajs), "eval_policy_version": self.learner.version,
-                "eval_time_s": time.perf_counter() - t0}
+            seeds = eval_seeds(rows, rows if rows is not None else f["eval.num_prompts"])
+        sampling = SamplingParams(f["eval.temperature"], f["eval.top_p"], f["rollout.top_k"],
+                                  self.tokenizer.eos_token_ids)
+        return Evaluator(env_factory=env_factory, seeds=seeds, model=self._full_model(self.device),
+                         tokenizer=self.tokenizer, weights=self.weights, rollout_settings=self.rollout_settings,
+                         sampling=sampling, n_samples=f["eval.n_samples_per_prompt"],
+                         episodes_per_call=f["rollout.vllm_generate_batch_size"], seed=self.cfg.seed + 1)
 
     def _write_eval(self, metrics: dict[str, float]) -> None:
-        with open(self.out / "eval.jsonl", "a") as fh:
-            fh.write(json.dumps({"step": self.step, **metrics}) + "\n")
+        append_eval_record(self.out / "eval.jsonl", self.step, metrics)
 
     # ------------------------------------------------------------------ signals
     def _on_sigint(self, signum, frame) -> None:

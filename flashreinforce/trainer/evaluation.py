@@ -1,0 +1,89 @@
+"""Evaluation of the current policy on held-out prompts, beside the training loop.
+
+An :class:`Evaluator` owns one rollout worker that is not attached to the buffer: it plays a fixed
+list of evaluation seeds with its own engine copy of the policy, picking up the newest published
+weights before each call, and reports the mean reward and the success rate (1 - failure rate).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from flashreinforce.engines import SamplingParams, WeightStore, create_engine
+from flashreinforce.envs.base import Environment
+from flashreinforce.trainer.buffer import Ticket
+from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+
+__all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds"]
+
+#: First evaluation seed of an environment without a finite prompt set (endless seeds): far from
+#: the training seeds, which count up from 0.
+EVAL_SEED_OFFSET = 1_000_000_000
+
+
+def eval_seeds(num_prompts: int | None, requested: int) -> list[int]:
+    """The evaluation seeds: rows ``0..min(num_prompts, requested)-1`` of a finite prompt set, or
+    ``requested`` seeds from :data:`EVAL_SEED_OFFSET` for endless seeds."""
+    if num_prompts is not None:
+        return list(range(min(num_prompts, requested)))
+    return [EVAL_SEED_OFFSET + i for i in range(requested)]
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+class Evaluator:
+    """Plays ``seeds`` (``n_samples`` each) with the newest published policy.
+
+    Args:
+        env_factory: builds one evaluation environment.
+        seeds: evaluation seeds (see :func:`eval_seeds`).
+        model: the worker's own copy of the policy (a ``transformers`` causal LM on its device).
+        tokenizer: the run's tokenizer.
+        weights: the run's weight store (the evaluator loads the newest version before each call).
+        rollout_settings: the training rollout settings (lengths, turns); sampling is replaced by
+            ``sampling`` and the seed by ``seed``.
+        n_samples: samples per evaluation prompt. episodes_per_call: episodes sampled together.
+    """
+
+    def __init__(self, *, env_factory: Callable[[], Environment], seeds: list[int], model, tokenizer,
+                 weights: WeightStore, rollout_settings: RolloutSettings, sampling: SamplingParams,
+                 n_samples: int = 1, episodes_per_call: int = 16, seed: int = 0) -> None:
+        if n_samples <= 0:
+            raise ValueError(f"n_samples must be positive, got {n_samples}")
+        settings = copy.copy(rollout_settings)
+        settings.sampling = sampling
+        settings.seed = seed
+        engine = create_engine("local", model, pad_token_id=tokenizer.pad_token_id, version=-1)
+        self.worker = RolloutWorker(-1, engine, env_factory, tokenizer, None, weights, settings)
+        self.seeds = list(seeds)
+        self.n_samples = n_samples
+        self.per_call = max(1, episodes_per_call // n_samples)
+
+    def evaluate(self, policy_version: int) -> dict[str, float]:
+        """Mean reward and success rate over every evaluation trajectory (keys prefixed ``eval_``)."""
+        t0 = time.perf_counter()
+        tickets = [Ticket(i, s, self.n_samples) for i, s in enumerate(self.seeds)]
+        trajs = []
+        for k in range(0, len(tickets), self.per_call):
+            for group in self.worker.run_tickets(tickets[k:k + self.per_call]):
+                trajs.extend(group)
+        return {"eval_reward_mean": _mean(t.reward for t in trajs),
+                "eval_success_rate": _mean(0.0 if t.failed else 1.0 for t in trajs),
+                "eval_trajectories": len(trajs), "eval_policy_version": policy_version,
+                "eval_time_s": time.perf_counter() - t0}
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def append_eval_record(path: str | Path, step: int, metrics: dict[str, Any]) -> None:
+    """Append one ``{"step": step, **metrics}`` line to the run's ``eval.jsonl``."""
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"step": step, **metrics}) + "\n")
