@@ -1,0 +1,48 @@
+"""``flashreinforce train``: train with the native asynchronous trainer.
+
+``flashreinforce train [--preset NAME] [--env MODULE:CLASS] [--model M] --output DIR [--resume] [--FLAG VALUE ...]``;
+``flashreinforce train --help`` lists every flag. Exit status: 0 when training completed, 130 after
+Ctrl-C (a checkpoint was saved), 2 for a bad configuration (the message names the flag). Under
+``torchrun`` every rank runs this command; rank 0 prints the summary (see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Sequence
+
+__all__ = ["train"]
+
+def train(argv: Sequence[str]) -> int:
+    from flashreinforce.config import ConfigError, parse_train_args
+    from flashreinforce.config.presets import PRESETS
+
+    try:
+        cfg = parse_train_args(argv, PRESETS)
+    except ConfigError as err:
+        print(f"flashreinforce train: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    from flashreinforce.trainer import Trainer
+
+    try:
+        summary = Trainer(cfg).run()
+    except ConfigError as err:
+        print(f"flashreinforce train: error: {err}", file=sys.stderr)
+        return 2
+    if summary["status"] != "follower":  # under torchrun, rank 0 reports for the job
+        print(json.dumps(summary, default=str))
+    code = 130 if summary["status"] == "interrupted" else 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A torchrun rank whose run is complete: every output file is written and closed and the
+        # process group destroyed. Skip the interpreter's teardown, where gloo's C++ objects were
+        # seen (rarely) to abort the process after a completed run, turning success into SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+    return code
