@@ -28,7 +28,7 @@ Strategies:
 * ``replicate`` (default): each rank holds the whole model and optimizer; gradients are summed
   with bucketed all-reduces after the last micro-batch (no overlap with the backward pass).
 * ``fully_shard``: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every decoder layer and on the
-  :class:`~flashreinforce.trainer.learner.PolicyLogProbs` root, for models that do not fit one device.
+  :class:`~flashreinforce.trainer.scoring.PolicyLogProbs` root, for models that do not fit one device.
   Parameters, gradients and optimizer moments are sharded; every rank runs the same number of
   forward passes (ranks with fewer micro-batches run zero-gradient placeholder passes), since each
   forward gathers parameters collectively. Full weights for publication and checkpoints are
@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashreinforce.trainer.learner import (BatchTotals, GradientParts, Learner, LearnerSettings, PolicyLogProbs,
-                                    summarize_parts)
+from flashreinforce.trainer.learner import BatchTotals, GradientParts, Learner, LearnerSettings, summarize_parts
+from flashreinforce.trainer.scoring import PolicyLogProbs
 from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["STRATEGIES", "DataParallelLearner", "DistContext", "distributed_context", "partition_by_tokens"]
@@ -198,7 +198,8 @@ def _all_reduce_gradients(params: Sequence[torch.nn.Parameter]) -> None:
 
 
 class DataParallelLearner:
-    """A :class:`~flashreinforce.trainer.learner.Learner` across the ranks of ``ctx`` (see the module docstring).
+    """A :class:`~flashreinforce.trainer.learner.Learner` across the ranks of ``ctx`` (see the module docstring);
+    implements :class:`~flashreinforce.trainer.learner.PolicyLearner` on rank 0.
 
     Every rank builds it the same way, with the same model (rank 0's parameters are broadcast).
     Rank 0 calls :meth:`step`, :meth:`policy_state`, :meth:`state_dict` and finally :meth:`stop`;
@@ -282,6 +283,22 @@ class DataParallelLearner:
             return self.learner.policy_state()
         self._send("policy_state")
         return self._policy_state()
+
+    def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
+        """Rank 0: an unsharded copy of the current policy (float32 on ``device``). Under
+        ``fully_shard`` the weights are gathered from every rank first (a collective)."""
+        if not self.sharded:
+            return self.learner.full_model(device)
+        import transformers
+
+        state = self.policy_state()
+        model = transformers.AutoModelForCausalLM.from_config(self.model.config).to(dtype=torch.float32)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        if [k for k in missing if k not in tied] or unexpected:
+            raise RuntimeError(f"gathered weights do not match the model: missing {missing[:5]}, unexpected "
+                               f"{unexpected[:5]}")
+        return model.to(device)
 
     def state_dict(self) -> dict:
         """Rank 0: optimizer, scheduler and version for a checkpoint. Under ``fully_shard`` the

@@ -2,43 +2,39 @@
 
 For a batch of B trajectories (FlashREINFORCE: one per prompt; GRPO: groups of samples):
 
-1. pack them into micro-batches (:func:`flashreinforce.trainer.packing.micro_batches`);
-2. per micro-batch, one forward pass of the model body gives the last hidden states; the current
-   log-probability of every action token (and its entropy when the entropy filter or bonus needs it)
-   comes from :func:`flashreinforce.ops.logprobs.sampled_token_logprobs` on the hidden state before it and
-   the output projection, without ``[tokens, vocab]`` logits;
-3. the loss: the fused FlashREINFORCE op (``flashreinforce.flashreinforce_loss_packed``) with the
-   batch-global reward baseline and B, or the clipped PPO loss of :mod:`flashreinforce.ops.ppo` on group
-   advantages; backward per micro-batch (the micro-batch losses add up to the batch loss);
-4. gradient-norm clipping, one AdamW step, one scheduler step; the version goes up by one.
+1. the batch totals, once (:class:`BatchTotals`: B, the float64 mean reward, the policy-token
+   count, and the loss mode's advantages when it needs them);
+2. per micro-batch (:func:`flashreinforce.trainer.packing.micro_batches`): the current
+   log-probabilities (:mod:`flashreinforce.trainer.scoring`), the loss mode's loss as a summand of
+   the batch's loss (:mod:`flashreinforce.ops.loss_modes`: the fused FlashREINFORCE op or the
+   clipped PPO loss), and its backward;
+3. gradient-norm clipping, one AdamW step, one scheduler step (:mod:`.schedule`); the policy
+   version goes up by one.
 
-The model forward is either *packed* (one row, ``position_ids`` restarting per trajectory, attention
-kept inside each trajectory by the model's packed-sequence support) or *padded* (rows padded to the
-longest trajectory of the micro-batch, then gathered back to the packed order). Both give the same
-numbers; packed saves the padding on GPUs with variable-length attention, padded avoids the
-quadratic block-diagonal mask on CPU.
+:class:`PolicyLearner` is the interface the training loop uses; :class:`Learner` (one process)
+and :class:`flashreinforce.distributed.data_parallel.DataParallelLearner` (torchrun ranks)
+implement it.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import Tensor
 
-import flashreinforce
-from flashreinforce.ops.logprobs import sampled_token_logprobs
-from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack, to_padded
-from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
+from flashreinforce.ops.loss_modes import BatchContext, LossMode, LossOptions, MicroBatch, get_loss_mode
+from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
+from flashreinforce.trainer.schedule import SCHEDULERS, make_scheduler
+from flashreinforce.trainer.scoring import PolicyLogProbs
 from flashreinforce.trainer.trajectory import Trajectory
 
-__all__ = ["BatchTotals", "Learner", "LearnerSettings", "PolicyLogProbs", "lr_factor", "token_log_probs"]
+__all__ = ["BatchTotals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
 
-LOSS_MODES = ("flash_reinforce", "ppo")
-SCHEDULERS = ("cosine_with_min_lr", "constant", "constant_with_warmup")
 PARAM_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                 "fp16": torch.float16, "float16": torch.float16}
 
@@ -47,7 +43,7 @@ PARAM_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16
 class LearnerSettings:
     """Learner configuration (the Molt flag each field comes from in brackets).
 
-    loss_mode: ``flash_reinforce`` or ``ppo`` [actor.loss_mode]. delta [actor.flash_gate_delta],
+    loss_mode: a registered loss mode, ``flash_reinforce`` or ``ppo`` [actor.loss_mode]. delta [actor.flash_gate_delta],
     neg_topq [actor.flash_neg_topq], loss_agg [actor.flash_loss_agg], loss_scale_factor
     [actor.loss_scale_factor], no_is [actor.flash_no_is]; eps_clip [actor.eps_clip_low_high] and
     whiten (= not algo.advantage.no_whiten) for ppo. lr, weight_decay, betas [actor.adam.*];
@@ -85,8 +81,7 @@ class LearnerSettings:
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
-        if self.loss_mode not in LOSS_MODES:
-            raise ValueError(f"actor.loss_mode must be one of {LOSS_MODES}, got {self.loss_mode!r}")
+        get_loss_mode(self.loss_mode)  # raises ValueError naming the known modes
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"actor.lr_scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.param_dtype not in PARAM_DTYPES:
@@ -102,89 +97,17 @@ class LearnerSettings:
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"the learner's temperature must be positive and finite, got {self.temperature}")
 
+    @property
+    def loss_options(self) -> LossOptions:
+        """The options the loss mode reads."""
+        return LossOptions(delta=self.delta, neg_topq=self.neg_topq, loss_agg=self.loss_agg,
+                           loss_scale_factor=self.loss_scale_factor, no_is=self.no_is, eps_clip=tuple(self.eps_clip),
+                           whiten=self.whiten)
 
-def lr_factor(step: int, settings: LearnerSettings) -> float:
-    """Multiplier of the base learning rate at optimizer step ``step`` (0-based).
-
-    ``cosine_with_min_lr``: linear warmup over ``ceil(warmup_ratio * total_steps)`` steps, then a
-    half cosine from 1 down to ``min_lr_ratio`` at ``total_steps``. ``constant``: 1 (warmup ignored,
-    as in Hugging Face's ``constant``). ``constant_with_warmup``: linear warmup, then 1.
-    """
-    warmup = math.ceil(settings.warmup_ratio * settings.total_steps)
-    if settings.scheduler == "constant":
-        return 1.0
-    if step < warmup:
-        return (step + 1) / warmup
-    if settings.scheduler == "constant_with_warmup":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, settings.total_steps - warmup))
-    return settings.min_lr_ratio + (1.0 - settings.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def _body(model: torch.nn.Module) -> torch.nn.Module:
-    body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    if body is None or body is model:
-        raise ValueError(f"{type(model).__name__}: cannot find the model body (base_model_prefix)")
-    return body
-
-
-def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
-                    with_entropy: bool = False, packed_forward: bool = True, pad_token_id: int = 0,
-                    autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-    """Current log-probabilities (and entropies) ``[N]`` float32 of ``batch``'s action tokens.
-
-    Non-action slots hold 0 (the loss ignores them). Token t is scored from the hidden state at t-1
-    of the same trajectory, at ``temperature``. Gradients flow to the model's parameters.
-    """
-    device = next(model.parameters()).device
-    body = _body(model)
-    head = model.get_output_embeddings()
-    with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
-                        enabled=autocast_dtype is not None):
-        if packed_forward:
-            out = body(input_ids=batch.input_ids.to(device)[None], position_ids=batch.position_ids.to(device)[None],
-                       use_cache=False)
-            hidden = out.last_hidden_state[0]
-        else:
-            ids, mask, index = to_padded(batch, pad_token_id)
-            pos = torch.arange(ids.shape[1]).expand_as(ids)
-            out = body(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
-                       use_cache=False)
-            hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[index.to(device)]
-    positions = torch.nonzero(batch.action_mask, as_tuple=True)[0].to(device)
-    weight = head.weight
-    rows = hidden[positions - 1].to(weight.dtype)
-    logp, ent = sampled_token_logprobs(rows, weight, batch.input_ids.to(device)[positions],
-                                       bias=getattr(head, "bias", None), temperature=temperature,
-                                       with_entropy=with_entropy)
-    n = batch.num_tokens
-    full_logp = torch.zeros(n, dtype=torch.float32, device=device).index_put((positions,), logp.float())
-    full_ent = None
-    if ent is not None:
-        full_ent = torch.zeros(n, dtype=torch.float32, device=device).index_put((positions,), ent.float())
-    return full_logp, full_ent
-
-
-class PolicyLogProbs(torch.nn.Module):
-    """The learner's forward as one module: the model body and the sampled-token log-probabilities.
-
-    :func:`token_log_probs` reads the output projection's weight directly (no ``[tokens, vocab]``
-    logits), outside any ``forward`` of the model. Wrapping the computation in a module whose
-    ``forward`` is the whole of it lets FSDP2 (``fully_shard``) treat this module as the root:
-    the embedding, final norm and output projection are gathered for its forward and their
-    gradients reduced after its backward.
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
-                packed_forward: bool = True, pad_token_id: int = 0,
-                autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-        return token_log_probs(self.model, batch, temperature=temperature, with_entropy=with_entropy,
-                               packed_forward=packed_forward, pad_token_id=pad_token_id,
-                               autocast_dtype=autocast_dtype)
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the learner computes token entropies (the loss mode reads them, or the bonus is on)."""
+        return get_loss_mode(self.loss_mode).needs_entropy(self.loss_options) or self.entropy_coef != 0.0
 
 
 @dataclass
@@ -193,7 +116,7 @@ class BatchTotals:
 
     num_trajectories: B of the whole batch. reward_baseline: mean reward of the whole batch.
     policy_tokens: action tokens of the whole batch (``token-mean`` and the ppo loss divide by it).
-    advantages: ``[B]`` float32 group advantages indexed by batch row (``ppo`` only, else ``None``).
+    advantages: ``[B]`` float32 advantages by batch row from the loss mode (``ppo``), else ``None``.
     """
 
     num_trajectories: int
@@ -204,75 +127,65 @@ class BatchTotals:
     @classmethod
     def of(cls, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None,
            settings: LearnerSettings) -> "BatchTotals":
-        """The totals of the whole batch ``trajectories`` (float64 mean of the rewards)."""
+        """The totals of the whole batch ``trajectories`` (float64 mean of the rewards);
+        ``group_ids[i]``: the prompt group of trajectory i (default: one group each)."""
         b = len(trajectories)
         if b == 0:
             raise ValueError("Learner: no trajectories")
         rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
-        advantages = None
-        if settings.loss_mode == "ppo":
-            gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
-            if gids.numel() != b:
-                raise ValueError(f"group_ids has {gids.numel()} entries for {b} trajectories")
-            advantages = group_advantages(rewards, gids, whiten=settings.whiten).to(torch.float32)
+        gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
+        if gids.numel() != b:
+            raise ValueError(f"group_ids has {gids.numel()} entries for {b} trajectories")
+        advantages = get_loss_mode(settings.loss_mode).advantages(rewards, gids, settings.loss_options)
         return cls(num_trajectories=b, reward_baseline=float(rewards.mean()),
                    policy_tokens=sum(t.num_action_tokens for t in trajectories), advantages=advantages)
+
+    def context(self) -> BatchContext:
+        return BatchContext(self.num_trajectories, self.reward_baseline, self.policy_tokens, self.advantages)
 
 
 @dataclass
 class GradientParts:
     """What :meth:`Learner.accumulate_gradient_parts` measured on its part of a batch (all detached, CPU).
 
-    rows: batch rows of the part's trajectories. loss, entropy_sum, clip_tokens: sums over the part.
-    sequence_kl, admitted, retained: per trajectory of the part, in ``rows`` order (flash_reinforce).
-    error: the loss error met with ``collective_forwards`` (the passes went on with zero loss).
+    rows: batch rows of the part's trajectories. loss, entropy_sum: sums over the part.
+    per_trajectory: the loss mode's per-trajectory statistics, float64 in ``rows`` order.
+    sums: the loss mode's additive counts. error: the loss error met with ``collective_forwards``
+    (the passes went on with zero loss).
     """
 
     rows: list[int]
     loss: float = 0.0
     entropy_sum: float = 0.0
-    clip_tokens: float = 0.0
-    sequence_kl: Tensor | None = None
-    admitted: Tensor | None = None
-    retained: Tensor | None = None
+    per_trajectory: dict[str, Tensor] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)
     error: BaseException | None = None
 
 
 def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, settings: LearnerSettings) -> dict[str, float]:
     """The batch's loss and statistics from the parts that cover it (each row exactly once)."""
+    mode = get_loss_mode(settings.loss_mode)
     b = totals.num_trajectories
-    kl = torch.zeros(b, dtype=torch.float64)
-    admitted = torch.zeros(b, dtype=torch.bool)
-    retained = torch.zeros(b, dtype=torch.float64)
+    per_trajectory = {name: torch.zeros(b, dtype=torch.float64) for name in mode.per_trajectory_stats}
+    sums: dict[str, float] = {}
     seen = torch.zeros(b, dtype=torch.int64)
     for p in parts:
+        for key, value in p.sums.items():
+            sums[key] = sums.get(key, 0.0) + value
         if not p.rows:
             continue
         rows = torch.tensor(p.rows, dtype=torch.int64)
         seen[rows] += 1
-        if p.sequence_kl is not None:
-            kl[rows] = p.sequence_kl.double()
-            admitted[rows] = p.admitted
-            retained[rows] = p.retained.double()
+        for name in mode.per_trajectory_stats:
+            per_trajectory[name][rows] = p.per_trajectory[name]
     if not bool((seen == 1).all()):
         raise ValueError(f"summarize_parts: the parts do not cover rows 0..{b - 1} exactly once")
     tokens = totals.policy_tokens
     metrics = {"loss": sum(p.loss for p in parts), "reward_baseline": totals.reward_baseline, "policy_tokens": tokens}
-    if settings.loss_mode == "flash_reinforce":
-        metrics.update(acceptance_rate=float(admitted.double().mean()), sequence_kl_mean=float(kl.mean()),
-                       sequence_kl_max=float(kl.max()),
-                       retained_token_fraction=float(retained.sum()) / max(1, tokens))
-    else:
-        metrics.update(acceptance_rate=1.0, sequence_kl_mean=float("nan"),
-                       clip_fraction=sum(p.clip_tokens for p in parts) / max(1, tokens),
-                       advantage_abs_mean=float(totals.advantages.abs().mean()))
-    if _needs_entropy(settings):
+    metrics.update(mode.summarize(per_trajectory, sums, totals.context()))
+    if settings.needs_entropy:
         metrics["entropy_mean"] = sum(p.entropy_sum for p in parts) / max(1, tokens)
     return metrics
-
-
-def _needs_entropy(s: LearnerSettings) -> bool:
-    return s.neg_topq < 1.0 and s.loss_mode == "flash_reinforce" or s.entropy_coef != 0.0
 
 
 def _zero_backward(logp: Tensor, ent: Tensor | None) -> None:
@@ -286,6 +199,39 @@ def _zero_backward(logp: Tensor, ent: Tensor | None) -> None:
 def _placeholder_micro_batch() -> PackedBatch:
     """Two padding tokens, the second an action: a forward that contributes exactly zero gradient."""
     return pack([Trajectory([0, 0], [False, True], [0.0, -1.0], reward=0.0, failed=False)])
+
+
+@runtime_checkable
+class PolicyLearner(Protocol):
+    """What the training loop needs from a learner (one process or torchrun ranks).
+
+    ``version``: the policy version (optimizer steps taken). ``sharded``: the weights are split over
+    ranks (publication and exports gather them). ``loss_impl``: which loss implementation runs.
+    """
+
+    version: int
+    loss_impl: str
+
+    @property
+    def sharded(self) -> bool: ...
+
+    def step(self, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None = None) -> dict[str, float]:
+        """One optimizer step on the whole batch; ``FloatingPointError`` leaves weights and version unchanged."""
+
+    def policy_state(self) -> dict[str, Tensor]:
+        """The current full weights (Hugging Face names), for publication to the rollout engines."""
+
+    def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
+        """An unsharded copy of the current policy (float32 on ``device``), for engines and exports."""
+
+    def state_dict(self) -> dict:
+        """Optimizer, scheduler and version, for a checkpoint."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def stop(self) -> None:
+        """The run is over (releases other ranks; nothing to do in one process)."""
 
 
 class Learner:
@@ -317,10 +263,15 @@ class Learner:
             self.scorer = parallelize(self.scorer)
         self.optimizer = torch.optim.AdamW([p for p in self.scorer.parameters() if p.requires_grad], lr=settings.lr,
                                            betas=settings.betas, weight_decay=settings.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, settings))
-        # The public fused op (compiled extension); importing it fails loudly when the extension is missing.
-        self.loss_fn = flashreinforce.flashreinforce_loss_packed
-        self.loss_impl = "fused"
+        self.scheduler = make_scheduler(self.optimizer, settings)
+        self.loss_mode: LossMode = get_loss_mode(settings.loss_mode)
+        self.loss_impl = "fused" if settings.loss_mode == "flash_reinforce" else settings.loss_mode
+        if settings.loss_mode == "flash_reinforce":
+            import flashreinforce.ops.fused  # noqa: F401  (the compiled extension: fail now, not at the first step)
+
+    @property
+    def sharded(self) -> bool:
+        return False
 
     # ------------------------------------------------------------------ one update
     def step(self, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None = None) -> dict[str, float]:
@@ -389,14 +340,11 @@ class Learner:
         rows = list(range(len(trajectories))) if rows is None else [int(r) for r in rows]
         if len(rows) != len(trajectories):
             raise ValueError(f"rows has {len(rows)} entries for {len(trajectories)} trajectories")
-        need_entropy = _needs_entropy(s)
+        need_entropy = s.needs_entropy
         autocast = PARAM_DTYPES[s.param_dtype]
         out = GradientParts(rows=rows)
         n = len(trajectories)
-        if s.loss_mode == "flash_reinforce":
-            out.sequence_kl = torch.zeros(n, dtype=torch.float64)
-            out.admitted = torch.zeros(n, dtype=torch.bool)
-            out.retained = torch.zeros(n, dtype=torch.float64)
+        out.per_trajectory = {name: torch.zeros(n, dtype=torch.float64) for name in self.loss_mode.per_trajectory_stats}
         mbs = micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
                             max_trajectories=s.micro_batch_trajectories or None) if trajectories else []
         for mb in mbs:
@@ -428,30 +376,17 @@ class Learner:
         """The loss of micro-batch ``mb`` as a summand of the whole batch's; records its statistics in ``out``."""
         s = self.settings
         dev = logp.device
-        blp = mb.behavior_log_probs.to(dev)
-        cu = mb.cu_seqlens.to(dev)
-        mask = mb.action_mask.to(dev)
         local = torch.tensor(mb.rows)  # indices into this part
-        batch_rows = torch.tensor([rows[i] for i in mb.rows])
-        if s.loss_mode == "flash_reinforce":
-            loss, stats = self.loss_fn(
-                logp, blp, mb.rewards.to(dev), cu, mask, delta=s.delta, negative_token_fraction=s.neg_topq,
-                entropies=ent if s.neg_topq < 1.0 else None,
-                failures=mb.failures.to(dev) if s.neg_topq < 1.0 else None,
-                reward_baseline=totals.reward_baseline, num_trajectories=totals.num_trajectories,
-                loss_agg=s.loss_agg,
-                loss_scale_factor=s.loss_scale_factor if s.loss_agg == "seq-mean-token-sum-norm" else None,
-                num_policy_tokens=totals.policy_tokens if s.loss_agg == "token-mean" else None, no_is=s.no_is)
-            out.sequence_kl[local] = stats["sequence_kl"].detach().double().cpu()
-            out.admitted[local] = stats["admitted"].detach().cpu()
-            out.retained[local] = stats["retained_tokens"].detach().double().cpu()
-        else:
-            loss, stats = ppo_clipped_loss_packed(
-                logp, blp, totals.advantages[batch_rows].to(dev), cu, mask, eps_clip_low=s.eps_clip[0],
-                eps_clip_high=s.eps_clip[1], num_policy_tokens=totals.policy_tokens)
-            out.clip_tokens += float(stats["clip_fraction"]) * mb.num_action_tokens
+        batch = MicroBatch(log_probs=logp, behavior_log_probs=mb.behavior_log_probs.to(dev), rewards=mb.rewards.to(dev),
+                           cu_seqlens=mb.cu_seqlens.to(dev), action_mask=mb.action_mask.to(dev),
+                           failures=mb.failures.to(dev), rows=torch.tensor([rows[i] for i in mb.rows]), entropies=ent)
+        loss, per_trajectory, sums = self.loss_mode.loss(batch, totals.context(), s.loss_options)
+        for name, values in per_trajectory.items():
+            out.per_trajectory[name][local] = values.detach().double().cpu()
+        for name, value in sums.items():
+            out.sums[name] = out.sums.get(name, 0.0) + float(value)
         if ent is not None:
-            ent_sum = ent[mask].sum()
+            ent_sum = ent[batch.action_mask].sum()
             out.entropy_sum += float(ent_sum.detach())
             if s.entropy_coef != 0.0:
                 loss = loss - s.entropy_coef * ent_sum / totals.policy_tokens
@@ -470,6 +405,10 @@ class Learner:
         """The current weights, for publication to the rollout engines (tensors alias the model's)."""
         return self.model.state_dict()
 
+    def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
+        """A copy of the current policy on ``device`` (for an engine or an export)."""
+        return copy.deepcopy(self.model).to(device)
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "version": self.version}
@@ -478,6 +417,9 @@ class Learner:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.version = int(state["version"])
+
+    def stop(self) -> None:
+        """Nothing to release in one process."""
 
 
 def _local(t: Tensor) -> Tensor:

@@ -174,7 +174,7 @@ class Trainer:
             except ImportError as err:
                 raise ConfigError(f"--rollout.engine vllm: {err}") from None
         if f["rollout.backend"] == "ray":
-            from flashreinforce.distributed.ray_backend import RayRollout, import_ray
+            from flashreinforce.distributed.ray import RayRollout, import_ray
 
             try:
                 import_ray()
@@ -205,10 +205,6 @@ class Trainer:
         """This process runs the rollout side, metrics and checkpoints (always, except torchrun ranks > 0)."""
         return self.dist is None or self.dist.is_leader
 
-    @property
-    def _sharded(self) -> bool:
-        return bool(getattr(self.learner, "sharded", False))
-
     def _load_checkpoint_weights(self) -> None:
         """With ``--resume``: the checkpoint's weights into the (not yet sharded) model, on every rank."""
         cfg = self.cfg
@@ -227,7 +223,7 @@ class Trainer:
         learner_state = dict(self._loaded["learner"])
         if state.get("optimizer_format"):
             learner_state["optimizer_format"] = state["optimizer_format"]
-            if not self._sharded:
+            if not self.learner.sharded:
                 raise ConfigError(f"--resume: {self._loaded['path']} holds the optimizer state of a fully_shard "
                                   "learner; resume it under torchrun with --fsdp.strategy fully_shard")
         self.learner.load_state_dict(learner_state)
@@ -251,24 +247,9 @@ class Trainer:
         state = {"buffer": self.buffer.state_dict(), "trainer": self.counters, "max_steps": self.max_steps}
         if learner_state.get("optimizer_format"):
             state["optimizer_format"] = learner_state["optimizer_format"]
-        model = self._full_model() if self._sharded else self.model
+        model = self.learner.full_model() if self.learner.sharded else self.model
         return save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
                                state=state, tokenizer=self.tokenizer, max_keep=self.cfg.flags["ckpt.max_ckpt_num"])
-
-    def _full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
-        """An unsharded copy of the current policy (float32 on ``device``), for engines and exports."""
-        if not self._sharded:
-            return copy.deepcopy(self.model).to(device)
-        import transformers
-
-        state = self.learner.policy_state()  # collective: every rank gathers its shard to rank 0
-        model = transformers.AutoModelForCausalLM.from_config(self.model.config).to(dtype=torch.float32)
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
-        if [k for k in missing if k not in tied] or unexpected:
-            raise RuntimeError(f"gathered weights do not match the model: missing {missing[:5]}, unexpected "
-                               f"{unexpected[:5]}")
-        return model.to(device)
 
     def _make_workers(self):
         f = self.cfg.flags
@@ -276,7 +257,7 @@ class Trainer:
         num_workers = f["vllm.num_engines"] if engine_kind == "vllm" else f["rollout.num_workers"]
         options = self._engine_options()
         if f["rollout.backend"] == "ray":
-            from flashreinforce.distributed.ray_backend import WorkerRecipe
+            from flashreinforce.distributed.ray import WorkerRecipe
 
             recipe = WorkerRecipe(model_config=self.model.config, engine=engine_kind, tokenizer=self.tokenizer,
                                   env=self.env_spec, settings=self.rollout_settings,
@@ -286,7 +267,8 @@ class Trainer:
             if gpus is None:
                 gpus = f["vllm.tensor_parallel_size"] if engine_kind == "vllm" else 0.0
             return self._ray.backend(recipe, num_workers, num_cpus=f["ray.num_cpus_per_worker"], num_gpus=gpus,
-                                     max_restarts=f["ray.max_restarts"])
+                                     max_restarts=f["ray.max_restarts"], resources=f["ray.worker_resources"],
+                                     strategy=f["ray.scheduling_strategy"])
         workers = []
         for i in range(num_workers):
             if engine_kind == "vllm":
@@ -294,7 +276,7 @@ class Trainer:
                 engine = create_engine("vllm", self.model.config, pad_token_id=self.tokenizer.pad_token_id,
                                        options=options)
             else:
-                engine = create_engine("local", self._full_model(self.device), pad_token_id=self.tokenizer.pad_token_id,
+                engine = create_engine("local", self.learner.full_model(self.device), pad_token_id=self.tokenizer.pad_token_id,
                                        version=self.learner.version)
             workers.append(RolloutWorker(i, engine, self.env_factory, self.tokenizer, self.buffer, self.weights,
                                          self.rollout_settings))
@@ -333,7 +315,7 @@ class Trainer:
             seeds = eval_seeds(rows, rows if rows is not None else f["eval.num_prompts"])
         sampling = SamplingParams(f["eval.temperature"], f["eval.top_p"], f["rollout.top_k"],
                                   self.tokenizer.eos_token_ids)
-        return Evaluator(env_factory=env_factory, seeds=seeds, model=self._full_model(self.device),
+        return Evaluator(env_factory=env_factory, seeds=seeds, model=self.learner.full_model(self.device),
                          tokenizer=self.tokenizer, weights=self.weights, rollout_settings=self.rollout_settings,
                          sampling=sampling, n_samples=f["eval.n_samples_per_prompt"],
                          episodes_per_call=f["rollout.vllm_generate_batch_size"], seed=self.cfg.seed + 1)
@@ -492,7 +474,7 @@ class Trainer:
                 log.info("checkpoint saved to %s", ckpt)
         if status == "completed":
             self.hf_dir.mkdir(parents=True, exist_ok=True)
-            (self._full_model() if self._sharded else self.model).save_pretrained(str(self.hf_dir))
+            (self.learner.full_model() if self.learner.sharded else self.model).save_pretrained(str(self.hf_dir))
             self.tokenizer.save_pretrained(self.hf_dir)
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}

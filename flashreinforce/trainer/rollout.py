@@ -13,7 +13,7 @@ fit is not appended (the episode ends truncated instead). ``failed`` is the envi
 its last step, or ``reward <= 0`` when it gave none.
 
 Workers run as threads (:class:`ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
-the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray_backend`).
+the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray`).
 """
 
 from __future__ import annotations

@@ -17,21 +17,18 @@ import sys
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from flashreinforce.distributed.data_parallel import DataParallelLearner, distributed_context
 from flashreinforce.trainer.learner import Learner, LearnerSettings
 from flashreinforce.trainer.trajectory import Trajectory
+from python_tests.builders import tiny_causal_lm
 
 VOCAB = 48
 
 
 def tiny_model(seed: int, tied: bool) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=tied)
-    return Qwen2ForCausalLM(cfg)
+    return tiny_causal_lm(VOCAB, seed=seed, tied=tied)
 
 
 def batch(seed: int, n: int, *, overflow: bool = False) -> list[Trajectory]:

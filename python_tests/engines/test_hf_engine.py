@@ -5,16 +5,13 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashreinforce.engines import GenerationRequest, HFEngine, LocalWeightStore, SamplingParams
+from python_tests.builders import tiny_causal_lm
 
 
 def tiny_model(seed=0, vocab=40):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    model = Qwen2ForCausalLM(cfg)
+    model = tiny_causal_lm(vocab, seed=seed, tied=False)
     with torch.no_grad():  # a peaked distribution, so top-p really removes tokens
         model.lm_head.weight.mul_(40.0)
     return model.eval()

@@ -7,21 +7,19 @@ import random
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flashreinforce.trainer.learner import Learner, LearnerSettings, lr_factor, token_log_probs
+from flashreinforce.trainer.learner import Learner, LearnerSettings
+from flashreinforce.trainer.schedule import lr_factor
+from flashreinforce.trainer.scoring import token_log_probs
 from flashreinforce.trainer.packing import pack
 from flashreinforce.trainer.trajectory import Trajectory
+from python_tests.builders import tiny_causal_lm
 
 VOCAB = 50
 
 
 def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    return Qwen2ForCausalLM(cfg)
+    return tiny_causal_lm(VOCAB, seed=seed, tied=False)
 
 
 def f64_log_probs(model64, tokens, temperature=1.0):

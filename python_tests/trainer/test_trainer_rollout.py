@@ -4,7 +4,6 @@ import time
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
@@ -12,15 +11,14 @@ from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyChainEnv
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
 from flashreinforce.models.tokenizers import CharTokenizer
+from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()
 
 
 def engine(seed=0, version=0):
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=TOK.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    return HFEngine(Qwen2ForCausalLM(cfg), pad_token_id=TOK.pad_token_id, version=version)
+    model = tiny_causal_lm(TOK.vocab_size, seed=seed, layers=1, tied=False, max_positions=256)
+    return HFEngine(model, pad_token_id=TOK.pad_token_id, version=version)
 
 
 def settings(**kw):

@@ -1,0 +1,195 @@
+"""Loss modes by name: how a learner batch becomes a loss, registered under ``actor.loss_mode``.
+
+The learner knows no particular mode. For one batch of B trajectories it asks the selected
+:class:`LossMode`
+
+1. once, for the batch's advantages (:meth:`LossMode.advantages`; ``None`` when the mode computes
+   them itself, as the fused FlashREINFORCE op does from the batch-mean baseline);
+2. per micro-batch, for that micro-batch's loss as a summand of the whole batch's loss
+   (:meth:`LossMode.loss`), with per-trajectory statistics and additive token counts;
+3. once, for the batch's statistics from everything the micro-batches reported
+   (:meth:`LossMode.summarize`).
+
+A new mode is one subclass decorated with :func:`register_loss_mode`. This module works on tensors
+only: it imports neither the trainer nor ``transformers``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
+
+__all__ = ["LOSS_MODES", "BatchContext", "FlashReinforceLoss", "LossMode", "LossOptions", "MicroBatch",
+           "PPOClippedLoss", "get_loss_mode", "register_loss_mode"]
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The options of every registered mode (each mode reads its own).
+
+    FlashREINFORCE: ``delta`` (trust threshold), ``neg_topq`` (entropy filter q), ``loss_agg``,
+    ``loss_scale_factor`` (``seq-mean-token-sum-norm`` only), ``no_is``. PPO: ``eps_clip``
+    (low, high) and ``whiten`` (divide group advantages by the group std).
+    """
+
+    delta: float
+    neg_topq: float = 1.0
+    loss_agg: str = "seq-mean-token-mean"
+    loss_scale_factor: float | None = None
+    no_is: bool = False
+    eps_clip: tuple[float, float] = (0.2, 0.2)
+    whiten: bool = False
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """Batch-global quantities that make a micro-batch's loss a summand of the batch's loss.
+
+    num_trajectories: B. reward_baseline: float64 mean reward of the B trajectories.
+    policy_tokens: policy tokens of the whole batch. advantages: ``[B]`` float32 by batch row,
+    from :meth:`LossMode.advantages` (``None`` when the mode needs none).
+    """
+
+    num_trajectories: int
+    reward_baseline: float
+    policy_tokens: int
+    advantages: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One packed micro-batch on the loss's device.
+
+    log_probs ``[N]`` (carries autograd), behavior_log_probs ``[N]``, action_mask ``[N]`` bool,
+    entropies ``[N]`` or ``None``; rewards ``[b]``, failures ``[b]`` bool, rows ``[b]`` int64 (each
+    trajectory's row in the whole batch); cu_seqlens ``[b+1]``.
+    """
+
+    log_probs: Tensor
+    behavior_log_probs: Tensor
+    rewards: Tensor
+    cu_seqlens: Tensor
+    action_mask: Tensor
+    failures: Tensor
+    rows: Tensor
+    entropies: Tensor | None = None
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(self.action_mask.sum())
+
+
+class LossMode(abc.ABC):
+    """One way of turning a batch into a loss (see the module docstring)."""
+
+    #: The ``actor.loss_mode`` value that selects this mode.
+    name: ClassVar[str]
+    #: Names of the ``[b]`` statistics :meth:`loss` returns per trajectory.
+    per_trajectory_stats: ClassVar[tuple[str, ...]] = ()
+
+    def needs_entropy(self, options: LossOptions) -> bool:
+        """Whether :meth:`loss` reads ``MicroBatch.entropies``."""
+        return False
+
+    def advantages(self, rewards: Tensor, group_ids: Tensor, options: LossOptions) -> Tensor | None:
+        """``[B]`` advantages of the batch from float64 ``rewards`` and int64 ``group_ids``, or ``None``."""
+        return None
+
+    @abc.abstractmethod
+    def loss(self, mb: MicroBatch, batch: BatchContext,
+             options: LossOptions) -> tuple[Tensor, dict[str, Tensor], dict[str, float]]:
+        """``(loss, per_trajectory, sums)``: the micro-batch's summand of the batch loss, its
+        detached ``[b]`` statistics named in :attr:`per_trajectory_stats`, and additive counts."""
+
+    @abc.abstractmethod
+    def summarize(self, per_trajectory: dict[str, Tensor], sums: dict[str, float],
+                  batch: BatchContext) -> dict[str, float]:
+        """The batch's statistics from ``[B]`` float64 per-trajectory values and summed counts."""
+
+
+#: name -> the registered mode (one instance each).
+LOSS_MODES: dict[str, LossMode] = {}
+
+
+def register_loss_mode(cls: type[LossMode]) -> type[LossMode]:
+    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
+    if not getattr(cls, "name", None):
+        raise TypeError(f"{cls.__name__} needs a class attribute 'name'")
+    if cls.name in LOSS_MODES:
+        raise ValueError(f"loss mode {cls.name!r} is already registered ({type(LOSS_MODES[cls.name]).__name__})")
+    LOSS_MODES[cls.name] = cls()
+    return cls
+
+
+def get_loss_mode(name: str) -> LossMode:
+    """The registered mode ``name``; ``ValueError`` listing the known names otherwise."""
+    try:
+        return LOSS_MODES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODES)}, got {name!r}") from None
+
+
+@register_loss_mode
+class FlashReinforceLoss(LossMode):
+    """The method: the fused FlashREINFORCE op with the batch-global baseline and B (see docs/semantics.md)."""
+
+    name = "flash_reinforce"
+    per_trajectory_stats = ("sequence_kl", "admitted", "retained")
+
+    def needs_entropy(self, options: LossOptions) -> bool:
+        return options.neg_topq < 1.0
+
+    def loss(self, mb, batch, options):
+        from flashreinforce.ops.fused import flashreinforce_loss_packed
+
+        use_filter = options.neg_topq < 1.0
+        loss, stats = flashreinforce_loss_packed(
+            mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask,
+            delta=options.delta, negative_token_fraction=options.neg_topq,
+            entropies=mb.entropies if use_filter else None, failures=mb.failures if use_filter else None,
+            reward_baseline=batch.reward_baseline, num_trajectories=batch.num_trajectories,
+            loss_agg=options.loss_agg,
+            loss_scale_factor=options.loss_scale_factor if options.loss_agg == "seq-mean-token-sum-norm" else None,
+            num_policy_tokens=batch.policy_tokens if options.loss_agg == "token-mean" else None,
+            no_is=options.no_is)
+        per_trajectory = {"sequence_kl": stats["sequence_kl"], "admitted": stats["admitted"],
+                          "retained": stats["retained_tokens"]}
+        return loss, per_trajectory, {}
+
+    def summarize(self, per_trajectory, sums, batch):
+        kl = per_trajectory["sequence_kl"]
+        return {"acceptance_rate": float((per_trajectory["admitted"] > 0.5).double().mean()),
+                "sequence_kl_mean": float(kl.mean()), "sequence_kl_max": float(kl.max()),
+                "retained_token_fraction": float(per_trajectory["retained"].sum()) / max(1, batch.policy_tokens)}
+
+
+@register_loss_mode
+class PPOClippedLoss(LossMode):
+    """The GRPO comparison: group-relative advantages and the token-mean clipped PPO loss."""
+
+    name = "ppo"
+
+    def advantages(self, rewards, group_ids, options):
+        return group_advantages(rewards, group_ids, whiten=options.whiten).to(torch.float32)
+
+    def loss(self, mb, batch, options):
+        if batch.advantages is None:
+            raise ValueError("the ppo loss needs the batch's advantages (BatchContext.advantages)")
+        loss, stats = ppo_clipped_loss_packed(
+            mb.log_probs, mb.behavior_log_probs, batch.advantages[mb.rows.cpu()].to(mb.log_probs.device),
+            mb.cu_seqlens, mb.action_mask, eps_clip_low=options.eps_clip[0], eps_clip_high=options.eps_clip[1],
+            num_policy_tokens=batch.policy_tokens)
+        return loss, {}, {"clip_tokens": float(stats["clip_fraction"]) * mb.num_policy_tokens}
+
+    def summarize(self, per_trajectory, sums, batch):
+        adv = batch.advantages
+        return {"acceptance_rate": 1.0, "sequence_kl_mean": math.nan,
+                "clip_fraction": sums.get("clip_tokens", 0.0) / max(1, batch.policy_tokens),
+                "advantage_abs_mean": float(adv.abs().mean()) if adv is not None else math.nan}
