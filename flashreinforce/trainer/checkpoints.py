@@ -23,7 +23,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+from flashreinforce.config import ConfigError
+
+__all__ = ["ResumePoint", "find_checkpoint", "latest_checkpoint", "learner_state_to_restore", "load_checkpoint",
+           "save_checkpoint", "trim_history"]
 
 LATEST = "latest"
 
@@ -99,3 +102,53 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bo
     if restore_rng:
         _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     return {"state": state, "learner": learner}
+
+
+def find_checkpoint(ckpt_dir: str | Path, resume: str) -> Path:
+    """The checkpoint ``--resume`` names: ``latest`` (the newest under ``ckpt_dir``) or a directory."""
+    path = latest_checkpoint(ckpt_dir) if resume == "latest" else Path(resume)
+    if path is None:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+    return path
+
+
+class ResumePoint:
+    """A checkpoint being resumed from: its ``path``, ``state`` (``state.json``) and ``learner``
+    state (optimizer, scheduler, version), after its weights were loaded into the model."""
+
+    def __init__(self, path: Path, loaded: dict[str, Any]) -> None:
+        self.path = path
+        self.state: dict[str, Any] = loaded["state"]
+        self.learner: dict[str, Any] = loaded["learner"]
+
+    @classmethod
+    def load(cls, ckpt_dir: str | Path, resume: str, model: torch.nn.Module) -> "ResumePoint":
+        """Find the checkpoint, load its weights into ``model`` (not yet sharded) and restore the RNG."""
+        path = find_checkpoint(ckpt_dir, resume)
+        return cls(path, load_checkpoint(path, model=model))
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def learner_state_to_restore(point: ResumePoint, *, sharded: bool) -> dict[str, Any]:
+    """The learner state of ``point`` for a learner that is (not) ``sharded``; a fully_shard
+    optimizer state only restores into a fully_shard learner."""
+    learner_state = dict(point.learner)
+    if point.state.get("optimizer_format"):
+        learner_state["optimizer_format"] = point.state["optimizer_format"]
+        if not sharded:
+            raise ConfigError(f"--resume: {point.path} holds the optimizer state of a fully_shard learner; resume it "
+                              "under torchrun with --fsdp.strategy fully_shard")
+    return learner_state
+
+
+def trim_history(out: str | Path, step: int, names: tuple[str, ...] = ("metrics.jsonl", "eval.jsonl")) -> None:
+    """Drop the records of updates after ``step`` (their effect is not in the checkpoint resumed from),
+    so the run's history continues without a gap or a repeat."""
+    for name in names:
+        p = Path(out) / name
+        if p.is_file():
+            kept = [ln for ln in p.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+            p.write_text("".join(ln + "\n" for ln in kept))

@@ -1,0 +1,141 @@
+"""What a run reports about each update: one ``metrics.jsonl`` line, the progress display, the summary.
+
+:func:`update_metrics` turns one update (the learner's statistics, the batch, the buffer's and the
+workers' counters, the timings) into the flat record written to ``OUTPUT/metrics.jsonl``;
+:class:`MetricsLog` writes those records and shows progress; :func:`run_summary` condenses a run.
+Every key is documented in ``docs/trainer.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from flashreinforce.trainer.trajectory import Trajectory
+
+__all__ = ["MetricsLog", "UpdateTimings", "mean", "run_summary", "update_metrics"]
+
+#: Learner statistics copied into the record when the loss mode or the learner reports them.
+_OPTIONAL_LEARNER_KEYS = ("sequence_kl_max", "retained_token_fraction", "entropy_mean", "clip_fraction",
+                          "advantage_abs_mean", "rank_tokens_max", "rank_tokens_min")
+
+
+def mean(xs) -> float:
+    """Arithmetic mean, NaN for nothing."""
+    xs = list(xs)
+    return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+@dataclass(frozen=True)
+class UpdateTimings:
+    """Seconds: ``idle`` the learner waited for the batch; ``step`` since the previous update ended;
+    ``wall`` since the workers started (this session; earlier sessions are in the counters)."""
+
+    idle: float
+    step: float
+    wall: float
+
+
+def update_metrics(*, step: int, policy_version: int, version_before: int, learner: Mapping[str, Any],
+                   trajectories: Sequence[Trajectory], buffer_stats: Mapping[str, int],
+                   worker_stats: Sequence[Mapping[str, float]], timings: UpdateTimings,
+                   wall_time_before: float) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of one update.
+
+    ``learner``: what the learner's ``step`` returned; ``version_before``: the policy version the
+    batch was trained against (lags are measured from it); ``wall_time_before``: wall-clock seconds
+    of earlier sessions of a resumed run.
+    """
+    trajs = list(trajectories)
+    lags = [t.policy_lag(version_before) for t in trajs]
+    tokens = sum(t.num_tokens for t in trajs)
+    idle_frac = [w["idle_s"] / max(1e-9, w["idle_s"] + w["busy_s"]) for w in worker_stats]
+    out = {
+        "step": step,
+        "policy_version": policy_version,
+        "reward_mean": mean(t.reward for t in trajs),
+        "success_rate": mean(0.0 if t.failed else 1.0 for t in trajs),
+        "acceptance_rate": learner["acceptance_rate"],
+        "sequence_kl_mean": learner["sequence_kl_mean"],
+        "policy_lag_mean": mean(lags),
+        "policy_lag_max": max(lags),
+        "policy_lag_min": min(lags),
+        "trajectories": len(trajs),
+        "tokens": tokens,
+        "action_tokens": learner["policy_tokens"],
+        "loss": learner["loss"],
+        "grad_norm": learner["grad_norm"],
+        "lr": learner["lr"],
+        "learner_idle_s": timings.idle,
+        "learner_compute_s": learner["learner_compute_s"],
+        "step_time_s": timings.step,
+        "tokens_per_s": tokens / timings.step if timings.step > 0 else float("nan"),
+        "rejected_trajectories": buffer_stats.get("rejected_trajectories", 0),
+        "dropped_stale_trajectories": buffer_stats.get("dropped_stale_trajectories", 0),
+        "cancelled_groups": buffer_stats.get("cancelled_groups", 0),
+        "lost_trajectories": buffer_stats.get("lost_trajectories", 0),
+        "worker_restarts": sum(int(w.get("restarts", 0)) for w in worker_stats),
+        "multi_version_trajectories": sum(t.policy_version_max != t.policy_version_min for t in trajs),
+        "truncated_fraction": mean(float(t.truncated) for t in trajs),
+        "num_turns_mean": mean(t.num_turns for t in trajs),
+        "response_tokens_mean": mean(t.num_action_tokens for t in trajs),
+        "buffer_in_flight": buffer_stats["in_flight"],
+        "worker_idle_fraction": mean(idle_frac),
+        "worker_errors": sum(w["errors"] for w in worker_stats),
+        "wall_time_s": wall_time_before + timings.wall,
+    }
+    for key in _OPTIONAL_LEARNER_KEYS:
+        if key in learner:
+            out[key] = learner[key]
+    return out
+
+
+class MetricsLog:
+    """Appends update records to ``metrics.jsonl`` and shows progress on stderr.
+
+    With ``progress`` a tqdm bar (reward, acceptance rate and policy lag beside it); without it, one
+    line every ``logging_steps`` updates. ``history`` keeps this session's records.
+    """
+
+    def __init__(self, out: str | Path, *, total: int, initial: int, progress: bool, logging_steps: int) -> None:
+        from tqdm import tqdm
+
+        self.path = Path(out) / "metrics.jsonl"
+        self.progress = progress
+        self.logging_steps = logging_steps
+        self.history: list[dict[str, Any]] = []
+        self.bar = tqdm(total=total, initial=initial, disable=not progress, desc="train", dynamic_ncols=True,
+                        file=sys.stderr)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Append one update's record and advance the display."""
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        self.history.append(dict(record))
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['acceptance_rate']:.2f}",
+                             lag=f"{record['policy_lag_mean']:.1f}", refresh=False)
+        if not self.progress and record["step"] % self.logging_steps == 0:
+            print(f"step {record['step']}: reward {record['reward_mean']:.3f} acceptance "
+                  f"{record['acceptance_rate']:.2f} lag {record['policy_lag_mean']:.2f} loss {record['loss']:.4f}",
+                  file=sys.stderr, flush=True)
+
+    def note(self, text: str) -> None:
+        """A line of text that does not break the progress bar."""
+        self.bar.write(text, file=sys.stderr)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean reward over the first and the last ``k`` updates of a session (``k`` = a quarter of them,
+    between 1 and 10); empty without updates."""
+    if not history:
+        return {}
+    k = max(1, min(10, len(history) // 4))
+    return {"reward_first": mean(h["reward_mean"] for h in history[:k]),
+            "reward_last": mean(h["reward_mean"] for h in history[-k:])}

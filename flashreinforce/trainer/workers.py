@@ -1,0 +1,102 @@
+"""The rollout side of a run: the buffer, the weight store and the rollout workers, local or on Ray.
+
+``rollout.backend local``: the buffer and the weight store live in this process and the workers are
+threads of it (:class:`~flashreinforce.trainer.rollout.ThreadRolloutPool`), each with its own engine
+copy of the policy. ``rollout.backend ray``: the buffer is a Ray actor, weights travel through Ray's
+object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from flashreinforce.config import ConfigError
+from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine
+from flashreinforce.envs.base import Environment
+from flashreinforce.envs.registry import EnvSpec
+from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
+from flashreinforce.trainer.learner import PolicyLearner
+from flashreinforce.trainer.rollout import RolloutBackend, RolloutSettings, RolloutWorker, ThreadRolloutPool
+
+__all__ = ["RolloutSide", "start_rollout_side"]
+
+
+@dataclass
+class RolloutSide:
+    """The buffer and weight store of a run, and the Ray session when the backend is Ray.
+
+    ``buffer`` is a :class:`~flashreinforce.trainer.buffer.RolloutBuffer` or its Ray client; both
+    offer ``take``, ``update_done``, ``stats`` and ``state_dict``/``load_state_dict``.
+    """
+
+    buffer: Any
+    weights: WeightStore
+    ray: Any = None
+
+    def make_workers(self, flags: Mapping[str, Any], *, learner: PolicyLearner, model_config, tokenizer,
+                     env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
+                     engine_options: dict[str, Any], device: torch.device,
+                     torch_threads: int | None) -> RolloutBackend:
+        """The rollout workers (not started): ``rollout.num_workers`` (``vllm.num_engines`` with vLLM)."""
+        engine_kind = flags["rollout.engine"]
+        num_workers = flags["vllm.num_engines"] if engine_kind == "vllm" else flags["rollout.num_workers"]
+        if self.ray is not None:
+            from flashreinforce.distributed.ray import WorkerRecipe
+
+            recipe = WorkerRecipe(model_config=model_config, engine=engine_kind, tokenizer=tokenizer, env=env_spec,
+                                  settings=settings, group_size=flags["rollout.n_samples_per_prompt"],
+                                  engine_options=engine_options, torch_threads=torch_threads)
+            gpus = flags["ray.num_gpus_per_worker"]
+            if gpus is None:
+                gpus = flags["vllm.tensor_parallel_size"] if engine_kind == "vllm" else 0.0
+            return self.ray.backend(recipe, num_workers, num_cpus=flags["ray.num_cpus_per_worker"], num_gpus=gpus,
+                                    max_restarts=flags["ray.max_restarts"], resources=flags["ray.worker_resources"],
+                                    strategy=flags["ray.scheduling_strategy"])
+        workers = []
+        for i in range(num_workers):
+            if engine_kind == "vllm":
+                # No weights yet (version -1): the first sync before generating loads the newest ones.
+                engine = create_engine("vllm", model_config, pad_token_id=tokenizer.pad_token_id,
+                                       options=engine_options)
+            else:
+                engine = create_engine("local", learner.full_model(device), pad_token_id=tokenizer.pad_token_id,
+                                       version=learner.version)
+            workers.append(RolloutWorker(i, engine, env_factory, tokenizer, self.buffer, self.weights, settings))
+        return ThreadRolloutPool(workers)
+
+    def close(self) -> None:
+        """Remove the Ray actors and disconnect (stopping only a Ray instance this run started)."""
+        if self.ray is not None:
+            ray, self.ray = self.ray, None
+            ray.close()
+
+
+def start_rollout_side(flags: Mapping[str, Any], *, num_prompts: int | None, vocab_size: int,
+                       seed: int) -> RolloutSide:
+    """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
+    ``train.async_queue_size`` batches ahead, ``train.max_policy_lag``) over the shuffled prompt
+    stream, and the weight store, on the configured backend."""
+    buffer_kwargs = dict(batch_groups=flags["rollout.batch_size"], group_size=flags["rollout.n_samples_per_prompt"],
+                         async_queue_size=flags["train.async_queue_size"], max_policy_lag=flags["train.max_policy_lag"],
+                         vocab_size=vocab_size)
+    prompt_kwargs = dict(num_prompts=num_prompts, seed=seed)
+    if flags["rollout.engine"] == "vllm":
+        from flashreinforce.engines.vllm import import_vllm
+
+        try:
+            import_vllm()
+        except ImportError as err:
+            raise ConfigError(f"--rollout.engine vllm: {err}") from None
+    if flags["rollout.backend"] == "ray":
+        from flashreinforce.distributed.ray import RayRollout, import_ray
+
+        try:
+            import_ray()
+        except ImportError as err:
+            raise ConfigError(f"--rollout.backend ray: {err}") from None
+        ray = RayRollout.create(address=flags["ray.address"], buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
+        return RolloutSide(ray.buffer, ray.weights, ray)
+    return RolloutSide(RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs)), LocalWeightStore())
