@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from flashreinforce.config.rules import rule_violations
+
 __all__ = ["FLAGS", "ConfigError", "Flag", "ResolvedConfig", "build_parser", "resolve"]
 
 
@@ -49,6 +51,9 @@ FLAGS: tuple[Flag, ...] = (
        "config JSON, or a built-in tiny config name (tiny-qwen2); alias --model"),
     _f("actor.loss_mode", "str", "flash_reinforce", "flash_reinforce (the fused loss) or ppo (GRPO comparison)",
        ("flash_reinforce", "ppo")),
+    # 1e-3 is the published runs' shared value (the settings' common flags), which a trainer launched
+    # without a setting inherits; the loss functions' own default, 3e-3, is the value of the published
+    # math settings (R1, Qwen2.5-Math) that override it (docs/semantics.md).
     _f("actor.flash_gate_delta", "float", 1e-3, "trust threshold delta of the sequence Bernoulli-KL gate (inf: off)"),
     _f("actor.flash_gate_level", "str", "seq", "gate level; only seq (whole trajectories) exists", ("seq",)),
     _f("actor.flash_neg_topq", "float", 1.0, "entropy filter q: failed trajectories keep ceil(q T) tokens (1: off)"),
@@ -138,6 +143,10 @@ FLAGS: tuple[Flag, ...] = (
     _f("ray.num_gpus_per_worker", "float", None, "Ray GPUs each rollout worker actor reserves (default: "
        "vllm.tensor_parallel_size with the vllm engine, else 0; fractions share a GPU)"),
     _f("ray.max_restarts", "int", 3, "restarts per rollout worker after its process dies (-1: unlimited)"),
+    _f("ray.worker_resources", "json", None, "custom Ray resources each rollout worker reserves: a JSON object, or a "
+       "list of objects that workers take in turn (e.g. [{\"node_a\": 1}, {\"node_b\": 1}])"),
+    _f("ray.scheduling_strategy", "str", "default", "how Ray places rollout workers: default (Ray's: nodes near the "
+       "driver first) or spread (over as many nodes as possible)", ("default", "spread")),
     # train
     _f("train.agent_path", "str", None, "environment: MODULE:CLASS, a .py file (optionally FILE.py:CLASS), or a "
        "shipped name (math, python_tool); alias --env"),
@@ -279,10 +288,6 @@ class ResolvedConfig:
         return cfg
 
 
-def _is_off(value: Any) -> bool:
-    return value is None or str(value).lower() in ("off", "none", "false", "0", "")
-
-
 def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None) -> ResolvedConfig:
     """Merge defaults, ``preset`` (dotted flags and extra options) and ``given``, then check the rules.
 
@@ -342,6 +347,13 @@ def _check(cfg: ResolvedConfig) -> None:
         errors.append(f"--ray.num_gpus_per_worker must be >= 0, got {v['ray.num_gpus_per_worker']}")
     if v["ray.max_restarts"] < -1:
         errors.append(f"--ray.max_restarts must be >= -1 (-1: unlimited), got {v['ray.max_restarts']}")
+    if v["ray.worker_resources"] is not None:
+        from flashreinforce.distributed.ray.placement import parse_worker_resources  # no Ray import
+
+        try:
+            parse_worker_resources(v["ray.worker_resources"])
+        except ValueError as err:
+            errors.append(str(err))
     if not (0 < v["vllm.gpu_memory_utilization"] <= 1):
         errors.append(f"--vllm.gpu_memory_utilization must lie in (0, 1], got {v['vllm.gpu_memory_utilization']}")
     positive("rollout.batch_size", "rollout.n_samples_per_prompt", "train.batch_size", "rollout.max_new_tokens",
@@ -366,56 +378,20 @@ def _check(cfg: ResolvedConfig) -> None:
     if not (math.isfinite(v["eval.temperature"]) and v["eval.temperature"] >= 0):
         errors.append(f"--eval.temperature must be >= 0 and finite, got {v['eval.temperature']}")
 
-    # Rules of the published settings.
-    if v["train.max_epochs"] != 1:
-        errors.append(f"--train.max_epochs must be 1 (one optimizer step per collected batch), got {v['train.max_epochs']}")
-    if v["rollout.batch_size"] * v["rollout.n_samples_per_prompt"] != v["train.batch_size"]:
-        errors.append(f"--train.batch_size ({v['train.batch_size']}) must equal --rollout.batch_size "
-                      f"({v['rollout.batch_size']}) * --rollout.n_samples_per_prompt ({v['rollout.n_samples_per_prompt']})")
-    if v["algo.kl.init_coef"] != 0:
-        errors.append(f"--algo.kl.init_coef must be 0: the native trainer has no reference model, got {v['algo.kl.init_coef']}")
-    if not _is_off(v["algo.advantage.is_correction_level"]):
-        errors.append(f"--algo.advantage.is_correction_level must be off: the fused loss does its own behavior "
-                      f"correction, got {v['algo.advantage.is_correction_level']!r}")
-    if v["data.max_len"] <= v["rollout.max_new_tokens"]:
-        errors.append(f"--data.max_len ({v['data.max_len']}) must exceed --rollout.max_new_tokens "
-                      f"({v['rollout.max_new_tokens']})")
+    # The rules every run obeys (shared with the published experiment settings).
+    errors.extend(rule_violations(v, native=True))
     for n in ("fsdp.tp_size", "fsdp.ep_size", "fsdp.cp_size"):
         if v[n] not in (None, 1) and v[n] > 1:
             errors.append(f"--{n} {v[n]}: the native learner runs on one device; only 1 is supported")
-
     mode = v["actor.loss_mode"]
-    flash_flags = [f.name for f in FLAGS if f.name.startswith("actor.flash_")] + ["actor.loss_scale_factor"]
     if mode == "flash_reinforce":
-        if v["algo.advantage.estimator"] != "flash_reinforce":
-            errors.append("--actor.loss_mode flash_reinforce needs --algo.advantage.estimator flash_reinforce, got "
-                          f"{v['algo.advantage.estimator']!r}")
-        if v["rollout.n_samples_per_prompt"] != 1:
-            errors.append("--actor.loss_mode flash_reinforce uses one sample per prompt; got "
-                          f"--rollout.n_samples_per_prompt {v['rollout.n_samples_per_prompt']}")
-        q = v["actor.flash_neg_topq"]
-        if not (0 <= q <= 1):
-            errors.append(f"--actor.flash_neg_topq must lie in [0, 1], got {q}")
-        d = v["actor.flash_gate_delta"]
-        if math.isnan(d) or d < 0:
-            errors.append(f"--actor.flash_gate_delta must be >= 0 (inf: no gate), got {d}")
-        agg = v["actor.flash_loss_agg"]
-        lsf = v["actor.loss_scale_factor"]
-        if agg == "seq-mean-token-sum-norm":
-            if lsf is None or not (math.isfinite(lsf) and lsf > 0):
-                errors.append(f"--actor.flash_loss_agg seq-mean-token-sum-norm needs a positive --actor.loss_scale_factor, got {lsf}")
-        elif lsf is not None:
+        agg, lsf = v["actor.flash_loss_agg"], v["actor.loss_scale_factor"]
+        if agg != "seq-mean-token-sum-norm" and lsf is not None:
             inactive["actor.loss_scale_factor"] = f"only used by flash_loss_agg seq-mean-token-sum-norm (agg is {agg})"
         for n in ("actor.eps_clip_low_high", "algo.advantage.no_whiten"):
             inactive[n] = "only used by actor.loss_mode ppo"
     else:
-        if v["algo.advantage.estimator"] != "grpo":
-            errors.append(f"--actor.loss_mode {mode} needs --algo.advantage.estimator grpo, got "
-                          f"{v['algo.advantage.estimator']!r}")
-        lo, hi = v["actor.eps_clip_low_high"]
-        if not (0 <= lo < 1 and hi >= 0):
-            errors.append(f"--actor.eps_clip_low_high must have 0 <= low < 1 and high >= 0, got {lo} {hi}")
-        for n in flash_flags:
+        for n in [f.name for f in FLAGS if f.name.startswith("actor.flash_")] + ["actor.loss_scale_factor"]:
             inactive[n] = f"dropped: actor.loss_mode is {mode}"
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
@@ -432,7 +408,8 @@ def _check(cfg: ResolvedConfig) -> None:
                   "vllm.gpu_memory_utilization"):
             inactive[n] = "no vLLM engine (rollout.engine local; workers: rollout.num_workers)"
     if v["rollout.backend"] != "ray":
-        for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts"):
+        for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts",
+                  "ray.worker_resources", "ray.scheduling_strategy"):
             inactive[n] = "rollout.backend is local (workers are threads of the learner process)"
     for n in ("ref.num_nodes", "ref.num_gpus_per_node"):
         inactive[n] = "no reference model (algo.kl.init_coef is 0)"

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from flashreinforce.config.rules import rule_violations
+
 SETTINGS_DIR = Path(__file__).resolve().parent / "settings"
 _SHARED = "common"
 
@@ -95,41 +97,11 @@ def load_setting(name: str, variants: Iterable[str] = ()) -> ResolvedSetting:
 
 
 def check_rules(flags: dict[str, Any], *, where: str = "flags") -> None:
-    """Enforce the invariants every published run obeys (SETTINGS.md); raise :class:`SettingError`.
-
-    One full-batch update per collected batch (``rollout.batch_size * n_samples_per_prompt ==
-    train.batch_size``, ``train.max_epochs == 1``, ``train.force_on_policy``), no reference-model KL,
-    room for the prompt (``data.max_len > rollout.max_new_tokens``); FlashREINFORCE proper uses one
-    sample per prompt, no external importance correction and q in [0, 1]; other loss modes are
-    compared with GRPO advantages.
-    """
-    def need(condition: bool, message: str) -> None:
-        if not condition:
-            raise SettingError(f"{where}: {message}")
-
-    need(flags["rollout.batch_size"] * flags["rollout.n_samples_per_prompt"] == flags["train.batch_size"],
-         "rollout.batch_size * rollout.n_samples_per_prompt must equal train.batch_size "
-         f"({flags['rollout.batch_size']} * {flags['rollout.n_samples_per_prompt']} != {flags['train.batch_size']})")
-    need(flags["train.max_epochs"] == 1, f"train.max_epochs must be 1, got {flags['train.max_epochs']}")
-    need(flags["train.force_on_policy"] is True, "train.force_on_policy must be true")
-    need(flags["algo.kl.init_coef"] == 0, f"algo.kl.init_coef must be 0 (no reference model), got {flags['algo.kl.init_coef']}")
-    need(flags["data.max_len"] > flags["rollout.max_new_tokens"],
-         f"data.max_len ({flags['data.max_len']}) must exceed rollout.max_new_tokens ({flags['rollout.max_new_tokens']})")
-    if flags["actor.loss_mode"] == "flash_reinforce":
-        need(flags["algo.advantage.is_correction_level"] == "off",
-             "algo.advantage.is_correction_level must be 'off' with actor.loss_mode flash_reinforce "
-             "(the native loss does its own behavior correction)")
-        need(flags["rollout.n_samples_per_prompt"] == 1, "actor.loss_mode flash_reinforce uses one sample per prompt")
-        q = flags["actor.flash_neg_topq"]
-        need(0.0 <= q <= 1.0, f"actor.flash_neg_topq must be in [0, 1], got {q}")
-        delta = flags["actor.flash_gate_delta"]
-        need(not math.isnan(delta) and delta >= 0, f"actor.flash_gate_delta must be >= 0 (inf allowed), got {delta}")
-    else:
-        need(not any(k.startswith("actor.flash_") for k in flags),
-             f"actor.flash_* flags have no meaning with actor.loss_mode {flags['actor.loss_mode']!r}")
-        need(flags["algo.advantage.estimator"] == "grpo",
-             f"actor.loss_mode {flags['actor.loss_mode']!r} is compared with algo.advantage.estimator grpo, "
-             f"got {flags['algo.advantage.estimator']!r}")
+    """Enforce the rules every published run obeys (:func:`flashreinforce.config.rules.rule_violations`,
+    shared with the native trainer); raise :class:`SettingError` naming the first broken one."""
+    errors = rule_violations(flags, native=False)
+    if errors:
+        raise SettingError(f"{where}: {errors[0]}")
 
 
 def json_value(value: Any) -> Any:
