@@ -201,7 +201,7 @@ def main() -> None:
     if "naive" in med and "chunked" in med and med["chunked"][1] > 0:
         (tn, mn), (tc, mc) = med["naive"], med["chunked"]
         print()
-        print(f"memory ratio chunked/naive: 1/{mn / mc:.1f} (issue 5 target at the default sizes <= 1/8: "
+        print(f"memory ratio chunked/naive: 1/{mn / mc:.1f} (target at the default sizes <= 1/8: "
               f"{'met' if mc * 8 <= mn else 'NOT met'})")
         print(f"speedup naive/chunked: {tn / tc:.2f}x (target >= 1: {'met' if tc <= tn else 'NOT met'})")
         for name, diff, rel in cmp_rows:

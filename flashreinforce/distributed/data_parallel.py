@@ -13,7 +13,7 @@ One update on a batch of B trajectories:
    one ``scatter_object_list`` hands each rank its trajectories, their batch rows and the totals;
 2. each rank packs its share into micro-batches and runs forward/backward with the fused loss
    given the *global* baseline and B, so the per-rank losses (and gradients) are summands of the
-   whole batch's (SEMANTICS.md: any partition of a batch adds up to the batch);
+   whole batch's (docs/semantics.md: any partition of a batch adds up to the batch);
 3. gradients are **summed** over ranks (all-reduce; FSDP2: reduce-scatter with divide factor 1), which
    is the gradient of the whole batch's loss, not an average: the loss already divides by B;
 4. every rank clips by the global norm and makes the same optimizer step; parameters stay equal

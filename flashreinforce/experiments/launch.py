@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from flashreinforce.experiments.resolve import json_value
 
-#: Environment every launched trainer gets (SETTINGS.md, launch conventions); MAX_AGENT_TURNS is per setting.
+#: Environment every launched trainer gets (the published launch conventions, docs/training.md); MAX_AGENT_TURNS is per setting.
 BASE_LAUNCH_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",
     "VLLM_WORKER_MULTIPROC_METHOD": "spawn",

@@ -2,7 +2,7 @@
 
 ``distributed_learner_check.py`` runs every case under ``torchrun --nproc-per-node 2``; rank 0 also
 runs the one-process :class:`~flashreinforce.trainer.learner.Learner` (itself tested against a float64
-computation of SEMANTICS.md in ``test_trainer_learner.py``) and records the differences.
+computation of the objective (docs/semantics.md) in ``test_trainer_learner.py``) and records the differences.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The learner: current log-probs from packed/padded forwards, gradients against a float64
-per-sequence computation of SEMANTICS.md, micro-batch invariance, schedule, state round trip."""
+per-sequence computation of the objective (docs/semantics.md), micro-batch invariance, schedule, state round trip."""
 
 import copy
 import math
@@ -51,7 +51,7 @@ def random_batch(seed, model, n=7, temperature=1.0):
 
 
 def reference_loss64(model64, trajs, *, delta, q=1.0, temperature=1.0, loss_agg="seq-mean-token-mean"):
-    """SEMANTICS.md written out per trajectory in float64 (independent of the fused op and packing)."""
+    """The objective (docs/semantics.md) written out per trajectory in float64 (independent of the fused op and packing)."""
     b = len(trajs)
     baseline = sum(t.reward for t in trajs) / b
     total_tokens = sum(t.num_action_tokens for t in trajs)
