@@ -17,6 +17,7 @@ __all__ = ["COMMANDS", "main"]
 #: command -> ("module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flashreinforce.cli.train:train", "train a policy with asynchronous FlashREINFORCE"),
+    "eval": ("flashreinforce.cli.eval:eval_command", "score a model or a run's newest checkpoint on held-out prompts"),
 }
 
 

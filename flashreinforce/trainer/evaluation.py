@@ -3,6 +3,8 @@
 An :class:`Evaluator` owns one rollout worker that is not attached to the buffer: it plays a fixed
 list of evaluation seeds with its own engine copy of the policy, picking up the newest published
 weights before each call, and reports the mean reward and the success rate (1 - failure rate).
+The training loop calls it every ``eval.steps`` updates; ``flashreinforce eval`` calls it twice on a
+saved model (greedy accuracy, then sampled pass@1), overriding the sampling per call.
 """
 
 from __future__ import annotations
@@ -64,18 +66,44 @@ class Evaluator:
         self.worker = RolloutWorker(-1, engine, env_factory, tokenizer, None, weights, settings)
         self.seeds = list(seeds)
         self.n_samples = n_samples
+        self.episodes_per_call = max(1, int(episodes_per_call))
         self.per_call = max(1, episodes_per_call // n_samples)
 
-    def evaluate(self, policy_version: int) -> dict[str, float]:
-        """Mean reward and success rate over every evaluation trajectory (keys prefixed ``eval_``)."""
+    def evaluate(self, policy_version: int, *, sampling: SamplingParams | None = None,
+                 n_samples: int | None = None, trajectories: list | None = None) -> dict[str, float]:
+        """Mean reward and success rate over every evaluation trajectory (keys prefixed ``eval_``).
+
+        ``sampling`` / ``n_samples`` replace the evaluator's own for this call only (``flashreinforce
+        eval`` scores greedy and sampled with one engine). ``trajectories``: a list that receives
+        the evaluation :class:`~flashreinforce.trainer.trajectory.Trajectory` objects, in seed order.
+        ``eval_response_tokens_mean`` is the mean number of sampled tokens per trajectory and
+        ``eval_truncated_fraction`` the share with a turn cut at ``max_new_tokens`` or an episode
+        stopped by the turn or context limit.
+        """
         t0 = time.perf_counter()
-        tickets = [Ticket(i, s, self.n_samples) for i, s in enumerate(self.seeds)]
-        trajs = []
-        for k in range(0, len(tickets), self.per_call):
-            for group in self.worker.run_tickets(tickets[k:k + self.per_call]):
-                trajs.extend(group)
+        n = self.n_samples if n_samples is None else int(n_samples)
+        if n <= 0:
+            raise ValueError(f"n_samples must be positive, got {n}")
+        settings = self.worker.settings
+        saved = settings.sampling
+        if sampling is not None:
+            settings.sampling = sampling
+        try:
+            per_call = max(1, self.episodes_per_call // n)
+            tickets = [Ticket(i, s, n) for i, s in enumerate(self.seeds)]
+            trajs = []
+            for k in range(0, len(tickets), per_call):
+                for group in self.worker.run_tickets(tickets[k:k + per_call]):
+                    trajs.extend(group)
+        finally:
+            settings.sampling = saved
+        if trajectories is not None:
+            trajectories.extend(trajs)
         return {"eval_reward_mean": _mean(t.reward for t in trajs),
                 "eval_success_rate": _mean(0.0 if t.failed else 1.0 for t in trajs),
+                "eval_response_tokens_mean": _mean(t.num_action_tokens for t in trajs),
+                "eval_truncated_fraction": _mean(float(t.truncated or t.info.get("length_finishes", 0) > 0)
+                                                 for t in trajs),
                 "eval_trajectories": len(trajs), "eval_policy_version": policy_version,
                 "eval_time_s": time.perf_counter() - t0}
 

@@ -1,0 +1,179 @@
+"""``flashreinforce eval``: score a base model or a run's newest checkpoint on the held-out prompts.
+
+``flashreinforce eval [--preset NAME] [--env SPEC] --model PATH_OR_ALIAS_OR_RUN_DIR [--eval.num_prompts N]
+[--eval.temperature T] [--eval.n_samples_per_prompt K] [--output FILE] [--samples FILE] [--FLAG VALUE ...]``
+
+It takes the training flags (the same preset, environment and lengths as training, so the
+prompts, chat template and limits are the ones the training loop evaluates with) and plays the
+evaluation seeds of the environment (for :mod:`flashreinforce.envs.arith`: its held-out split)
+twice with :class:`~flashreinforce.trainer.evaluation.Evaluator`:
+
+* greedy (temperature 0, one sample per prompt): ``accuracy`` is its success rate;
+* sampled at ``eval.temperature`` (or, when that is 0, at ``rollout.temperature``, the training
+  temperature) with ``eval.n_samples_per_prompt`` samples per prompt: ``pass@1`` is the mean
+  success over all samples (skipped with ``--no_sampled``).
+
+It prints one JSON object (``accuracy``, ``pass@1``, ``num_prompts``, ``model``, the checkpoint's
+step when the model is a run directory or a checkpoint, timings) and writes it to ``--output FILE``
+when given. ``--samples FILE`` writes one JSON line per greedy episode (prompt, response, reward).
+Exit status: 0, or 2 for a bad configuration (the message names the flag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["eval_command", "evaluate_model"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from flashreinforce.config.flags import build_parser
+
+    p = build_parser(prog="flashreinforce eval")
+    p.description = ("Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) "
+                     "on the evaluation prompts: greedy accuracy and sampled pass@1; prints one JSON object. "
+                     "--output FILE also writes it there.")
+    for action in p._actions:  # the train parser's --output is a run directory; here it is a file
+        if action.dest == "output":
+            action.help = "also write the result JSON to this file"
+    g = p.add_argument_group("eval command")
+    g.add_argument("--samples", help="write one JSON line per greedy episode (prompt, response, reward) to this file")
+    g.add_argument("--no_sampled", action="store_true", help="greedy accuracy only (no sampled pass@1)")
+    return p
+
+
+def _checkpoint_step(path: Path) -> int | None:
+    state = path / "state.json"
+    if state.is_file():
+        return int(json.loads(state.read_text())["step"])
+    return None
+
+
+def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None) -> dict[str, Any]:
+    """Build the model, tokenizer and evaluation environments of ``cfg`` (a resolved configuration)
+    and score them; returns the result object :func:`eval_command` prints."""
+    import torch
+
+    from flashreinforce.config import ConfigError
+    from flashreinforce.engines import LocalWeightStore, SamplingParams
+    from flashreinforce.envs.registry import EnvironmentSpecError, EnvSpec, accepts_chat_template, num_prompts
+    from flashreinforce.models.loading import build_model, resolve_model_spec
+    from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
+    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
+    from flashreinforce.trainer.rollout import RolloutSettings
+
+    f = cfg.flags
+    if cfg.torch_threads:
+        torch.set_num_threads(int(cfg.torch_threads))
+    spec = f["actor.model_name_or_path"]
+    if spec is None:
+        raise ConfigError("no model: give --model (a folder, a .gguf file, an alias or a run directory)")
+    env_name = f["train.agent_path"]
+    if env_name is None:
+        raise ConfigError("no environment: give --env MODULE:CLASS (or a --preset)")
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    t0 = time.perf_counter()
+    resolved = resolve_model_spec(spec)
+    model, tok_spec = build_model(resolved, device=device, attn_implementation=f["fsdp.attn_implementation"],
+                                  seed=cfg.seed)
+    tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
+    env_renders = False
+    if f["data.apply_chat_template"] and isinstance(tokenizer, HFTokenizer):
+        env_renders = accepts_chat_template(env_name)
+        tokenizer = HFTokenizer(tokenizer.tok, chat_prompt=not env_renders, chat_observations=True)
+    load_s = time.perf_counter() - t0
+    eval_split = bool(f["eval.dataset"])
+    env_spec = EnvSpec(env_name, cfg.env_config(eval_split=eval_split), dict(cfg.env_kwargs), env_renders)
+    try:
+        factory = env_spec.factory(tokenizer)
+    except EnvironmentSpecError as err:
+        raise ConfigError(f"--env {env_name!r}: {err}") from None
+    probe = factory()
+    try:
+        rows = num_prompts(probe)
+    finally:
+        probe.close()
+    # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
+    seeds = eval_seeds(rows, rows if eval_split and rows is not None else f["eval.num_prompts"])
+    settings = RolloutSettings(max_new_tokens=f["rollout.max_new_tokens"], max_len=f["data.max_len"],
+                               max_turns=f["rollout.max_turns"], episodes_per_call=f["rollout.vllm_generate_batch_size"],
+                               seed=cfg.seed)
+    stop = tokenizer.eos_token_ids
+    greedy = SamplingParams(0.0, 1.0, 0, stop)
+    temperature = f["eval.temperature"] if f["eval.temperature"] > 0 else f["rollout.temperature"]
+    top_p = f["eval.top_p"] if f["eval.temperature"] > 0 else f["rollout.top_p"]
+    sampled_params = SamplingParams(temperature, top_p, f["rollout.top_k"], stop)
+    evaluator = Evaluator(env_factory=factory, seeds=seeds, model=model, tokenizer=tokenizer,
+                          weights=LocalWeightStore(), rollout_settings=settings, sampling=greedy, n_samples=1,
+                          episodes_per_call=f["rollout.vllm_generate_batch_size"], seed=cfg.seed + 1)
+    try:
+        trajectories: list = []
+        g = evaluator.evaluate(-1, trajectories=trajectories)
+        result: dict[str, Any] = {
+            "model": spec, "resolved_model": resolved, "checkpoint_step": _checkpoint_step(Path(resolved)),
+            "env": env_name, "env_kwargs": dict(cfg.env_kwargs), "num_prompts": len(seeds),
+            "seeds": [seeds[0], seeds[-1]] if seeds else [],
+            "accuracy": g["eval_success_rate"], "reward_mean": g["eval_reward_mean"],
+            "response_tokens_mean": g["eval_response_tokens_mean"],
+            "truncated_fraction": g["eval_truncated_fraction"], "greedy_s": g["eval_time_s"],
+            "max_new_tokens": f["rollout.max_new_tokens"], "load_s": load_s, "device": str(device),
+            "torch_threads": torch.get_num_threads(),
+        }
+        if sampled:
+            s = evaluator.evaluate(-1, sampling=sampled_params, n_samples=f["eval.n_samples_per_prompt"])
+            result.update({"pass@1": s["eval_success_rate"], "pass@1_temperature": temperature,
+                           "pass@1_top_p": top_p, "pass@1_samples_per_prompt": f["eval.n_samples_per_prompt"],
+                           "sampled_reward_mean": s["eval_reward_mean"], "sampled_s": s["eval_time_s"]})
+        else:
+            result["pass@1"] = None
+        if samples_path:
+            with open(samples_path, "w") as fh:
+                for t in trajectories:
+                    first = t.action_mask.index(True) if True in t.action_mask else len(t.token_ids)
+                    fh.write(json.dumps({"seed": t.seed, "prompt": tokenizer.decode(t.token_ids[:first]),
+                                         "response": tokenizer.decode(t.token_ids[first:]), "reward": t.reward,
+                                         "failed": t.failed, "info": t.info}, default=str) + "\n")
+    finally:
+        evaluator.close()
+    return result
+
+
+def eval_command(argv: Sequence[str]) -> int:
+    from flashreinforce.config import ConfigError
+    from flashreinforce.config.flags import resolve
+    from flashreinforce.config.presets import PRESETS
+
+    args = vars(_parser().parse_args(argv))
+    samples = args.pop("samples", None)
+    no_sampled = bool(args.pop("no_sampled", False))
+    output = args.pop("output", None)
+    try:
+        preset = None
+        if "preset" in args:
+            if args["preset"] not in PRESETS:
+                raise ConfigError(f"unknown --preset {args['preset']!r}; known presets: {', '.join(sorted(PRESETS))}")
+            preset = dict(PRESETS[args["preset"]], preset=args["preset"])
+        cfg = resolve(args, preset)
+    except ConfigError as err:
+        print(f"flashreinforce eval: error: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        result = evaluate_model(cfg, sampled=not no_sampled, samples_path=samples)
+    except ConfigError as err:
+        print(f"flashreinforce eval: error: {err}", file=sys.stderr)
+        return 2
+    text = json.dumps(result, default=str)
+    print(text, flush=True)
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(text + "\n")
+    return 0

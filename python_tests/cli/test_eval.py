@@ -1,0 +1,111 @@
+"""``flashreinforce eval`` on tiny models: held-out seeds, greedy accuracy, sampled pass@1, run directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashreinforce.envs.arith import HELDOUT_SEED_OFFSET, ArithSpec, problem_for_seed
+from flashreinforce.models.tokenizers import CharTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = ["--env", "flashreinforce.envs.arith:ArithEnv"]
+
+
+def constant_answer_model(directory: Path, char: str) -> Path:
+    """A tiny Qwen2 folder (char tokenizer) whose every next token is ``char``, greedy or sampled.
+
+    Its layers add nothing to the residual stream (zero output projections), every token embeds to
+    the same vector e, and only the output row of ``char`` is e (logit = hidden size, others 0),
+    so the answer does not depend on the prompt: a known accuracy on any problem set.
+    """
+    import transformers
+
+    tok = CharTokenizer()
+    config = transformers.Qwen2Config(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.encode(char)[0]] = 1.0
+    model.save_pretrained(str(directory))
+    tok.save_pretrained(directory)
+    return directory
+
+
+def run_eval(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "flashreinforce.cli", "eval", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_eval_scores_the_heldout_split_greedy_and_sampled(tmp_path):
+    model = constant_answer_model(tmp_path / "m", "3")
+    kwargs = {"digits": 1, "operations": "-", "negative": False, "heldout_size": 20}
+    spec = ArithSpec(digits=1, operations="-", negative=False, heldout_size=20)
+    expected = sum(problem_for_seed(spec, HELDOUT_SEED_OFFSET + i)[0].answer == 3 for i in range(12)) / 12
+    assert 0 < expected < 1  # the problem set makes the check informative
+    out = tmp_path / "res" / "eval.json"
+    proc = run_eval(*ENV, "--env.kwargs", json.dumps(kwargs), "--model", str(model), "--eval.num_prompts", "12",
+                    "--rollout.max_new_tokens", "1", "--data.max_len", "64", "--eval.temperature", "1.0",
+                    "--eval.n_samples_per_prompt", "3", "--output", str(out), "--samples", str(tmp_path / "s.jsonl"))
+    assert proc.returncode == 0, proc.stderr
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    assert printed["model"] == str(model) and printed["num_prompts"] == 12
+    assert printed["accuracy"] == pytest.approx(expected)
+    assert printed["pass@1"] == pytest.approx(expected)  # the answer is "3" whatever the sampling noise
+    assert printed["pass@1_temperature"] == 1.0 and printed["pass@1_samples_per_prompt"] == 3
+    assert printed["seeds"] == [HELDOUT_SEED_OFFSET, HELDOUT_SEED_OFFSET + 11]
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [r["response"] for r in rows] == ["3"] * 12
+    for i, r in enumerate(rows):
+        p, _ = problem_for_seed(spec, HELDOUT_SEED_OFFSET + i)
+        assert r["prompt"] == f"What is {p.a} - {p.b}? Answer with just the number."
+        assert r["reward"] == float(p.answer == 3) and r["info"]["split"] == "heldout"
+
+
+def test_eval_of_a_run_directory_scores_its_newest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    old = constant_answer_model(run / "checkpoints" / "step_00000002", "1")
+    new = constant_answer_model(run / "checkpoints" / "step_00000004", "3")
+    (old / "state.json").write_text(json.dumps({"step": 2}))
+    (new / "state.json").write_text(json.dumps({"step": 4}))
+    (run / "checkpoints" / "latest").write_text("step_00000004")
+    (run / "config.json").write_text(json.dumps({"flags": {"ckpt.path": None}}))
+    kwargs = {"digits": 1, "operations": "+", "heldout_size": 30}
+    proc = run_eval(*ENV, "--env.kwargs", json.dumps(kwargs), "--model", str(run), "--eval.num_prompts", "30",
+                    "--rollout.max_new_tokens", "1", "--data.max_len", "64", "--no_sampled")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["checkpoint_step"] == 4 and result["resolved_model"] == str(new)
+    spec = ArithSpec(digits=1, operations="+", heldout_size=30)
+    expected = sum(problem_for_seed(spec, HELDOUT_SEED_OFFSET + i)[0].answer == 3 for i in range(30)) / 30
+    assert result["accuracy"] == pytest.approx(expected) and result["pass@1"] is None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model", "tiny-qwen2"], "no environment"),
+    (ENV + [], "no model"),
+    (ENV + ["--model", "smollm2-135m-instruct", "--preset", "nope"], "unknown --preset 'nope'"),
+    (ENV + ["--model", "/no/such/dir"], "--model '/no/such/dir'"),
+])
+def test_eval_configuration_errors_name_the_flag(args, needle):
+    proc = run_eval(*args)
+    assert proc.returncode == 2
+    assert needle in proc.stderr
+
+
+def test_eval_is_a_registered_command():
+    proc = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert "eval" in proc.stdout and "held-out" in proc.stdout
