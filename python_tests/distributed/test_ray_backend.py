@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
-from flashreinforce.distributed.ray_backend import OwnedBuffer, RayRollout, StaleIncarnation, WorkerRecipe
+from flashreinforce.distributed.ray import OwnedBuffer, RayRollout, StaleIncarnation, WorkerRecipe
 from flashreinforce.engines import SamplingParams
 from flashreinforce.trainer.rollout import RolloutSettings, fair_share
 from flashreinforce.models.tokenizers import load_tokenizer
