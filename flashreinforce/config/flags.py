@@ -16,6 +16,7 @@ Types: ``float`` (``inf`` allowed), ``int``, ``str``, ``bool`` (``--flag`` alone
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -120,6 +121,16 @@ FLAGS: tuple[Flag, ...] = (
        ("replicate", "fully_shard")),
     # logging
     _f("logger.logging_steps", "int", 1, "print a log line every this many updates (metrics.jsonl gets every update)"),
+    _f("logger.tensorboard.dir", "str", None, "write TensorBoard event files (the metrics.jsonl keys) to this "
+       "directory (optional extra flashreinforce[tensorboard])"),
+    _f("logger.wandb.project", "str", None, "log the metrics.jsonl keys to this Weights & Biases project (optional "
+       "extra flashreinforce[wandb]; WANDB_MODE=offline works without network)"),
+    _f("logger.wandb.run_name", "str", None, "W&B run name (default: the output directory's name)"),
+    _f("logger.log_samples_steps", "int", 10, "write decoded trajectories to OUTPUT/samples.jsonl every this many "
+       "updates (0: never)"),
+    _f("logger.log_samples_num", "int", 4, "trajectories written per sample step"),
+    _f("logger.warn_zero_variance_steps", "int", 5, "warn once when each of the first N updates had no reward "
+       "variance, so nothing was learned (0: never)"),
     # rollout
     _f("rollout.batch_size", "int", 128, "prompts per learner batch"),
     _f("rollout.n_samples_per_prompt", "int", 1, "samples per prompt (1 for flash_reinforce)"),
@@ -358,11 +369,13 @@ def _check(cfg: ResolvedConfig) -> None:
         errors.append(f"--vllm.gpu_memory_utilization must lie in (0, 1], got {v['vllm.gpu_memory_utilization']}")
     positive("rollout.batch_size", "rollout.n_samples_per_prompt", "train.batch_size", "rollout.max_new_tokens",
              "data.max_len", "rollout.max_turns", "rollout.vllm_generate_batch_size", "rollout.num_workers",
-             "eval.n_samples_per_prompt", "eval.num_prompts", "logger.logging_steps", "train.num_episodes",
+             "eval.n_samples_per_prompt", "eval.num_prompts", "logger.logging_steps", "logger.log_samples_num",
+             "train.num_episodes",
              "actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node",
              "vllm.num_engines", "vllm.tensor_parallel_size", "fsdp.tp_size", "fsdp.ep_size", "fsdp.cp_size")
     positive("train.async_queue_size", "train.max_steps", "ckpt.save_steps", "train.micro_batch_size",
-             "train.micro_batch_tokens", "eval.steps", "rollout.top_k", "ckpt.max_ckpt_num", allow_zero=True)
+             "train.micro_batch_tokens", "eval.steps", "rollout.top_k", "ckpt.max_ckpt_num", "logger.log_samples_steps",
+             "logger.warn_zero_variance_steps", allow_zero=True)
     if v["train.max_policy_lag"] is not None and v["train.max_policy_lag"] < 0:
         errors.append(f"--train.max_policy_lag must be >= 0 or none, got {v['train.max_policy_lag']}")
     if v["data.max_samples"] is not None and v["data.max_samples"] <= 0:
@@ -437,6 +450,14 @@ def _check(cfg: ResolvedConfig) -> None:
             inactive[n] = "no data.prompt_dataset"
     if v["train.max_steps"]:
         inactive["train.num_episodes"] = "train.max_steps sets the number of updates"
+    if v["logger.wandb.run_name"] is not None and not v["logger.wandb.project"]:
+        inactive["logger.wandb.run_name"] = "no W&B logging (logger.wandb.project not given)"
+    if v["logger.log_samples_steps"] == 0:
+        inactive["logger.log_samples_num"] = "no samples (logger.log_samples_steps 0)"
+    for n, package in (("logger.tensorboard.dir", "tensorboard"), ("logger.wandb.project", "wandb")):
+        if v[n] and importlib.util.find_spec(package) is None:
+            errors.append(f"--{n} needs the {package} package, which is not installed: "
+                          f"pip install 'flashreinforce[{package}]'  (or: pip install {package})")
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 

@@ -4,7 +4,12 @@ r"""The math environment: a problem in, a ``\boxed{}`` answer out, graded with m
 of the answer (nested braces allowed) is compared with the task's ground truth by
 ``math_verify.parse`` / ``math_verify.verify``. Reward 1.0 if correct, else 0.0, and
 ``failed = not correct``. The final step's ``info`` holds ``has_boxed``, ``correct``,
-``grade_timeout`` and ``grade_error`` (booleans) and ``turns``.
+``grade_timeout`` and ``grade_error`` (booleans), ``turns``, ``answer_extraction`` (how the graded
+answer was found: ``boxed``, ``last_number`` with ``answer_fallback="last_number"``, or ``none``)
+and, when the answer is not correct, ``failure_kind``: ``no_answer`` (no box and no number),
+``unboxed_answer`` (a number but no box, so nothing was graded), ``wrong_answer``,
+``grade_timeout`` or ``grade_error``. The trainer counts these per batch (``failure_kinds`` and
+``no_answer_fraction`` in ``metrics.jsonl``).
 
 Grading runs in :class:`MathGrader` child processes with a hard wall-clock limit (one small
 pool per program, see :func:`shared_grader`), so an adversarial answer (``9^{9^{9^{9}}}``)
@@ -28,9 +33,10 @@ from typing import Sequence
 
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
-from flashreinforce.envs.math_grader import Grade, extract_boxed, grade_answer
+from flashreinforce.envs.math_grader import Grade, extract_answer, extract_boxed, extract_last_number, grade_answer
 
-__all__ = ["MathEnv", "MathGrader", "Grade", "extract_boxed", "grade_answer", "shared_grader"]
+__all__ = ["MathEnv", "MathGrader", "Grade", "extract_answer", "extract_boxed", "grade_answer", "grade_failure_kind",
+           "shared_grader"]
 
 # Runs math_grader.py as a script without putting its directory (which holds a ``math.py``
 # that would shadow the standard library) or the working directory on sys.path.
@@ -268,6 +274,22 @@ def _stop_process(proc: subprocess.Popen) -> None:
 DEFAULT_RETRY_MESSAGE = "Please give your final answer within \\boxed{}."
 
 
+def grade_failure_kind(action: str, extraction: str, grade: Grade | None) -> str | None:
+    """Why a graded (or ungradable) final answer earns nothing, as a short ``failure_kind``; None when correct.
+
+    ``extraction`` is how the answer was found (:func:`extract_answer`), ``grade`` its grade (None
+    when nothing was extracted; ``action`` is then searched for a plain number, to tell an answer
+    written without a box from no answer at all).
+    """
+    if grade is None:
+        return "unboxed_answer" if extraction == "none" and extract_last_number(action) is not None else "no_answer"
+    if grade.correct:
+        return None
+    if grade.timed_out:
+        return "grade_timeout"
+    return "grade_error" if grade.error is not None else "wrong_answer"
+
+
 class MathEnv(TaskEnvironment):
     r"""Math problems graded on the last ``\boxed{}`` answer (see the module docstring).
 
@@ -284,14 +306,19 @@ class MathEnv(TaskEnvironment):
         apply_chat_template: renders chat-message prompts (see ``render_prompt``).
         retry_message: the observation text of a turn without a box (multi-turn only).
         observation_template: wraps observations; ``{observation}`` is replaced by the text.
+        answer_fallback: ``None`` (default: only a box is graded, as in the published settings) or
+            ``"last_number"``: a response without a box is graded on its last plain number.
     """
 
     def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int = 1, timeout_s: float = 5.0,
                  grader: MathGrader | None = None, apply_chat_template: ChatTemplate | None = None,
                  retry_message: str = DEFAULT_RETRY_MESSAGE,
-                 observation_template: str = "\n\n{observation}\n\n") -> None:
+                 observation_template: str = "\n\n{observation}\n\n", answer_fallback: str | None = None) -> None:
         super().__init__(tasks, apply_chat_template=apply_chat_template)
         require_math_verify("MathEnv")
+        if answer_fallback not in (None, "last_number"):
+            raise ValueError(f"answer_fallback must be None or 'last_number', got {answer_fallback!r}")
+        self.answer_fallback = answer_fallback
         if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
             raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if "{observation}" not in observation_template:
@@ -311,14 +338,19 @@ class MathEnv(TaskEnvironment):
     def step(self, action: str) -> StepResult:
         self._begin_step(action)
         self._turn += 1
-        answer = extract_boxed(action)
-        if answer is None and self._turn < self.max_turns:
+        answer, extraction = extract_answer(action, fallback=self.answer_fallback)
+        # A retry is asked for only when there is no box (a fallback number does not end the episode early).
+        if extraction != "boxed" and self._turn < self.max_turns:
             return StepResult(observation=self.observation_template.replace("{observation}", self.retry_message),
                               reward=0.0, done=False)
-        info = {"has_boxed": answer is not None, "correct": False, "grade_timeout": False,
-                "grade_error": False, "turns": self._turn}
+        info = {"has_boxed": extraction == "boxed", "correct": False, "grade_timeout": False,
+                "grade_error": False, "turns": self._turn, "answer_extraction": extraction}
+        grade = None
         if answer is not None:
             grade = self.grader.grade(answer, self.task.ground_truth)
             info.update(correct=grade.correct, grade_timeout=grade.timed_out,
                         grade_error=grade.error is not None and not grade.timed_out)
+        kind = grade_failure_kind(action, extraction, grade)
+        if kind is not None:
+            info["failure_kind"] = kind
         return StepResult(reward=1.0 if info["correct"] else 0.0, done=True, failed=not info["correct"], info=info)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["Grade", "extract_boxed", "grade_answer"]
+__all__ = ["ANSWER_EXTRACTIONS", "Grade", "extract_answer", "extract_boxed", "extract_last_number", "grade_answer"]
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -64,6 +65,48 @@ def extract_boxed(text: str) -> str | None:
             end = start  # ``\boxedx`` is another command; look for a box before it
             continue
         return _box_content(text, i)
+
+
+# A plain number as written in prose: optional sign, digits with optional thousands commas, an
+# optional decimal part, an optional ``/denominator``. Not preceded by a letter, digit or dot, so
+# the ``2`` of ``x2`` or of ``v1.2`` is not a number of its own.
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?![\w])")
+
+#: How an answer was taken from a response: ``boxed`` (the last box), ``last_number`` (no box; the
+#: last plain number, only when the environment allows that fallback), ``none`` (nothing to grade).
+ANSWER_EXTRACTIONS = ("boxed", "last_number", "none")
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last plain number of ``text`` (``-12``, ``3.5``, ``1,234`` -> ``1234``, ``3/4``), or None.
+
+    This is the fallback of graders that accept an unboxed final number; it is also how the math
+    environments tell a response that has a number but no box from one that has no answer at all.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be str, got {type(text).__name__}")
+    last = None
+    for last in _NUMBER.finditer(text):
+        pass
+    return None if last is None else last.group(0).replace(",", "").lstrip("+")
+
+
+def extract_answer(text: str, *, fallback: str | None = None) -> tuple[str | None, str]:
+    r"""``(answer, how)``: the answer to grade and how it was found (one of :data:`ANSWER_EXTRACTIONS`).
+
+    The last ``\boxed{}`` wins; without one, ``fallback="last_number"`` takes the last plain number
+    (:func:`extract_last_number`); otherwise ``(None, "none")``.
+    """
+    if fallback not in (None, "last_number"):
+        raise ValueError(f"fallback must be None or 'last_number', got {fallback!r}")
+    boxed = extract_boxed(text)
+    if boxed is not None:
+        return boxed, "boxed"
+    if fallback == "last_number":
+        number = extract_last_number(text)
+        if number is not None:
+            return number, "last_number"
+    return None, "none"
 
 
 def _box_content(text: str, i: int) -> str | None:

@@ -17,8 +17,11 @@ Protocol (also stated to the policy by the default ``system_prompt``):
 Reward 1.0 for a correct final answer, else 0.0; ``failed = not correct``. The final step's
 ``info`` holds ``tool_calls``, ``tool_timeouts``, ``tool_errors`` (non-zero exits that were not
 timeouts), ``turns``, ``turn_limit``, and ``has_boxed``, ``correct``, ``grade_timeout``,
-``grade_error``; earlier steps return an empty ``info``, so summing or updating the per-step
-dicts both give the episode's totals.
+``grade_error``, ``answer_extraction`` (``boxed`` or ``none``); earlier steps return an empty
+``info``, so summing or updating the per-step dicts both give the episode's totals. A final answer
+that is not correct also gets a ``failure_kind``: ``wrong_answer``, ``grade_timeout``,
+``grade_error``, ``no_answer`` (a turn with neither code nor a box), or at the turn limit
+``tool_timeout`` / ``tool_error`` (the last code run timed out / failed) or else ``turn_limit``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Sequence
 
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
-from flashreinforce.envs.math_env import MathGrader, extract_boxed, require_math_verify, shared_grader
+from flashreinforce.envs.math_env import (MathGrader, extract_boxed, grade_failure_kind, require_math_verify,
+                                          shared_grader)
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 
 __all__ = ["PythonToolEnv", "extract_code", "format_tool_output", "default_max_turns",
@@ -142,6 +146,7 @@ class PythonToolEnv(TaskEnvironment):
     def _reset_counters(self) -> None:
         self._turn = 0
         self._counts = {"tool_calls": 0, "tool_timeouts": 0, "tool_errors": 0}
+        self._last_tool = "none"  # outcome of the latest code run: none, ok, timeout, error
 
     def start(self, task: Task) -> str:
         if task.ground_truth is None:
@@ -157,11 +162,20 @@ class PythonToolEnv(TaskEnvironment):
 
     def _finish(self, answer: str | None, turn_limit: bool) -> StepResult:
         info = {**self._counts, "turns": self._turn, "turn_limit": turn_limit, "has_boxed": answer is not None,
-                "correct": False, "grade_timeout": False, "grade_error": False}
+                "correct": False, "grade_timeout": False, "grade_error": False,
+                "answer_extraction": "none" if answer is None else "boxed"}
+        grade = None
         if answer is not None:
             grade = self.grader.grade(answer, self.task.ground_truth)
             info.update(correct=grade.correct, grade_timeout=grade.timed_out,
                         grade_error=grade.error is not None and not grade.timed_out)
+        if turn_limit:
+            # Out of turns while still writing code: how the latest code run ended is the useful reason.
+            kind = {"timeout": "tool_timeout", "error": "tool_error"}.get(self._last_tool, "turn_limit")
+        else:
+            kind = grade_failure_kind("", info["answer_extraction"], grade)
+        if not info["correct"]:
+            info["failure_kind"] = kind
         return StepResult(reward=1.0 if info["correct"] else 0.0, done=True, failed=not info["correct"], info=info)
 
     def step(self, action: str) -> StepResult:
@@ -176,10 +190,13 @@ class PythonToolEnv(TaskEnvironment):
             return self._finish(None, turn_limit=True)
         result = self.sandbox.run(code[0])
         self._counts["tool_calls"] += 1
+        self._last_tool = "ok"
         if result.timed_out:
             self._counts["tool_timeouts"] += 1
+            self._last_tool = "timeout"
         elif result.exit_code != 0:
             self._counts["tool_errors"] += 1
+            self._last_tool = "error"
         text = format_tool_output(result, self.sandbox.timeout_s)
         return StepResult(observation=self.observation_template.replace("{observation}", text),
                           reward=0.0, done=False)

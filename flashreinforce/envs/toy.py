@@ -9,6 +9,9 @@ after ``say``) is what a small transformer picks up fast.
 environment replies with feedback and the next letter (``" ok. say d:"`` / ``" no. say d:"``);
 those observation tokens enter the trajectory as non-action tokens, so the policy must read them
 but is never trained on them. The reward is the fraction of turns answered correctly.
+
+A failed episode's final ``info`` says why (``failure_kind``): ``invalid_answer`` when some turn's
+answer did not start with a letter of the alphabet at all, else ``wrong_answer``.
 """
 
 from __future__ import annotations
@@ -41,12 +44,14 @@ class ToyCopyEnv(Environment):
         self._targets: list[str] = []
         self._turn = 0
         self._correct = 0
+        self._invalid = 0
 
     def reset(self, *, seed: int) -> str:
         rng = random.Random(seed)
         self._targets = [rng.choice(self.alphabet) for _ in range(self.turns)]
         self._turn = 0
         self._correct = 0
+        self._invalid = 0
         return f"say {self._targets[0]}:"
 
     def step(self, action: str) -> StepResult:
@@ -54,9 +59,12 @@ class ToyCopyEnv(Environment):
             raise RuntimeError("step() called before reset() or after the episode ended")
         ok = action[:1] == self._targets[self._turn]
         self._correct += int(ok)
+        self._invalid += int(action[:1] not in self.alphabet or not action)
         self._turn += 1
         done = self._turn >= self.turns
         info = {"correct_turns": self._correct} if done else {}
+        if done and self._correct < self.turns:
+            info["failure_kind"] = "invalid_answer" if self._invalid else "wrong_answer"
         if done:
             return StepResult(observation="", reward=float(ok) / self.turns, done=True,
                               failed=self._correct < self.turns, info=info)

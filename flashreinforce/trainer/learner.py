@@ -183,6 +183,8 @@ def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, setting
     tokens = totals.policy_tokens
     metrics = {"loss": sum(p.loss for p in parts), "reward_baseline": totals.reward_baseline, "policy_tokens": tokens}
     metrics.update(mode.summarize(per_trajectory, sums, totals.context()))
+    # Per-trajectory statistics by batch row (``sequence_kl``, ``admitted``, ...), for the run's samples.
+    metrics["per_trajectory"] = {name: values.tolist() for name, values in per_trajectory.items()}
     if settings.needs_entropy:
         metrics["entropy_mean"] = sum(p.entropy_sum for p in parts) / max(1, tokens)
     return metrics

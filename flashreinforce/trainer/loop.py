@@ -42,7 +42,8 @@ from flashreinforce.trainer import components
 from flashreinforce.trainer.checkpoints import ResumePoint, learner_state_to_restore, save_checkpoint, trim_history
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
 from flashreinforce.trainer.learner import Learner, PolicyLearner
-from flashreinforce.trainer.metrics import MetricsLog, UpdateTimings, run_summary, update_metrics
+from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
+from flashreinforce.trainer.summary import write_run_summary
 from flashreinforce.trainer.rollout import RolloutBackend
 from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
 
@@ -70,6 +71,7 @@ class Trainer:
         self.learner: PolicyLearner | None = None
         self._resume_point: ResumePoint | None = None
         self.pool: RolloutBackend | None = None  # the running rollout workers (for tools and tests)
+        self._started = time.time()  # this session's start, for OUTPUT/summary.json
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -242,14 +244,15 @@ class Trainer:
         self.weights.publish(self.learner.policy_state(), self.learner.version)
         main_thread = threading.current_thread() is threading.main_thread()
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if main_thread else None
-        metrics_log = MetricsLog(self.out, total=self.max_steps, initial=self.step, progress=cfg.progress,
-                                 logging_steps=f["logger.logging_steps"])
+        metrics_log = open_metrics_log(cfg, self.out, tokenizer=self.tokenizer, total=self.max_steps,
+                                       initial=self.step)
         pool = None
         status = "completed"
         try:
             if f["eval.eval_at_start"] and self.step == 0:
                 ev = self.evaluate()
                 self._write_eval(ev)
+                metrics_log.log_eval(self.step, ev)
                 metrics_log.note(f"eval at start: reward {ev['eval_reward_mean']:.3f}, "
                                  f"success {ev['eval_success_rate']:.3f}")
             pool = self.pool = self._make_workers()
@@ -285,7 +288,7 @@ class Trainer:
                     self._write_eval(ev)
                     record.update(ev)
                     t_last = time.perf_counter()
-                metrics_log.write(record)
+                metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
                 if f["ckpt.save_steps"] and self.step % f["ckpt.save_steps"] == 0:
                     self._save()
             self.counters["wall_time_s"] += time.perf_counter() - t_run
@@ -293,7 +296,7 @@ class Trainer:
             status = "aborted"
             raise
         finally:
-            metrics_log.close()
+            metrics_log.close(status)
             if pool is not None:
                 pool.stop()
             if old_handler is not None:
@@ -308,4 +311,9 @@ class Trainer:
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
         summary.update(run_summary(metrics_log.history))
+        summary["summary_file"] = str(write_run_summary(
+            self.out, config=cfg.to_json(), status=status, step=self.step, max_steps=self.max_steps,
+            policy_version=self.learner.version, training_wall_s=self.counters["wall_time_s"],
+            session_started=self._started, resumed=self._resume_point is not None, checkpoints_dir=self.ckpt_dir,
+            checkpoint=ckpt, export_dir=self.hf_dir if status == "completed" else None))
         return summary

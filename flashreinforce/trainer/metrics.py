@@ -9,14 +9,17 @@ Every key is documented in ``docs/trainer.md``.
 from __future__ import annotations
 
 import json
+import math
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from flashreinforce.trainer.trajectory import Trajectory
 
-__all__ = ["MetricsLog", "UpdateTimings", "mean", "run_summary", "update_metrics"]
+__all__ = ["MetricsLog", "UpdateTimings", "failure_kind", "failure_kinds", "mean", "no_answer_fraction",
+           "open_metrics_log", "run_summary", "std", "update_metrics"]
 
 #: Learner statistics copied into the record when the loss mode or the learner reports them.
 _OPTIONAL_LEARNER_KEYS = ("sequence_kl_max", "retained_token_fraction", "entropy_mean", "clip_fraction",
@@ -27,6 +30,45 @@ def mean(xs) -> float:
     """Arithmetic mean, NaN for nothing."""
     xs = list(xs)
     return float(sum(xs) / len(xs)) if xs else float("nan")
+
+
+def std(xs) -> float:
+    """Population standard deviation, NaN for nothing."""
+    xs = [float(x) for x in xs]
+    if not xs:
+        return float("nan")
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
+
+
+def failure_kind(t: Trajectory) -> str | None:
+    """Why trajectory ``t`` failed: its environment's ``info["failure_kind"]``, else ``truncated``
+    (cut by the turn or length limit) or ``unspecified``; None when it did not fail."""
+    if not t.failed:
+        return None
+    kind = t.info.get("failure_kind")
+    if isinstance(kind, str) and kind:
+        return kind
+    return "truncated" if t.truncated else "unspecified"
+
+
+def failure_kinds(trajectories: Sequence[Trajectory]) -> dict[str, int]:
+    """Count of each :func:`failure_kind` among the failed trajectories, most common first."""
+    counts = Counter(k for k in map(failure_kind, trajectories) if k is not None)
+    return dict(counts.most_common())
+
+
+def no_answer_fraction(trajectories: Sequence[Trajectory]) -> float | None:
+    """Share of trajectories without a gradable answer, or None when no environment reports it.
+
+    Environments that extract an answer (math, Python tool) put ``answer_extraction`` (``boxed``,
+    ``last_number`` or ``none``) in the final step's ``info``; a trajectory without the key (cut
+    off before its final step) counts as having no answer.
+    """
+    trajs = list(trajectories)
+    if not any("answer_extraction" in t.info for t in trajs):
+        return None
+    return mean(float(t.info.get("answer_extraction", "none") == "none") for t in trajs)
 
 
 @dataclass(frozen=True)
@@ -52,12 +94,16 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
     trajs = list(trajectories)
     lags = [t.policy_lag(version_before) for t in trajs]
     tokens = sum(t.num_tokens for t in trajs)
+    unanswered = no_answer_fraction(trajs)
     idle_frac = [w["idle_s"] / max(1e-9, w["idle_s"] + w["busy_s"]) for w in worker_stats]
     out = {
         "step": step,
         "policy_version": policy_version,
         "reward_mean": mean(t.reward for t in trajs),
+        "reward_std": std(t.reward for t in trajs),
         "success_rate": mean(0.0 if t.failed else 1.0 for t in trajs),
+        "failure_kinds": failure_kinds(trajs),
+        **({} if unanswered is None else {"no_answer_fraction": unanswered}),
         "acceptance_rate": learner["acceptance_rate"],
         "sequence_kl_mean": learner["sequence_kl_mean"],
         "policy_lag_mean": mean(lags),
@@ -94,27 +140,48 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
 
 
 class MetricsLog:
-    """Appends update records to ``metrics.jsonl`` and shows progress on stderr.
+    """Appends update records to ``metrics.jsonl``, shows progress on stderr, and feeds the run's observers.
 
     With ``progress`` a tqdm bar (reward, acceptance rate and policy lag beside it); without it, one
     line every ``logging_steps`` updates. ``history`` keeps this session's records.
+
+    Observers (all optional): ``sinks`` (:mod:`.loggers`: TensorBoard, W&B) get every record;
+    ``samples`` (:class:`~.samples.SampleLog`) writes decoded trajectories on its steps, and every
+    ``console_sample_every``-th of those steps one of them is shown on the console; ``watch``
+    (:class:`~.diagnostics.ZeroSignalWatch`) warns once when the first updates cannot learn.
     """
 
-    def __init__(self, out: str | Path, *, total: int, initial: int, progress: bool, logging_steps: int) -> None:
+    def __init__(self, out: str | Path, *, total: int, initial: int, progress: bool, logging_steps: int,
+                 sinks: Sequence[Any] = (), samples: Any = None, watch: Any = None,
+                 console_sample_every: int = 10) -> None:
         from tqdm import tqdm
 
         self.path = Path(out) / "metrics.jsonl"
         self.progress = progress
         self.logging_steps = logging_steps
         self.history: list[dict[str, Any]] = []
+        self.sinks = list(sinks)
+        self.samples = samples
+        self.watch = watch
+        self.console_sample_every = console_sample_every
+        self._sample_steps = 0
         self.bar = tqdm(total=total, initial=initial, disable=not progress, desc="train", dynamic_ncols=True,
                         file=sys.stderr)
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        """Append one update's record and advance the display."""
+    def write(self, record: Mapping[str, Any], *, trajectories: Sequence[Trajectory] | None = None,
+              learner: Mapping[str, Any] | None = None) -> None:
+        """Append one update's record and advance the display.
+
+        ``trajectories`` (the batch, in learner row order) and ``learner`` (what the learner's step
+        returned, with its ``per_trajectory`` statistics) feed the samples and the warnings; without
+        them only the record is written.
+        """
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
         self.history.append(dict(record))
+        step = int(record["step"])
+        for sink in self.sinks:
+            sink.log(step, record)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['acceptance_rate']:.2f}",
                              lag=f"{record['policy_lag_mean']:.1f}", refresh=False)
@@ -122,13 +189,58 @@ class MetricsLog:
             print(f"step {record['step']}: reward {record['reward_mean']:.3f} acceptance "
                   f"{record['acceptance_rate']:.2f} lag {record['policy_lag_mean']:.2f} loss {record['loss']:.4f}",
                   file=sys.stderr, flush=True)
+        if trajectories is None:
+            return
+        if self.samples is not None and self.samples.due(step):
+            per_trajectory = (learner or {}).get("per_trajectory", {})
+            version = int(record["policy_version"]) - 1  # the version the batch was trained against
+            written = self.samples.write(step, trajectories, per_trajectory, version)
+            self._sample_steps += 1
+            if written and self.console_sample_every and (self._sample_steps - 1) % self.console_sample_every == 0:
+                from flashreinforce.trainer.samples import short_sample
+
+                self.note(f"sample at update {step}: {short_sample(written[0])}")
+        if self.watch is not None:
+            warning = self.watch.observe(step, trajectories)
+            if warning:
+                self.note(f"flashreinforce: {warning}")
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Evaluation results outside an update record (the evaluation at start) to the trackers."""
+        for sink in self.sinks:
+            sink.log(step, metrics)
 
     def note(self, text: str) -> None:
         """A line of text that does not break the progress bar."""
         self.bar.write(text, file=sys.stderr)
 
-    def close(self) -> None:
+    def close(self, status: str = "completed") -> None:
         self.bar.close()
+        from flashreinforce.trainer.loggers import close_sinks
+
+        sinks, self.sinks = self.sinks, []
+        close_sinks(sinks, status)
+
+
+def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: int) -> MetricsLog:
+    """The :class:`MetricsLog` of a run with the observers its ``logger.*`` flags turn on.
+
+    ``cfg``: the :class:`~flashreinforce.config.ResolvedConfig`; ``initial``: the step the run
+    starts (or resumes) from. Raises ``ImportError`` naming the install line when a tracker's
+    package is missing.
+    """
+    from flashreinforce.trainer.diagnostics import ZeroSignalWatch
+    from flashreinforce.trainer.loggers import open_sinks
+    from flashreinforce.trainer.samples import SampleLog
+
+    f = cfg.flags
+    resume = bool(cfg.resume)
+    sinks = open_sinks(f, out, config=cfg.to_json(), initial_step=initial, resume=resume)
+    samples = SampleLog(out, tokenizer, every=f["logger.log_samples_steps"], per_update=f["logger.log_samples_num"],
+                        initial_step=initial if resume else 0)
+    watch = ZeroSignalWatch(f["logger.warn_zero_variance_steps"], tokenizer, initial_step=initial)
+    return MetricsLog(out, total=total, initial=initial, progress=cfg.progress, logging_steps=f["logger.logging_steps"],
+                      sinks=sinks, samples=samples, watch=watch)
 
 
 def run_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:

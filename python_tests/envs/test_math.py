@@ -10,6 +10,7 @@ import pytest
 
 from flashreinforce.envs.tasks import Task
 from flashreinforce.envs.math_env import MathEnv, MathGrader, extract_boxed, grade_answer, shared_grader
+from flashreinforce.envs.math_grader import extract_answer, extract_last_number
 
 
 @pytest.fixture(scope="module")
@@ -118,16 +119,19 @@ def test_math_env_single_turn(grader):
     result = env.step(r"We add: $\boxed{0.75}$")
     assert (result.reward, result.done, result.failed) == (1.0, True, False)
     assert result.info == {"has_boxed": True, "correct": True, "grade_timeout": False, "grade_error": False,
-                           "turns": 1}
+                           "turns": 1, "answer_extraction": "boxed"}  # no failure_kind when correct
     env.reset(seed=1)
     wrong = env.step(r"\boxed{5}")
     assert (wrong.reward, wrong.done, wrong.failed, wrong.info["correct"]) == (0.0, True, True, False)
+    assert wrong.info["failure_kind"] == "wrong_answer" and wrong.info["answer_extraction"] == "boxed"
     env.reset(seed=1)
     missing = env.step("four")
     assert missing.done and missing.failed and missing.info["has_boxed"] is False
+    assert (missing.info["answer_extraction"], missing.info["failure_kind"]) == ("none", "no_answer")
     env.reset(seed=1)
     hostile = env.step(r"\boxed{9^{9^{9^{9}}}}")
     assert hostile.done and hostile.failed and hostile.info["grade_timeout"] is True
+    assert hostile.info["failure_kind"] == "grade_timeout"
 
 
 def test_math_env_multi_turn_asks_for_a_box(grader):
@@ -185,3 +189,44 @@ def test_a_slow_grade_does_not_block_the_other_processes():
         pool.grade("2", "2")
     with pytest.raises(ValueError, match="processes"):
         MathGrader(processes=0)
+
+
+def test_extract_last_number_and_extract_answer():
+    assert extract_last_number("so 3 apples and then -12.5 pears.") == "-12.5"
+    assert extract_last_number("1,234,567 people") == "1234567"
+    assert extract_last_number("a ratio of 3/4") == "3/4"
+    assert extract_last_number("x2 and v1.2 are names, not numbers") is None
+    assert extract_last_number("no digits") is None
+    assert extract_answer(r"\boxed{7} or maybe 8") == ("7", "boxed")  # a box wins over a later number
+    assert extract_answer("it is 8") == (None, "none")  # box-only by default
+    assert extract_answer("it is 8", fallback="last_number") == ("8", "last_number")
+    assert extract_answer("it is eight", fallback="last_number") == (None, "none")
+    with pytest.raises(ValueError, match="fallback"):
+        extract_answer("8", fallback="first_number")
+
+
+def test_math_env_tells_an_unboxed_answer_from_no_answer(grader):
+    env = MathEnv([Task("What is 2 + 2?", "4")], grader=grader)
+    env.reset(seed=0)
+    unboxed = env.step("The answer is 4.")
+    assert unboxed.reward == 0.0 and unboxed.failed
+    assert (unboxed.info["answer_extraction"], unboxed.info["failure_kind"]) == ("none", "unboxed_answer")
+    env.reset(seed=0)
+    nothing = env.step("I do not know.")
+    assert nothing.info["failure_kind"] == "no_answer"
+
+
+def test_math_env_last_number_fallback_grades_unboxed_answers(grader):
+    env = MathEnv([Task("What is 2 + 2?", "4")], grader=grader, answer_fallback="last_number")
+    env.reset(seed=0)
+    right = env.step("2 + 2 = 4")
+    assert right.reward == 1.0 and not right.failed and right.info["answer_extraction"] == "last_number"
+    assert "failure_kind" not in right.info
+    env.reset(seed=0)
+    wrong = env.step("2 + 2 = 5")
+    assert wrong.reward == 0.0 and wrong.info["failure_kind"] == "wrong_answer"
+    env.reset(seed=0)
+    boxed = env.step(r"\boxed{4}, not 5")
+    assert boxed.reward == 1.0 and boxed.info["answer_extraction"] == "boxed"
+    with pytest.raises(ValueError, match="answer_fallback"):
+        MathEnv([Task("q", "1")], grader=grader, answer_fallback="first")

@@ -50,7 +50,8 @@ def test_tool_episode_runs_code_then_grades_the_answer(grader):
     final = env.step(f"The product is \\boxed{{{a * b}}}.")
     assert (final.reward, final.done, final.failed) == (1.0, True, False)
     assert final.info == {"tool_calls": 1, "tool_timeouts": 0, "tool_errors": 0, "turns": 2, "turn_limit": False,
-                          "has_boxed": True, "correct": True, "grade_timeout": False, "grade_error": False}
+                          "has_boxed": True, "correct": True, "grade_timeout": False, "grade_error": False,
+                          "answer_extraction": "boxed"}
 
 
 def test_errors_and_timeouts_are_reported_and_counted(grader):
@@ -65,6 +66,7 @@ def test_errors_and_timeouts_are_reported_and_counted(grader):
     final = env.step(r"\boxed{2}")
     assert final.done and final.reward == 0.0 and final.failed
     assert (final.info["tool_calls"], final.info["tool_errors"], final.info["tool_timeouts"]) == (3, 1, 1)
+    assert final.info["failure_kind"] == "wrong_answer"
 
 
 def test_boxed_before_code_is_not_final(grader):
@@ -81,6 +83,7 @@ def test_turn_without_code_or_answer_ends_the_episode(grader):
     result = env.step("I am not sure.")
     assert result.done and result.reward == 0.0 and result.failed
     assert result.info["has_boxed"] is False and result.info["tool_calls"] == 0
+    assert (result.info["answer_extraction"], result.info["failure_kind"]) == ("none", "no_answer")
 
 
 def test_turn_limit_ends_the_episode_without_running_code(grader):
@@ -89,6 +92,7 @@ def test_turn_limit_ends_the_episode_without_running_code(grader):
     assert not env.step("```python\nprint(1)\n```").done
     last = env.step("```python\nprint(2)\n```")
     assert last.done and last.failed and last.info["turn_limit"] is True and last.info["tool_calls"] == 1
+    assert last.info["failure_kind"] == "turn_limit"  # the last code run worked
     env.reset(seed=0)  # counters restart with the episode
     assert env.step(r"\boxed{6}").info["tool_calls"] == 0
 
@@ -126,3 +130,13 @@ def test_custom_observation_template(grader):
     assert env.step("```python\nprint('hi')\n```").observation == "<|user|>hi<|assistant|>"
     with pytest.raises(ValueError, match="observation_template"):
         _env(grader, [Task("q", "1")], observation_template="no placeholder")
+
+
+def test_turn_limit_after_a_failing_tool_names_the_tool(grader):
+    env = _env(grader, [Task("q", "6")], max_turns=2)
+    env.reset(seed=0)
+    env.step("```python\n1/0\n```")
+    assert env.step("```python\nprint(6)\n```").info["failure_kind"] == "tool_error"
+    env.reset(seed=0)
+    env.step("<code>while True: pass</code>")
+    assert env.step("```python\nprint(6)\n```").info["failure_kind"] == "tool_timeout"

@@ -1,0 +1,165 @@
+"""``OUTPUT/summary.json``: what a run was and where its results are, in one short file.
+
+Written when a run completes and after Ctrl-C (status ``completed`` / ``interrupted``): the status,
+the configuration hash (same flags, preset, environment arguments, tokenizer and seed give the same
+hash), the versions of the package, PyTorch, transformers and Python and the source's git commit
+(when the package runs from a git checkout), steps done and planned, training and session
+wall-clock, the training reward at the start and the end, the final and the best evaluation (from
+``eval.jsonl``), and where the checkpoints and the exported model are.
+
+``--resume`` continues the file: the earlier sessions stay in ``sessions`` (one entry each: start,
+end, status, steps, config hash), the current one is added, and the top-level fields describe the
+run as it now stands.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["SUMMARY_FILE", "config_hash", "read_jsonl", "software_versions", "write_run_summary"]
+
+SUMMARY_FILE = "summary.json"
+
+#: ResolvedConfig.to_json() keys that say where and how fast a run goes, not what it computes.
+_NOT_HASHED = ("output", "resume", "device", "torch_threads", "explicit_flags", "inactive", "warnings")
+#: Flags that only move outputs or change reporting.
+_NOT_HASHED_FLAG_PREFIXES = ("logger.", "ckpt.path", "ckpt.output_dir", "ckpt.save_steps", "ckpt.max_ckpt_num")
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """First 16 hex digits of the SHA-256 of the run-defining part of ``config`` (a
+    ``ResolvedConfig.to_json()`` dict): flags (not output paths, checkpoint cadence or logging),
+    preset, environment arguments, tokenizer, seed."""
+    defining = {k: v for k, v in config.items() if k not in _NOT_HASHED}
+    flags = defining.get("flags")
+    if isinstance(flags, Mapping):
+        defining["flags"] = {k: v for k, v in flags.items() if not k.startswith(_NOT_HASHED_FLAG_PREFIXES)}
+    text = json.dumps(defining, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _git_commit(source: Path) -> dict[str, Any] | None:
+    """The commit (and whether tracked files differ from it) of the git checkout holding ``source``."""
+    try:
+        head = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None}
+    except (OSError, subprocess.SubprocessError):  # no git, or too slow: the summary goes on without it
+        return None
+
+
+def software_versions() -> dict[str, Any]:
+    """Versions of flashreinforce, torch, transformers and Python; ``git`` when run from a checkout."""
+    from importlib import metadata
+
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for dist in ("flashreinforce", "torch", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    out["git"] = _git_commit(Path(__file__).resolve().parent)
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` file (a line cut by a crash is skipped; no file: empty)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _eval_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("step", "eval_reward_mean", "eval_success_rate", "eval_trajectories")
+    scored = [e for e in evals if _finite(e.get("eval_reward_mean"))]
+    if not scored:
+        return {"final_eval": None, "best_eval": None}
+    best = max(scored, key=lambda e: (e["eval_reward_mean"], -e.get("step", 0)))  # the earliest of equal bests
+    return {"final_eval": {k: scored[-1].get(k) for k in keys}, "best_eval": {k: best.get(k) for k in keys}}
+
+
+def _train_reward(metrics: list[dict[str, Any]], k: int = 10) -> dict[str, Any]:
+    rewards = [m["reward_mean"] for m in metrics if _finite(m.get("reward_mean"))]
+    if not rewards:
+        return {"reward_first": None, "reward_last": None}
+    k = max(1, min(k, len(rewards) // 4 or 1))
+    return {"reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k, "reward_window": k}
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t))
+
+
+def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str, step: int, max_steps: int,
+                      policy_version: int, training_wall_s: float, session_started: float, resumed: bool,
+                      checkpoints_dir: str | Path, checkpoint: str | Path | None, export_dir: str | Path | None,
+                      extra: Mapping[str, Any] | None = None) -> Path:
+    """Write ``OUT/summary.json`` (see the module docstring); returns its path.
+
+    ``config``: ``ResolvedConfig.to_json()``. ``training_wall_s``: training seconds over every
+    session. ``session_started``: this session's start (``time.time()``). ``resumed``: keep the
+    earlier sessions of an existing summary. ``checkpoint``: the newest checkpoint written;
+    ``export_dir``: the exported model (None when the run was not exported). ``extra``: more
+    top-level fields.
+    """
+    out = Path(out)
+    path = out / SUMMARY_FILE
+    sessions: list[dict[str, Any]] = []
+    if resumed and path.is_file():
+        try:
+            previous = json.loads(path.read_text())
+            sessions = [s for s in previous.get("sessions", []) if isinstance(s, dict)]
+        except (ValueError, AttributeError):
+            sessions = []  # an unreadable summary is replaced, not fatal
+    now = time.time()
+    chash = config_hash(config)
+    sessions.append({"started": _iso(session_started), "ended": _iso(now), "status": status, "last_step": step,
+                     "session_s": round(now - session_started, 3), "config_hash": chash})
+    metrics = read_jsonl(out / "metrics.jsonl")
+    summary: dict[str, Any] = {
+        "status": status,
+        "step": step,
+        "max_steps": max_steps,
+        "policy_version": policy_version,
+        "config_hash": chash,
+        "config_changed_on_resume": len({s.get("config_hash") for s in sessions}) > 1,
+        "versions": software_versions(),
+        "training_wall_s": round(float(training_wall_s), 3),
+        "sessions_wall_s": round(sum(float(s.get("session_s", 0.0)) for s in sessions), 3),
+        **_train_reward(metrics),
+        **_eval_summary(read_jsonl(out / "eval.jsonl")),
+        "checkpoints_dir": str(checkpoints_dir),
+        "latest_checkpoint": None if checkpoint is None else str(checkpoint),
+        "exported_model": None if export_dir is None else str(export_dir),
+        "files": sorted(p.name for p in out.iterdir() if p.is_file() and p.name != SUMMARY_FILE),
+        "sessions": sessions,
+    }
+    summary.update(extra or {})
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    tmp.replace(path)  # never a half-written summary
+    return path

@@ -1,0 +1,353 @@
+"""What a run reports about itself: failure kinds, samples, the zero-signal warning, trackers, summary.json."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from flashreinforce.config.flags import resolve
+from flashreinforce.models.tokenizers import CharTokenizer
+from flashreinforce.trainer.diagnostics import ZeroSignalWatch, has_reward_signal
+from flashreinforce.trainer.learner import Learner, LearnerSettings
+from flashreinforce.trainer.loggers import TensorBoardSink, WandbSink, flat_scalars, open_sinks
+from flashreinforce.trainer.metrics import (MetricsLog, UpdateTimings, failure_kinds, no_answer_fraction,
+                                            update_metrics)
+from flashreinforce.trainer.samples import SampleLog, clip_text, decode_turns, pick_rows, read_samples, short_sample
+from flashreinforce.trainer.summary import config_hash, write_run_summary
+from flashreinforce.trainer.trajectory import Trajectory
+from python_tests.builders import random_trajectory, tiny_causal_lm
+
+TOK = CharTokenizer()
+
+
+def episode(prompt: str, turns: list[tuple[str, str]], *, reward: float = 0.0, failed: bool | None = None,
+            prompt_id: int = 0, info: dict | None = None, truncated: bool = False) -> Trajectory:
+    """A trajectory whose text is ``prompt`` then each (action, observation) pair, in character tokens."""
+    ids, mask = TOK.encode(prompt), [False] * len(prompt)
+    for action, observation in turns:
+        ids += TOK.encode(action)
+        mask += [True] * len(action)
+        ids += TOK.encode(observation)
+        mask += [False] * len(observation)
+    logp = [-0.5 if m else 0.0 for m in mask]
+    return Trajectory(ids, mask, logp, reward=reward, failed=reward <= 0 if failed is None else failed,
+                      truncated=truncated, prompt_id=prompt_id, info=dict(info or {}), policy_version_min=3,
+                      policy_version_max=4)
+
+
+LEARNER = {"acceptance_rate": 0.5, "sequence_kl_mean": 0.01, "policy_tokens": 4, "loss": 0.1, "grad_norm": 1.0,
+           "lr": 1e-3, "learner_compute_s": 0.01}
+
+
+def record_of(trajs, step=1):
+    return update_metrics(step=step, policy_version=step, version_before=step - 1, learner=LEARNER, trajectories=trajs,
+                          buffer_stats={"in_flight": 0}, worker_stats=[{"idle_s": 1.0, "busy_s": 1.0, "errors": 0}],
+                          timings=UpdateTimings(idle=0.0, step=1.0, wall=1.0), wall_time_before=0.0)
+
+
+# ---------------------------------------------------------------------------------------- failure kinds
+
+
+def test_update_record_counts_failure_kinds_and_unanswered_trajectories():
+    trajs = [episode("q", [("a", "")], reward=1.0, info={"answer_extraction": "boxed"}),
+             episode("q", [("b", "")], info={"answer_extraction": "boxed", "failure_kind": "wrong_answer"}),
+             episode("q", [("c", "")], info={"answer_extraction": "none", "failure_kind": "no_answer"}),
+             episode("q", [("d", "")], info={"answer_extraction": "none", "failure_kind": "no_answer"}),
+             episode("q", [("e", "")], truncated=True),   # cut by the trainer before the final step
+             episode("q", [("f", "")], failed=True)]      # failed, and the environment said nothing
+    rec = record_of(trajs)
+    assert rec["failure_kinds"] == {"no_answer": 2, "wrong_answer": 1, "truncated": 1, "unspecified": 1}
+    assert list(rec["failure_kinds"])[0] == "no_answer"  # most common first
+    # the two trajectories without the key have no gradable answer either
+    assert rec["no_answer_fraction"] == pytest.approx(4 / 6)
+    assert rec["success_rate"] == pytest.approx(1 / 6)
+    assert rec["reward_std"] == pytest.approx((5 / 36) ** 0.5)
+    json.dumps(rec)  # the record stays one JSON line
+
+
+def test_no_answer_fraction_only_when_an_environment_reports_extraction():
+    plain = [episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")])]
+    assert no_answer_fraction(plain) is None
+    rec = record_of(plain)
+    assert "no_answer_fraction" not in rec and rec["failure_kinds"] == {"unspecified": 1}
+    assert failure_kinds([episode("q", [("a", "")], reward=1.0)]) == {}
+
+
+# ---------------------------------------------------------------------------------------- samples
+
+
+def test_decode_turns_splits_prompt_actions_and_observations():
+    t = episode("say a:", [("a", " ok. say b:"), ("c", " no. say d:"), ("d", "")])
+    prompt, turns = decode_turns(t, TOK)
+    assert prompt == "say a:"
+    assert turns == [{"action": "a", "observation": " ok. say b:"}, {"action": "c", "observation": " no. say d:"},
+                     {"action": "d", "observation": ""}]
+
+
+def test_clip_text_keeps_head_and_tail():
+    text = "Q" * 50 + "x" * 1000 + "ANSWER"
+    cut = clip_text(text, 100)
+    assert cut.startswith("Q" * 50) and cut.endswith("ANSWER") and "[... 956 chars cut ...]" in cut
+    assert len(cut) < 140 and clip_text("short", 100) == "short"
+
+
+def test_pick_rows_shows_a_dropped_a_failed_and_a_successful_trajectory():
+    trajs = [episode("q", [("a", "")], failed=True) for _ in range(6)]
+    trajs[4] = episode("q", [("a", "")], reward=1.0)
+    admitted = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+    assert pick_rows(trajs, {"admitted": admitted}, 3) == [5, 0, 4]
+    assert pick_rows(trajs, {}, 2) == [0, 4]
+    assert pick_rows(trajs, {}, 10) == [0, 4, 1, 2, 3, 5]
+
+
+def test_sample_log_writes_bounded_records_on_its_steps_only(tmp_path):
+    log = SampleLog(tmp_path, TOK, every=5, per_update=3, max_chars=60, max_bytes=1500)
+    assert [s for s in range(1, 16) if log.due(s)] == [5, 10, 15]
+    long_turns = [("x" * 400, "y" * 400)] * 3
+    trajs = [episode("say a:" * 30, long_turns, reward=float(i % 2), info={"failure_kind": "wrong_answer"})
+             for i in range(4)]
+    stats = {"sequence_kl": [0.1, 0.2, 0.3, 0.4], "admitted": [1.0, 0.0, 1.0, 1.0], "retained": [1, 2, 3, 4]}
+    written = log.write(5, trajs, stats, learner_version=4)
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert len(lines) == len(written) >= 1 and sum(len(x.encode()) + 1 for x in lines) <= 1500
+    first = json.loads(lines[0])
+    assert first["step"] == 5 and first["policy_lag"] == 1 and isinstance(first["admitted"], bool)
+    assert all(len(turn["action"]) <= 100 for turn in first["turns"])
+    # the trajectory the gate dropped comes first
+    assert first["row"] == 1 and first["admitted"] is False and first["sequence_kl"] == pytest.approx(0.2)
+    assert "dropped by the trust gate" in short_sample({**first, "admitted": False})
+
+
+def test_sample_log_resume_drops_lines_after_the_checkpoint(tmp_path):
+    log = SampleLog(tmp_path, TOK, every=1, per_update=1)
+    for step in (1, 2, 3, 4):
+        log.write(step, [episode("q", [("a", "")], reward=1.0)], {}, learner_version=step - 1)
+    SampleLog(tmp_path, TOK, every=1, per_update=1, initial_step=2)
+    assert [r["step"] for r in read_samples(tmp_path)] == [1, 2]
+    assert read_samples(tmp_path, step=2)[0]["prompt"] == "q" and read_samples(tmp_path, failed=True) == []
+
+
+def test_metrics_log_decodes_nothing_when_samples_are_off(tmp_path):
+    class Counting:
+        vocab_size = TOK.vocab_size
+
+        def __init__(self):
+            self.calls = 0
+
+        def decode(self, ids):
+            self.calls += 1
+            return TOK.decode(ids)
+
+    tok = Counting()
+    trajs = [episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")])]
+    on = MetricsLog(tmp_path / "on", total=4, initial=0, progress=False, logging_steps=100,
+                    samples=SampleLog(tmp_path, tok, every=2), watch=ZeroSignalWatch(0, tok))
+    (tmp_path / "on").mkdir()
+    for step in (1, 2, 3):
+        on.write(record_of(trajs, step), trajectories=trajs, learner={"per_trajectory": {}})
+    assert tok.calls > 0 and [r["step"] for r in read_samples(tmp_path)] == [2, 2]
+    tok.calls = 0
+    (tmp_path / "off").mkdir()
+    off = MetricsLog(tmp_path / "off", total=4, initial=0, progress=False, logging_steps=100,
+                     samples=SampleLog(tmp_path / "off", tok, every=0), watch=ZeroSignalWatch(0, tok))
+    for step in (1, 2, 3):
+        off.write(record_of(trajs, step), trajectories=trajs, learner={"per_trajectory": {}})
+    assert tok.calls == 0 and not (tmp_path / "off" / "samples.jsonl").exists()
+
+
+def test_learner_step_returns_per_trajectory_gate_statistics():
+    rng = random.Random(0)
+    trajs = [random_trajectory(rng, 40) for _ in range(5)]
+    learner = Learner(tiny_causal_lm(40, seed=1), LearnerSettings(delta=3e-3, lr=1e-3), pad_token_id=0)
+    metrics = learner.step(trajs)
+    per = metrics["per_trajectory"]
+    assert set(per) == {"sequence_kl", "admitted", "retained"}
+    assert all(len(v) == 5 for v in per.values())
+    assert metrics["acceptance_rate"] == pytest.approx(sum(a > 0.5 for a in per["admitted"]) / 5)
+    assert metrics["sequence_kl_mean"] == pytest.approx(sum(per["sequence_kl"]) / 5)
+
+
+# ---------------------------------------------------------------------------------------- zero-signal warning
+
+
+def test_zero_signal_watch_warns_once_with_the_common_failure_kind_and_a_sample():
+    batch = [episode("what is 2+2?", [("I think so", "")], info={"failure_kind": "no_answer"}, prompt_id=i)
+             for i in range(4)]
+    batch[0].info["failure_kind"] = "wrong_answer"
+    watch = ZeroSignalWatch(3, TOK)
+    assert watch.observe(1, batch) is None and watch.observe(2, batch) is None
+    text = watch.observe(3, batch)
+    assert "first 3 updates" in text and "every reward was 0" in text
+    assert "no_answer (9 of 12 failed trajectories)" in text
+    assert "what is 2+2?" in text and "I think so" in text
+    assert watch.observe(4, batch) is None  # once
+
+
+def test_zero_signal_watch_is_silent_when_any_early_update_has_signal_or_on_resume():
+    zero = [episode("q", [("a", "")], prompt_id=i) for i in range(3)]
+    mixed = zero[:2] + [episode("q", [("a", "")], reward=1.0, prompt_id=2)]
+    watch = ZeroSignalWatch(3, TOK)
+    assert watch.observe(1, zero) is None and watch.observe(2, mixed) is None and watch.observe(3, zero) is None
+    assert not watch.fired
+    resumed = ZeroSignalWatch(2, TOK, initial_step=40)
+    assert resumed.observe(41, zero) is None and resumed.observe(42, zero) is None
+
+
+def test_reward_signal_is_taken_within_prompt_groups_when_there_are_groups():
+    # GRPO: two prompts, four samples each; rewards differ between the prompts but not within them.
+    groups = [episode("q", [("a", "")], reward=float(p), prompt_id=p) for p in (0, 1) for _ in range(4)]
+    assert not has_reward_signal(groups)
+    groups[0].reward = 0.5
+    assert has_reward_signal(groups)
+    singles = [episode("q", [("a", "")], reward=float(i), prompt_id=i) for i in range(3)]
+    assert has_reward_signal(singles) and not has_reward_signal(singles[:1])
+
+
+# ---------------------------------------------------------------------------------------- trackers
+
+
+def test_flat_scalars_flattens_dicts_and_drops_text():
+    assert flat_scalars({"a": 1, "ok": True, "name": "x", "kinds": {"no_answer": 3}, "none": None}) == \
+        {"a": 1.0, "ok": 1.0, "kinds/no_answer": 3.0}
+
+
+def test_trackers_are_off_by_default_and_on_other_ranks(tmp_path):
+    flags = resolve({}).flags
+    assert open_sinks(flags, tmp_path) == []
+    flags = dict(flags, **{"logger.tensorboard.dir": str(tmp_path / "tb")})
+    assert open_sinks(flags, tmp_path, rank=1) == [] and not (tmp_path / "tb").exists()
+
+
+def test_a_missing_tracker_package_is_a_config_error_naming_the_install_line(monkeypatch):
+    import importlib.util
+
+    from flashreinforce.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb")
+                        else real(name, *a))
+    with pytest.raises(ConfigError, match=r"--logger.tensorboard.dir needs the tensorboard package.*"
+                                          r"pip install 'flashreinforce\[tensorboard\]'"):
+        resolve({"logger.tensorboard.dir": "tb"})
+    with pytest.raises(ConfigError, match=r"--logger.wandb.project needs the wandb package.*flashreinforce\[wandb\]"):
+        resolve({"logger.wandb.project": "p"})
+    with pytest.raises(ImportError, match="flashreinforce\\[tensorboard\\]"):
+        TensorBoardSink("tb")
+
+
+def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'flashreinforce[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    flags = dict(resolve({}).flags, **{"logger.tensorboard.dir": str(tmp_path / "tb")})
+    trajs = [episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")], info={"failure_kind": "wrong_answer"})]
+    records = [record_of(trajs, step) for step in (1, 2, 3)]
+    records[1].update(eval_reward_mean=0.25)
+    (sink,) = open_sinks(flags, tmp_path)
+    for r in records:
+        sink.log(r["step"], r)
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    expected = {k for k, v in records[0].items() if isinstance(v, (int, float)) and k != "step"}
+    assert expected | {"failure_kinds/wrong_answer", "eval_reward_mean"} <= tags
+    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.5), (2, 0.5), (3, 0.5)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval_reward_mean")] == [(2, 0.25)]
+    # a resumed run from step 2 drops the earlier session's step 3 and logs it again
+    (sink,) = open_sinks(flags, tmp_path, initial_step=2, resume=True)
+    sink.log(3, dict(records[2], reward_mean=0.75))
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.5), (2, 0.5), (3, 0.75)]
+
+
+class _FakeRun:
+    def __init__(self, **kwargs):
+        self.init, self.logged, self.metrics, self.finished = kwargs, [], [], None
+
+    def define_metric(self, name, step_metric=None):
+        self.metrics.append((name, step_metric))
+
+    def log(self, data):
+        self.logged.append(data)
+
+    def finish(self, exit_code=0):
+        self.finished = exit_code
+
+
+def test_wandb_sink_logs_the_record_keys_against_the_step_and_resumes_the_same_run(tmp_path, monkeypatch):
+    runs = []
+    fake = types.SimpleNamespace(init=lambda **kw: runs.append(_FakeRun(**kw)) or runs[-1])
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr("flashreinforce.trainer.loggers._require", lambda *a: None)
+    sink = WandbSink("proj", out=tmp_path, run_name=None, config={"seed": 3})
+    rec = record_of([episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")])], step=7)
+    sink.log(7, rec)
+    sink.close("interrupted")
+    run = runs[0]
+    assert run.init["project"] == "proj" and run.init["name"] == tmp_path.name and run.init["dir"] == str(tmp_path)
+    assert run.init["config"] == {"seed": 3} and ("*", "step") in run.metrics
+    assert run.logged[0]["step"] == 7.0 and run.logged[0]["reward_mean"] == 0.5
+    assert run.logged[0]["failure_kinds/unspecified"] == 1.0 and run.finished == 1
+    WandbSink("proj", out=tmp_path, resume=True)
+    assert runs[1].init["id"] == run.init["id"] == (tmp_path / "wandb_run_id").read_text().strip()
+    WandbSink("proj", out=tmp_path, resume=False)
+    assert runs[2].init["id"] != run.init["id"]
+
+
+def test_wandb_offline_run_is_written_without_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install 'flashreinforce[wandb]')")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = WandbSink("flashreinforce-test", out=tmp_path, run_name="offline")
+    sink.log(1, record_of([episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")])]))
+    sink.close()
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+# ---------------------------------------------------------------------------------------- summary.json
+
+
+def test_config_hash_depends_on_what_the_run_computes_only():
+    base = resolve({"seed": 1, "rollout.batch_size": 8, "train.batch_size": 8}).to_json()
+    moved = resolve({"seed": 1, "rollout.batch_size": 8, "train.batch_size": 8, "output": "/elsewhere",
+                     "logger.log_samples_steps": 0, "ckpt.save_steps": 3}).to_json()
+    other = resolve({"seed": 2, "rollout.batch_size": 8, "train.batch_size": 8}).to_json()
+    assert config_hash(base) == config_hash(moved) != config_hash(other)
+    assert len(config_hash(base)) == 16
+
+
+def test_run_summary_has_final_and_best_eval_and_keeps_sessions_on_resume(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": s / 10}) + "\n"
+                                                    for s in range(1, 9)))
+    evals = [{"step": 0, "eval_reward_mean": 0.1}, {"step": 4, "eval_reward_mean": 0.7},
+             {"step": 8, "eval_reward_mean": 0.5, "eval_success_rate": 0.5}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    cfg = resolve({"seed": 1}).to_json()
+    common = dict(config=cfg, max_steps=10, training_wall_s=12.5, checkpoints_dir=tmp_path / "checkpoints")
+    write_run_summary(tmp_path, status="interrupted", step=8, policy_version=8, session_started=0.0, resumed=False,
+                      checkpoint=tmp_path / "checkpoints" / "step_00000008", export_dir=None, **common)
+    first = json.loads((tmp_path / "summary.json").read_text())
+    assert first["status"] == "interrupted" and first["exported_model"] is None
+    assert first["best_eval"]["step"] == 4 and first["final_eval"] == {"step": 8, "eval_reward_mean": 0.5,
+                                                                       "eval_success_rate": 0.5,
+                                                                       "eval_trajectories": None}
+    assert first["reward_first"] == pytest.approx(0.15) and first["reward_last"] == pytest.approx(0.75)
+    assert first["versions"]["torch"] and first["config_hash"] == config_hash(cfg)
+    assert first["latest_checkpoint"].endswith("step_00000008") and len(first["sessions"]) == 1
+    write_run_summary(tmp_path, status="completed", step=10, policy_version=10, session_started=1.0, resumed=True,
+                      checkpoint=tmp_path / "checkpoints" / "step_00000010", export_dir=tmp_path / "hf", **common)
+    second = json.loads((tmp_path / "summary.json").read_text())
+    assert second["status"] == "completed" and second["exported_model"] == str(tmp_path / "hf")
+    assert [s["status"] for s in second["sessions"]] == ["interrupted", "completed"]
+    assert not second["config_changed_on_resume"]
+    write_run_summary(tmp_path, status="completed", step=10, policy_version=10, session_started=2.0, resumed=False,
+                      checkpoint=None, export_dir=None, **common)
+    assert len(json.loads((tmp_path / "summary.json").read_text())["sessions"]) == 1  # a new run starts over
