@@ -21,6 +21,7 @@ RULES = {
     "flashreinforce.trainer": ["transformers", "ray", "vllm", "flashreinforce.distributed", "flashreinforce.cli"],
     "flashreinforce.experiments": ["torch", "flashreinforce.trainer"],
     "flashreinforce.cli": ["torch", "transformers", "flashreinforce.trainer"],
+    "flashreinforce.analysis": ["torch", "matplotlib", "flashreinforce.trainer", "flashreinforce.config"],
 }
 
 

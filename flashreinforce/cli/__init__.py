@@ -18,6 +18,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flashreinforce.cli.train:train", "train a policy with asynchronous FlashREINFORCE"),
     "eval": ("flashreinforce.cli.eval:eval_command", "score a model or a run's newest checkpoint on held-out prompts"),
+    "plot": ("flashreinforce.cli.plot:plot", "draw the training curves of one or more runs into a PNG"),
 }
 
 

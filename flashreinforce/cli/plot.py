@@ -1,0 +1,68 @@
+"""``flashreinforce plot``: the curves of one or more runs in one PNG.
+
+``flashreinforce plot RUN_DIR [RUN_DIR ...] --output FILE.png [--labels L ...] [--x step|wall]
+[--smooth N] [--size W H] [--dpi D] [--title T]``. Exit status 0 when the file was written, 2 for a
+bad argument, a directory that is not a run, or matplotlib missing (the message names the install
+line). The panels are listed in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+__all__ = ["plot"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashreinforce plot", description="Draw the training curves of runs (one "
+                                "colour each) into one PNG: reward, success, eval, trust gate, lag, throughput.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (flashreinforce train --output)")
+    p.add_argument("--output", "-o", required=True, help="PNG file to write")
+    p.add_argument("--labels", nargs="+", help="legend labels, one per run (default: the directory names)")
+    p.add_argument("--x", choices=("step", "wall"), default="step",
+                   help="x axis: update number, or training wall-clock seconds (default step)")
+    p.add_argument("--smooth", type=int, default=1, help="moving average over N updates (default 1: none)")
+    p.add_argument("--size", type=float, nargs=2, default=(15.0, 10.0), metavar=("W", "H"),
+                   help="figure size in inches (default 15 10)")
+    p.add_argument("--dpi", type=int, default=100, help="pixels per inch (default 100: 1500x1000 pixels)")
+    p.add_argument("--title", help="figure title")
+    return p
+
+
+def plot(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+
+    def fail(message: str) -> int:
+        print(f"flashreinforce plot: error: {message}", file=sys.stderr)
+        return 2
+
+    from flashreinforce.analysis import default_labels, load_run, plot_runs, require_matplotlib
+
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        return fail(f"--labels has {len(args.labels)} labels for {len(args.runs)} runs")
+    if args.smooth < 1:
+        return fail(f"--smooth must be >= 1, got {args.smooth}")
+    if not (args.size[0] > 0 and args.size[1] > 0) or args.dpi <= 0:
+        return fail(f"--size and --dpi must be positive, got {list(args.size)} and {args.dpi}")
+    if not args.output.lower().endswith(".png"):
+        return fail(f"--output {args.output!r}: only PNG files are written (name it FILE.png)")
+    try:
+        require_matplotlib()
+    except ImportError as err:
+        return fail(str(err))
+    labels = args.labels or default_labels(args.runs)
+    try:
+        runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
+    except FileNotFoundError as err:
+        return fail(str(err))
+    for run in runs:
+        if not run.metrics:
+            print(f"flashreinforce plot: warning: {run.path}: metrics.jsonl has no update yet", file=sys.stderr)
+    path = plot_runs(runs, args.output, x=args.x, smooth=args.smooth, size=tuple(args.size), dpi=args.dpi,
+                     title=args.title)
+    width, height = round(args.size[0] * args.dpi), round(args.size[1] * args.dpi)
+    print(f"wrote {path} ({width}x{height} px; {len(runs)} run{'s' if len(runs) != 1 else ''}: "
+          f"{', '.join(r.label for r in runs)})")
+    return 0
