@@ -127,7 +127,8 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
         "multi_version_trajectories": sum(t.policy_version_max != t.policy_version_min for t in trajs),
         "truncated_fraction": mean(float(t.truncated) for t in trajs),
         "num_turns_mean": mean(t.num_turns for t in trajs),
-        "response_tokens_mean": mean(t.num_action_tokens for t in trajs),
+        # From the learner's count: walking every action mask again cost ~90 ms per update at 128 x 8k tokens.
+        "response_tokens_mean": learner["policy_tokens"] / len(trajs) if trajs else float("nan"),
         "buffer_in_flight": buffer_stats["in_flight"],
         "worker_idle_fraction": mean(idle_frac),
         "worker_errors": sum(w["errors"] for w in worker_stats),

@@ -86,13 +86,15 @@ def _plain_info(info: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def sample_record(t: Trajectory, tokenizer, *, step: int, row: int, learner_version: int,
-                  stats: Mapping[str, float] | None = None, max_chars: int = 1000) -> dict[str, Any]:
+                  stats: Mapping[str, float] | None = None, max_chars: int = 1000,
+                  decoded: tuple[str, list[dict[str, str]]] | None = None) -> dict[str, Any]:
     """One ``samples.jsonl`` line for trajectory ``t`` (batch row ``row``) of update ``step``.
 
     ``learner_version``: the policy version the batch was trained against (for the lag);
-    ``stats``: the learner's per-trajectory statistics of this row (``admitted`` becomes a bool).
+    ``stats``: the learner's per-trajectory statistics of this row (``admitted`` becomes a bool);
+    ``decoded``: :func:`decode_turns` of ``t`` when already done.
     """
-    prompt, turns = decode_turns(t, tokenizer)
+    prompt, turns = decoded if decoded is not None else decode_turns(t, tokenizer)
     record: dict[str, Any] = {
         "step": step, "row": row, "prompt_id": t.prompt_id, "seed": t.seed, "sample_index": t.sample_index,
         "prompt": clip_text(prompt, max_chars),
@@ -168,10 +170,11 @@ class SampleLog:
         for row in pick_rows(trajs, per_trajectory, self.per_update):
             stats = {name: values[row] for name, values in per_trajectory.items() if row < len(values)}
             line = None
+            decoded = decode_turns(trajs[row], self.tokenizer)
             # Long multi-turn episodes: try shorter texts before leaving the sample out.
             for chars in (self.max_chars, min(self.max_chars, 200), 40):
                 record = sample_record(trajs[row], self.tokenizer, step=step, row=row, learner_version=learner_version,
-                                       stats=stats, max_chars=chars)
+                                       stats=stats, max_chars=chars, decoded=decoded)
                 text = json.dumps(record, ensure_ascii=False) + "\n"
                 if len(text.encode()) <= budget:
                     line = text

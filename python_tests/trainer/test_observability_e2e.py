@@ -4,8 +4,10 @@ summary.json across a resume, and the warning about updates that cannot learn.""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,41 +41,58 @@ def lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_toy_run_writes_samples_tensorboard_and_a_summary_that_resume_continues(tmp_path):
+def test_samples_tensorboard_and_summary_across_ctrl_c_and_resume(tmp_path):
     out = tmp_path / "run"
-    first = train(*SMALL, "--output", str(out), "--train.max_steps", "8", "--ckpt.save_steps", "4", "--eval.steps", "4",
-                  "--logger.log_samples_steps", "2", "--logger.log_samples_num", "3",
-                  *(["--logger.tensorboard.dir", str(out / "tb")] if _has("tensorboard") else []))
-    assert first.returncode == 0, first.stderr[-3000:]
+    reporting = ["--logger.log_samples_steps", "2", "--logger.log_samples_num", "3", "--eval.steps", "4",
+                 "--ckpt.save_steps", "0", *(["--logger.tensorboard.dir", str(out / "tb")] if _has("tensorboard") else [])]
+    proc = subprocess.Popen([sys.executable, "-m", "flashreinforce.cli", "train", *SMALL, "--output", str(out),
+                             "--train.max_steps", "100000", *reporting], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            f = out / "metrics.jsonl"
+            if f.is_file() and len(f.read_text().splitlines()) >= 6:
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    stopped = lines(out / "metrics.jsonl")[-1]["step"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] == stopped and summary["exported_model"] is None
+    assert summary["latest_checkpoint"].endswith(f"step_{stopped:08d}")
     samples = lines(out / "samples.jsonl")
-    assert sorted({s["step"] for s in samples}) == [2, 4, 6, 8] and len(samples) == 12
+    assert sorted({s["step"] for s in samples}) == list(range(2, stopped + 1, 2)) and len(samples) == 3 * (stopped // 2)
     for s in samples:
         assert s["prompt"].startswith("say ") and len(s["turns"]) == 1 and len(s["turns"][0]["action"]) == 1
         assert s["reward"] in (0.0, 1.0) and s["failed"] == (s["reward"] == 0.0)
         assert isinstance(s["admitted"], bool) and s["sequence_kl"] >= 0 and s["policy_lag"] >= 0
         assert (s["failure_kind"] in ("wrong_answer", "invalid_answer")) == s["failed"]
-    assert "sample at update 2:" in first.stderr
-    metrics = lines(out / "metrics.jsonl")
-    assert all(sum(m["failure_kinds"].values()) == round((1 - m["success_rate"]) * 16) for m in metrics)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["step"] == 8 and summary["exported_model"] == str(out / "hf")
-    assert summary["final_eval"]["step"] == 8 and summary["latest_checkpoint"].endswith("step_00000008")
-    assert json.loads(first.stdout.strip().splitlines()[-1])["summary_file"] == str(out / "summary.json")
+    assert "sample at update 2:" in stderr
+    assert all(sum(m["failure_kinds"].values()) == round((1 - m["success_rate"]) * 16) for m in lines(out / "metrics.jsonl"))
 
-    second = train(*SMALL, "--output", str(out), "--train.max_steps", "12", "--ckpt.save_steps", "4",
-                   "--eval.steps", "4", "--logger.log_samples_steps", "2", "--logger.log_samples_num", "3", "--resume",
-                   *(["--logger.tensorboard.dir", str(out / "tb")] if _has("tensorboard") else []))
-    assert second.returncode == 0, second.stderr[-3000:]
+    final = stopped + 4
+    resumed = train(*SMALL, "--output", str(out), "--train.max_steps", str(final), "--resume", *reporting)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["step"] == 12 and [s["last_step"] for s in summary["sessions"]] == [8, 12]
-    assert [s["step"] for s in lines(out / "samples.jsonl")] == [s for s in (2, 4, 6, 8, 10, 12) for _ in range(3)]
+    assert summary["status"] == "completed" and summary["step"] == final
+    assert summary["exported_model"] == str(out / "hf") and summary["latest_checkpoint"].endswith(f"step_{final:08d}")
+    assert [(s["status"], s["last_step"]) for s in summary["sessions"]] == [("interrupted", stopped), ("completed", final)]
+    assert summary["final_eval"]["step"] == max(s for s in range(4, final + 1, 4))
+    assert json.loads(resumed.stdout.strip().splitlines()[-1])["summary_file"] == str(out / "summary.json")
+    steps = [s["step"] for s in lines(out / "samples.jsonl")]
+    assert steps == sorted(steps) and set(steps) == set(range(2, final + 1, 2))  # nothing duplicated by the resume
     if _has("tensorboard"):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
         acc = EventAccumulator(str(out / "tb"))
         acc.Reload()
-        assert [e.step for e in acc.Scalars("reward_mean")] == list(range(1, 13))
-        assert [e.step for e in acc.Scalars("eval_reward_mean")] == [4, 8, 12]
+        assert [e.step for e in acc.Scalars("reward_mean")] == list(range(1, final + 1))
+        assert [e.step for e in acc.Scalars("eval_reward_mean")] == list(range(4, final + 1, 4))
 
 
 @pytest.mark.slow
