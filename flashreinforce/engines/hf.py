@@ -1,10 +1,18 @@
 """A local rollout engine on a Hugging Face causal LM (CPU or GPU), with a KV cache.
 
-Requests of one :meth:`HFEngine.generate` call are sampled together (left padding, one forward
-per new token). Each request has its own random generator seeded by ``request.seed``, so a
-continuation does not depend on which other requests share its batch. The recorded log-probability
+Requests of one :meth:`HFEngine.generate` call are sampled together (one forward per new token).
+Each request has its own random generator seeded by ``request.seed``, so a continuation does not
+depend on which other requests share its batch (up to float rounding). The recorded log-probability
 of a sampled token is taken from the processed distribution it was drawn from (see
 :func:`sampling_log_probs`), never recomputed.
+
+Shared prompt prefix: requests of one call usually start with the same tokens (a chat template's
+system prompt and instruction; for a group of samples, the whole prompt). The longest common
+prefix, when it has at least ``min_shared_prefix`` tokens, is run once with batch 1 and its KV
+cache repeated for every request; the rest of each prompt follows with padding between prefix and
+suffix (masked, positions counted without it). On a CPU, where the prefill is compute-bound, this
+removes most of the prompt work: for the arith preset (prompts of ~47 tokens, 35 shared) the
+prefill of 32 requests does about a third of the work.
 """
 
 from __future__ import annotations
@@ -62,11 +70,15 @@ class HFEngine(RolloutEngine):
 
     Args:
         model: the engine's own copy of the policy (weights are replaced by :meth:`load_weights`).
-        pad_token_id: id used for left padding (never attended to).
+        pad_token_id: id used for padding (never attended to).
         version: the version of the weights ``model`` holds now.
+        min_shared_prefix: run a common prompt prefix of at least this many tokens once per call
+            (0: never; see the module docstring).
     """
 
-    def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1) -> None:
+    def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1,
+                 min_shared_prefix: int = 8) -> None:
+        self.min_shared_prefix = int(min_shared_prefix)
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -91,6 +103,25 @@ class HFEngine(RolloutEngine):
             return {n for n, _ in self.model.named_parameters(remove_duplicate=False) if n.startswith("lm_head")}
         return set()
 
+    def _shared_prefix(self, prompts: list[list[int]]) -> int:
+        """Tokens at the start of every prompt to run once (0 when fewer than ``min_shared_prefix``).
+
+        At least one token of every prompt is left out of it, so each request has a suffix whose
+        last position gives its first logits.
+        """
+        if self.min_shared_prefix <= 0 or len(prompts) < 2:
+            return 0
+        first = prompts[0]
+        n = min(len(p) for p in prompts) - 1
+        for p in prompts[1:]:
+            k = 0
+            while k < n and p[k] == first[k]:
+                k += 1
+            n = k
+            if n < self.min_shared_prefix:
+                return 0
+        return n
+
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache) -> Tensor:
         kwargs = {self._cache_kw: cache, "use_cache": True, "attention_mask": mask, "position_ids": pos}
         if self._keep_kw:
@@ -107,15 +138,19 @@ class HFEngine(RolloutEngine):
             if r.max_new_tokens <= 0:
                 raise ValueError(f"generate: requests[{i}].max_new_tokens must be positive, got {r.max_new_tokens}")
         b = len(requests)
-        lengths = [len(r.token_ids) for r in requests]
+        prompts = [list(r.token_ids) for r in requests]
+        shared = self._shared_prefix(prompts)
+        lengths = [len(p) - shared for p in prompts]
         width = max(lengths)
         ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, width - lengths[i]:] = torch.as_tensor(list(r.token_ids), dtype=torch.long)
-            mask[i, width - lengths[i]:] = 1
+        mask = torch.zeros((b, shared + width), dtype=torch.long)
+        mask[:, :shared] = 1
+        for i, p in enumerate(prompts):
+            ids[i, width - lengths[i]:] = torch.as_tensor(p[shared:], dtype=torch.long)
+            mask[i, shared + width - lengths[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Positions count real tokens only, so padding between the prefix and a suffix is invisible.
+        pos = ((mask.cumsum(-1) - 1).clamp(min=0))[:, shared:]
         gens = [torch.Generator().manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in requests]
         limits = [r.max_new_tokens for r in requests]
         stop = set(int(s) for s in params.stop_token_ids)
@@ -124,6 +159,11 @@ class HFEngine(RolloutEngine):
         reasons: list[str | None] = [None] * b
 
         cache = _make_cache(self.model)
+        if shared:
+            prefix = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=self.device).view(1, shared)
+            one = torch.ones((1, shared), dtype=torch.long, device=self.device)
+            self._forward(prefix, one, (one.cumsum(-1) - 1), cache)
+            cache.batch_repeat_interleave(b)
         logits = self._forward(ids, mask, pos, cache)
         for step in range(max(limits)):
             logp = sampling_log_probs(logits, params).cpu()
