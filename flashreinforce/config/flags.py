@@ -48,8 +48,9 @@ def _f(name, type_, default, help_, choices=None) -> Flag:
 #: Every flag ``flashreinforce train`` accepts (besides --preset/--env/--model/--output/--resume/...).
 FLAGS: tuple[Flag, ...] = (
     # actor: optimizer, loss and model
-    _f("actor.model_name_or_path", "str", None, "policy model: a local Hugging Face checkpoint directory, a model "
-       "config JSON, or a built-in tiny config name (tiny-qwen2); alias --model"),
+    _f("actor.model_name_or_path", "str", None, "policy model: a local Hugging Face checkpoint directory, a .gguf "
+       "file, the alias smollm2-135m-instruct, a run directory (its newest checkpoint), a model config JSON, or a "
+       "built-in tiny config name (tiny-qwen2); alias --model"),
     _f("actor.loss_mode", "str", "flash_reinforce", "flash_reinforce (the fused loss) or ppo (GRPO comparison)",
        ("flash_reinforce", "ppo")),
     # 1e-3 is the published runs' shared value (the settings' common flags), which a trainer launched
