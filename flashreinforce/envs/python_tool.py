@@ -108,7 +108,13 @@ class PythonToolEnv(TaskEnvironment):
         tasks: optional list of :class:`Task`; as in ``MathEnv``.
         max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 10.
         sandbox: the :class:`Sandbox` running the code; default ``Sandbox(timeout_s=10,
-            memory_mb=1024, output_limit_bytes=4096)``.
+            memory_mb=1024, output_limit_bytes=4096)`` with ``sandbox_options`` applied.
+        sandbox_options: keyword arguments for the default sandbox (JSON-friendly, so settable
+            from ``--env.kwargs``), e.g. ``{"timeout_s": 5, "min_isolation": "full"}``.
+        allow_weak_isolation: run the tool code even where the machine's isolation is below
+            the sandbox's ``min_isolation`` (default ``'filesystem'``); without it, building
+            the environment raises :class:`~flashreinforce.envs.sandbox.IsolationError` there.
+            The level in force is ``env.sandbox.isolation`` (see docs/sandbox.md).
         grader: the :class:`MathGrader` for the final answer; default ``shared_grader(timeout_s)``.
         timeout_s: time limit on grading the final answer, in seconds.
         system_prompt: instructions on the protocol. For a text prompt it is put before the
@@ -123,7 +129,8 @@ class PythonToolEnv(TaskEnvironment):
                  sandbox: Sandbox | None = None, grader: MathGrader | None = None, timeout_s: float = 5.0,
                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
                  observation_template: str = "\n<output>\n{observation}\n</output>\n",
-                 apply_chat_template: ChatTemplate | None = None) -> None:
+                 apply_chat_template: ChatTemplate | None = None, sandbox_options: dict | None = None,
+                 allow_weak_isolation: bool = False) -> None:
         super().__init__(tasks, apply_chat_template=apply_chat_template)
         require_math_verify("PythonToolEnv")
         if max_turns is None:
@@ -132,12 +139,22 @@ class PythonToolEnv(TaskEnvironment):
             raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
         if sandbox is not None and not isinstance(sandbox, Sandbox):
             raise TypeError(f"sandbox must be a Sandbox, got {type(sandbox).__name__}")
+        if sandbox is not None and (sandbox_options or allow_weak_isolation):
+            raise ValueError("sandbox_options and allow_weak_isolation configure the default sandbox; "
+                             "with sandbox=..., set them on that Sandbox instead")
+        if sandbox_options is not None and not isinstance(sandbox_options, dict):
+            raise TypeError(f"sandbox_options must be a dict, got {type(sandbox_options).__name__}")
         if "{observation}" not in observation_template:
             raise ValueError("observation_template must contain '{observation}'")
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise TypeError("system_prompt must be str or None")
         self.max_turns = max_turns
-        self.sandbox = sandbox if sandbox is not None else Sandbox(timeout_s=10.0)
+        if sandbox is None:
+            options = {"timeout_s": 10.0, **(sandbox_options or {})}
+            if allow_weak_isolation:
+                options["allow_weak_isolation"] = True
+            sandbox = Sandbox(**options)
+        self.sandbox = sandbox
         self.grader = grader if grader is not None else shared_grader(timeout_s)
         self.system_prompt = system_prompt
         self.observation_template = observation_template

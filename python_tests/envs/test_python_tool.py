@@ -140,3 +140,21 @@ def test_turn_limit_after_a_failing_tool_names_the_tool(grader):
     env.reset(seed=0)
     env.step("<code>while True: pass</code>")
     assert env.step("```python\nprint(6)\n```").info["failure_kind"] == "tool_timeout"
+
+
+def test_sandbox_isolation_options_are_plain_kwargs(grader):
+    # --env.kwargs is JSON, so the sandbox's options and the opt-in to weaker isolation are plain values.
+    from flashreinforce.envs.sandbox import IsolationError
+
+    weak = {"landlock": False, "namespaces": False}  # seccomp only: below the default minimum
+    with pytest.raises(IsolationError, match="allow_weak_isolation"):
+        PythonToolEnv([Task("q", "42")], grader=grader, sandbox_options=weak)
+    env = PythonToolEnv([Task("q", "42")], grader=grader, sandbox_options={**weak, "timeout_s": 2},
+                        allow_weak_isolation=True)
+    assert env.sandbox.isolation.level == "seccomp" and env.sandbox.timeout_s == 2.0
+    env.reset(seed=0)
+    assert env.step("```python\nprint(6 * 7)\n```").observation == "\n<output>\n42\n</output>\n"
+    with pytest.raises(ValueError, match="sandbox_options"):
+        PythonToolEnv([Task("q", "1")], grader=grader, sandbox=Sandbox(timeout_s=1.0), allow_weak_isolation=True)
+    with pytest.raises(TypeError, match="bogus"):
+        PythonToolEnv([Task("q", "1")], grader=grader, sandbox_options={"bogus": 1})
