@@ -27,8 +27,8 @@ __all__ = ["SUMMARY_FILE", "config_hash", "read_jsonl", "software_versions", "wr
 
 SUMMARY_FILE = "summary.json"
 
-#: ResolvedConfig.to_json() keys that say where and how fast a run goes, not what it computes.
-_NOT_HASHED = ("output", "resume", "device", "torch_threads", "explicit_flags", "inactive", "warnings")
+#: ResolvedConfig.to_json() keys that define what a run computes (not where or how fast it goes).
+_HASHED = ("flags", "preset", "env_kwargs", "tokenizer", "seed")
 #: Flags that only move outputs or change reporting.
 _NOT_HASHED_FLAG_PREFIXES = ("logger.", "ckpt.path", "ckpt.output_dir", "ckpt.save_steps", "ckpt.max_ckpt_num")
 
@@ -37,7 +37,7 @@ def config_hash(config: Mapping[str, Any]) -> str:
     """First 16 hex digits of the SHA-256 of the run-defining part of ``config`` (a
     ``ResolvedConfig.to_json()`` dict): flags (not output paths, checkpoint cadence or logging),
     preset, environment arguments, tokenizer, seed."""
-    defining = {k: v for k, v in config.items() if k not in _NOT_HASHED}
+    defining = {k: config.get(k) for k in _HASHED}
     flags = defining.get("flags")
     if isinstance(flags, Mapping):
         defining["flags"] = {k: v for k, v in flags.items() if not k.startswith(_NOT_HASHED_FLAG_PREFIXES)}

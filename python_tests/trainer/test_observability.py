@@ -321,6 +321,8 @@ def test_config_hash_depends_on_what_the_run_computes_only():
                      "logger.log_samples_steps": 0, "ckpt.save_steps": 3}).to_json()
     other = resolve({"seed": 2, "rollout.batch_size": 8, "train.batch_size": 8}).to_json()
     assert config_hash(base) == config_hash(moved) != config_hash(other)
+    # options that only say how a session runs, present or future, leave the hash alone
+    assert config_hash({**base, "overwrite": True, "device": "cuda:1"}) == config_hash(base)
     assert len(config_hash(base)) == 16
 
 
