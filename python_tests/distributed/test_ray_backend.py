@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
-from flashreinforce.distributed.ray import OwnedBuffer, RayRollout, StaleIncarnation, WorkerRecipe
+from flashreinforce.distributed.ray import (ActorClient, ActorGone, OwnedBuffer, RayRollout, StaleIncarnation,
+                                           WorkerRecipe)
 from flashreinforce.engines import SamplingParams
 from flashreinforce.trainer.rollout import RolloutSettings, fair_share
 from flashreinforce.models.tokenizers import load_tokenizer
@@ -219,3 +220,29 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
         assert taken.count(pid_) == 1, pid_
     assert workers_after == {0}  # the restarted worker produces trajectories again
     assert worker_stats[0]["restarts"] == 1 and worker_stats[0]["episodes"] > 0
+
+
+class SleeperClient(ActorClient):
+    remote_methods = frozenset(("sleep", "pid"))
+    actor_name = "test actor"
+
+
+class Sleeper:
+    def sleep(self, s: float) -> float:
+        time.sleep(s)
+        return s
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.slow
+def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instance):
+    handle = ray_instance.remote(Sleeper).options(num_cpus=0, max_restarts=0).remote()
+    c = SleeperClient(handle, call_timeout_s=1.0)
+    assert c.call("sleep", 0.0, timeout=120.0) == 0.0  # the actor is up (starting it may take a while)
+    with pytest.raises(ActorGone, match=r"the test actor did not answer sleep within 1 s"):
+        c.sleep(30.0)
+    ray_instance.kill(handle, no_restart=True)
+    with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)"):
+        c.call("pid", timeout=60.0)

@@ -174,3 +174,70 @@ def test_joins_a_running_cluster_and_leaves_it_running(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGKILL)  # the cluster this test started (its own process group)
         head.wait(30)
+
+
+def start_head(port: int, cluster_env: dict[str, str]) -> subprocess.Popen:
+    """``ray start --head`` in its own process group, once it answers."""
+    head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+                             "--block"], env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    probe = f"import ray; ray.init(address='127.0.0.1:{port}'); ray.shutdown()"
+    deadline = time.monotonic() + 120
+    while True:
+        up = subprocess.run([sys.executable, "-c", probe], env=cluster_env, capture_output=True, text=True,
+                            timeout=120)
+        if up.returncode == 0:
+            return head
+        if time.monotonic() > deadline or head.poll() is not None:
+            os.killpg(head.pid, signal.SIGKILL)
+            raise AssertionError(up.stderr[-3000:])
+        time.sleep(1.0)
+
+
+@pytest.mark.slow
+def test_an_address_where_no_cluster_answers_is_an_error_in_seconds(tmp_path):
+    port = free_port()  # nothing listens there (ray.init alone would retry for minutes)
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--rollout.backend", "ray",
+           "--ray.address", f"127.0.0.1:{port}", "--output", str(tmp_path / "none"), "--train.max_steps", "5",
+           "--eval.eval_at_start", "false", "--no_progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert f"--ray.address 127.0.0.1:{port}: no Ray cluster answers at 127.0.0.1:{port}" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_cluster_that_disappears_mid_run_ends_the_run_with_a_message(tmp_path):
+    port = free_port()
+    cluster_env = env(RAY_AUTH_MODE="token")
+    head = start_head(port, cluster_env)
+    out = tmp_path / "gone"
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--rollout.backend", "ray",
+           "--ray.address", f"127.0.0.1:{port}", "--output", str(out), "--train.max_steps", "100000",
+           "--eval.eval_at_start", "false", "--eval.steps", "0", "--ckpt.save_steps", "0", "--no_progress"]
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as err:
+        trainer = subprocess.Popen(cmd, cwd=ROOT, env=cluster_env, stdout=subprocess.DEVNULL, stderr=err,
+                                   start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not ((out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert trainer.poll() is None, err_file.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        os.killpg(head.pid, signal.SIGKILL)  # the whole cluster (one head node) goes away
+        head.wait(30)
+        try:  # bounded: a hang here is the failure this test is about
+            code = trainer.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the trainer still runs 180 s after its Ray cluster went away")
+        time.sleep(1.0)  # the message comes from a helper process, just after the trainer ends
+        text = err_file.read_text()
+        assert code != 0
+        assert f"ended without closing its Ray connection to 127.0.0.1:{port}" in text, text[-3000:]
+        assert "--resume" in text
+    finally:
+        for proc in (trainer, head):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)

@@ -80,6 +80,8 @@ class RayRolloutBackend(RolloutBackend):
         self.max_restarts = int(max_restarts)
         self.poll_s = poll_s
         self.placement_timeout_s = placement_timeout_s
+        self.revive_report_after_s = REVIVE_REPORT_AFTER_S
+        self.revive_report_every_s = REVIVE_REPORT_EVERY_S
         self.actors: list = []
         self.locations: list[dict[str, Any]] = []  # per worker: pid, device, node, ip (updated on restart)
         self._runs: list = []
@@ -294,8 +296,8 @@ class RayRolloutBackend(RolloutBackend):
     def _report_waiting(self) -> None:
         """One log line a minute per worker that Ray has not brought back yet, saying what it needs."""
         now = time.monotonic()
-        waiting = [i for i, t in self._dead_since.items()
-                   if now - t >= REVIVE_REPORT_AFTER_S and now - self._reported.get(i, 0.0) >= REVIVE_REPORT_EVERY_S]
+        waiting = [i for i, t in self._dead_since.items() if now - t >= self.revive_report_after_s
+                   and now - self._reported.get(i, -float("inf")) >= self.revive_report_every_s]
         if not waiting:
             return
         nodes = import_ray().nodes()
