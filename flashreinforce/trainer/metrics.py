@@ -162,6 +162,7 @@ class MetricsLog:
         self.logging_steps = logging_steps
         self.history: list[dict[str, Any]] = []
         self.sinks = list(sinks)
+        self._failed_sinks: list[Any] = []
         self.samples = samples
         self.watch = watch
         self.console_sample_every = console_sample_every
@@ -181,8 +182,7 @@ class MetricsLog:
             fh.write(json.dumps(record) + "\n")
         self.history.append(dict(record))
         step = int(record["step"])
-        for sink in self.sinks:
-            sink.log(step, record)
+        self._to_sinks(step, record)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['acceptance_rate']:.2f}",
                              lag=f"{record['policy_lag_mean']:.1f}", refresh=False)
@@ -208,19 +208,35 @@ class MetricsLog:
 
     def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Evaluation results outside an update record (the evaluation at start) to the trackers."""
-        for sink in self.sinks:
-            sink.log(step, metrics)
+        self._to_sinks(step, metrics)
+
+    def _to_sinks(self, step: int, record: Mapping[str, Any]) -> None:
+        # metrics.jsonl is the record of the run: a tracker that fails (disk full, a W&B error) is
+        # reported once and dropped, and training goes on.
+        for sink in list(self.sinks):
+            try:
+                sink.log(step, record)
+            except Exception as err:
+                self.sinks.remove(sink)
+                self._failed_sinks.append(sink)  # still closed at the end, to release its files
+                self.note(f"flashreinforce: warning: {type(sink).__name__} failed at update {step} and is off "
+                          f"for the rest of the run ({type(err).__name__}: {err}); metrics.jsonl is unaffected")
 
     def note(self, text: str) -> None:
         """A line of text that does not break the progress bar."""
         self.bar.write(text, file=sys.stderr)
 
     def close(self, status: str = "completed") -> None:
+        """Close the display and the trackers; never raises (the run's checkpoint comes after this)."""
         self.bar.close()
         from flashreinforce.trainer.loggers import close_sinks
 
-        sinks, self.sinks = self.sinks, []
-        close_sinks(sinks, status)
+        sinks, self.sinks = self.sinks + self._failed_sinks, []
+        self._failed_sinks = []
+        try:
+            close_sinks(sinks, status)
+        except Exception as err:
+            self.note(f"flashreinforce: warning: closing a tracker failed ({type(err).__name__}: {err})")
 
 
 def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: int) -> MetricsLog:

@@ -211,6 +211,29 @@ def test_reward_signal_is_taken_within_prompt_groups_when_there_are_groups():
 # ---------------------------------------------------------------------------------------- trackers
 
 
+def test_a_failing_tracker_is_dropped_and_never_stops_the_run(tmp_path, capsys):
+    class Broken:
+        def __init__(self):
+            self.logged = 0
+
+        def log(self, step, record):
+            self.logged += 1
+            raise OSError("No space left on device")
+
+        def close(self, status="completed"):
+            raise RuntimeError("cannot close")
+
+    broken = Broken()
+    log = MetricsLog(tmp_path, total=3, initial=0, progress=False, logging_steps=100, sinks=[broken])
+    trajs = [episode("q", [("a", "")], reward=1.0)]
+    for step in (1, 2):
+        log.write(record_of(trajs, step))
+    log.close()
+    assert broken.logged == 1 and len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    err = capsys.readouterr().err
+    assert "Broken failed at update 1" in err and "No space left" in err and "cannot close" in err
+
+
 def test_flat_scalars_flattens_dicts_and_drops_text():
     assert flat_scalars({"a": 1, "ok": True, "name": "x", "kinds": {"no_answer": 3}, "none": None}) == \
         {"a": 1.0, "ok": 1.0, "kinds/no_answer": 3.0}
