@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from flashreinforce.config.rules import rule_violations
 
-__all__ = ["FLAGS", "ConfigError", "Flag", "ResolvedConfig", "build_parser", "resolve"]
+__all__ = ["FLAGS", "ConfigError", "Flag", "ResolvedConfig", "build_parser", "parse_worker_resources", "resolve"]
 
 
 class ConfigError(ValueError):
@@ -342,6 +342,35 @@ def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None) -
     return cfg
 
 
+def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> tuple[dict[str, float], ...]:
+    """``--ray.worker_resources``: ``None``, a mapping, a list of mappings, or their JSON text -> one
+    mapping (Ray resource name -> amount) per slot; worker ``i`` takes slot ``i % len``. ``CPU`` and
+    ``GPU`` are refused (they have their own flags); amounts must be positive numbers."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{flag}: not JSON ({err}): {value!r}") from None
+    slots = [value] if isinstance(value, Mapping) else value
+    if not isinstance(slots, Sequence) or not slots or not all(isinstance(x, Mapping) for x in slots):
+        raise ValueError(f"{flag} must be a JSON object of resource amounts or a non-empty list of them, got "
+                         f"{value!r}")
+    out = []
+    for slot in slots:
+        clean = {}
+        for name, amount in slot.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{flag}: give {name} with --ray.num_{name.lower()}s_per_worker, not as a custom "
+                                 "resource")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                raise ValueError(f"{flag}: resource {name!r} needs a positive amount, got {amount!r}")
+            clean[str(name)] = float(amount)
+        out.append(clean)
+    return tuple(out)
+
+
 def _check(cfg: ResolvedConfig) -> None:
     v = cfg.flags
     errors: list[str] = []
@@ -360,8 +389,6 @@ def _check(cfg: ResolvedConfig) -> None:
     if v["ray.max_restarts"] < -1:
         errors.append(f"--ray.max_restarts must be >= -1 (-1: unlimited), got {v['ray.max_restarts']}")
     if v["ray.worker_resources"] is not None:
-        from flashreinforce.distributed.ray.placement import parse_worker_resources  # no Ray import
-
         try:
             parse_worker_resources(v["ray.worker_resources"])
         except ValueError as err:

@@ -98,6 +98,24 @@ def test_worker_resources_from_flags():
         assert needle in str(info.value), (bad, str(info.value))
 
 
+def test_the_flag_is_checked_with_the_configuration_without_importing_the_backend():
+    code = ("import json, sys\n"
+            "from flashreinforce.config import ConfigError, parse_train_args\n"
+            "from flashreinforce.config.presets import PRESETS\n"
+            "base = ['--preset', 'toy', '--output', 'x', '--rollout.backend', 'ray']\n"
+            "cfg = parse_train_args(base + ['--ray.worker_resources', '[{\"node_a\": 1}, {\"node_b\": 2}]'], PRESETS)\n"
+            "assert cfg.flags['ray.worker_resources'] == [{'node_a': 1}, {'node_b': 2}]\n"
+            "try:\n"
+            "    parse_train_args(base + ['--ray.worker_resources', '{\"GPU\": 1}'], PRESETS)\n"
+            "except ConfigError as err:\n"
+            "    print(json.dumps({'error': str(err), 'modules': sorted(sys.modules)}))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "--ray.worker_resources: give GPU with --ray.num_gpus_per_worker" in got["error"]
+    assert [m for m in got["modules"] if m.startswith(("flashreinforce.distributed", "torch"))] == []
+
+
 def test_placement_options_per_worker():
     p = WorkerPlacement(num_cpus=2, num_gpus=0.5, resources=[{"node_a": 1}, {"node_b": 1}], strategy="spread")
     assert p.options(0) == {"num_cpus": 2, "num_gpus": 0.5, "resources": {"node_a": 1.0}, "scheduling_strategy": "SPREAD"}

@@ -13,43 +13,15 @@ forever), while a worker that only waits for busy resources to free up is waited
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
+
+# The flag's parser lives with the flags (the configuration checks it without importing this package).
+from flashreinforce.config.flags import parse_worker_resources
 
 __all__ = ["STRATEGIES", "WorkerPlacement", "describe_nodes", "parse_worker_resources"]
 
 STRATEGIES = ("default", "spread")
-
-
-def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> tuple[dict[str, float], ...]:
-    """``None``, a mapping, a list of mappings, or their JSON text -> one mapping per slot (name -> amount).
-
-    ``CPU`` and ``GPU`` are refused (they have their own flags); amounts must be positive numbers.
-    """
-    if value is None or value == "":
-        return ()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{flag}: not JSON ({err}): {value!r}") from None
-    slots = [value] if isinstance(value, Mapping) else value
-    if not isinstance(slots, Sequence) or not slots or not all(isinstance(s, Mapping) for s in slots):
-        raise ValueError(f"{flag} must be a JSON object of resource amounts or a non-empty list of them, got "
-                         f"{value!r}")
-    out = []
-    for slot in slots:
-        clean = {}
-        for name, amount in slot.items():
-            if name in ("CPU", "GPU"):
-                raise ValueError(f"{flag}: give {name} with --ray.num_{name.lower()}s_per_worker, not as a custom "
-                                 "resource")
-            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
-                raise ValueError(f"{flag}: resource {name!r} needs a positive amount, got {amount!r}")
-            clean[str(name)] = float(amount)
-        out.append(clean)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
