@@ -88,8 +88,8 @@ class Batch:
         self.secret = "hf_" + os.urandom(12).hex()
         self.contexts: dict[str, dict] = {}
         requests = []
-        for attack in ATTACKS:
-            directory = os.path.join(base, attack.name)
+        for index, attack in enumerate(ATTACKS):
+            directory = os.path.join(base, f"a{index}")  # short: UNIX socket paths are limited to 107 bytes
             os.makedirs(directory)
             os.chmod(directory, 0o755)
             ctx = attack.setup(directory, uid)
@@ -124,7 +124,7 @@ def batches():
 
     def get(config: str) -> Batch:
         if config not in _batches:
-            bases.append(tempfile.mkdtemp(prefix=f"flashreinforce-attacks-{config}-"))
+            bases.append(tempfile.mkdtemp(prefix="flashreinforce-attacks-"))
             os.chmod(bases[-1], 0o755)
             _batches[config] = Batch(config, bases[-1])
         return _batches[config]
@@ -170,7 +170,7 @@ def summary() -> list[str]:
     for (config, _), outcome in OUTCOMES.items():
         counts[config][0] += 1
         counts[config][1 if outcome == "contained" else 2] += 1
-    lines = [f"{'configuration':<16} {'attempts':>8} {'contained':>9} {'escaped':>7}"]
-    lines += [f"{config:<16} {a:>8} {c:>9} {e:>7}" for config, (a, c, e) in counts.items()]
+    lines = [f"{'configuration':<28} {'attempts':>8} {'contained':>9} {'escaped':>7}"]
+    lines += [f"{config:<28} {a:>8} {c:>9} {e:>7}" for config, (a, c, e) in counts.items()]
     lines += [f"  {config}/{name}: {outcome}" for (config, name), outcome in OUTCOMES.items() if outcome != "contained"]
     return lines

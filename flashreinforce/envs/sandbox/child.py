@@ -1,11 +1,12 @@
 """The sandboxed child program: sets up every layer, then runs ``main.py`` as ``__main__``.
 
-Started by the launcher as ``python -I -B -c BOOTSTRAP /path/to/child.py CONFIG_JSON`` in the
-working directory, with a clean environment, stdin on ``/dev/null`` and a private status pipe;
-the bootstrap loads this file by path and calls :func:`main` (so that its compiled bytecode,
-cached by the launcher's own import, is reused). It is standard library only and loads its
-sibling modules by path, because the interpreter that runs the tool code
-(``Sandbox(python=...)``) need not have ``flashreinforce`` installed.
+Started by the launcher as ``python -I -B -c BOOTSTRAP /path/to/child.py CONFIG_JSON CODES`` in
+the working directory, with a clean environment, stdin on ``/dev/null`` and a private status
+pipe. The bootstrap runs this module, from the code objects the launcher compiled (``CODES``, a
+marshal file, when the interpreter is the launcher's own) or from this file, and calls
+:func:`main`. It is standard library only and loads its sibling modules the same way, because
+the interpreter that runs the tool code (``Sandbox(python=...)``) need not have
+``flashreinforce`` installed.
 
 Order (each step needs the privileges that the later ones take away):
 
@@ -41,10 +42,21 @@ _SYSTEM_READ_ROOTS = (
 
 
 def _load(name: str):
-    """A sibling module, loaded by path under a private name (no package import)."""
+    """A sibling module under a private name (no package import): from the launcher's compiled
+    code when the bootstrap passed it (``_PRECOMPILED``), else from its file."""
+    path = os.path.join(_HERE, f"{name}.py")
+    code = globals().get("_PRECOMPILED", {}).get(name)
+    if code is not None:
+        import types
+
+        module = types.ModuleType(f"_flashreinforce_sandbox_{name}")
+        module.__file__ = path
+        sys.modules[module.__name__] = module
+        exec(code, module.__dict__)
+        return module
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"_flashreinforce_sandbox_{name}", os.path.join(_HERE, f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(f"_flashreinforce_sandbox_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -5,11 +5,13 @@ See the package docstring for usage and docs/sandbox.md for the threat model and
 
 from __future__ import annotations
 
-import importlib
+import atexit
 import json
+import marshal
 import math
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,21 +28,53 @@ from flashreinforce.envs.sandbox.probe import IsolationError, IsolationReport
 
 __all__ = ["Sandbox", "SandboxResult", "run_python", "REFUSED_EXIT"]
 
-# The child-side modules are imported here only so that their bytecode gets cached (where the
-# environment allows writing it): the child, run with -B, then loads them from __pycache__
-# instead of compiling them on every call.
-for _name in ("audit", "child", "landlock", "namespaces", "seccomp"):
-    importlib.import_module(f"flashreinforce.envs.sandbox.{_name}")
 
 # Exit status of a child that refuses to run the code (its isolation is below the minimum).
 REFUSED_EXIT = 70
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "child.py")
-# Loads child.py by path (bytecode from __pycache__ when it matches) and runs its main().
-_BOOTSTRAP = ("import importlib.util, sys\n"
-              "spec = importlib.util.spec_from_file_location('_flashreinforce_sandbox_child', sys.argv[1])\n"
-              "module = importlib.util.module_from_spec(spec)\n"
-              "spec.loader.exec_module(module)\n"
-              "module.main(sys.argv[1:])\n")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_CHILD = os.path.join(_HERE, "child.py")
+_CHILD_MODULES = ("child", "levels", "seccomp", "namespaces", "landlock", "audit")
+# argv: child.py's path, the configuration, and a file of the child modules' code objects
+# compiled by this process (marshal; same interpreter only) or "" to load child.py by path.
+# Compiling ~1,000 lines on every call would cost more than the layers themselves.
+_BOOTSTRAP = """import sys
+path, config, codes = sys.argv[1:4]
+if codes:
+    import marshal, types
+    with open(codes, "rb") as f:
+        codes = marshal.load(f)
+    module = types.ModuleType("_flashreinforce_sandbox_child")
+    module.__file__, module._PRECOMPILED = path, codes
+    sys.modules[module.__name__] = module
+    exec(codes["child"], module.__dict__)
+else:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("_flashreinforce_sandbox_child", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+module.main([path, config])
+"""
+_code_file: str | None = None
+_code_lock = threading.Lock()
+
+
+def _precompiled_code_file() -> str:
+    """Path of a private file holding the child modules' code objects (written once per process)."""
+    global _code_file
+    with _code_lock:
+        if _code_file is None:
+            codes = {}
+            for name in _CHILD_MODULES:
+                path = os.path.join(_HERE, f"{name}.py")
+                with open(path, encoding="utf-8") as f:
+                    codes[name] = compile(f.read(), path, "exec", dont_inherit=True)
+            directory = tempfile.mkdtemp(prefix="flashreinforce-sandbox-code-")  # 0700, this user's
+            path = os.path.join(directory, "child.marshal")
+            with open(path, "wb") as f:
+                marshal.dump(codes, f)
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            _code_file = path
+        return _code_file
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 # How often the launcher measures the working directory when no tmpfs quota bounds it.
 _DISK_POLL_S = 0.25
@@ -297,8 +331,10 @@ class Sandbox:
             start = time.monotonic()
             # start_new_session (not preexec_fn, which is unsafe in threaded programs such as
             # the trainer's rollout workers) makes the child a session and group leader.
+            same_interpreter = os.path.realpath(self.python) == os.path.realpath(sys.executable)
+            codes = _precompiled_code_file() if same_interpreter else ""
             proc = subprocess.Popen(
-                [self.python, "-I", "-B", "-c", _BOOTSTRAP, _CHILD, json.dumps(cfg)],
+                [self.python, "-I", "-B", "-c", _BOOTSTRAP, _CHILD, json.dumps(cfg), codes],
                 cwd=workdir, env=self._child_env(workdir), stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(status_w,),
                 start_new_session=True, close_fds=True)
