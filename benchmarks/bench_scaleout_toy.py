@@ -1,4 +1,5 @@
-"""Toy preset under each scale-out layout: local threads, Ray workers, torchrun learners.
+"""Toy preset under each scale-out layout: local threads, Ray workers, torchrun learners, and the
+cluster-shaped layouts simulated on this machine (several Ray nodes; two torchrun "nodes").
 
 Runs ``flashreinforce train --preset toy`` (400 updates unless ``--steps``) once per layout and prints
 one table row per run from its ``metrics.jsonl`` / ``eval.jsonl``: training time, total time, mean
@@ -6,7 +7,12 @@ reward over updates 1-10 / 91-100 / 191-200 / the last 20, the first update whos
 reward reaches 0.8, the greedy evaluation, policy lag and learner idle time. It shows that every
 layout learns as the local run does, and what the machinery costs on the machine at hand.
 
-    python benchmarks/bench_scaleout_toy.py                 # every layout (~4 min on 2 CPU cores)
+``ray_3nodes``: a head node without CPUs (the learner's) and two worker nodes with one CPU each,
+started here with ``ray.cluster_utils.Cluster`` (own raylets and object stores), the two rollout
+workers spread over them. ``torchrun_2nodes``: ``torchrun --nnodes 2 --nproc-per-node 1`` as two
+launcher processes meeting by c10d rendezvous on localhost.
+
+    python benchmarks/bench_scaleout_toy.py                 # every layout (~6 min on 2 CPU cores)
     python benchmarks/bench_scaleout_toy.py --layouts local ray --steps 200
 """
 
@@ -30,6 +36,9 @@ LAYOUTS = {
     "ray_call64": ([], ["--rollout.backend", "ray", "--rollout.vllm_generate_batch_size", "64"]),
     "torchrun2": (["torchrun"], []),
     "torchrun2_fsdp": (["torchrun"], ["--fsdp.strategy", "fully_shard"]),
+    "ray_3nodes": (["cluster"], ["--rollout.backend", "ray", "--ray.scheduling_strategy", "spread",
+                                 "--rollout.vllm_generate_batch_size", "64"]),
+    "torchrun_2nodes": (["torchrun_nodes"], []),
 }
 
 
@@ -39,14 +48,60 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(layout: str, out: Path, steps: int, seed: int) -> list[str]:
+def commands(layout: str, out: Path, steps: int, seed: int, ray_address: str | None) -> list[list[str]]:
+    """The processes of one run (two launchers for ``torchrun_2nodes``, else one)."""
     launcher, flags = LAYOUTS[layout]
     args = ["train", "--preset", "toy", "--output", str(out), "--train.max_steps", str(steps), "--seed", str(seed),
             "--no_progress", *flags]
-    if launcher:
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), "-m", "flashreinforce.cli", *args]
-    return [sys.executable, "-m", "flashreinforce.cli", *args]
+    if launcher == ["torchrun"]:
+        return [[sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                 str(free_port()), "-m", "flashreinforce.cli", *args]]
+    if launcher == ["torchrun_nodes"]:
+        port = free_port()
+        node = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"bench-{port}",
+                "-m", "flashreinforce.cli", *args]
+        return [node, node]
+    if launcher == ["cluster"]:
+        args += ["--ray.address", ray_address]
+    return [[sys.executable, "-m", "flashreinforce.cli", *args]]
+
+
+class SimulatedCluster:
+    """A Ray head without CPUs and ``workers`` nodes with one CPU each, on this machine."""
+
+    def __init__(self, workers: int = 2) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, include_dashboard=False))
+        for i in range(workers):
+            self.cluster.add_node(num_cpus=1, resources={f"node_{chr(ord('a') + i)}": 1})
+        self.address = self.cluster.address
+
+    def close(self) -> None:
+        self.cluster.shutdown()
+
+
+def run_layout(layout: str, out: Path, steps: int, seed: int, env: dict[str, str]) -> tuple[float, str | None]:
+    """Run one layout; returns the wall time and, if it failed, the tail of its output."""
+    cluster = SimulatedCluster() if LAYOUTS[layout][0] == ["cluster"] else None
+    try:
+        t0 = time.perf_counter()
+        procs = []
+        for i, cmd in enumerate(commands(layout, out, steps, seed, cluster and cluster.address)):
+            log = open(out.parent / f"{layout}.{i}.log", "w")  # files: launchers must never block on a pipe
+            procs.append((subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        codes = [p.wait() for p, _ in procs]
+        total = time.perf_counter() - t0
+        for _, log in procs:
+            log.close()
+    finally:
+        if cluster is not None:
+            cluster.close()
+    if any(codes):
+        tail = "\n".join((out.parent / f"{layout}.{i}.log").read_text()[-3000:] for i in range(len(procs)))
+        return total, f"exit {codes}\n{tail}"
+    return total, None
 
 
 def mean(xs) -> float:
@@ -76,17 +131,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    os.environ.update(OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")  # also for the simulated Ray nodes
+    env = dict(os.environ)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts:
             out = Path(tmp) / layout
-            t0 = time.perf_counter()
-            proc = subprocess.run(command(layout, out, args.steps, args.seed), cwd=ROOT, env=env,
-                                  capture_output=True, text=True)
-            total = time.perf_counter() - t0
-            if proc.returncode != 0:
-                print(f"{layout}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", file=sys.stderr)
+            total, failure = run_layout(layout, out, args.steps, args.seed, env)
+            if failure:
+                print(f"{layout}: failed ({failure})", file=sys.stderr)
                 continue
             rows.append((layout, total, summarize(out)))
     print(f"toy preset, {args.steps} updates, seed {args.seed}, {os.cpu_count()} CPUs")
