@@ -80,7 +80,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout.max_new_tokens": 24,
         "rollout.max_turns": 1,
         "data.max_len": 96,
-        "rollout.temperature": 1.0,
+        # At 1.0 this small model's samples are right 14% of the time (greedy: 51%); at 0.7, 27%.
+        "rollout.temperature": 0.7,
         "rollout.top_p": 1.0,
         "rollout.num_workers": 1,
         "rollout.vllm_generate_batch_size": 32,
@@ -94,8 +95,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.lr_scheduler": "constant_with_warmup",
         "actor.lr_warmup_ratio": 0.0,
         "actor.max_norm": 1.0,
-        "actor.flash_gate_delta": 0.01,
-        "fsdp.param_dtype": "fp32",
+        # One update moves this policy by a sequence KL of ~0.01 per token; 0.01 dropped up to half
+        # of the batches' lag-1 trajectories.
+        "actor.flash_gate_delta": 0.05,
+        # bf16 autocast (float32 master weights): the learner step took 95 s instead of 108 s for 32
+        # episodes on the shared AVX512-BF16 development CPU (benchmarks/bench_real_model_cpu.py,
+        # docs/performance.md); on a CPU without native bf16 use --fsdp.param_dtype fp32.
+        "fsdp.param_dtype": "bf16",
         "ckpt.save_steps": 10,
         "ckpt.max_ckpt_num": 2,
         "eval.steps": 10,
