@@ -20,7 +20,8 @@ def grader():
 
 
 def _env(grader, tasks, **kwargs):
-    kwargs.setdefault("sandbox", Sandbox(timeout_s=1.0))
+    # The protocol does not depend on the isolation level (test_sandbox*.py cover that).
+    kwargs.setdefault("sandbox", Sandbox(timeout_s=1.0, allow_weak_isolation=True))
     return PythonToolEnv(tasks, grader=grader, **kwargs)
 
 
@@ -144,17 +145,18 @@ def test_turn_limit_after_a_failing_tool_names_the_tool(grader):
 
 def test_sandbox_isolation_options_are_plain_kwargs(grader):
     # --env.kwargs is JSON, so the sandbox's options and the opt-in to weaker isolation are plain values.
-    from flashreinforce.envs.sandbox import IsolationError
+    from flashreinforce.envs.sandbox import IsolationError, probe_isolation
 
-    weak = {"landlock": False, "namespaces": False}  # seccomp only: below the default minimum
+    weak = {"landlock": False, "namespaces": False}  # at most seccomp: below the default minimum
     with pytest.raises(IsolationError, match="allow_weak_isolation"):
         PythonToolEnv([Task("q", "42")], grader=grader, sandbox_options=weak)
     env = PythonToolEnv([Task("q", "42")], grader=grader, sandbox_options={**weak, "timeout_s": 2},
                         allow_weak_isolation=True)
-    assert env.sandbox.isolation.level == "seccomp" and env.sandbox.timeout_s == 2.0
+    assert env.sandbox.isolation.level == probe_isolation(**weak).level and env.sandbox.timeout_s == 2.0
     env.reset(seed=0)
     assert env.step("```python\nprint(6 * 7)\n```").observation == "\n<output>\n42\n</output>\n"
     with pytest.raises(ValueError, match="sandbox_options"):
-        PythonToolEnv([Task("q", "1")], grader=grader, sandbox=Sandbox(timeout_s=1.0), allow_weak_isolation=True)
+        PythonToolEnv([Task("q", "1")], grader=grader, sandbox=Sandbox(timeout_s=1.0, allow_weak_isolation=True),
+                      allow_weak_isolation=True)
     with pytest.raises(TypeError, match="bogus"):
         PythonToolEnv([Task("q", "1")], grader=grader, sandbox_options={"bogus": 1})

@@ -38,14 +38,16 @@ UNPRIVILEGED_UID = 65534
 OUTCOMES: dict[tuple[str, str], str] = {}
 
 _report = probe_isolation()
+_below = None if _report.at_least("filesystem") else \
+    f"this machine's sandbox isolation is {_report.level!r}, below the default minimum: " + "; ".join(_report.problems)
 CONFIGS = {
-    "default": ({}, None),
+    "default": ({}, _below),
     "landlock-off": ({"landlock": False},
                      None if "mount_tree" in _report.guards else "no private mount tree here (user namespaces)"),
     "namespaces-off": ({"namespaces": False},
                        None if "landlock_fs" in _report.guards else "Landlock is not available on this kernel"),
-    "hook-off": ({"audit_hook": False}, None),
-    "unprivileged": ({}, None),
+    "hook-off": ({"audit_hook": False}, _below),
+    "unprivileged": ({}, _below),
     "unprivileged-namespaces-off": ({"namespaces": False},
                                     None if "landlock_fs" in _report.guards else "Landlock is not available on this kernel"),
 }
@@ -101,6 +103,9 @@ class Batch:
         job = json.dumps({"requests": requests, "options": options})
         self.done = subprocess.run([python, "-m", "python_tests.envs.sandbox_attacks"], input=job, text=True,
                                    capture_output=True, cwd=REPO, env=env, timeout=900, **run_as)
+        if run_as and "IsolationError" in self.done.stderr:
+            # The unprivileged user may get fewer layers than root (user namespaces for root only).
+            pytest.skip(f"below the minimum as uid {uid}: {self.done.stderr.strip().splitlines()[-1]}")
         self.results = {r["name"]: r for r in json.loads(self.done.stdout)} if self.done.returncode == 0 else {}
 
     def close(self) -> None:
