@@ -41,8 +41,12 @@ _BOOTSTRAP = """import sys
 path, config, codes = sys.argv[1:4]
 if codes:
     import marshal, types
-    with open(codes, "rb") as f:
-        codes = marshal.load(f)
+    try:
+        with open(codes, "rb") as f:
+            codes = marshal.load(f)
+    except (OSError, EOFError, ValueError, TypeError):
+        codes = None
+if codes:
     module = types.ModuleType("_flashreinforce_sandbox_child")
     module.__file__, module._PRECOMPILED = path, codes
     sys.modules[module.__name__] = module
@@ -54,15 +58,16 @@ else:
     spec.loader.exec_module(module)
 module.main([path, config])
 """
-_code_file: str | None = None
+_code_file: tuple[int, str] | None = None  # (pid of the process that wrote it, path)
 _code_lock = threading.Lock()
 
 
 def _precompiled_code_file() -> str:
-    """Path of a private file holding the child modules' code objects (written once per process)."""
+    """Path of a private file holding the child modules' code objects (written once per process;
+    again in a forked process, whose parent may remove its own file at exit)."""
     global _code_file
     with _code_lock:
-        if _code_file is None:
+        if _code_file is None or _code_file[0] != os.getpid() or not os.path.exists(_code_file[1]):
             codes = {}
             for name in _CHILD_MODULES:
                 path = os.path.join(_HERE, f"{name}.py")
@@ -73,8 +78,8 @@ def _precompiled_code_file() -> str:
             with open(path, "wb") as f:
                 marshal.dump(codes, f)
             atexit.register(shutil.rmtree, directory, ignore_errors=True)
-            _code_file = path
-        return _code_file
+            _code_file = (os.getpid(), path)
+        return _code_file[1]
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 # How often the launcher measures the working directory when no tmpfs quota bounds it.
 _DISK_POLL_S = 0.25
@@ -195,7 +200,8 @@ class Sandbox:
             ``sandbox.isolation`` and in every result's ``isolation``).
         allow_network: allow ``AF_INET``/``AF_INET6`` sockets (default False: no socket at
             all, no network namespace interfaces, Landlock TCP rules).
-        extra_read_paths: more absolute paths the code may read (datasets, say).
+        extra_read_paths: more absolute paths the code may read (datasets, say); one that
+            contains the working directory (``/tmp``) is not mounted in the mount tree.
         landlock, seccomp, namespaces, cgroup: use that layer when the machine offers it
             (default True). Turning one off is for testing the layers apart (the attack
             suite runs with Landlock forced off); it lowers the level.
