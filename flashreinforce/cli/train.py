@@ -2,7 +2,9 @@
 
 ``flashreinforce train [--preset NAME] [--env MODULE:CLASS] [--model M] --output DIR [--resume] [--FLAG VALUE ...]``;
 ``flashreinforce train --help`` lists every flag. Exit status: 0 when training completed, 130 after
-Ctrl-C (a checkpoint was saved), 2 for a bad configuration (the message names the flag). Under
+Ctrl-C (a checkpoint was saved), 2 for a bad command line or configuration (a one-line message
+naming the flag, nothing started), 1 when the run cannot go on (every rollout worker stopped, or the
+watchdog found nothing to train on; a checkpoint was saved and the message says why). Under
 ``torchrun`` every rank runs this command; rank 0 prints the summary (see docs/distributed.md).
 """
 
@@ -28,12 +30,16 @@ def train(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from flashreinforce.trainer import Trainer
+    from flashreinforce.trainer.faults import RunFailure
 
     try:
         summary = Trainer(cfg).run()
     except ConfigError as err:
         print(f"flashreinforce train: error: {err}", file=sys.stderr)
         return 2
+    except RunFailure as err:
+        print(f"flashreinforce train: error: {err}", file=sys.stderr)
+        return 1
     if summary["status"] != "follower":  # under torchrun, rank 0 reports for the job
         print(json.dumps(summary, default=str))
     code = 130 if summary["status"] == "interrupted" else 0

@@ -148,6 +148,10 @@ FLAGS: tuple[Flag, ...] = (
        "(Ray actors; see --ray.*)", ("local", "ray")),
     _f("rollout.engine", "str", "local", "rollout engine: local (Hugging Face model) or vllm (optional extra "
        "flashreinforce[vllm], needs CUDA)", ("local", "vllm")),
+    _f("rollout.env_timeout_s", "float", 120.0, "seconds an environment call (reset, step) may take; its episode is "
+       "then quarantined and the environment instance abandoned (0: no limit)"),
+    _f("rollout.max_failed_episodes_in_a_row", "int", 256, "stop the run when this many episodes in a row were "
+       "quarantined or rejected (0: never)"),
     # Ray backend
     _f("ray.address", "str", None, "Ray cluster to join (auto, HOST:PORT, ray://...; default $RAY_ADDRESS); "
        "without one a local Ray instance is started for the run and stopped after it"),
@@ -170,6 +174,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("train.max_steps", "int", 0, "optimizer updates (0: num_episodes passes over the prompt set)"),
     _f("train.async_queue_size", "int", 1, "batches that may be in flight ahead of the learner (0: synchronous)"),
     _f("train.max_policy_lag", "optint", None, "drop trajectories more than this many versions old (none: keep)"),
+    _f("train.stall_timeout_s", "float", 1800.0, "stop the run when no trajectory arrived for this many seconds "
+       "while the learner waited for its batch (0: never)"),
     _f("train.force_on_policy", "bool", False, "Molt's one-update-per-batch switch (always so here)"),
     _f("train.colocate_fsdp_models", "bool", False, "Molt's model colocation switch (one process here)"),
     # vLLM engine (rollout.engine vllm)
@@ -184,7 +190,7 @@ FLAG_BY_NAME = {f.name: f for f in FLAGS}
 
 #: Options that are not Molt flags.
 EXTRA_OPTIONS = ("preset", "env", "env.kwargs", "model", "tokenizer", "output", "resume", "seed", "device",
-                 "torch_threads", "no_progress")
+                 "torch_threads", "no_progress", "overwrite")
 
 
 def _float(text: str) -> float:
@@ -236,6 +242,8 @@ def build_parser(prog: str = "flashreinforce train") -> argparse.ArgumentParser:
     g.add_argument("--device", help="learner and engine device: auto, cpu, cuda, cuda:N (default auto)")
     g.add_argument("--torch_threads", type=int, help="torch intra-op threads (default: torch's)")
     g.add_argument("--no_progress", nargs="?", const=True, type=_bool, help="no progress bar")
+    g.add_argument("--overwrite", nargs="?", const=True, type=_bool,
+                   help="start over in an --output that holds an earlier run: delete its records and checkpoints first")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in FLAGS:
         section = f.name.split(".")[0]
@@ -280,6 +288,7 @@ class ResolvedConfig:
     device: str = "auto"
     torch_threads: int | None = None
     progress: bool = True
+    overwrite: bool = False
     explicit: list[str] = field(default_factory=list)
 
     def __getitem__(self, name: str) -> Any:
@@ -330,14 +339,34 @@ def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None) -
     for name in ("actor.eps_clip_low_high", "actor.adam.betas"):
         merged[name] = tuple(float(x) for x in merged[name])
 
+    env_kwargs = extras.get("env.kwargs") or {}
+    if not isinstance(env_kwargs, dict):
+        raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {env_kwargs!r}")
+    # A preset's environment arguments belong to the preset's environment: an --env that replaces it
+    # (a user's class, perhaps with a plain constructor) does not get them.
+    preset_env = preset.get("train.agent_path") or preset.get("env")
+    dropped = None
+    if "env.kwargs" in preset and "env.kwargs" not in given and merged["train.agent_path"] != preset_env:
+        dropped, env_kwargs = env_kwargs, {}
+    torch_threads = extras.get("torch_threads")
+    if torch_threads is not None and torch_threads <= 0:
+        raise ConfigError(f"--torch_threads must be a positive integer, got {torch_threads}")
+    overwrite = bool(extras.get("overwrite", False))
+    if overwrite and extras.get("resume"):
+        raise ConfigError("--overwrite and --resume contradict each other: --resume continues the run in --output, "
+                          "--overwrite deletes it first; give one of them")
+
     cfg = ResolvedConfig(
-        flags=merged, preset=extras.get("preset"), env_kwargs=dict(extras.get("env.kwargs") or {}),
+        flags=merged, preset=extras.get("preset"), env_kwargs=dict(env_kwargs),
         tokenizer=extras.get("tokenizer"), output=extras.get("output"), resume=extras.get("resume"),
         seed=int(extras.get("seed", 0)), device=str(extras.get("device", "auto")),
-        torch_threads=extras.get("torch_threads"), progress=not bool(extras.get("no_progress", False)),
+        torch_threads=torch_threads, progress=not bool(extras.get("no_progress", False)), overwrite=overwrite,
         explicit=sorted(k for k in given if k in FLAG_BY_NAME))
-    if not isinstance(cfg.env_kwargs, dict):
-        raise ConfigError(f"--env.kwargs must be a JSON object, got {cfg.env_kwargs!r}")
+    if dropped:
+        reason = (f"preset {extras.get('preset')!r} sets env.kwargs {dropped} for its environment {preset_env}, which "
+                  f"--env {merged['train.agent_path']} replaces: dropped (give --env.kwargs to pass arguments)")
+        cfg.inactive["env.kwargs"] = reason
+        cfg.warnings.append(reason)
     _check(cfg)
     return cfg
 
@@ -418,6 +447,15 @@ def _check(cfg: ResolvedConfig) -> None:
             errors.append(f"--{n} must lie in (0, 1], got {v[n]}")
     if not (math.isfinite(v["eval.temperature"]) and v["eval.temperature"] >= 0):
         errors.append(f"--eval.temperature must be >= 0 and finite, got {v['eval.temperature']}")
+    b1, b2 = v["actor.adam.betas"]
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        errors.append(f"--actor.adam.betas must both lie in [0, 1), got {b1:g} {b2:g}")
+    for n in ("rollout.env_timeout_s", "train.stall_timeout_s"):
+        if not (math.isfinite(v[n]) and v[n] >= 0):
+            errors.append(f"--{n} must be a finite number of seconds >= 0 (0: no limit), got {v[n]}")
+    if v["rollout.max_failed_episodes_in_a_row"] < 0:
+        errors.append(f"--rollout.max_failed_episodes_in_a_row must be >= 0 (0: never stop), "
+                      f"got {v['rollout.max_failed_episodes_in_a_row']}")
 
     # The rules every run obeys (shared with the published experiment settings).
     errors.extend(rule_violations(v, native=True))
@@ -487,6 +525,8 @@ def _check(cfg: ResolvedConfig) -> None:
             errors.append(f"--{n} needs the {package} package, which is not installed: "
                           f"pip install 'flashreinforce[{package}]'  (or: pip install {package})")
     if errors:
+        if len(errors) == 1:  # one line naming the flag
+            raise ConfigError(errors[0])
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
 

@@ -181,14 +181,29 @@ def build_model(spec: str, *, device: torch.device, attn_implementation: str | N
     """The policy model and its default tokenizer spec.
 
     ``spec``: see the module docstring (never a download). The model is float32 (master
-    weights) on ``device``; a random initialization draws from ``seed``.
+    weights) on ``device``; a random initialization draws from ``seed``. A model that cannot be loaded
+    (broken config, unknown architecture, missing or truncated weights) is a ``ConfigError`` naming
+    ``--model``.
     """
-    import transformers
-
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     resolved = resolve_model_spec(spec)
     path = Path(resolved)
     torch.manual_seed(seed)
+    try:
+        model, tok = _build(spec, path, kwargs)
+    except ConfigError:
+        raise
+    except Exception as err:
+        # A broken config.json, an unknown model_type, missing or truncated weights (OSError, ValueError,
+        # safetensors' own error, ...): one line naming --model instead of a traceback.
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"--model {spec}: cannot load a model from {path}: {type(err).__name__}: {first}") from None
+    return model.to(device=device, dtype=torch.float32), tok
+
+
+def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
+    import transformers
+
     if spec in TINY_MODELS:
         config = transformers.Qwen2Config(**TINY_MODELS[spec])
         model, tok = transformers.Qwen2ForCausalLM._from_config(config, **kwargs), "char"
@@ -209,4 +224,4 @@ def build_model(spec: str, *, device: torch.device, attn_implementation: str | N
         raise ConfigError(f"--model {spec!r}: expected one of {sorted(TINY_MODELS)}, an alias "
                           f"({', '.join(sorted(MODEL_ALIASES))}), a .gguf file, a model config .json, a local "
                           "checkpoint directory with config.json, or a run directory (models are never downloaded)")
-    return model.to(device=device, dtype=torch.float32), tok
+    return model, tok

@@ -18,9 +18,17 @@ entirely rejected (they are replaced). With ``max_policy_lag`` set, ``take`` dro
 whose oldest trajectory is more than that many versions behind the learner; their prompt is handed
 out again first, so no prompt is lost.
 
-Validation: every trajectory is checked on ``put`` (:meth:`Trajectory.problem`); an invalid one is
-counted, kept in ``buffer.quarantine`` with its reason (the last ``quarantine_size``), logged, and never
-reaches the learner; training goes on with the valid ones.
+Validation: every trajectory is checked on ``put`` (:meth:`Trajectory.diagnose`); an invalid one is
+counted (``rejected_trajectories``), kept in ``buffer.quarantine`` with its reason (the last
+``quarantine_size``) and never reaches the learner; training goes on with the valid ones. A group
+with no valid trajectory frees its slot and its prompt is not retried (the problem is in the data).
+
+Failed episodes: a worker hands in a :class:`~flashreinforce.trainer.faults.QuarantinedEpisode` in
+place of a trajectory it could not finish (counted as ``quarantined_episodes``). A prompt none of
+whose samples could be finished is handed out again (``retried_prompts``), at most
+``max_prompt_attempts`` times in all, then skipped (``skipped_prompts``). Each kind of problem is
+logged once, then counted. ``failed_in_a_row`` (in :meth:`stats`) counts the episodes quarantined or
+rejected since the last valid one, for the trainer's watchdog.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from flashreinforce.trainer.faults import QuarantinedEpisode, RepeatedProblems
 from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["Batch", "PromptStream", "RolloutBuffer", "Ticket"]
@@ -130,12 +139,13 @@ class RolloutBuffer:
         max_policy_lag: drop groups more than this many versions behind at ``take`` (``None``: never).
         prompts: the prompt stream (default: endless fresh seeds).
         vocab_size: token ids must lie in ``[0, vocab_size)`` (``None``: unchecked).
-        quarantine_size: how many rejected trajectories to keep for inspection.
+        quarantine_size: how many rejected trajectories (and quarantined episodes) to keep for inspection.
+        max_prompt_attempts: times a prompt is handed out whose every sample failed before it is skipped.
     """
 
     def __init__(self, *, batch_groups: int, group_size: int = 1, async_queue_size: int = 1,
                  max_policy_lag: int | None = None, prompts: PromptStream | None = None,
-                 vocab_size: int | None = None, quarantine_size: int = 64) -> None:
+                 vocab_size: int | None = None, quarantine_size: int = 64, max_prompt_attempts: int = 3) -> None:
         if batch_groups <= 0:
             raise ValueError(f"batch_groups must be positive, got {batch_groups}")
         if group_size <= 0:
@@ -144,13 +154,20 @@ class RolloutBuffer:
             raise ValueError(f"async_queue_size must be >= 0, got {async_queue_size}")
         if max_policy_lag is not None and max_policy_lag < 0:
             raise ValueError(f"max_policy_lag must be >= 0 or None, got {max_policy_lag}")
+        if max_prompt_attempts < 1:
+            raise ValueError(f"max_prompt_attempts must be positive, got {max_prompt_attempts}")
         self.batch_groups = batch_groups
         self.group_size = group_size
         self.async_queue_size = async_queue_size
         self.max_policy_lag = max_policy_lag
         self.prompts = prompts or PromptStream()
         self.vocab_size = vocab_size
-        self.quarantine: collections.deque[tuple[str, Trajectory]] = collections.deque(maxlen=quarantine_size)
+        self.max_prompt_attempts = max_prompt_attempts
+        self.quarantine: collections.deque[tuple[str, object]] = collections.deque(maxlen=quarantine_size)
+        self._problems = RepeatedProblems(log, "rollout buffer")
+        self._attempts: dict[int, int] = {}  # prompt id -> attempts whose every sample failed
+        self._failed_in_a_row = 0
+        self._last_failure = ""
 
         self._cond = threading.Condition()
         self._ready: collections.deque[tuple[Ticket, list[Trajectory]]] = collections.deque()
@@ -202,33 +219,67 @@ class RolloutBuffer:
         """:meth:`put` for each ``(ticket, trajectories)`` in order; the valid count of each."""
         return [self.put(ticket, trajs) for ticket, trajs in groups]
 
-    def put(self, ticket: Ticket, trajectories: Sequence[Trajectory]) -> int:
-        """Hand in the finished samples of ``ticket``; returns how many were valid and queued."""
+    def put(self, ticket: Ticket, trajectories: Sequence[Trajectory | QuarantinedEpisode]) -> int:
+        """Hand in the finished samples of ``ticket`` (a :class:`QuarantinedEpisode` for each sample the
+        worker could not finish); returns how many were valid and queued."""
         valid: list[Trajectory] = []
+        failed: list[str] = []
+        rejected = quarantined = 0
+        retry = False
         for traj in trajectories:
-            problem = traj.problem(self.vocab_size) if isinstance(traj, Trajectory) else \
-                f"expected a Trajectory, got {type(traj).__name__}"
-            if problem is None:
+            if isinstance(traj, QuarantinedEpisode):
+                quarantined += 1
+                retry = retry or traj.retry
+                failed.append(traj.reason)
+                self.quarantine.append((traj.reason, traj))  # the worker has logged it
+                continue
+            found = traj.diagnose(self.vocab_size) if isinstance(traj, Trajectory) else \
+                ("not a Trajectory", f"expected a Trajectory, got {type(traj).__name__}")
+            if found is None:
                 valid.append(traj)
-            else:
-                log.warning("rejected trajectory of prompt %d: %s", ticket.prompt_id, problem)
-                self.quarantine.append((problem, traj))
-                with self._cond:
-                    self.counters["rejected_trajectories"] += 1
+                continue
+            kind, problem = found
+            rejected += 1
+            failed.append(problem)
+            self.quarantine.append((problem, traj))
+            self._problems.report(kind, "rejected a trajectory of prompt %d: %s", ticket.prompt_id, problem)
+        skipped = None
         with self._cond:
             if ticket.prompt_id not in self._generating:
                 raise ValueError(f"put: ticket for prompt {ticket.prompt_id} is not outstanding "
                                  "(already put, cancelled, or issued by another buffer)")
             self._generating.discard(ticket.prompt_id)
+            self.counters["rejected_trajectories"] += rejected
+            self.counters["quarantined_episodes"] += quarantined
             if valid:
+                self._failed_in_a_row = 0
+                self._attempts.pop(ticket.prompt_id, None)
                 self._ready.append((ticket, valid))
                 self.counters["put_trajectories"] += len(valid)
             else:
-                # Nothing usable: free the slot; the prompt is not retried (its problem may be deterministic).
+                self._failed_in_a_row += len(failed)
+                self._last_failure = failed[-1] if failed else "a group without samples"
                 del self._outstanding[ticket.prompt_id]
                 self.freed += 1
-                self.counters["rejected_groups"] += 1
+                if quarantined:
+                    # The worker could not finish any sample: perhaps a passing problem, so the prompt is
+                    # handed out again (first), up to max_prompt_attempts times in all.
+                    attempts = self._attempts.get(ticket.prompt_id, 0) + 1
+                    if retry and attempts < self.max_prompt_attempts:
+                        self._attempts[ticket.prompt_id] = attempts
+                        self.counters["retried_prompts"] += 1
+                        self.prompts.requeue([(ticket.prompt_id, ticket.seed)])
+                    else:
+                        self._attempts.pop(ticket.prompt_id, None)
+                        self.counters["skipped_prompts"] += 1
+                        skipped = attempts
+                else:
+                    # Nothing usable: the prompt is not retried (its problem is in the data, likely deterministic).
+                    self.counters["rejected_groups"] += 1
             self._cond.notify_all()
+        if skipped is not None:
+            self._problems.report("prompt skipped", "prompt %d (environment seed %d) skipped after %d attempts "
+                                  "that all failed; the last: %s", ticket.prompt_id, ticket.seed, skipped, failed[-1])
         return len(valid)
 
     def cancel(self, ticket: Ticket, reason: str = "", *, lost: bool = False) -> bool:
@@ -323,11 +374,14 @@ class RolloutBuffer:
         with self._cond:
             return len(self._ready)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | str]:
         with self._cond:
-            out = dict(self.counters)
+            out: dict = {k: 0 for k in ("rejected_trajectories", "quarantined_episodes", "retried_prompts",
+                                        "skipped_prompts")}
+            out.update(self.counters)
             out.update(issued=self.issued, freed=self.freed, updates_done=self.updates_done,
-                       in_flight=len(self._outstanding), ready_groups=len(self._ready))
+                       in_flight=len(self._outstanding), ready_groups=len(self._ready),
+                       failed_in_a_row=self._failed_in_a_row, last_failure=self._last_failure)
             return out
 
     def state_dict(self) -> dict:
@@ -335,7 +389,8 @@ class RolloutBuffer:
         with self._cond:
             outstanding = sorted((t.prompt_id, t.seed) for t in self._outstanding.values())
             return {"updates_done": self.updates_done, "counters": dict(self.counters),
-                    "prompts": self.prompts.state_dict(outstanding)}
+                    "prompts": self.prompts.state_dict(outstanding),
+                    "prompt_attempts": {str(pid): n for pid, n in sorted(self._attempts.items())}}
 
     def load_state_dict(self, state: dict) -> None:
         with self._cond:
@@ -344,6 +399,7 @@ class RolloutBuffer:
             self.updates_done = int(state["updates_done"])
             self.counters = collections.Counter(state["counters"])
             self.prompts.load_state_dict(state["prompts"])
+            self._attempts = {int(pid): int(n) for pid, n in state.get("prompt_attempts", {}).items()}
             # The slots of the consumed batches are accounted for by updates_done.
             self.issued = self.batch_groups * self.updates_done
             self._cond.notify_all()

@@ -1,23 +1,42 @@
 """Training-state checkpoints: everything needed to continue a run exactly where it stopped.
 
-Layout of ``CKPT_DIR/step_00000010/`` (written to a temporary directory, then renamed, so a
-crash never leaves a half-written checkpoint behind; ``CKPT_DIR/latest`` names the newest):
+Layout of ``CKPT_DIR/step_00000010/`` (``CKPT_DIR/latest`` names the newest):
 
 * ``model.safetensors``: the policy weights (shared tensors such as tied embeddings stored once);
 * ``config.json`` and the tokenizer files: enough to reload the model on its own;
 * ``optimizer.pt``, ``scheduler.pt``: optimizer moments and schedule position;
-* ``rng.pt``: Python, NumPy and torch random states;
+* ``rng.pt``: Python, NumPy and torch random states, as tensors and plain numbers;
 * ``state.json``: step, policy version, buffer counters and prompt stream (prompts in flight at
   save time are handed out again first on resume), and the trainer's cumulative counters.
+
+Loading never runs code from a checkpoint: the ``.pt`` files are read with
+``torch.load(weights_only=True)`` (tensors, numbers, strings, lists, tuples and dicts only), so a
+planted pickle is refused (:class:`CheckpointError` names the file).
+
+Saving survives a crash (power loss, ``kill -9``) at any point: the files are written into a
+hidden temporary directory and fsynced; an existing directory of the same step is renamed aside,
+the new one renamed in, ``latest`` replaced atomically, and only then is the old one deleted. At
+every instant ``latest`` names a complete checkpoint: while a directory it names is being renamed,
+it names the other, complete copy. Leftovers of an interrupted save are cleaned up (or, when the
+step's directory went missing, restored) by the next save.
+
+Loading validates every file and names the one that is missing, truncated or not what it should
+be. ``--resume`` (the newest checkpoint) falls back to the newest valid checkpoint with a warning
+naming the broken one; ``--resume DIR`` does not guess.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import pickle
 import random
+import re
 import shutil
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -25,38 +44,160 @@ from safetensors.torch import load_model, save_model
 
 from flashreinforce.config import ConfigError
 
-__all__ = ["ResumePoint", "find_checkpoint", "latest_checkpoint", "learner_state_to_restore", "load_checkpoint",
-           "save_checkpoint", "trim_history"]
+__all__ = ["CheckpointError", "ResumePoint", "RUN_FILES", "clear_run", "existing_run_files", "find_checkpoint",
+           "latest_checkpoint", "learner_state_to_restore", "load_checkpoint", "save_checkpoint", "trim_history"]
+
+log = logging.getLogger(__name__)
 
 LATEST = "latest"
+#: Files of a checkpoint directory that loading needs (the model's config.json and tokenizer are extras).
+REQUIRED_FILES = ("state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt")
+#: The records a run writes into its output directory (cleared by ``--overwrite``).
+RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+# Hidden leftovers of a save: ".step_00000010.tmp-<id>" (being written), ".step_00000010.old-<id>" (set aside).
+_LEFTOVER = re.compile(r"^\.(step_\d+)\.(tmp|old|trash)-[0-9a-f]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and what is wrong with it."""
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+# ---------------------------------------------------------------- random states as plain data
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy and torch (and CUDA) random states as tensors and plain numbers, so that
+    ``torch.load(weights_only=True)`` reads them back."""
+    version, internal, gauss_next = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
+def _check_rng_state(state: Any) -> None:
+    """Raise ValueError unless ``state`` is what :func:`_rng_state` writes."""
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
+        raise ValueError("expected a dict with python, numpy and torch random states")
+    py, npy = state["python"], state["numpy"]
+    if not (isinstance(py, dict) and isinstance(py.get("state"), torch.Tensor) and py["state"].numel() == 625):
+        raise ValueError("the Python random state is not 625 integers")
+    if not (isinstance(npy, dict) and isinstance(npy.get("keys"), torch.Tensor) and npy["keys"].numel() == 624):
+        raise ValueError("the NumPy random state is not 624 integers")
+    if not (isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == torch.uint8):
+        raise ValueError("the torch random state is not a uint8 tensor")
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py, npy = state["python"], state["numpy"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), int(npy["pos"]), int(npy["has_gauss"]),
+                         float(npy["cached_gaussian"])))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+# ---------------------------------------------------------------- durable filesystem steps
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in sorted(directory.rglob("*")):
+        if p.is_file():
+            _fsync(p)
+    for p in sorted((d for d in directory.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        _fsync(p)
+    _fsync(directory)
+
+
+def _write_latest(ckpt_dir: Path, name: str) -> None:
+    """Point ``latest`` at ``name`` atomically (a temporary file replaces it), durably."""
+    tmp = ckpt_dir / f".{LATEST}.tmp-{uuid.uuid4().hex[:12]}"
+    with open(tmp, "w") as fh:
+        fh.write(name)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, ckpt_dir / LATEST)
+    _fsync(ckpt_dir)
+
+
+def _latest_name(ckpt_dir: Path) -> str | None:
+    pointer = ckpt_dir / LATEST
+    try:
+        return pointer.read_text().strip() or None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+
+
+def _remove_dir(ckpt_dir: Path, path: Path) -> None:
+    """Delete ``path``: renamed to a hidden name first, so a crash halfway never leaves a partly deleted
+    ``step_*`` directory that looks like a checkpoint."""
+    trash = path
+    match = _STEP_DIR.match(path.name)
+    if match:
+        trash = ckpt_dir / f".{path.name}.trash-{uuid.uuid4().hex[:12]}"
+        os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _step_dirs(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the ``step_*`` directories, newest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def _clean_leftovers(ckpt_dir: Path) -> None:
+    """After ``latest`` names a new checkpoint: a directory set aside whose step directory is missing
+    (a save interrupted between the two renames) goes back in place; every other leftover is deleted."""
+    keep = _latest_name(ckpt_dir)
+    for p in sorted(ckpt_dir.iterdir()):
+        m = _LEFTOVER.match(p.name)
+        if not m or p.name == keep or not p.is_dir():
+            continue
+        final = ckpt_dir / m.group(1)
+        if m.group(2) == "old" and not final.exists():
+            os.rename(p, final)
+            _fsync(ckpt_dir)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in ckpt_dir.glob(f".{LATEST}.tmp-*"):
+        p.unlink(missing_ok=True)
+
+
 def save_checkpoint(ckpt_dir: str | Path, step: int, *, model: torch.nn.Module, learner_state: dict,
                     state: dict[str, Any], tokenizer=None, max_keep: int = 0) -> Path:
     """Write checkpoint ``step`` under ``ckpt_dir`` and point ``latest`` at it; keep the newest
-    ``max_keep`` checkpoints (0: keep all). Returns the checkpoint directory."""
+    ``max_keep`` checkpoints (0: keep all). Returns the checkpoint directory. Crash-safe (see the
+    module docstring): at no point does ``latest`` name a missing or partial directory."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
+    name = step_name(step)
     final = ckpt_dir / name
-    tmp = ckpt_dir / f".{name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    token = uuid.uuid4().hex[:12]
+    tmp = ckpt_dir / f".{name}.tmp-{token}"
     tmp.mkdir()
     save_model(model, str(tmp / "model.safetensors"))
     model.config.save_pretrained(str(tmp))
@@ -65,51 +206,172 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, *, model: torch.nn.Module, 
     torch.save(learner_state["optimizer"], tmp / "optimizer.pt")
     torch.save(learner_state["scheduler"], tmp / "scheduler.pt")
     torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step, "version": learner_state["version"]}, indent=1))
+    record = {**state, "step": step, "version": learner_state["version"]}
+    (tmp / "state.json").write_text(json.dumps(record, indent=1))
+    _fsync_tree(tmp)
+    _fsync(ckpt_dir)
     if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    (ckpt_dir / (LATEST + ".tmp")).write_text(name)
-    (ckpt_dir / (LATEST + ".tmp")).replace(ckpt_dir / LATEST)
+        # Replace a checkpoint of the same step (the end of a run whose last update was also a periodic
+        # save, or a resumed run passing a step again). `latest` must never name a directory while it
+        # is renamed: it names the complete new copy, then the complete old one, then the new one in place.
+        if _latest_name(ckpt_dir) == name:
+            _write_latest(ckpt_dir, tmp.name)
+        aside = ckpt_dir / f".{name}.old-{token}"
+        os.rename(final, aside)
+        _fsync(ckpt_dir)
+        if _latest_name(ckpt_dir) == tmp.name:
+            _write_latest(ckpt_dir, aside.name)
+    os.rename(tmp, final)
+    _fsync(ckpt_dir)
+    _write_latest(ckpt_dir, name)
+    _clean_leftovers(ckpt_dir)
     if max_keep > 0:
-        old = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())[:-max_keep]
-        for p in old:
-            shutil.rmtree(p, ignore_errors=True)
+        for _, old in _step_dirs(ckpt_dir)[max_keep:]:
+            if old.name != name:
+                _remove_dir(ckpt_dir, old)
+        _fsync(ckpt_dir)
     return final
 
 
+# ---------------------------------------------------------------- loading and validation
+
+
 def latest_checkpoint(ckpt_dir: str | Path) -> Path | None:
-    """The directory ``ckpt_dir/latest`` names, or ``None`` when there is no checkpoint."""
-    pointer = Path(ckpt_dir) / LATEST
-    if not pointer.is_file():
+    """The directory ``ckpt_dir/latest`` names, or ``None`` when there is none (or it is missing)."""
+    name = _latest_name(Path(ckpt_dir))
+    if name is None:
         return None
-    path = Path(ckpt_dir) / pointer.read_text().strip()
+    path = Path(ckpt_dir) / name
     return path if path.is_dir() else None
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
+
+
+def _load_pt(path: Path, what: str) -> Any:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (the {what})")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL [\w.]+", str(err))
+        detail = f"it names {found.group(0).split()[1]}" if found else _short(err)
+        raise CheckpointError(f"{path}: refused, it holds more than tensors and plain data and loading it could "
+                              f"run code (read with torch.load weights_only=True; {detail})") from None
+    except Exception as err:  # truncated or corrupt archive: torch raises RuntimeError, EOFError, ...
+        raise CheckpointError(f"{path}: unreadable, truncated or corrupt ({_short(err)})") from None
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    file = path / "state.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file}: missing (not a checkpoint directory)")
+    try:
+        state = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON, truncated or corrupt ({_short(err)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(state).__name__}")
+    for key, kind in (("step", int), ("version", int), ("buffer", dict)):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise CheckpointError(f"{file}: {key!r} is missing or not a{'n' if kind is int else ''} "
+                                  f"{kind.__name__} ({state.get(key)!r})")
+    return state
 
 
 def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bool = True) -> dict[str, Any]:
     """Load the weights of checkpoint ``path`` into ``model`` and return
-    ``{"state": state.json, "learner": {optimizer, scheduler, version}}`` (RNG restored unless told not to)."""
+    ``{"state": state.json, "learner": {optimizer, scheduler, version}}`` (RNG restored unless told not to).
+
+    Every file is read and checked before the model is touched. Raises :class:`CheckpointError`
+    naming the file that is missing, truncated, of the wrong structure or not plain data.
+    """
     path = Path(path)
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"{path} is not a checkpoint directory (no state.json)")
-    missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=True)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    state = _read_state(path)
+    optimizer = _load_pt(path / "optimizer.pt", "optimizer state")
+    if not (isinstance(optimizer, dict) and "state" in optimizer and "param_groups" in optimizer):
+        raise CheckpointError(f"{path / 'optimizer.pt'}: not an optimizer state (no 'state' and 'param_groups')")
+    scheduler = _load_pt(path / "scheduler.pt", "learning-rate schedule state")
+    if not isinstance(scheduler, dict):
+        raise CheckpointError(f"{path / 'scheduler.pt'}: not a scheduler state (got {type(scheduler).__name__})")
+    rng = _load_pt(path / "rng.pt", "random states")
+    try:
+        _check_rng_state(rng)
+    except ValueError as err:
+        raise CheckpointError(f"{path / 'rng.pt'}: {err}") from None
+    weights = path / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{weights}: missing (the model weights)")
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False)
+    except Exception as err:  # a truncated header or body: SafetensorError, OSError, ...
+        raise CheckpointError(f"{weights}: unreadable, truncated or corrupt ({_short(err)})") from None
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
-    state = json.loads((path / "state.json").read_text())
-    learner = {"optimizer": torch.load(path / "optimizer.pt", weights_only=False),
-               "scheduler": torch.load(path / "scheduler.pt", weights_only=False), "version": state["version"]}
+        raise CheckpointError(f"{weights}: does not match the model: missing {sorted(missing)[:5]}, "
+                              f"unexpected {sorted(unexpected)[:5]}")
     if restore_rng:
-        _set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        _set_rng_state(rng)
+    learner = {"optimizer": optimizer, "scheduler": scheduler, "version": state["version"]}
     return {"state": state, "learner": learner}
 
 
+def _candidates(ckpt_dir: Path) -> Iterable[Path]:
+    """What ``--resume`` may load from ``ckpt_dir``: the checkpoint ``latest`` names, then every
+    ``step_*`` directory, newest first (a warning when ``latest`` is missing or names nothing)."""
+    name = _latest_name(ckpt_dir)
+    first = latest_checkpoint(ckpt_dir)
+    if first is not None:
+        yield first
+    elif name is not None:
+        log.warning("--resume: %s names %s, which does not exist; looking for the newest valid checkpoint",
+                    ckpt_dir / LATEST, name)
+    elif _step_dirs(ckpt_dir):
+        log.warning("--resume: %s is missing; looking for the newest valid checkpoint", ckpt_dir / LATEST)
+    for _, path in _step_dirs(ckpt_dir):
+        if first is None or path.resolve() != first.resolve():
+            yield path
+
+
+def _newest_valid(ckpt_dir: Path, model: torch.nn.Module, flag: str) -> tuple[Path, dict[str, Any]]:
+    problems: list[str] = []
+    for path in _candidates(ckpt_dir):
+        try:
+            loaded = load_checkpoint(path, model=model)
+        except CheckpointError as err:
+            log.warning("--resume: skipping the broken checkpoint %s: %s", path, err)
+            problems.append(str(err))
+            continue
+        if problems:
+            log.warning("--resume: resuming from %s, the newest valid checkpoint", path)
+        return path, loaded
+    if problems:
+        raise ConfigError(f"{flag}: no valid checkpoint in {ckpt_dir}: " + "; ".join(problems))
+    raise ConfigError(f"{flag}: no checkpoint in {ckpt_dir}")
+
+
+def _is_checkpoints_dir(path: Path) -> bool:
+    return (path / LATEST).is_file() or bool(_step_dirs(path))
+
+
 def find_checkpoint(ckpt_dir: str | Path, resume: str) -> Path:
-    """The checkpoint ``--resume`` names: ``latest`` (the newest under ``ckpt_dir``) or a directory."""
-    path = latest_checkpoint(ckpt_dir) if resume == "latest" else Path(resume)
-    if path is None:
-        raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
-    return path
+    """The directory ``--resume`` names, without loading it: ``latest`` (what ``ckpt_dir/latest``
+    names), a checkpoint directory, a checkpoints directory or a run directory (their newest)."""
+    if resume == "latest":
+        path = latest_checkpoint(ckpt_dir)
+        if path is None:
+            raise ConfigError(f"--resume: no checkpoint in {ckpt_dir}")
+        return path
+    path = Path(resume)
+    if not path.is_dir():
+        raise ConfigError(f"--resume {resume}: no such directory")
+    if (path / "state.json").exists() or not (_is_checkpoints_dir(path) or _is_checkpoints_dir(path / "checkpoints")):
+        return path
+    inner = path if _is_checkpoints_dir(path) else path / "checkpoints"
+    return latest_checkpoint(inner) or _step_dirs(inner)[0][1]
 
 
 class ResumePoint:
@@ -123,9 +385,30 @@ class ResumePoint:
 
     @classmethod
     def load(cls, ckpt_dir: str | Path, resume: str, model: torch.nn.Module) -> "ResumePoint":
-        """Find the checkpoint, load its weights into ``model`` (not yet sharded) and restore the RNG."""
-        path = find_checkpoint(ckpt_dir, resume)
-        return cls(path, load_checkpoint(path, model=model))
+        """Find the checkpoint, load its weights into ``model`` (not yet sharded) and restore the RNG.
+
+        ``resume``: ``latest`` (the newest valid checkpoint under ``ckpt_dir``; a broken one is skipped
+        with a warning), or a directory: a checkpoint (used as is; an error names its broken file), a
+        checkpoints directory or a run directory (their newest valid checkpoint).
+
+        Raises:
+            ConfigError: nothing valid to resume from (the message names the files and problems).
+        """
+        if resume == "latest":
+            return cls(*_newest_valid(Path(ckpt_dir), model, "--resume"))
+        path = Path(resume)
+        flag = f"--resume {resume}"
+        if not path.is_dir():
+            raise ConfigError(f"{flag}: no such directory")
+        if (path / "state.json").exists():
+            try:
+                return cls(path, load_checkpoint(path, model=model))
+            except CheckpointError as err:
+                raise ConfigError(f"{flag}: {err}") from None
+        for inner in (path, path / "checkpoints"):
+            if _is_checkpoints_dir(inner):
+                return cls(*_newest_valid(inner, model, flag))
+        raise ConfigError(f"{flag}: not a checkpoint (no state.json), a checkpoints directory or a run directory")
 
     @property
     def step(self) -> int:
@@ -144,11 +427,68 @@ def learner_state_to_restore(point: ResumePoint, *, sharded: bool) -> dict[str, 
     return learner_state
 
 
+# ---------------------------------------------------------------- the run's history and files
+
+
 def trim_history(out: str | Path, step: int, names: tuple[str, ...] = ("metrics.jsonl", "eval.jsonl")) -> None:
     """Drop the records of updates after ``step`` (their effect is not in the checkpoint resumed from),
-    so the run's history continues without a gap or a repeat."""
+    so the run's history continues without a gap or a repeat.
+
+    A half-written last line (the run was killed while appending it) is dropped with a warning. A
+    broken line elsewhere is a :class:`~flashreinforce.config.ConfigError` naming the file and line.
+    The file is replaced atomically.
+    """
     for name in names:
         p = Path(out) / name
-        if p.is_file():
-            kept = [ln for ln in p.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-            p.write_text("".join(ln + "\n" for ln in kept))
+        if not p.is_file():
+            continue
+        lines = p.read_text(errors="replace").splitlines()
+        last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+        kept = []
+        for i, ln in enumerate(lines):
+            if not ln.strip():
+                continue
+            try:
+                record = json.loads(ln)
+                record_step = record["step"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                if i == last:
+                    log.warning("%s: dropped a half-written last line (%d characters: %r...)", p, len(ln), ln[:60])
+                    continue
+                raise ConfigError(f"{p} line {i + 1}: not a JSON record with a 'step' ({_short(err)}); fix or "
+                                  "delete that line, then resume again") from None
+            if record_step <= step:
+                kept.append(ln)
+        tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:12]}")
+        with open(tmp, "w") as fh:
+            fh.write("".join(ln + "\n" for ln in kept))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+
+
+def existing_run_files(out: str | Path, ckpt_dir: str | Path) -> list[Path]:
+    """The records and checkpoints of an earlier run in output directory ``out`` (empty when none)."""
+    out, ckpt_dir = Path(out), Path(ckpt_dir)
+    found = [out / n for n in RUN_FILES if (out / n).exists()]
+    if ckpt_dir.is_dir() and _is_checkpoints_dir(ckpt_dir):
+        found.append(ckpt_dir)
+    return found
+
+
+def clear_run(out: str | Path, ckpt_dir: str | Path, hf_dir: str | Path) -> None:
+    """Delete an earlier run's files (``--overwrite``): its records (:data:`RUN_FILES`), its
+    checkpoints (``latest``, ``step_*`` and leftovers; nothing else in ``ckpt_dir``) and its
+    ``hf`` export when that lies inside ``out``. Other files in ``out`` are left alone."""
+    out, ckpt_dir, hf_dir = Path(out), Path(ckpt_dir), Path(hf_dir)
+    for n in RUN_FILES:
+        (out / n).unlink(missing_ok=True)
+    if ckpt_dir.is_dir():
+        (ckpt_dir / LATEST).unlink(missing_ok=True)
+        for p in ckpt_dir.iterdir():
+            if p.is_dir() and (_STEP_DIR.match(p.name) or _LEFTOVER.match(p.name)):
+                shutil.rmtree(p)
+            elif p.name.startswith(f".{LATEST}.tmp-"):
+                p.unlink()
+    if hf_dir.is_dir() and out.resolve() in hf_dir.resolve().parents:
+        shutil.rmtree(hf_dir)

@@ -7,6 +7,8 @@ the setting it controls is written once, here.
 
 from __future__ import annotations
 
+import inspect
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -15,7 +17,8 @@ import torch
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import SamplingParams
 from flashreinforce.envs.base import Environment
-from flashreinforce.envs.registry import EnvironmentSpecError, EnvSpec, accepts_chat_template, num_prompts
+from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
+                                          num_prompts)
 from flashreinforce.models.loading import build_model
 from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 from flashreinforce.trainer.learner import LearnerSettings
@@ -26,10 +29,21 @@ __all__ = ["Policy", "RunEnvironments", "device_of", "engine_options", "eval_env
 
 
 def device_of(name: str) -> torch.device:
-    """``auto`` (CUDA when available) or an explicit torch device name."""
+    """``auto`` (CUDA when available) or an explicit torch device name; a device this machine does not
+    have is a :class:`ConfigError` naming ``--device``."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ConfigError(f"--device {name!r} is not a device name (auto, cpu, cuda, cuda:N): {err}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {name}: no CUDA device is available here (torch.cuda.is_available() is "
+                              "False); use --device cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 @dataclass
@@ -53,7 +67,13 @@ def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
         raise ConfigError("no model: give --model (or --actor.model_name_or_path, or a --preset)")
     model, tok_spec = build_model(f["actor.model_name_or_path"], device=device,
                                   attn_implementation=f["fsdp.attn_implementation"], seed=cfg.seed)
-    tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
+    except (OSError, ValueError) as err:
+        flag = f"--tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"--model {f['actor.model_name_or_path']}"
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        raise ConfigError(f"{flag}: cannot load a tokenizer from {cfg.tokenizer or tok_spec}: {first} (give "
+                          "--tokenizer char or a directory holding a tokenizer)") from None
     spec = f["train.agent_path"]
     env_renders = False
     if f["data.apply_chat_template"] and isinstance(tokenizer, HFTokenizer):
@@ -99,6 +119,15 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         factory = env_spec.factory(policy.tokenizer)
     except EnvironmentSpecError as err:
         raise ConfigError(f"--env {spec!r}: {err}") from None
+    except ImportError as err:  # the module (or something it imports) is not installed
+        raise ConfigError(f"--env {spec!r}: cannot import it: {type(err).__name__}: {err}") from None
+    except TypeError as err:  # names something that is not an Environment subclass
+        raise ConfigError(f"--env {spec!r}: {err}") from None
+    try:
+        inspect.signature(environment_class(spec)).bind_partial(**cfg.env_kwargs)
+    except TypeError as err:
+        raise ConfigError(f"--env.kwargs {json.dumps(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
+                          f"them ({err})") from None
     probe = factory()
     try:
         prompts = num_prompts(probe)
@@ -127,7 +156,8 @@ def total_updates(flags: Mapping[str, Any], prompts: int | None) -> int:
     if steps:
         return int(steps)
     if prompts is None:
-        raise ConfigError("the environment has no finite prompt set; give --train.max_steps")
+        raise ConfigError(f"--train.max_steps {steps} means train.num_episodes passes over a finite prompt set, but "
+                          "this environment has no finite prompt set (endless seeds): give --train.max_steps N > 0")
     steps = flags["train.num_episodes"] * prompts // flags["rollout.batch_size"]
     if steps <= 0:
         raise ConfigError(f"train.num_episodes {flags['train.num_episodes']} passes over {prompts} prompts "
@@ -163,7 +193,8 @@ def rollout_settings(flags: Mapping[str, Any], tokenizer, seed: int) -> RolloutS
     """How workers roll out: lengths, turns, sampling, episodes per engine call."""
     return RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],
                            max_turns=flags["rollout.max_turns"], sampling=sampling_params(flags, tokenizer),
-                           episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed)
+                           episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed,
+                           env_timeout_s=flags["rollout.env_timeout_s"])
 
 
 def engine_options(flags: Mapping[str, Any], seed: int) -> dict[str, Any]:

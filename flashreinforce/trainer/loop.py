@@ -39,7 +39,9 @@ import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.trainer import components
-from flashreinforce.trainer.checkpoints import ResumePoint, learner_state_to_restore, save_checkpoint, trim_history
+from flashreinforce.trainer.checkpoints import (ResumePoint, clear_run, existing_run_files, learner_state_to_restore,
+                                                save_checkpoint, trim_history)
+from flashreinforce.trainer.faults import Watchdog, fault_metrics
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
 from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
@@ -201,8 +203,27 @@ class Trainer:
         return {"status": "follower", "rank": self.dist.rank, "updates": updates,
                 "policy_version": self.learner.version}
 
+    def _prepare_output(self) -> None:
+        """Create ``--output``; an earlier run there is continued only with --resume and cleared only
+        with --overwrite (a new run never mixes its records into another's)."""
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ConfigError(f"--output {self.out}: cannot create the directory ({err.strerror}: "
+                              f"{err.filename})") from None
+        if self.cfg.resume:
+            return
+        earlier = existing_run_files(self.out, self.ckpt_dir)
+        if earlier and not self.cfg.overwrite:
+            raise ConfigError(f"--output {self.out} already holds a run ({', '.join(p.name for p in earlier)}): "
+                              "continue it with --resume, or start over with --overwrite (deletes that run's "
+                              "records and checkpoints)")
+        if earlier:
+            log.warning("--overwrite: deleting the earlier run in %s (%s)", self.out, ", ".join(map(str, earlier)))
+            clear_run(self.out, self.ckpt_dir, self.hf_dir)
+
     def _run(self) -> dict[str, Any]:
-        self.out.mkdir(parents=True, exist_ok=True)
+        self._prepare_output()
         try:
             self._setup()
             self._resume()
@@ -228,12 +249,15 @@ class Trainer:
         (self.out / "config.json").write_text(json.dumps(record, indent=1, default=str))
 
     def _take_batch(self, pool: RolloutBackend):
-        """The next batch, or ``None`` once interrupted; checks the workers while waiting."""
+        """The next batch, or ``None`` once interrupted; checks the workers and the watchdog
+        (:class:`~flashreinforce.trainer.faults.Watchdog`) while waiting."""
         batch = None
+        self._watchdog.start_wait()
         while batch is None and not self._interrupted.is_set():
             batch = self.buffer.take(self.learner.version, timeout=0.25)
             if batch is None:
                 pool.check()
+                self._watchdog.check(self.buffer.stats(), pool.stats())
         return batch
 
     def _train(self) -> dict[str, Any]:
@@ -248,6 +272,7 @@ class Trainer:
                                        initial=self.step)
         pool = None
         status = "completed"
+        self._watchdog = Watchdog(f["train.stall_timeout_s"], f["rollout.max_failed_episodes_in_a_row"])
         try:
             if f["eval.eval_at_start"] and self.step == 0:
                 ev = self.evaluate()
@@ -277,11 +302,13 @@ class Trainer:
                 self.buffer.update_done()
                 self.step += 1
                 now = time.perf_counter()
+                buffer_stats, worker_stats = self.buffer.stats(), pool.stats()
                 record = update_metrics(
                     step=self.step, policy_version=self.learner.version, version_before=version_before,
-                    learner=learner_metrics, trajectories=batch.trajectories, buffer_stats=self.buffer.stats(),
-                    worker_stats=pool.stats(), timings=UpdateTimings(idle=idle, step=now - t_last, wall=now - t_run),
+                    learner=learner_metrics, trajectories=batch.trajectories, buffer_stats=buffer_stats,
+                    worker_stats=worker_stats, timings=UpdateTimings(idle=idle, step=now - t_last, wall=now - t_run),
                     wall_time_before=self.counters["wall_time_s"])
+                record.update(fault_metrics(buffer_stats, worker_stats))
                 t_last = now
                 if f["eval.steps"] and self.step % f["eval.steps"] == 0:
                     ev = self.evaluate()
@@ -295,10 +322,13 @@ class Trainer:
         except KeyboardInterrupt:
             status = "aborted"
             raise
+        except Exception:
+            status = "failed"  # the checkpoint below is still written; a stuck worker is not waited for long
+            raise
         finally:
             metrics_log.close(status)
             if pool is not None:
-                pool.stop()
+                pool.stop(timeout=5.0 if status == "failed" else 30.0)
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
             if status != "aborted":

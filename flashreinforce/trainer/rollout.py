@@ -9,8 +9,18 @@ records the oldest and newest version that sampled it.
 Episode layout: ``prompt tokens | action tokens | observation tokens | action tokens | ...``.
 The episode ends when the environment says ``done``, after ``max_turns`` policy turns, or when the
 context reaches ``max_len`` tokens (the last two set ``truncated``). An observation that would not
-fit is not appended (the episode ends truncated instead). ``failed`` is the environment's label of
+fit is not appended (the episode ends truncated instead); text longer than the room left could hold
+at the tokenizer's longest token is not even tokenized. ``failed`` is the environment's label of
 its last step, or ``reward <= 0`` when it gave none.
+
+Faults stay with the episode that caused them (:mod:`flashreinforce.trainer.faults`): an environment
+call that raises, returns a wrong type or does not return within ``env_timeout_s``, text the
+tokenizer cannot encode, a prompt that cannot fit, or an engine error on one request quarantines
+that episode only: the worker hands a :class:`~flashreinforce.trainer.faults.QuarantinedEpisode` to
+the buffer in its place (which retries the prompt a few times, then skips it) and keeps every other
+episode of the call. An engine call that fails on each of its requests is retried one request at a
+time; a worker whose engine failed on every request of ``MAX_ENGINE_FAILURES_IN_A_ROW`` calls in a
+row stops (the trainer stops when no worker is left).
 
 Workers run as threads (:class:`ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
 the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray`).
@@ -19,23 +29,34 @@ the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.dis
 from __future__ import annotations
 
 import abc
+import functools
 import logging
+import math
+import numbers
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
 
 from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
 from flashreinforce.engines.base import GenerationRequest, RolloutEngine, SamplingParams, WeightStore
 from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.models.tokenizers import CharTokenizer
+from flashreinforce.trainer.faults import EnvCalls, QuarantinedEpisode, RepeatedProblems, RolloutFailed, StopRequested
 from flashreinforce.trainer.trajectory import Trajectory
 
-__all__ = ["RolloutBackend", "RolloutSettings", "RolloutWorker", "ThreadRolloutPool", "episode_seed", "fair_share"]
+__all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutBackend", "RolloutSettings", "RolloutWorker", "ThreadRolloutPool",
+           "episode_seed", "fair_share", "max_token_chars"]
 
 log = logging.getLogger(__name__)
 
 EnvFactory = Callable[[], Environment]
+
+#: A worker stops after this many engine calls in a row failed on every one of their requests.
+MAX_ENGINE_FAILURES_IN_A_ROW = 10
 
 
 def episode_seed(run_seed: int, prompt_id: int, sample_index: int, turn: int) -> int:
@@ -62,6 +83,9 @@ class RolloutSettings:
     (prompt, actions and observations). max_turns: policy turns per episode at most.
     sampling: temperature / top-p / top-k and stop tokens. episodes_per_call: episodes a worker
     runs together (one ``generate`` call samples a turn of each). seed: run seed for sampling.
+    env_timeout_s: seconds one environment call (``reset``, ``step``) may take before its episode is
+    quarantined and the environment instance abandoned (0: no limit; the calls then run in the
+    worker's own thread).
     """
 
     max_new_tokens: int
@@ -70,21 +94,79 @@ class RolloutSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     episodes_per_call: int = 1
     seed: int = 0
+    env_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):
+            raise ValueError(f"RolloutSettings.env_timeout_s must be a finite number >= 0, got {self.env_timeout_s}")
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """An upper bound on the characters one token of ``tokenizer`` stands for (``None``: unknown), so
+    that text too long to fit in ``n`` tokens (more than ``n`` times the bound) is never tokenized.
+
+    The character tokenizer: 1. A Hugging Face tokenizer: its longest vocabulary entry (byte-level and
+    SentencePiece entries are at least as long as the text they decode to). Text whose normalization
+    shortens it (NFKC composition) can in principle be cut although it would have fit.
+    """
+    bound = getattr(tokenizer, "max_token_chars", None)
+    if isinstance(bound, int) and bound > 0:
+        return bound
+    if isinstance(tokenizer, CharTokenizer):
+        return 1
+    hf = getattr(tokenizer, "tok", None)
+    if hf is not None and hasattr(hf, "get_vocab"):
+        try:
+            return max(1, max(len(str(t)) for t in hf.get_vocab()))
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+class _Bad(Exception):
+    """An environment or engine answer of the wrong form (quarantines the episode; no traceback)."""
+
+    def __init__(self, kind: str, reason: str, retry: bool = True) -> None:
+        super().__init__(reason)
+        self.kind, self.reason, self.retry = kind, reason, retry
+
+
+def _is_bool(x: Any) -> bool:
+    return isinstance(x, (bool, np.bool_))
+
+
+def _check_step_result(result: Any, env_name: str) -> StepResult:
+    """``result`` if it is a well-formed :class:`StepResult`; else :class:`_Bad` naming what is wrong."""
+    kind = "env.step returned a wrong type"
+    if not isinstance(result, StepResult):
+        raise _Bad(kind, f"{env_name}.step returned {type(result).__name__}, expected StepResult")
+    if not isinstance(result.observation, str):
+        raise _Bad(kind, f"{env_name}.step: StepResult.observation is {type(result.observation).__name__}, "
+                         "expected str")
+    if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, (bool, np.bool_)):
+        raise _Bad(kind, f"{env_name}.step: StepResult.reward is {type(result.reward).__name__}, expected a number")
+    if not (_is_bool(result.done) or (isinstance(result.done, int) and result.done in (0, 1))):
+        raise _Bad(kind, f"{env_name}.step: StepResult.done is {type(result.done).__name__}, expected bool")
+    if result.failed is not None and not _is_bool(result.failed):
+        raise _Bad(kind, f"{env_name}.step: StepResult.failed is {type(result.failed).__name__}, "
+                         "expected bool or None")
+    if result.info is not None and not isinstance(result.info, Mapping):
+        raise _Bad(kind, f"{env_name}.step: StepResult.info is {type(result.info).__name__}, expected a dict")
+    return result
 
 
 class _Episode:
-    def __init__(self, ticket: Ticket, sample_index: int, env: Environment, prompt_ids: list[int]) -> None:
+    def __init__(self, ticket: Ticket, sample_index: int, slot: int) -> None:
         self.ticket = ticket
         self.sample_index = sample_index
-        self.env = env
-        self.tokens = list(prompt_ids)
-        self.mask = [False] * len(prompt_ids)
-        self.logp = [0.0] * len(prompt_ids)
+        self.slot = slot  # index of its environment instance in the worker's pool
+        self.env: Environment | None = None
+        self.tokens: list[int] = []
+        self.mask: list[bool] = []
+        self.logp: list[float] = []
         self.reward = 0.0
         self.turns = 0
         self.vmin: int | None = None
@@ -95,10 +177,19 @@ class _Episode:
         self.info: dict[str, Any] = {}
         self.length_finishes = 0
         self.action_tokens = 0
+        self.quarantined: QuarantinedEpisode | None = None
+
+    def start(self, prompt_ids: list[int]) -> None:
+        self.tokens = list(prompt_ids)
+        self.mask = [False] * len(prompt_ids)
+        self.logp = [0.0] * len(prompt_ids)
 
     def finish(self, truncated: bool = False) -> None:
         self.done = True
         self.truncated = truncated
+
+    def result(self, worker_id: int) -> Trajectory | QuarantinedEpisode:
+        return self.quarantined if self.quarantined is not None else self.trajectory(worker_id)
 
     def trajectory(self, worker_id: int) -> Trajectory:
         failed = self.failed_label if self.failed_label is not None else self.reward <= 0
@@ -117,7 +208,8 @@ class RolloutWorker:
     Args:
         worker_id: index used in logs and trajectory records.
         engine: this worker's engine (its own copy of the policy).
-        env_factory: builds one environment instance (called lazily, instances are reused).
+        env_factory: builds one environment instance (called lazily, instances are reused; an instance
+            whose call timed out is abandoned and replaced).
         tokenizer: a :class:`flashreinforce.models.tokenizers.TextTokenizer`.
         buffer: where tickets come from and trajectories go.
         weights: where new policy versions are picked up.
@@ -133,12 +225,18 @@ class RolloutWorker:
         self.buffer = buffer
         self.weights = weights
         self.settings = settings
-        self._envs: list[Environment] = []
+        self._envs: list[Environment | None] = []
+        self._calls = EnvCalls(settings.env_timeout_s, name=f"rollout-worker-{worker_id}-env")
+        self._problems = RepeatedProblems(log, f"rollout worker {worker_id}")
+        self._token_chars = max_token_chars(tokenizer)
+        self._engine_call: tuple[str, float] | None = None  # ("engine.generate", start) during a call
         self.idle_s = 0.0
         self.busy_s = 0.0
         self.episodes = 0
         self.errors = 0
+        self.quarantined = 0
         self.weight_loads = 0
+        self.engine_failures_in_a_row = 0
         self.last_error: str | None = None
         # Set by the pool (fair_share): with a large episodes_per_call one worker would otherwise take
         # every prompt that may be in flight and leave the other engines idle.
@@ -147,18 +245,155 @@ class RolloutWorker:
     # ------------------------------------------------------------------ episodes
     def _env(self, k: int) -> Environment:
         while len(self._envs) <= k:
-            self._envs.append(self.env_factory())
+            self._envs.append(None)
+        if self._envs[k] is None:
+            self._envs[k] = self.env_factory()
         return self._envs[k]
 
-    def run_tickets(self, tickets: Sequence[Ticket], stop: threading.Event | None = None) -> list[list[Trajectory]]:
-        """Run every sample of ``tickets`` to the end; returns one list of trajectories per ticket."""
+    def _quarantine(self, e: _Episode, kind: str, reason: str, err: BaseException | None = None,
+                    retry: bool = True) -> None:
+        """Take ``e`` out of the call: it is handed in as a :class:`QuarantinedEpisode`."""
+        e.done = True
+        e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry)
+        self.quarantined += 1
+        self.errors += 1
+        detail = "".join(traceback.format_exception(err)) if err is not None and not isinstance(err, _Bad) else ""
+        self.last_error = f"{reason}\n{detail}" if detail else reason
+        self._problems.report(kind, "worker %d: episode of prompt %d (environment seed %d) quarantined: %s%s",
+                              self.worker_id, e.ticket.prompt_id, e.ticket.seed, reason,
+                              f"\n{detail}" if detail else "")
+
+    def _failed_call(self, e: _Episode, what: str, status: str, value: Any) -> None:
+        if status == "timeout":
+            # The call still runs in an abandoned thread that owns this instance: never use it again.
+            self._envs[e.slot] = None
+            self._quarantine(e, f"{what} timed out", f"{what} timed out: no return within {value:g} s "
+                             "(--rollout.env_timeout_s); the environment instance was abandoned")
+        elif isinstance(value, _Bad):
+            self._quarantine(e, value.kind, value.reason, value, value.retry)
+        else:
+            self._quarantine(e, f"{what} raised {type(value).__name__}", f"{what} raised {type(value).__name__}: "
+                             f"{value}", value)
+
+    def _env_calls(self, calls: list[tuple[_Episode, str, Callable[[], Any]]],
+                   stop: threading.Event | None) -> dict[int, tuple[str, Any]]:
+        try:
+            return self._calls.run([(id(e), what, fn, e.env.close) for e, what, fn in calls], stop)
+        except StopRequested:
+            raise _Stopped() from None
+
+    def _begin(self, episodes: list[_Episode], stop: threading.Event | None) -> None:
+        """Build each episode's environment, reset it and encode its prompt."""
         s = self.settings
-        episodes: list[_Episode] = []
-        for ticket in tickets:
-            for j in range(ticket.group_size):
-                env = self._env(len(episodes))
-                prompt = env.reset(seed=ticket.seed)
-                episodes.append(_Episode(ticket, j, env, self.tokenizer.encode_prompt(prompt)))
+        for e in episodes:
+            try:
+                e.env = self._env(e.slot)
+            except Exception as err:
+                self._quarantine(e, f"building the environment raised {type(err).__name__}",
+                                 f"building the environment raised {type(err).__name__}: {err}", err)
+        calls = [(e, "env.reset", functools.partial(e.env.reset, seed=e.ticket.seed)) for e in episodes if not e.done]
+        results = self._env_calls(calls, stop)
+        for e, what, _ in calls:
+            status, value = results[id(e)]
+            if status != "ok":
+                self._failed_call(e, what, status, value)
+                continue
+            try:
+                if not isinstance(value, str):
+                    raise _Bad("env.reset returned a wrong type",
+                               f"{type(e.env).__name__}.reset returned {type(value).__name__}, expected str")
+                if self._token_chars is not None and len(value) > s.max_len * self._token_chars:
+                    raise _Bad("prompt longer than data.max_len", f"the prompt of {len(value)} characters cannot fit "
+                               f"in data.max_len {s.max_len} tokens", retry=False)
+                ids = self.tokenizer.encode_prompt(value)
+                if len(ids) >= s.max_len:
+                    raise _Bad("prompt longer than data.max_len", f"the prompt of {len(ids)} tokens leaves no room for "
+                               f"an action in data.max_len {s.max_len}", retry=False)
+            except Exception as err:
+                self._failed_call(e, "encoding the prompt", "error", err)
+                continue
+            e.start(ids)
+
+    def _generate(self, live: list[_Episode]) -> list[Any]:
+        """One generation per live episode (an exception in place of those the engine failed on)."""
+        s = self.settings
+        requests = [GenerationRequest(e.tokens, min(s.max_new_tokens, s.max_len - len(e.tokens)),
+                                      episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns))
+                    for e in live]
+        self._engine_call = ("engine.generate", time.monotonic())
+        try:
+            try:
+                gens = list(self.engine.generate(requests, s.sampling))
+                if len(gens) != len(requests):
+                    raise RuntimeError(f"the engine returned {len(gens)} generations for {len(requests)} requests")
+                self.engine_failures_in_a_row = 0
+                return gens
+            except Exception as err:
+                whole = err
+            out: list[Any] = [whole]
+            if len(requests) > 1:  # find the request(s) that fail: one at a time
+                out = []
+                for r in requests:
+                    try:
+                        out.append(self.engine.generate([r], s.sampling)[0])
+                    except Exception as err:
+                        out.append(err)
+            if all(isinstance(g, BaseException) for g in out):
+                self.engine_failures_in_a_row += 1
+            else:
+                self.engine_failures_in_a_row = 0
+            return out
+        finally:
+            self._engine_call = None
+
+    def _record_action(self, e: _Episode, g) -> str:
+        """Append the sampled turn to ``e``; the action's text."""
+        if not g.token_ids:
+            raise _Bad("the engine returned an empty generation", "the engine returned an empty generation")
+        e.tokens.extend(int(t) for t in g.token_ids)
+        e.mask.extend([True] * len(g.token_ids))
+        e.logp.extend(float(x) for x in g.log_probs)
+        e.action_tokens += len(g.token_ids)
+        e.length_finishes += int(g.finish_reason == "length")
+        e.vmin = g.policy_version if e.vmin is None else min(e.vmin, g.policy_version)
+        e.vmax = g.policy_version if e.vmax is None else max(e.vmax, g.policy_version)
+        e.turns += 1
+        return self.tokenizer.decode(g.token_ids)
+
+    def _after_step(self, e: _Episode, result: StepResult) -> None:
+        s = self.settings
+        e.reward += float(result.reward)
+        if result.failed is not None:
+            e.failed_label = bool(result.failed)
+        for k, v in (result.info or {}).items():
+            e.info[k] = v
+        if result.done:
+            e.finish()
+            return
+        if e.turns >= s.max_turns:
+            e.finish(truncated=True)
+            return
+        room = s.max_len - len(e.tokens)  # the observation fits when it has fewer tokens than this
+        text = result.observation
+        if self._token_chars is not None and len(text) >= room * self._token_chars:
+            e.finish(truncated=True)  # too long for the room left: not worth tokenizing
+            return
+        obs = self.tokenizer.encode_observation(text) if text else []
+        if len(e.tokens) + len(obs) >= s.max_len:
+            e.finish(truncated=True)
+            return
+        e.tokens.extend(obs)
+        e.mask.extend([False] * len(obs))
+        e.logp.extend([0.0] * len(obs))
+
+    def run_tickets(self, tickets: Sequence[Ticket],
+                    stop: threading.Event | None = None) -> list[list[Trajectory | QuarantinedEpisode]]:
+        """Run every sample of ``tickets`` to the end; returns, per ticket, its trajectories (a
+        :class:`QuarantinedEpisode` for each sample that could not be finished)."""
+        s = self.settings
+        episodes = [_Episode(ticket, j, slot) for slot, (ticket, j) in
+                    enumerate((t, j) for t in tickets for j in range(t.group_size))]
+        self._begin(episodes, stop)
         while True:
             if stop is not None and stop.is_set():
                 raise _Stopped()
@@ -171,50 +406,32 @@ class RolloutWorker:
                 break
             if self.weights.sync(self.engine):
                 self.weight_loads += 1
-            requests = [GenerationRequest(e.tokens, min(s.max_new_tokens, s.max_len - len(e.tokens)),
-                                          episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns))
-                        for e in live]
-            generations = self.engine.generate(requests, s.sampling)
-            for e, g in zip(live, generations):
-                self._apply(e, g)
-        by_ticket: dict[int, list[Trajectory]] = {t.prompt_id: [] for t in tickets}
+            acted: list[tuple[_Episode, str]] = []
+            for e, g in zip(live, self._generate(live)):
+                if isinstance(g, BaseException):
+                    self._failed_call(e, "engine.generate", "error", g)
+                    continue
+                try:
+                    acted.append((e, self._record_action(e, g)))
+                except Exception as err:
+                    self._failed_call(e, "decoding the action", "error", err)
+            calls = [(e, "env.step", functools.partial(e.env.step, text)) for e, text in acted]
+            results = self._env_calls(calls, stop)
+            for e, what, _ in calls:
+                status, value = results[id(e)]
+                if status != "ok":
+                    self._failed_call(e, what, status, value)
+                    continue
+                try:
+                    self._after_step(e, _check_step_result(value, type(e.env).__name__))
+                except _Bad as err:
+                    self._failed_call(e, what, "error", err)
+                except Exception as err:  # the tokenizer on the observation text
+                    self._failed_call(e, "encoding the observation", "error", err)
+        by_ticket: dict[int, list[Trajectory | QuarantinedEpisode]] = {t.prompt_id: [] for t in tickets}
         for e in episodes:
-            by_ticket[e.ticket.prompt_id].append(e.trajectory(self.worker_id))
+            by_ticket[e.ticket.prompt_id].append(e.result(self.worker_id))
         return [by_ticket[t.prompt_id] for t in tickets]
-
-    def _apply(self, e: _Episode, g) -> None:
-        s = self.settings
-        if not g.token_ids:
-            raise RuntimeError("the engine returned an empty generation")
-        e.tokens.extend(int(t) for t in g.token_ids)
-        e.mask.extend([True] * len(g.token_ids))
-        e.logp.extend(float(x) for x in g.log_probs)
-        e.action_tokens += len(g.token_ids)
-        e.length_finishes += int(g.finish_reason == "length")
-        e.vmin = g.policy_version if e.vmin is None else min(e.vmin, g.policy_version)
-        e.vmax = g.policy_version if e.vmax is None else max(e.vmax, g.policy_version)
-        e.turns += 1
-        result = e.env.step(self.tokenizer.decode(g.token_ids))
-        if not isinstance(result, StepResult):
-            raise TypeError(f"{type(e.env).__name__}.step returned {type(result).__name__}, expected StepResult")
-        e.reward += float(result.reward)
-        if result.failed is not None:
-            e.failed_label = bool(result.failed)
-        for k, v in (result.info or {}).items():
-            e.info[k] = v
-        if result.done:
-            e.finish()
-            return
-        if e.turns >= s.max_turns:
-            e.finish(truncated=True)
-            return
-        obs = self.tokenizer.encode_observation(result.observation) if result.observation else []
-        if len(e.tokens) + len(obs) >= s.max_len:
-            e.finish(truncated=True)
-            return
-        e.tokens.extend(obs)
-        e.mask.extend([False] * len(obs))
-        e.logp.extend([0.0] * len(obs))
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event) -> None:
@@ -239,11 +456,11 @@ class RolloutWorker:
                 for t in tickets:
                     self.buffer.cancel(t)
                 break
-            except Exception as err:  # an environment or engine error loses only these episodes
+            except Exception as err:  # outside any one episode (weights, the worker itself): hand the prompts back
                 self.errors += 1
                 consecutive_errors += 1
                 self.last_error = "".join(traceback.format_exception(err))
-                log.warning("worker %d: episode error (%d in a row), %d prompt(s) handed out again:\n%s",
+                log.warning("worker %d: error (%d in a row), %d prompt(s) handed out again:\n%s",
                             self.worker_id, consecutive_errors, len(tickets), self.last_error)
                 for t in tickets:
                     self.buffer.cancel(t, f"worker {self.worker_id} error: {err!r}")
@@ -254,20 +471,32 @@ class RolloutWorker:
                 continue
             consecutive_errors = 0
             self.buffer.put_many(list(zip(tickets, groups)))
-            self.episodes += sum(len(trajs) for trajs in groups)
+            self.episodes += sum(isinstance(x, Trajectory) for trajs in groups for x in trajs)
             self.busy_s += time.perf_counter() - t1
+            if self.engine_failures_in_a_row >= MAX_ENGINE_FAILURES_IN_A_ROW:
+                log.error("worker %d stops: its engine failed on every request of %d calls in a row; the last error: "
+                          "%s", self.worker_id, self.engine_failures_in_a_row, self.last_error)
+                raise RuntimeError(f"worker {self.worker_id}: the engine failed on every request of "
+                                   f"{self.engine_failures_in_a_row} calls in a row; the last error: {self.last_error}")
 
     def close(self) -> None:
+        self._calls.close()
         for env in self._envs:
+            if env is None:
+                continue
             try:
                 env.close()
             except Exception:  # closing must not hide the run's own outcome
                 log.exception("worker %d: env.close() failed", self.worker_id)
         self.engine.close()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
+        """Counters (numbers), and the call the worker is inside now (``current_call``, ``current_call_s``)."""
+        call = self._calls.current or self._engine_call
         return {"idle_s": self.idle_s, "busy_s": self.busy_s, "episodes": self.episodes, "errors": self.errors,
-                "weight_loads": self.weight_loads}
+                "weight_loads": self.weight_loads, "quarantined_episodes": self.quarantined,
+                "env_timeouts": self._calls.timeouts, "current_call": call[0] if call else "",
+                "current_call_s": time.monotonic() - call[1] if call else 0.0}
 
 
 class _Stopped(Exception):
@@ -332,7 +561,7 @@ class ThreadRolloutPool(RolloutBackend):
         if self._threads and not any(t.is_alive() for t in self._threads):
             last = next(iter(self._failures.values()), None)
             detail = "" if last is None else f": {last!r}\n" + (self.workers[0].last_error or "")
-            raise RuntimeError(f"every rollout worker has stopped{detail}")
+            raise RolloutFailed(f"every rollout worker has stopped{detail}")
 
     def stats(self) -> list[dict[str, float]]:
         return [w.stats() for w in self.workers]

@@ -14,7 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Trajectory"]
+__all__ = ["FLOAT32_OVERFLOW", "Trajectory"]
+
+#: The smallest magnitude that rounds to infinity in float32: halfway between the largest float32,
+#: (2 - 2**-23) * 2**127, and 2**128 (a tie rounds to the even significand, i.e. up).
+FLOAT32_OVERFLOW = (2 - 2**-24) * 2**127
 
 
 @dataclass
@@ -62,32 +66,44 @@ class Trajectory:
         return int(learner_version) - int(self.policy_version_min)
 
     def problem(self, vocab_size: int | None = None) -> str | None:
-        """Why this trajectory cannot be trained on, or ``None`` when it is valid.
+        """Why this trajectory cannot be trained on, or ``None`` when it is valid (see :meth:`diagnose`)."""
+        found = self.diagnose(vocab_size)
+        return None if found is None else found[1]
+
+    def diagnose(self, vocab_size: int | None = None) -> tuple[str, str] | None:
+        """``(kind, message)`` of the first reason this trajectory cannot be trained on, or ``None``.
 
         Checks: equal lengths; at least one action token; the first token is not an action; token ids
-        are ints in ``[0, vocab_size)``; action log-probabilities finite and <= 0; a finite reward;
-        ``policy_version_min <= policy_version_max``; bool labels.
+        are ints in ``[0, vocab_size)``; action log-probabilities finite and <= 0; a reward that is
+        finite in float32 (the learner's compute dtype: a finite float64 beyond ``3.4e38`` would
+        become inf there); ``policy_version_min <= policy_version_max``; bool labels. ``kind`` names
+        the check (the key of the once-per-kind log and counters), ``message`` adds the values.
         """
         n = len(self.token_ids)
         if n == 0:
-            return "token_ids is empty"
+            return "empty trajectory", "token_ids is empty"
         if len(self.action_mask) != n or len(self.behavior_log_probs) != n:
-            return (f"lengths disagree: token_ids {n}, action_mask {len(self.action_mask)}, "
-                    f"behavior_log_probs {len(self.behavior_log_probs)}")
+            return "lengths disagree", (f"lengths disagree: token_ids {n}, action_mask {len(self.action_mask)}, "
+                                        f"behavior_log_probs {len(self.behavior_log_probs)}")
         if self.action_mask[0]:
-            return "action_mask[0] is True: the first token must be a prompt token"
+            return "first token is an action", "action_mask[0] is True: the first token must be a prompt token"
         if not any(self.action_mask):
-            return "no action token (action_mask is all False)"
+            return "no action token", "no action token (action_mask is all False)"
         for t, tok in enumerate(self.token_ids):
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
-                return f"token_ids[{t}] = {tok!r} is not a token id in [0, {vocab_size})"
+                return "token id outside the vocabulary", (f"token_ids[{t}] = {tok!r} is not a token id in "
+                                                           f"[0, {vocab_size})")
         for t, (m, lp) in enumerate(zip(self.action_mask, self.behavior_log_probs)):
             if m and not (isinstance(lp, (int, float)) and math.isfinite(lp) and lp <= 0.0):
-                return f"behavior_log_probs[{t}] = {lp!r} on an action token is not a finite value <= 0"
+                return "bad behavior log-prob", (f"behavior_log_probs[{t}] = {lp!r} on an action token is not a "
+                                                 "finite value <= 0")
         if not (isinstance(self.reward, (int, float)) and math.isfinite(self.reward)):
-            return f"reward {self.reward!r} is not finite"
+            return "reward not finite", f"reward {self.reward!r} is not finite"
+        if abs(self.reward) >= FLOAT32_OVERFLOW:
+            return "reward overflows float32", f"reward {self.reward!r} is not finite in float32 (|reward| >= 3.4e38)"
         if not isinstance(self.failed, bool) or not isinstance(self.truncated, bool):
-            return f"failed ({self.failed!r}) and truncated ({self.truncated!r}) must be bools"
+            return "labels not bools", f"failed ({self.failed!r}) and truncated ({self.truncated!r}) must be bools"
         if self.policy_version_min > self.policy_version_max:
-            return f"policy_version_min {self.policy_version_min} > policy_version_max {self.policy_version_max}"
+            return "policy versions out of order", (f"policy_version_min {self.policy_version_min} > "
+                                                    f"policy_version_max {self.policy_version_max}")
         return None

@@ -1,4 +1,5 @@
-"""Rollout workers: multi-turn layout (observations masked), versions, limits, failures, errors."""
+"""Rollout workers: multi-turn layout (observations masked), versions, limits, failures, engine errors
+(episode faults: test_fault_tolerance.py)."""
 
 import time
 
@@ -9,7 +10,9 @@ from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyChainEnv
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
+from flashreinforce.trainer.faults import RolloutFailed
+from flashreinforce.trainer.rollout import (MAX_ENGINE_FAILURES_IN_A_ROW, RolloutSettings, RolloutWorker,
+                                         ThreadRolloutPool)
 from flashreinforce.models.tokenizers import CharTokenizer
 from python_tests.builders import tiny_causal_lm
 
@@ -122,25 +125,27 @@ def test_rollouts_are_reproducible_from_the_seeds():
     assert ga[1][0].token_ids == gb[0][0].token_ids
 
 
-class BrokenEnv(Environment):
-    def reset(self, *, seed):
-        return "x"
-
-    def step(self, action):
-        raise RuntimeError("environment exploded")
+class BrokenEngine(HFEngine):
+    def generate(self, requests, params):
+        raise RuntimeError("engine exploded")
 
 
-def test_worker_errors_hand_prompts_back_and_are_reported():
-    worker, buf = make_worker(BrokenEnv)
+def test_a_worker_whose_engine_always_fails_stops_and_is_reported():
+    model = tiny_causal_lm(TOK.vocab_size, seed=0, layers=1, tied=False, max_positions=256)
+    worker, buf = make_worker(lambda: ToyCopyChainEnv(turns=2),
+                              eng=BrokenEngine(model, pad_token_id=TOK.pad_token_id, version=0), episodes_per_call=1)
     pool = ThreadRolloutPool([worker])
     pool.start()
     deadline = time.time() + 30
     while any(t.is_alive() for t in pool._threads) and time.time() < deadline:
         time.sleep(0.05)
-    with pytest.raises(RuntimeError, match="every rollout worker has stopped"):
+    with pytest.raises(RolloutFailed, match="every rollout worker has stopped"):
         pool.check()
-    assert worker.errors == 5 and buf.counters["cancelled_groups"] >= 5
-    assert "environment exploded" in worker.last_error
+    # each failed call's episode was quarantined; its prompt retried, then skipped
+    assert worker.engine_failures_in_a_row == MAX_ENGINE_FAILURES_IN_A_ROW == worker.errors
+    assert buf.counters["quarantined_episodes"] == MAX_ENGINE_FAILURES_IN_A_ROW
+    assert buf.counters["skipped_prompts"] >= 1
+    assert "engine exploded" in worker.last_error
     pool.stop()
 
 

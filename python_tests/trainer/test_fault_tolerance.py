@@ -1,0 +1,351 @@
+"""One bad episode never stops a run: episodes that fail (an environment error, a wrong type, text
+the tokenizer cannot encode, a reward that overflows, a call that never returns) are quarantined and
+counted, their prompt is retried a few times then skipped, the others of the same engine call go on,
+repeated problems are logged once per kind, and a run where nothing can be trained on stops with a
+clear error."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+
+import pytest
+
+from flashreinforce.cli import main as cli_main
+from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
+from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.envs.toy import ToyCopyEnv
+from flashreinforce.models.tokenizers import CharTokenizer
+from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
+from flashreinforce.trainer.faults import QuarantinedEpisode, RunStalled, Watchdog
+from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
+from flashreinforce.trainer.trajectory import Trajectory
+from python_tests.builders import tiny_causal_lm
+
+TOK = CharTokenizer()
+RELEASE = threading.Event()  # set at the end of the module: lets the deliberately stuck calls return
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_stuck_calls():
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+def _engine(seed=0):
+    model = tiny_causal_lm(TOK.vocab_size, seed=seed, layers=1, tied=False, max_positions=4096)
+    return HFEngine(model, pad_token_id=TOK.pad_token_id, version=0)
+
+
+def _worker(env_factory, *, eng=None, buffer=None, tokenizer=TOK, **kw):
+    eng = eng or _engine()
+    store = LocalWeightStore()
+    store.publish(eng.model.state_dict(), 0)
+    buf = buffer or RolloutBuffer(batch_groups=4, async_queue_size=1, vocab_size=TOK.vocab_size)
+    base = dict(max_new_tokens=2, max_len=64, max_turns=3, episodes_per_call=8, seed=1,
+                sampling=SamplingParams(stop_token_ids=TOK.eos_token_ids), env_timeout_s=30.0)
+    base.update(kw)
+    return RolloutWorker(0, eng, env_factory, tokenizer, buf, store, RolloutSettings(**base)), buf
+
+
+class SeedEnv(Environment):
+    """One-turn episodes; the episode of seed ``bad`` misbehaves as ``how`` says."""
+
+    def __init__(self, bad=-1, how="raise"):
+        self.bad, self.how, self.seed = bad, how, None
+
+    def reset(self, *, seed):
+        self.seed = seed
+        if seed == self.bad and self.how == "reset_raises":
+            raise RuntimeError("reset exploded")
+        if seed == self.bad and self.how == "prompt_int":
+            return 123
+        if seed == self.bad and self.how == "prompt_huge":
+            return "p" * 1_000_000
+        return "say a:"
+
+    def step(self, action):
+        if self.seed != self.bad:
+            return StepResult(reward=1.0, done=True)
+        if self.how == "raise":
+            raise RuntimeError("environment exploded")
+        if self.how == "hang":
+            RELEASE.wait(600)
+            return StepResult(reward=1.0, done=True)
+        if self.how == "dict":
+            return {"reward": 1.0, "done": True}
+        if self.how == "obs_int":
+            return StepResult(observation=5, reward=0.0, done=False)
+        if self.how == "reward_str":
+            return StepResult(reward="1", done=True)
+        if self.how == "non_ascii":
+            return StepResult(observation=" h\u00e9llo", reward=0.0, done=False)
+        return StepResult(reward=1.0, done=True)
+
+
+def _tickets(n, first_seed=10):
+    return [Ticket(i, first_seed + i, 1) for i in range(n)]
+
+
+# ---------------------------------------------------------------- quarantine, not discard
+
+
+@pytest.mark.parametrize("how,kind", [
+    ("raise", "RuntimeError"), ("reset_raises", "RuntimeError"), ("prompt_int", "str"), ("dict", "StepResult"),
+    ("obs_int", "observation"), ("reward_str", "reward"), ("non_ascii", "ValueError"),
+])
+def test_a_misbehaving_episode_is_quarantined_and_the_others_of_its_call_kept(how, kind):
+    worker, _ = _worker(lambda: SeedEnv(bad=12, how=how))
+    groups = worker.run_tickets(_tickets(4))
+    assert [type(g[0]).__name__ for g in groups] == ["Trajectory", "Trajectory", "QuarantinedEpisode", "Trajectory"]
+    q = groups[2][0]
+    assert q.prompt_id == 2 and kind in q.reason, q.reason
+    for g in (groups[0], groups[1], groups[3]):
+        assert g[0].problem(TOK.vocab_size) is None and g[0].reward == 1.0
+    assert worker.stats()["quarantined_episodes"] == 1
+
+
+class PoisonEngine(HFEngine):
+    """Fails the whole call when any context holds the token of ``~`` (as a backend error would)."""
+
+    def generate(self, requests, params):
+        if any(TOK.encode("~")[0] in r.token_ids for r in requests):
+            raise RuntimeError("engine: bad request in this batch")
+        return super().generate(requests, params)
+
+
+class TildeEnv(Environment):
+    def reset(self, *, seed):
+        self.seed = seed
+        return "~" if seed == 11 else "say a:"
+
+    def step(self, action):
+        return StepResult(reward=1.0, done=True)
+
+
+def test_an_engine_error_costs_only_the_request_that_caused_it():
+    model = tiny_causal_lm(TOK.vocab_size, seed=0, layers=1, tied=False)
+    worker, _ = _worker(TildeEnv, eng=PoisonEngine(model, pad_token_id=TOK.pad_token_id, version=0))
+    groups = worker.run_tickets(_tickets(4))
+    kinds = [type(g[0]).__name__ for g in groups]
+    assert kinds == ["Trajectory", "QuarantinedEpisode", "Trajectory", "Trajectory"]
+    assert "engine" in groups[1][0].reason
+
+
+def test_a_step_that_never_returns_is_abandoned_after_the_timeout():
+    built = []
+
+    def factory():
+        built.append(SeedEnv(bad=11, how="hang"))
+        return built[-1]
+
+    worker, _ = _worker(factory, env_timeout_s=0.5)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(groups=worker.run_tickets(_tickets(3))), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the worker waited for a stuck env.step"
+    groups = result["groups"]
+    assert isinstance(groups[1][0], QuarantinedEpisode) and "timed out" in groups[1][0].reason
+    assert "env.step" in groups[1][0].reason
+    assert isinstance(groups[0][0], Trajectory) and isinstance(groups[2][0], Trajectory)
+    assert worker.stats()["env_timeouts"] == 1
+    # the stuck environment instance is never used again: a fresh one takes its place
+    n = len(built)
+    again = worker.run_tickets([Ticket(7, 20, 1), Ticket(8, 21, 1), Ticket(9, 22, 1)])
+    assert all(isinstance(g[0], Trajectory) for g in again)
+    assert len(built) == n + 1
+
+
+class SpyTokenizer(CharTokenizer):
+    def __init__(self):
+        super().__init__()
+        self.longest = 0
+
+    def encode(self, text):
+        self.longest = max(self.longest, len(text))
+        return super().encode(text)
+
+
+class HugeObservationEnv(Environment):
+    def reset(self, *, seed):
+        return "go:"
+
+    def step(self, action):
+        return StepResult(observation="x" * 1_000_000, reward=0.5, done=False)
+
+
+def test_a_huge_observation_or_prompt_is_cut_before_tokenizing():
+    tok = SpyTokenizer()
+    worker, _ = _worker(HugeObservationEnv, tokenizer=tok, max_len=100)
+    (traj,), = worker.run_tickets([Ticket(0, 0, 1)])
+    assert traj.truncated and traj.num_tokens <= 100 and traj.reward == 0.5
+    assert tok.longest <= 100, f"tokenized {tok.longest} characters for a 100-token context"
+    worker, _ = _worker(lambda: SeedEnv(bad=10, how="prompt_huge"), tokenizer=tok, max_len=100)
+    groups = worker.run_tickets(_tickets(2))
+    assert isinstance(groups[0][0], QuarantinedEpisode) and "data.max_len" in groups[0][0].reason
+    assert isinstance(groups[1][0], Trajectory) and tok.longest <= 100
+
+
+# ---------------------------------------------------------------- the buffer: retries, skips, overflow
+
+
+def test_a_prompt_that_always_fails_is_retried_then_skipped_and_the_worker_goes_on():
+    buf = RolloutBuffer(batch_groups=4, async_queue_size=1, vocab_size=TOK.vocab_size, prompts=PromptStream())
+    worker, _ = _worker(lambda: SeedEnv(bad=2, how="raise"), buffer=buf, episodes_per_call=2)
+    pool = ThreadRolloutPool([worker])
+    pool.start()
+    try:
+        seen = set()
+        for version in range(4):
+            batch = buf.take(version, timeout=60)
+            assert batch is not None, "no batch: the failing prompt stopped the rollout"
+            seen |= {t.prompt_id for t in batch.trajectories}
+            buf.update_done()
+        pool.check()
+        stats = buf.stats()
+    finally:
+        pool.stop()
+    assert 2 not in seen
+    assert stats["skipped_prompts"] == 1 and stats["quarantined_episodes"] == buf.max_prompt_attempts == 3
+    assert stats.get("cancelled_groups", 0) == 0
+
+
+def test_rewards_that_overflow_float32_are_rejected_at_the_buffer():
+    def traj(r):
+        return Trajectory([1, 5, 6], [False, True, True], [0.0, -0.5, -0.5], reward=r, failed=False)
+
+    assert "float32" in traj(5e299).problem()
+    assert "float32" in traj(-3.5e38).problem()
+    assert traj(3.4e38).problem() is None
+    buf = RolloutBuffer(batch_groups=2, async_queue_size=0)
+    t1, t2 = buf.acquire(), buf.acquire()
+    assert buf.put(t1, [traj(5e299)]) == 0 and buf.put(t2, [traj(1.0)]) == 1
+    assert buf.stats()["rejected_trajectories"] == 1 and buf.stats()["skipped_prompts"] == 0
+
+
+def test_repeated_problems_are_logged_once_per_kind_with_counts(caplog):
+    buf = RolloutBuffer(batch_groups=1000, async_queue_size=0)
+    nan = Trajectory([1, 5], [False, True], [0.0, -0.5], reward=float("nan"), failed=True)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(1000):
+            buf.put(buf.acquire(), [nan])
+    assert buf.stats()["rejected_trajectories"] == 1000
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= 5, lines[:10]
+    assert "reward" in lines[0] and any("1000" in x for x in lines), lines
+
+
+def test_worker_errors_are_logged_once_per_kind(caplog):
+    worker, _ = _worker(lambda: SeedEnv(bad=-1, how="raise"))
+    worker.env_factory = lambda: _AlwaysRaises()
+    with caplog.at_level(logging.WARNING):
+        for i in range(25):
+            worker.run_tickets([Ticket(4 * i + j, j, 1) for j in range(4)])
+    assert worker.stats()["quarantined_episodes"] == 100
+    assert len([r for r in caplog.records if "exploded" in r.getMessage()]) == 1
+    assert len(caplog.records) <= 5
+
+
+class _AlwaysRaises(SeedEnv):
+    def step(self, action):
+        raise RuntimeError("always exploded")
+
+
+# ---------------------------------------------------------------- the watchdog
+
+
+def test_the_watchdog_names_what_is_stuck_and_for_how_long():
+    now = [100.0]
+    dog = Watchdog(stall_timeout_s=60, max_failed_in_a_row=0, clock=lambda: now[0])
+    stats = {"put_trajectories": 5, "failed_in_a_row": 0, "quarantined_episodes": 2, "skipped_prompts": 0}
+    workers = [{"current_call": "env.step", "current_call_s": 70.0}, {"current_call": "", "current_call_s": 0.0}]
+    dog.check(stats, workers)
+    now[0] += 59
+    dog.check(stats, workers)
+    now[0] += 2
+    with pytest.raises(RunStalled, match=r"61 s.*train\.stall_timeout_s.*worker 0.*env\.step.*70 s"):
+        dog.check(stats, workers)
+    # progress (a new trajectory) resets the clock
+    now[0] += 1
+    dog.check(dict(stats, put_trajectories=6), workers)
+    now[0] += 30
+    dog.check(dict(stats, put_trajectories=6), workers)
+
+
+def test_the_watchdog_stops_a_run_whose_every_episode_fails():
+    dog = Watchdog(stall_timeout_s=0, max_failed_in_a_row=50)
+    dog.check({"put_trajectories": 0, "failed_in_a_row": 49}, [])
+    with pytest.raises(RunStalled, match=r"50 episodes in a row.*rollout\.max_failed_episodes_in_a_row"):
+        dog.check({"put_trajectories": 0, "failed_in_a_row": 50, "last_failure": "RuntimeError: boom"}, [])
+
+
+# ---------------------------------------------------------------- whole runs
+
+
+class FlakyToyEnv(ToyCopyEnv):
+    """The toy task, except that the prompt of seed 3 always raises (a plain constructor)."""
+
+    def __init__(self):
+        super().__init__()
+
+    def reset(self, *, seed):
+        self._bad = seed == 3
+        return super().reset(seed=seed)
+
+    def step(self, action):
+        if self._bad:
+            raise RuntimeError("flaky environment")
+        return super().step(action)
+
+
+class StuckToyEnv(ToyCopyEnv):
+    def step(self, action):
+        RELEASE.wait(600)
+        return super().step(action)
+
+
+class NanToyEnv(ToyCopyEnv):
+    def step(self, action):
+        r = super().step(action)
+        return StepResult(reward=float("nan"), done=r.done)
+
+
+SMALL = ["--preset", "toy", "--rollout.batch_size", "8", "--train.batch_size", "8", "--rollout.num_workers", "1",
+         "--ckpt.save_steps", "0", "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false"]
+
+
+def test_a_run_with_a_failing_prompt_completes_and_counts_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = cli_main(["train", *SMALL, "--env", f"{__name__}:FlakyToyEnv", "--train.max_steps", "3",
+                     "--output", str(out)])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["skipped_prompts"] == 1 and rows[-1]["quarantined_episodes"] == 3
+
+
+def test_a_run_whose_every_reward_is_nan_stops_with_a_clear_error(tmp_path, capsys):
+    code = cli_main(["train", *SMALL, "--env", f"{__name__}:NanToyEnv", "--train.max_steps", "3",
+                     "--rollout.max_failed_episodes_in_a_row", "40", "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "Traceback" not in err
+    found = re.search(r"(\d+) episodes in a row", err)
+    assert found and int(found.group(1)) >= 40, err
+    assert "rollout.max_failed_episodes_in_a_row" in err and "reward nan is not finite" in err
+
+
+def test_a_stuck_environment_is_reported_by_the_watchdog(tmp_path, capsys):
+    t0 = time.monotonic()
+    code = cli_main(["train", *SMALL, "--env", f"{__name__}:StuckToyEnv", "--train.max_steps", "3",
+                     "--rollout.env_timeout_s", "0", "--train.stall_timeout_s", "2", "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "Traceback" not in err
+    assert "env.step" in err and "train.stall_timeout_s" in err
+    assert time.monotonic() - t0 < 120
