@@ -5,8 +5,12 @@ Molt (NVIDIA-NeMo/labs-molt) at the pinned revision has no native FlashREINFORCE
 express the method through Molt's own knobs (flash_reinforce advantage estimator, seq-level binary-KL
 importance-correction gate in mask mode with threshold delta, seq-mean-token-mean aggregation).
 
-    python scripts/train_molt.py r1 --molt-path ~/labs-molt --model /ckpt/r1-1.5b \\
+    python scripts/train_molt.py --recipe r1 --molt-path ~/labs-molt --model /ckpt/r1-1.5b \\
         --train-data train.jsonl --eval-data eval.jsonl --output runs/r1 --dry-run
+
+The recipe is ``--recipe {r1,qwen_math}`` (the published launcher's spelling; default ``r1``) or, as
+before, the first positional argument (``train_molt.py qwen_math ...``); giving both with different
+values is an error.
 
 Without ``--dry-run`` the launcher refuses a checkout at another revision or with modified tracked
 files, a missing math agent or dataset; it never starts or stops a Ray cluster (start one yourself).
@@ -111,7 +115,10 @@ def recipe_flags(recipe: str, *, molt_path: Path, model: str, train_data: Path, 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="train_molt.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", choices=sorted(RECIPES), help="published recipe")
+    parser.add_argument("recipe", nargs="?", choices=sorted(RECIPES), default=None,
+                        help="published recipe (same as --recipe)")
+    parser.add_argument("--recipe", dest="recipe_flag", choices=sorted(RECIPES), default=None,
+                        help="published recipe (default r1)")
     parser.add_argument("--molt-path", type=Path, required=True, help=f"checkout of {MOLT_REPOSITORY} at {MOLT_REVISION}")
     parser.add_argument("--model", required=True, help="model checkpoint (local path or hub id)")
     parser.add_argument("--train-data", type=Path, required=True, help="training prompts (JSONL)")
@@ -131,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.recipe and args.recipe_flag and args.recipe != args.recipe_flag:
+        parser.error(f"--recipe {args.recipe_flag} and the positional recipe {args.recipe} disagree; give one of them")
+    args.recipe = args.recipe_flag or args.recipe or "r1"
     if args.actor_gpus < 1 or TRAIN_BATCH % args.actor_gpus:
         parser.error(f"--actor-gpus must be a positive divisor of {TRAIN_BATCH}, got {args.actor_gpus}")
     if args.rollout_gpus < 1:

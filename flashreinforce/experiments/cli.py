@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     paths.add_argument("--train-data", type=Path, help="training prompt dataset (JSONL)")
     paths.add_argument("--eval-data", type=Path, help="evaluation dataset (JSONL)")
     paths.add_argument("--output", type=Path, help="output directory (default: outputs/<setting>)")
+    again = parser.add_argument_group("an output directory that already holds a run (this project's trainer only)")
+    again.add_argument("--resume", action="store_true", help="continue the run in --output from its newest checkpoint")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete the run in --output (records and checkpoints) and start over")
     gpus = parser.add_argument_group("GPU placement (all must be positive)")
     gpus.add_argument("--actor-nodes", type=int, default=1, help="learner nodes")
     gpus.add_argument("--actor-gpus", type=int, default=1, help="learner GPUs per node")
@@ -91,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("train_data", "eval_data"):
         if getattr(args, name) is None:
             parser.error(f"--{name.replace('_', '-')} is required to build the trainer command")
+    if args.resume and args.overwrite:
+        parser.error("--resume and --overwrite contradict each other; give one of them")
+    if (args.resume or args.overwrite) and args.trainer_path:
+        parser.error(f"--{'resume' if args.resume else 'overwrite'} is an option of this project's trainer; a Molt "
+                     "checkout (--trainer-path) resumes through its own ckpt.* flags")
     if setting.agent != "math" and not args.agent_path:
         parser.error(f"setting {setting.name!r} needs an explicit {setting.agent} agent: pass --agent-path "
                      "(a math agent cannot stand in)")
@@ -153,6 +162,10 @@ def _launch_flags(setting: ResolvedSetting, args: argparse.Namespace, target: Tr
     })
     if target.name == "native":
         flags["output"] = str(output)
+        if args.resume:
+            flags["resume"] = True
+        if args.overwrite:
+            flags["overwrite"] = True
     return flags
 
 
