@@ -2,7 +2,7 @@
 
 One place decides what ``--env`` (``train.agent_path``) means:
 
-* a shipped name (:data:`BUILTIN_ENVIRONMENTS`: ``math``, ``python_tool``, ``alfworld``);
+* a shipped name (:data:`BUILTIN_ENVIRONMENTS`: ``math``, ``python_tool``, ``alfworld``, ``textworld``);
 * ``MODULE:CLASS`` naming an :class:`~flashreinforce.envs.Environment` subclass;
 * ``FILE.py`` (its one ``Environment`` subclass) or ``FILE.py:CLASS``.
 
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from flashreinforce.envs.base import Environment
-from flashreinforce.envs.tasks import ChatTemplate, DatasetEnvironment, Task, chat_template_from_tokenizer, load_tasks
+from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, TaskEnvironment,
+                                       chat_template_from_tokenizer, load_tasks)
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "environment_class",
            "make_environment", "num_prompts"]
@@ -43,6 +44,7 @@ BUILTIN_ENVIRONMENTS = {
     "math": "flashreinforce.envs.math_env:MathEnv",
     "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
     "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
+    "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
 }
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -113,7 +115,7 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     if apply_chat_template is not None:
         kwargs.setdefault("apply_chat_template", apply_chat_template)
     dataset = flat.get("data.prompt_dataset")
-    if dataset is None and builtin:
+    if dataset is None and builtin and issubclass(cls, TaskEnvironment):  # textworld generates its own games
         raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file)")
     env = cls(**kwargs)
     if dataset is None:
