@@ -18,6 +18,7 @@ from typing import Any, Callable
 from flashreinforce.engines import SamplingParams, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
 from flashreinforce.trainer.buffer import Ticket
+from flashreinforce.trainer.faults import QuarantinedEpisode
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
 
 __all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds"]
@@ -78,7 +79,8 @@ class Evaluator:
         the evaluation :class:`~flashreinforce.trainer.trajectory.Trajectory` objects, in seed order.
         ``eval_response_tokens_mean`` is the mean number of sampled tokens per trajectory and
         ``eval_truncated_fraction`` the share with a turn cut at ``max_new_tokens`` or an episode
-        stopped by the turn or context limit.
+        stopped by the turn or context limit. Episodes the worker had to quarantine (an environment
+        error or timeout) are left out of the means and counted in ``eval_quarantined_episodes``.
         """
         t0 = time.perf_counter()
         n = self.n_samples if n_samples is None else int(n_samples)
@@ -97,6 +99,8 @@ class Evaluator:
                     trajs.extend(group)
         finally:
             settings.sampling = saved
+        quarantined = sum(isinstance(t, QuarantinedEpisode) for t in trajs)
+        trajs = [t for t in trajs if not isinstance(t, QuarantinedEpisode)]
         if trajectories is not None:
             trajectories.extend(trajs)
         return {"eval_reward_mean": _mean(t.reward for t in trajs),
@@ -104,7 +108,8 @@ class Evaluator:
                 "eval_response_tokens_mean": _mean(t.num_action_tokens for t in trajs),
                 "eval_truncated_fraction": _mean(float(t.truncated or t.info.get("length_finishes", 0) > 0)
                                                  for t in trajs),
-                "eval_trajectories": len(trajs), "eval_policy_version": policy_version,
+                "eval_trajectories": len(trajs), "eval_quarantined_episodes": quarantined,
+                "eval_policy_version": policy_version,
                 "eval_time_s": time.perf_counter() - t0}
 
     def close(self) -> None:

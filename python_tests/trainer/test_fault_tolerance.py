@@ -191,6 +191,23 @@ def test_a_huge_observation_or_prompt_is_cut_before_tokenizing():
     assert isinstance(groups[1][0], Trajectory) and tok.longest <= 100
 
 
+def test_an_evaluation_episode_that_fails_is_left_out_and_counted():
+    from flashreinforce.trainer.evaluation import Evaluator
+
+    model = tiny_causal_lm(TOK.vocab_size, seed=0, layers=1, tied=False)
+    store = LocalWeightStore()
+    store.publish(model.state_dict(), 0)
+    settings = RolloutSettings(max_new_tokens=2, max_len=64, sampling=SamplingParams(stop_token_ids=TOK.eos_token_ids))
+    evaluator = Evaluator(env_factory=lambda: SeedEnv(bad=2, how="raise"), seeds=[0, 1, 2, 3], model=model,
+                          tokenizer=TOK, weights=store, rollout_settings=settings,
+                          sampling=SamplingParams(temperature=0.0, stop_token_ids=TOK.eos_token_ids))
+    got: list = []
+    metrics = evaluator.evaluate(0, trajectories=got)
+    evaluator.close()
+    assert metrics["eval_quarantined_episodes"] == 1 and metrics["eval_trajectories"] == 3
+    assert metrics["eval_reward_mean"] == 1.0 and [t.seed for t in got] == [0, 1, 3]
+
+
 # ---------------------------------------------------------------- the buffer: retries, skips, overflow
 
 
