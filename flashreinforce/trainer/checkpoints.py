@@ -100,6 +100,38 @@ def _check_rng_state(state: Any) -> None:
         raise ValueError("the torch random state is not a uint8 tensor")
 
 
+def _legacy_rng_state(path: Path) -> dict[str, Any] | None:
+    """``rng.pt`` in the format of earlier versions (``random.getstate()`` and ``np.random.get_state()``
+    tuples, a NumPy uint32 array inside), converted to the current one; ``None`` when the file needs
+    anything but NumPy's plain-array reconstruction (so nothing else is ever unpickled)."""
+    try:
+        needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception:
+        return None
+    try:
+        from numpy._core.multiarray import _reconstruct  # NumPy 2
+    except ImportError:  # NumPy 1
+        from numpy.core.multiarray import _reconstruct
+    allowed = {f"{_reconstruct.__module__}._reconstruct", "numpy.ndarray", "numpy.dtype"}
+    if not needed or not needed <= allowed:
+        return None
+    try:
+        # the key array's dtype class (numpy.dtypes.UInt32DType) is met while unpickling, not listed before
+        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
+            old = torch.load(path, map_location="cpu", weights_only=True)
+        (version, internal, gauss_next), (kind, keys, pos, has_gauss, cached) = old["python"], old["numpy"]
+        state = {"python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
+                            "gauss_next": gauss_next},
+                 "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+                 "torch": old["torch"]}
+        if "cuda" in old:
+            state["cuda"] = list(old["cuda"])
+        return state
+    except Exception:
+        return None
+
+
 def _set_rng_state(state: dict[str, Any]) -> None:
     py, npy = state["python"], state["numpy"]
     random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
@@ -298,7 +330,13 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bo
     scheduler = _load_pt(path / "scheduler.pt", "learning-rate schedule state")
     if not isinstance(scheduler, dict):
         raise CheckpointError(f"{path / 'scheduler.pt'}: not a scheduler state (got {type(scheduler).__name__})")
-    rng = _load_pt(path / "rng.pt", "random states")
+    try:
+        rng = _load_pt(path / "rng.pt", "random states")
+    except CheckpointError:
+        rng = _legacy_rng_state(path / "rng.pt") if (path / "rng.pt").is_file() else None
+        if rng is None:
+            raise
+        log.info("%s: random states in the format of earlier versions, converted", path / "rng.pt")
     try:
         _check_rng_state(rng)
     except ValueError as err:

@@ -96,6 +96,24 @@ def test_rng_states_round_trip_as_plain_data(tmp_path):
     assert got == want
 
 
+def test_random_states_of_earlier_versions_still_load_but_nothing_else_does(tmp_path):
+    path = _save(tmp_path / "ck", 1, _model())
+    np.random.seed(3)
+    random.seed(4)
+    old = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(old, path / "rng.pt")  # the earlier format: Python tuples and a NumPy array
+    want = (random.random(), float(np.random.rand()))
+    random.seed(0)
+    np.random.seed(0)
+    load_checkpoint(path, model=_model(1))
+    assert (random.random(), float(np.random.rand())) == want
+    marker = tmp_path / "code_ran"
+    torch.save({**old, "x": _RunsCode(marker)}, path / "rng.pt")
+    with pytest.raises(CheckpointError, match=r"rng\.pt"):
+        load_checkpoint(path, model=_model(1))
+    assert not marker.exists()
+
+
 def test_a_checkpoint_round_trips_weights_optimizer_and_state(tmp_path):
     model = _model(3)
     path = _save(tmp_path / "ck", 4, model)
