@@ -1,6 +1,6 @@
 // C++ tests of the framework-agnostic core (CPU path) against a double-precision computation
-// written here from SEMANTICS.md, on random segments and edge cases. Run through CTest
-// (python_tests/test_cpp_core.py builds and runs it).
+// written here from docs/semantics.md, on random segments and edge cases. Run through CTest
+// (python_tests/ops/test_cpp_core.py builds and runs it).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -44,6 +44,7 @@ struct Problem {
   bool no_is = false;
   LossAgg agg = LossAgg::kSeqMeanTokenMean;
   double lsf = 0.0;
+  int64_t num_policy_tokens = 0;
 };
 
 struct Result {
@@ -131,53 +132,82 @@ template <> struct Typed<double> {
   static constexpr DType kType = DType::kFloat64;
 };
 
+template <class T> static TensorView view(std::vector<T>& v, DType dtype) {
+  TensorView t;
+  t.data = v.data();
+  t.dtype = dtype;
+  t.numel = static_cast<int64_t>(v.size());
+  return t;
+}
+template <class T> static TensorView scalar_view(T& x, DType dtype) {
+  TensorView t;
+  t.data = &x;
+  t.dtype = dtype;
+  t.numel = 1;
+  return t;
+}
+
+// Storage for one run of the core: the inputs in type T and the outputs, with their views.
+template <class T>
+struct Run {
+  std::vector<T> lp, blp, ent, grad, adv, kl;
+  std::vector<double> rewards;
+  std::vector<int64_t> cu, policy, retained;
+  std::vector<uint8_t> mask, failures, admitted;
+  T loss = 0, rate = 0;
+  LossParams params;
+
+  explicit Run(const Problem& P)
+      : lp(P.lp.begin(), P.lp.end()), blp(P.blp.begin(), P.blp.end()), ent(P.ent.begin(), P.ent.end()),
+        grad(P.lp.size()), adv(P.rewards.size()), kl(P.rewards.size()), rewards(P.rewards), cu(P.cu),
+        policy(P.rewards.size()), retained(P.rewards.size()), mask(P.mask), failures(P.failures),
+        admitted(P.rewards.size()) {
+    const DType t = Typed<T>::kType;
+    LossParams& p = params;
+    p.log_probs = view(lp, t);
+    p.behavior_log_probs = view(blp, t);
+    p.rewards = view(rewards, DType::kFloat64);
+    p.cu_seqlens = view(cu, DType::kInt64);
+    if (!mask.empty()) p.action_mask = view(mask, DType::kBool);
+    if (P.q < 1.0) {
+      p.entropies = view(ent, t);
+      p.failures = view(failures, DType::kBool);
+    }
+    p.options.delta = P.delta;
+    p.options.negative_token_fraction = P.q;
+    p.options.no_is = P.no_is;
+    p.options.loss_agg = P.agg;
+    p.options.loss_scale_factor = P.lsf;
+    p.options.num_policy_tokens = P.num_policy_tokens;
+    p.loss = scalar_view(loss, t);
+    p.grad = view(grad, t);
+    p.advantages = view(adv, t);
+    p.sequence_kl = view(kl, t);
+    p.admitted = view(admitted, DType::kBool);
+    p.acceptance_rate = scalar_view(rate, t);
+    p.policy_tokens = view(policy, DType::kInt64);
+    p.retained_tokens = view(retained, DType::kInt64);
+  }
+};
+
 template <class T>
 static Error run_core(const Problem& P, Result& out, int threads) {
-  const int64_t b = static_cast<int64_t>(P.rewards.size());
-  const int64_t n = static_cast<int64_t>(P.lp.size());
-  std::vector<T> lp(P.lp.begin(), P.lp.end()), blp(P.blp.begin(), P.blp.end()), ent(P.ent.begin(), P.ent.end());
-  std::vector<T> grad(n), adv(b), kl(b);
-  T loss = 0, rate = 0;
-  std::vector<uint8_t> admitted(b);
-  std::vector<int64_t> policy(b), retained(b);
-  LossInputs in;
-  in.num_tokens = n;
-  in.batch = b;
-  in.log_probs = lp.data();
-  in.log_probs_dtype = Typed<T>::kType;
-  in.behavior_log_probs = blp.data();
-  in.behavior_dtype = Typed<T>::kType;
-  in.rewards = P.rewards.data();
-  in.rewards_dtype = DType::kFloat64;
-  in.cu_seqlens = P.cu.data();
-  in.cu_dtype = DType::kInt64;
-  in.action_mask = P.mask.empty() ? nullptr : P.mask.data();
-  in.entropies = P.q < 1.0 ? ent.data() : nullptr;
-  in.entropies_dtype = Typed<T>::kType;
-  in.failures = P.q < 1.0 ? P.failures.data() : nullptr;
-  in.delta = P.delta;
-  in.negative_token_fraction = P.q;
-  in.no_is = P.no_is;
-  in.loss_agg = P.agg;
-  in.loss_scale_factor = P.lsf;
-  LossOutputs o;
-  o.loss = &loss;
-  o.grad = grad.data();
-  o.advantages = adv.data();
-  o.sequence_kl = kl.data();
-  o.admitted = admitted.data();
-  o.acceptance_rate = &rate;
-  o.policy_tokens = policy.data();
-  o.retained_tokens = retained.data();
-  const Error e = loss_forward_cpu(in, o, threads);
-  out.loss = loss;
-  out.grad.assign(grad.begin(), grad.end());
-  out.adv.assign(adv.begin(), adv.end());
-  out.kl.assign(kl.begin(), kl.end());
-  out.admitted = admitted;
-  out.policy = policy;
-  out.retained = retained;
-  out.rate = {static_cast<double>(rate)};
+  Run<T> run(P);
+  const char* problem = check_params(run.params);
+  if (problem != nullptr) {
+    std::fprintf(stderr, "  check_params: %s\n", problem);
+    CHECK(problem == nullptr);
+    return Error{};
+  }
+  const Error e = loss_forward_cpu(run.params, threads);
+  out.loss = run.loss;
+  out.grad.assign(run.grad.begin(), run.grad.end());
+  out.adv.assign(run.adv.begin(), run.adv.end());
+  out.kl.assign(run.kl.begin(), run.kl.end());
+  out.admitted = run.admitted;
+  out.policy = run.policy;
+  out.retained = run.retained;
+  out.rate = {static_cast<double>(run.rate)};
   return e;
 }
 
@@ -387,6 +417,63 @@ int main() {
     Q.rewards[2] = NAN;
     e = run_core<double>(Q, r, 2);
     CHECK(e.code == ErrorCode::kNonFiniteReward && e.index == 2);
+    g_case = "error reward in float32";  // finite in float64, infinite once rounded to float32
+    Q = P;
+    Q.rewards[1] = 1e39;
+    e = run_core<float>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kNonFiniteReward && e.index == 1);
+    CHECK(run_core<double>(Q, r, 2).code == ErrorCode::kOk);
+    g_case = "error advantage";  // rewards finite in float32, reward - mean is not
+    Q = P;
+    Q.rewards = {3e38, 3e38, -3e38};
+    e = run_core<float>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kNonFiniteAdvantage && e.index == 2);
+    CHECK(run_core<double>(Q, r, 2).code == ErrorCode::kOk);
+    g_case = "error too few policy tokens";
+    Q = P;
+    int64_t total = 0;
+    for (uint8_t m : Q.mask) total += m;
+    Q.agg = LossAgg::kTokenMean;
+    Q.num_policy_tokens = total - 1;
+    e = run_core<double>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kTooFewPolicyTokens && e.index == total);
+    Q.num_policy_tokens = total;
+    CHECK(run_core<double>(Q, r, 2).code == ErrorCode::kOk);
+    g_case = "error gradient overflow";  // the ratio e^20 is finite, rho * A * s is not (float32)
+    Q = P;
+    const int64_t t0 = std::find(Q.mask.begin(), Q.mask.begin() + 4, 1) - Q.mask.begin();
+    Q.rewards = {1e36, 0.0, 0.0};
+    Q.lp[t0] = -0.5;
+    Q.blp[t0] = -20.5;
+    e = run_core<float>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kGradientOverflow && e.index == t0);
+    CHECK(run_core<double>(Q, r, 2).code == ErrorCode::kOk);
+    g_case = "ratio overflow before gradient overflow";  // priority: code first, then index
+    Q.blp[t] = -800.0;
+    Q.lp[t] = -0.1;
+    e = run_core<float>(Q, r, 2);
+    CHECK(e.code == ErrorCode::kRatioOverflow && e.index == t);
+  }
+  // Structural checks of the parameters (check_params).
+  {
+    g_case = "check_params";
+    Problem P = random_problem(rng, {4, 5}, 0.05, 0.5, false);
+    Run<float> ok(P);
+    CHECK(check_params(ok.params) == nullptr);
+    Run<float> no_behavior(P);
+    no_behavior.params.behavior_log_probs = TensorView();
+    CHECK(check_params(no_behavior.params) != nullptr);
+    Run<float> no_entropies(P);
+    no_entropies.params.entropies = TensorView();
+    CHECK(check_params(no_entropies.params) != nullptr);
+    no_entropies.params.options.negative_token_fraction = 1.0;  // the filter is off: not needed
+    CHECK(check_params(no_entropies.params) == nullptr);
+    Run<float> short_grad(P);
+    short_grad.params.grad.numel -= 1;
+    CHECK(check_params(short_grad.params) != nullptr);
+    Run<float> wrong_cu(P);
+    wrong_cu.params.cu_seqlens.numel = 2;
+    CHECK(check_params(wrong_cu.params) != nullptr);
   }
   // Per-token arithmetic of the shared header against long double.
   {

@@ -1,4 +1,4 @@
-// Template implementation of the CPU entropy filter (SEMANTICS.md step 5): entropy validation
+// Template implementation of the CPU entropy filter (docs/semantics.md step 5): entropy validation
 // and the per-trajectory selection of the kept tokens, written as 1 / 0 flags into the gradient
 // buffer for the main pass. Included by the per-instruction-set TUs like main_pass_impl.h.
 #pragma once
@@ -202,29 +202,32 @@ static void write_keep_flags(const E* e, const uint8_t* mask, LP* __restrict gra
 }
 
 template <class E, class LP>
-static void select_and_flag(const LossInputs& in, const std::vector<int64_t>& cu,
+static void select_and_flag(const LossParams& p, const std::vector<int64_t>& cu,
                      const std::vector<int64_t>& selected, const std::vector<int64_t>& keep_count,
-                     void* grad, int num_threads) {
+                     int num_threads) {
   using K = KeyOf<E>;
-  const E* e = static_cast<const E*>(in.entropies);
+  const E* e = p.entropies.as<const E>();
+  const uint8_t* mask = p.action_mask.as<const uint8_t>();
+  LP* grad = p.grad.as<LP>();
   parallel_for(num_threads, static_cast<int64_t>(selected.size()), [&](int64_t j) {
     thread_local std::vector<std::pair<K, int64_t>> scratch;
     const int64_t i = selected[j];
-    const auto star = select_threshold<E>(e, in.action_mask, cu[i], cu[i + 1], keep_count[i], scratch);
-    write_keep_flags<E, LP>(e, in.action_mask, static_cast<LP*>(grad), cu[i], cu[i + 1], star.first,
-                            star.second);
+    const auto star = select_threshold<E>(e, mask, cu[i], cu[i + 1], keep_count[i], scratch);
+    write_keep_flags<E, LP>(e, mask, grad, cu[i], cu[i + 1], star.first, star.second);
     if (scratch.capacity() > (1u << 16)) std::vector<std::pair<K, int64_t>>().swap(scratch);
   });
 }
 
 template <class E>
-static int64_t check_entropies(const LossInputs& in, int num_threads) {
-  const int64_t chunks = (in.num_tokens + kChunk - 1) / kChunk;
+static int64_t check_entropies(const LossParams& p, int num_threads) {
+  const int64_t n = p.num_tokens();
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
   std::vector<int64_t> bad(chunks, -1);
-  const E* e = static_cast<const E*>(in.entropies);
+  const E* e = p.entropies.as<const E>();
+  const uint8_t* mask = p.action_mask.as<const uint8_t>();
   parallel_for(num_threads, chunks, [&](int64_t c) {
-    const int64_t c0 = c * kChunk, c1 = std::min(in.num_tokens, c0 + kChunk);
-    bad[c] = first_bad_entropy<E>(e, in.action_mask, c0, c1);
+    const int64_t c0 = c * kChunk, c1 = std::min(n, c0 + kChunk);
+    bad[c] = first_bad_entropy<E>(e, mask, c0, c1);
   });
   for (int64_t c = 0; c < chunks; ++c) {
     if (bad[c] >= 0) return bad[c];

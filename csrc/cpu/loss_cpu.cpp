@@ -1,6 +1,6 @@
 // CPU path of the fused FlashREINFORCE loss (driver). See docs/kernel.md for the design:
 //   1. offsets: validate cu_seqlens (or build the padded ones), count T_i from the mask;
-//   2. per trajectory: advantages, loss scale, keep mode of the entropy filter;
+//   2. per trajectory: advantages (finite in the compute dtype), loss scale, keep mode of the filter;
 //   3. filter: validate entropies, select the kept tokens of each failed trajectory by a radix
 //      select on order-preserving keys, and write keep flags (1 / 0) into the gradient buffer;
 //   4. main pass over fixed chunks (main_pass_impl.h): KL sums, validation, gradient, loss terms;
@@ -19,6 +19,7 @@
 #include "flashreinforce/core.h"
 #include "flashreinforce/dtype_load.h"
 #include "flashreinforce/token_math.h"
+#include "flashreinforce/trajectory.h"
 #include "main_pass.h"
 #include "thread_pool.h"
 
@@ -123,11 +124,10 @@ const KernelTable& best_table_for(DType lp, DType blp) {
   return kernels_generic();
 }
 
-Error make_error(ErrorCode code, int64_t index, double value = 0.0) {
+Error make_error(ErrorCode code, int64_t index) {
   Error e;
   e.code = code;
   e.index = index;
-  e.value = value;
   return e;
 }
 
@@ -143,115 +143,118 @@ const char* cpu_isa_name() {
 
 }  // namespace cpu
 
-Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_threads) {
+Error loss_forward_cpu(const LossParams& p, int num_threads) {
   using namespace cpu;
-  const int64_t n = in.num_tokens, b = in.batch;
+  const LossOptions& opt = p.options;
+  const int64_t n = p.num_tokens(), b = p.batch();
   // A helper joins a few microseconds after its wake-up at best (tasks are claimed dynamically, so
   // a late one costs nothing but the wake-up itself): below ~32k tokens (~40 us) per thread it
   // does not pay.
   constexpr int64_t kMinTokensPerThread = 32768;
   num_threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(num_threads, n / kMinTokensPerThread)));
-  const DType compute = compute_dtype(in.log_probs_dtype);
+  const DType lp_dtype = p.log_probs.dtype, blp_dtype = p.behavior_log_probs.dtype;
+  const DType compute = compute_dtype(lp_dtype);
+  const bool compute_double = compute == DType::kFloat64;
+  const uint8_t* mask = p.action_mask.as<const uint8_t>();
 
   // 1. Offsets.
   std::vector<int64_t> cu(b + 1);
-  if (in.cu_seqlens == nullptr) {
-    for (int64_t i = 0; i <= b; ++i) cu[i] = i * in.padded_row_length;
-  } else if (in.cu_dtype == DType::kInt32) {
-    const int32_t* c = static_cast<const int32_t*>(in.cu_seqlens);
+  if (!p.cu_seqlens.present()) {
+    for (int64_t i = 0; i <= b; ++i) cu[i] = i * p.padded_row_length;
+  } else if (p.cu_seqlens.dtype == DType::kInt32) {
+    const int32_t* c = p.cu_seqlens.as<const int32_t>();
     for (int64_t i = 0; i <= b; ++i) cu[i] = c[i];
   } else {
-    std::memcpy(cu.data(), in.cu_seqlens, sizeof(int64_t) * (b + 1));
+    std::memcpy(cu.data(), p.cu_seqlens.data, sizeof(int64_t) * (b + 1));
   }
-  if (cu[0] != 0) return make_error(ErrorCode::kBadCuSeqlens, 0, static_cast<double>(cu[0]));
+  if (cu[0] != 0) return make_error(ErrorCode::kBadCuSeqlens, 0);
   for (int64_t i = 0; i < b; ++i) {
-    if (cu[i + 1] < cu[i]) return make_error(ErrorCode::kBadCuSeqlens, i + 1, static_cast<double>(cu[i + 1]));
+    if (cu[i + 1] < cu[i]) return make_error(ErrorCode::kBadCuSeqlens, i + 1);
   }
-  if (cu[b] != n) return make_error(ErrorCode::kBadCuSeqlens, b, static_cast<double>(cu[b]));
+  if (cu[b] != n) return make_error(ErrorCode::kBadCuSeqlens, b);
 
   std::vector<int64_t> counts;
-  if (in.action_mask) {
-    count_policy_tokens(in.action_mask, cu, n, num_threads, counts);
+  if (mask) {
+    count_policy_tokens(mask, cu, n, num_threads, counts);
   } else {
     counts.resize(b);
     for (int64_t i = 0; i < b; ++i) counts[i] = cu[i + 1] - cu[i];
   }
+  int64_t total_policy = 0;
   for (int64_t i = 0; i < b; ++i) {
     if (counts[i] == 0) return make_error(ErrorCode::kNoPolicyTokens, i);
+    total_policy += counts[i];
+  }
+  if (opt.num_policy_tokens > 0 && opt.num_policy_tokens < total_policy) {
+    return make_error(ErrorCode::kTooFewPolicyTokens, total_policy);
   }
 
   // 2. Per trajectory: advantages, scales, keep modes.
   std::vector<double> rewards(b);
   double reward_sum = 0.0;
   for (int64_t i = 0; i < b; ++i) {
-    rewards[i] = load_as_double(in.rewards, in.rewards_dtype, i);
-    if (!std::isfinite(rewards[i])) return make_error(ErrorCode::kNonFiniteReward, i, rewards[i]);
+    rewards[i] = load_as_double(p.rewards.data, p.rewards.dtype, i);
+    if (!finite_in_compute(rewards[i], compute_double)) return make_error(ErrorCode::kNonFiniteReward, i);
     reward_sum += rewards[i];
   }
-  const double baseline = in.has_reward_baseline ? in.reward_baseline : reward_sum / static_cast<double>(b);
-  const double num_traj = in.num_trajectories > 0 ? static_cast<double>(in.num_trajectories) : static_cast<double>(b);
-  int64_t total_policy = 0;
-  for (int64_t i = 0; i < b; ++i) total_policy += counts[i];
-  const double num_policy = in.num_policy_tokens > 0 ? static_cast<double>(in.num_policy_tokens)
-                                                     : static_cast<double>(total_policy);
-  const bool filter = in.negative_token_fraction < 1.0;
+  const double baseline = opt.has_reward_baseline ? opt.reward_baseline : reward_sum / static_cast<double>(b);
+  for (int64_t i = 0; i < b; ++i) {
+    if (!finite_in_compute(rewards[i] - baseline, compute_double)) {
+      return make_error(ErrorCode::kNonFiniteAdvantage, i);
+    }
+  }
+  const double num_traj = opt.num_trajectories > 0 ? static_cast<double>(opt.num_trajectories) : static_cast<double>(b);
+  const double num_policy = opt.num_policy_tokens > 0 ? static_cast<double>(opt.num_policy_tokens)
+                                                      : static_cast<double>(total_policy);
+  const bool filter = opt.filter();
+  const uint8_t* failures = p.failures.as<const uint8_t>();
   std::vector<double> coef(b);
-  std::vector<uint8_t> keep(b, kKeepAll);
-  std::vector<int64_t> keep_count(counts);
+  std::vector<uint8_t> keep(b);
+  std::vector<int64_t> keep_count(b);
   std::vector<int64_t> selected;
   for (int64_t i = 0; i < b; ++i) {
     const double advantage = round_to_compute(compute, rewards[i] - baseline);
-    store_compute(out.advantages, compute, i, advantage);
-    double scale;
-    switch (in.loss_agg) {
-      case LossAgg::kTokenMean: scale = 1.0 / num_policy; break;
-      case LossAgg::kSeqMeanTokenSumNorm: scale = 1.0 / (in.loss_scale_factor * num_traj); break;
-      default: scale = 1.0 / (static_cast<double>(counts[i]) * num_traj); break;
-    }
-    coef[i] = advantage * scale;
-    out.policy_tokens[i] = counts[i];
-    if (filter && in.failures[i]) {
-      const int64_t k = static_cast<int64_t>(std::ceil(in.negative_token_fraction * static_cast<double>(counts[i])));
-      keep_count[i] = std::min(k, counts[i]);
-      if (k <= 0) {
-        keep[i] = kKeepNone;
-      } else if (k < counts[i]) {
-        keep[i] = kKeepFlags;
-        selected.push_back(i);
-      }
-    }
+    store_compute(p.advantages.data, compute, i, advantage);
+    coef[i] = advantage * loss_scale(opt.loss_agg, counts[i], num_traj, num_policy, opt.loss_scale_factor);
+    p.policy_tokens.as<int64_t>()[i] = counts[i];
+    const KeepPlan plan = keep_plan(filter, filter && failures[i], opt.negative_token_fraction, counts[i]);
+    keep[i] = plan.mode;
+    keep_count[i] = plan.kept;
+    if (plan.mode == kKeepFlags) selected.push_back(i);
   }
 
   // 3. Filter: validate entropies, then select and write keep flags into grad.
   int64_t bad_entropy = -1;
   if (filter) {
-    const KernelTable& kernels = best_table_for(in.log_probs_dtype, in.behavior_dtype);
-    const int e = static_cast<int>(in.entropies_dtype);
-    bad_entropy = kernels.check_entropies[e](in, num_threads);
+    const KernelTable& kernels = best_table_for(lp_dtype, blp_dtype);
+    const int e = static_cast<int>(p.entropies.dtype);
+    bad_entropy = kernels.check_entropies[e](p, num_threads);
     if (bad_entropy >= 0) {
       // Still run the main pass (log-prob errors are reported first), without the selection.
       for (int64_t i : selected) keep[i] = kKeepAll;
     } else if (!selected.empty()) {
-      kernels.select[e][static_cast<int>(in.log_probs_dtype)](in, cu, selected, keep_count, out.grad, num_threads);
+      kernels.select[e][static_cast<int>(lp_dtype)](p, cu, selected, keep_count, num_threads);
     }
   }
 
   // 4. Main pass.
+  using Overflow = MainPassArgs::Overflow;
   const int64_t chunks = num_chunks(n);
   std::vector<double> body_kl(b, 0.0), body_loss(b, 0.0), head_kl(chunks, 0.0), head_loss(chunks, 0.0);
-  std::vector<int64_t> body_overflow(b, -1), head_segment(chunks, -1), head_overflow(chunks, -1);
+  std::vector<Overflow> body_overflow(b), head_overflow(chunks);
+  std::vector<int64_t> head_segment(chunks, -1);
   std::vector<int64_t> bad_lp(chunks, -1), bad_blp(chunks, -1);
   MainPassArgs args;
   args.num_tokens = n;
   args.batch = b;
-  args.log_probs = in.log_probs;
-  args.behavior = in.behavior_log_probs;
-  args.mask = in.action_mask;
-  args.grad = out.grad;
+  args.log_probs = p.log_probs.data;
+  args.behavior = p.behavior_log_probs.data;
+  args.mask = mask;
+  args.grad = p.grad.data;
   args.cu = cu.data();
   args.coef = coef.data();
   args.keep = keep.data();
-  args.no_is = in.no_is;
+  args.no_is = opt.no_is;
   args.body_kl = body_kl.data();
   args.body_loss = body_loss.data();
   args.body_overflow = body_overflow.data();
@@ -261,68 +264,62 @@ Error loss_forward_cpu(const LossInputs& in, const LossOutputs& out, int num_thr
   args.head_overflow = head_overflow.data();
   args.bad_log_prob = bad_lp.data();
   args.bad_behavior = bad_blp.data();
-  const MainChunkFn fn = best_table_for(in.log_probs_dtype, in.behavior_dtype)
-                             .main[static_cast<int>(in.log_probs_dtype)][static_cast<int>(in.behavior_dtype)];
+  const MainChunkFn fn =
+      best_table_for(lp_dtype, blp_dtype).main[static_cast<int>(lp_dtype)][static_cast<int>(blp_dtype)];
   parallel_for(num_threads, chunks, [&](int64_t c) { fn(args, c); });
 
   // 5. Combine in a fixed order, then report errors by priority.
   for (int64_t c = 0; c < chunks; ++c) {
-    if (bad_lp[c] >= 0) {
-      return make_error(ErrorCode::kBadLogProb, bad_lp[c], load_as_double(in.log_probs, in.log_probs_dtype, bad_lp[c]));
-    }
+    if (bad_lp[c] >= 0) return make_error(ErrorCode::kBadLogProb, bad_lp[c]);
   }
   for (int64_t c = 0; c < chunks; ++c) {
-    if (bad_blp[c] >= 0) {
-      return make_error(ErrorCode::kBadBehaviorLogProb, bad_blp[c],
-                        load_as_double(in.behavior_log_probs, in.behavior_dtype, bad_blp[c]));
-    }
+    if (bad_blp[c] >= 0) return make_error(ErrorCode::kBadBehaviorLogProb, bad_blp[c]);
   }
-  if (bad_entropy >= 0) {
-    return make_error(ErrorCode::kBadEntropy, bad_entropy, load_as_double(in.entropies, in.entropies_dtype, bad_entropy));
-  }
-  std::vector<int64_t> overflow(body_overflow);
+  if (bad_entropy >= 0) return make_error(ErrorCode::kBadEntropy, bad_entropy);
+  auto first_of = [](int64_t a, int64_t c) { return a < 0 ? c : (c < 0 ? a : std::min(a, c)); };
+  std::vector<Overflow> overflow(body_overflow);
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t s = head_segment[c];
     if (s < 0) continue;
     body_kl[s] += head_kl[c];
     body_loss[s] += head_loss[c];
-    if (overflow[s] < 0) overflow[s] = head_overflow[c];
+    overflow[s].ratio = first_of(overflow[s].ratio, head_overflow[c].ratio);
+    overflow[s].gradient = first_of(overflow[s].gradient, head_overflow[c].gradient);
   }
   std::vector<uint8_t> admitted(b);
-  int64_t first_overflow = -1;
+  Overflow first_overflow;
   int64_t num_admitted = 0;
   double loss = 0.0;
   for (int64_t i = 0; i < b; ++i) {
-    const double kl = in.no_is ? 0.0 : round_to_compute(compute, std::max(0.0, body_kl[i] / static_cast<double>(counts[i])));
-    const bool ok = kl <= in.delta;
+    const double kl = opt.no_is ? 0.0 : round_to_compute(compute, std::max(0.0, body_kl[i] / static_cast<double>(counts[i])));
+    const bool ok = kl <= opt.delta;
     admitted[i] = ok;
-    store_compute(out.sequence_kl, compute, i, kl);
-    out.admitted[i] = ok;
-    out.retained_tokens[i] = ok ? keep_count[i] : 0;
+    store_compute(p.sequence_kl.data, compute, i, kl);
+    p.admitted.as<uint8_t>()[i] = ok;
+    p.retained_tokens.as<int64_t>()[i] = ok ? keep_count[i] : 0;
     if (ok) {
       ++num_admitted;
       loss += body_loss[i];
-      if (overflow[i] >= 0 && (first_overflow < 0 || overflow[i] < first_overflow)) first_overflow = overflow[i];
+      first_overflow.ratio = first_of(first_overflow.ratio, overflow[i].ratio);
+      first_overflow.gradient = first_of(first_overflow.gradient, overflow[i].gradient);
     }
   }
-  if (first_overflow >= 0) {
-    return make_error(ErrorCode::kRatioOverflow, first_overflow,
-                      load_as_double(in.log_probs, in.log_probs_dtype, first_overflow) -
-                          load_as_double(in.behavior_log_probs, in.behavior_dtype, first_overflow));
-  }
+  if (first_overflow.ratio >= 0) return make_error(ErrorCode::kRatioOverflow, first_overflow.ratio);
+  if (first_overflow.gradient >= 0) return make_error(ErrorCode::kGradientOverflow, first_overflow.gradient);
   std::vector<int64_t> rejected;
   for (int64_t i = 0; i < b; ++i) {
     if (!admitted[i]) rejected.push_back(i);
   }
-  const size_t elem = dtype_size(in.log_probs_dtype);
+  const size_t elem = dtype_size(lp_dtype);
+  char* grad_bytes = p.grad.as<char>();
   parallel_for(num_threads, static_cast<int64_t>(rejected.size()), [&](int64_t j) {
     const int64_t i = rejected[j];
     // All-zero bits is +0.0 in every float format.
-    std::memset(static_cast<char*>(out.grad) + cu[i] * elem, 0, (cu[i + 1] - cu[i]) * elem);
+    std::memset(grad_bytes + cu[i] * elem, 0, (cu[i + 1] - cu[i]) * elem);
   });
   // Non-policy tokens of admitted trajectories already hold 0 (written by the main pass).
-  store_compute(out.loss, compute, 0, loss);
-  store_compute(out.acceptance_rate, compute, 0, static_cast<double>(num_admitted) / static_cast<double>(b));
+  store_compute(p.loss.data, compute, 0, loss);
+  store_compute(p.acceptance_rate.data, compute, 0, static_cast<double>(num_admitted) / static_cast<double>(b));
   return Error{};
 }
 

@@ -16,6 +16,7 @@
 
 #include "flashreinforce/core.h"
 #include "flashreinforce/token_math.h"
+#include "flashreinforce/trajectory.h"
 
 namespace flashreinforce {
 namespace cpu {
@@ -23,13 +24,6 @@ namespace cpu {
 // Chunk size in tokens. Fixed (never derived from the thread count) so that the summation order,
 // and hence every result bit, is the same for any number of threads.
 constexpr int64_t kChunk = 16384;
-
-// How a trajectory's policy tokens are kept (entropy filter, SEMANTICS.md step 5).
-enum KeepMode : uint8_t {
-  kKeepNone = 0,   // failed trajectory with ceil(q T) == 0
-  kKeepAll = 1,    // successful trajectory, filter off, or ceil(q T) >= T
-  kKeepFlags = 2,  // the selection pass wrote 1 (kept) / 0 into grad; the main pass reads them
-};
 
 struct MainPassArgs {
   int64_t num_tokens = 0;
@@ -43,16 +37,24 @@ struct MainPassArgs {
   const uint8_t* keep = nullptr;    // [B] KeepMode
   bool no_is = false;
 
+  // Overflow records: the first kept token whose importance ratio is not finite ("ratio"), and
+  // the first kept token whose ratio is finite but whose gradient does not fit the dtype of
+  // log_probs ("gradient"); -1 when none.
+  struct Overflow {
+    int64_t ratio = -1;
+    int64_t gradient = -1;
+  };
+
   // Per trajectory: sums of the piece that starts inside a chunk ("body"); every trajectory
   // starts in exactly one chunk.
   double* body_kl = nullptr;
   double* body_loss = nullptr;
-  int64_t* body_overflow = nullptr;  // first overflowing kept token of the body piece, or -1
+  Overflow* body_overflow = nullptr;
   // Per chunk: the piece of the trajectory that started in an earlier chunk ("head").
   int64_t* head_segment = nullptr;   // that trajectory, or -1 when the chunk starts a trajectory
   double* head_kl = nullptr;
   double* head_loss = nullptr;
-  int64_t* head_overflow = nullptr;
+  Overflow* head_overflow = nullptr;
   // Per chunk: first invalid policy log_prob / behavior_log_prob index, or -1.
   int64_t* bad_log_prob = nullptr;
   int64_t* bad_behavior = nullptr;
@@ -61,12 +63,12 @@ struct MainPassArgs {
 using MainChunkFn = void (*)(const MainPassArgs&, int64_t chunk);
 
 // Entropy filter entry points (filter_impl.h). `selected` lists the failed trajectories that keep
-// keep_count[i] of their tokens (0 < keep_count[i] < T_i); their flags are written into grad.
-using SelectFn = void (*)(const LossInputs& in, const std::vector<int64_t>& cu,
+// keep_count[i] of their tokens (0 < keep_count[i] < T_i); their flags are written into p.grad.
+using SelectFn = void (*)(const LossParams& p, const std::vector<int64_t>& cu,
                           const std::vector<int64_t>& selected, const std::vector<int64_t>& keep_count,
-                          void* grad, int num_threads);
+                          int num_threads);
 // First policy token with a non-finite entropy, or -1.
-using CheckEntropiesFn = int64_t (*)(const LossInputs& in, int num_threads);
+using CheckEntropiesFn = int64_t (*)(const LossParams& p, int num_threads);
 
 // Kernels of one instruction set, indexed by the float DType values: main[log_probs][behavior],
 // select[entropies][log_probs], check_entropies[entropies]. Main entries may be null (not

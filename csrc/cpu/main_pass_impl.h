@@ -29,26 +29,30 @@ using math::Store;
 // every sum depends on kChunk and kBlock alone, never on the number of threads.
 constexpr int64_t kBlock = 512;
 
+template <class C>
 struct BlockFlags {
   int bad = 0;           // a policy token with an invalid log_prob
   int bad_behavior = 0;  // a token whose behavior log-prob is used and invalid
+  C max_rho = C(0);      // the largest importance ratio of the block (inf when one overflows)
 };
 
 // Stage 1 over [a, b) (b - a <= kBlock): kl[t - a] = the token's KL term (0 where the behavior
-// policy is not used), rho[t - a] = its importance ratio. kNoIs: ratios are exactly 1 and the
-// behavior log-probs are never read. Compile-time options only: GCC unswitches loops on
-// loop-invariant runtime conditions and then silently drops the vectorized copy.
+// policy is not used), rho[t - a] = its importance ratio, and the block's largest ratio (an
+// order-independent max: results do not depend on how the loop is vectorized). kNoIs: ratios are
+// exactly 1 and the behavior log-probs are never read. Compile-time options only: GCC unswitches
+// loops on loop-invariant runtime conditions and then silently drops the vectorized copy.
 template <class LP, class BLP, bool kMask, bool kNoIs>
-static BlockFlags token_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
+static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
                               int64_t a, int64_t b, typename math::ComputeOf<LP>::type* __restrict kl,
                               typename math::ComputeOf<LP>::type* __restrict rho) {
   using C = typename math::ComputeOf<LP>::type;
   int bad = 0, bad_behavior = 0;
+  C max_rho = C(1);  // ratios of non-policy tokens are exp(0) = 1
   const int64_t len = b - a;
   lp += a;
   blp += a;
   if (kMask) mask += a;
-#pragma omp simd reduction(| : bad, bad_behavior)
+#pragma omp simd reduction(| : bad, bad_behavior) reduction(max : max_rho)
   for (int64_t u = 0; u < len; ++u) {
     const bool policy = kMask ? mask[u] != 0 : true;
     const C x = math::to_compute(lp[u], C());
@@ -61,12 +65,15 @@ static BlockFlags token_stage(const LP* __restrict lp, const BLP* __restrict blp
       bad_behavior |= static_cast<int>(policy & !math::valid_log_prob(y));
       const C d = math::bernoulli_kl<C>(y, x);
       kl[u] = policy ? d : C(0);
-      rho[u] = math::exp_c(policy ? x - y : C(0));
+      const C r = math::exp_c(policy ? x - y : C(0));
+      rho[u] = r;
+      max_rho = r > max_rho ? r : max_rho;
     }
   }
-  BlockFlags f;
+  BlockFlags<C> f;
   f.bad = bad;
   f.bad_behavior = bad_behavior;
+  f.max_rho = max_rho;
   return f;
 }
 
@@ -149,15 +156,19 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
   const int64_t c1 = std::min(A.num_tokens, c0 + kChunk);
   alignas(64) C kl[kBlock];
   alignas(64) C rho[kBlock];
+  // 0.999 of the largest gradient magnitude the storage dtype holds (finite in C for float32 /
+  // float64 storage), see math::store_limit.
+  const C gradient_alarm = C(0.999) * std::min<C>(static_cast<C>(math::store_limit(LP())),
+                                                  std::numeric_limits<C>::max());
   A.head_segment[chunk] = -1;
-  A.head_overflow[chunk] = -1;
+  A.head_overflow[chunk] = MainPassArgs::Overflow();
   int64_t first_bad = -1, first_bad_behavior = -1;
 
   // Trajectory containing c0: the last i with cu[i] <= c0 (trajectories are never empty here:
   // the driver rejects a trajectory without policy tokens before the main pass).
   int64_t seg = static_cast<int64_t>(std::upper_bound(A.cu, A.cu + A.batch + 1, c0) - A.cu) - 1;
   double seg_kl = 0.0, seg_loss = 0.0;
-  int64_t seg_overflow = -1;
+  MainPassArgs::Overflow seg_overflow;
   auto flush = [&] {  // the sums of `seg` over this chunk are complete
     if (A.cu[seg] >= c0) {
       A.body_kl[seg] = seg_kl;
@@ -170,12 +181,12 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
       A.head_overflow[chunk] = seg_overflow;
     }
     seg_kl = seg_loss = 0.0;
-    seg_overflow = -1;
+    seg_overflow = MainPassArgs::Overflow();
   };
 
   for (int64_t blk = c0; blk < c1; blk += kBlock) {
     const int64_t blk_end = std::min(c1, blk + kBlock);
-    const BlockFlags f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho);
+    const BlockFlags<C> f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho);
     if (f.bad && first_bad < 0) first_bad = first_invalid<LP, C>(lp, mask, blk, blk_end);
     if (f.bad_behavior && first_bad_behavior < 0) {
       first_bad_behavior = first_invalid<BLP, C>(blp, mask, blk, blk_end);
@@ -195,17 +206,21 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
                                                              keep == kKeepAll);
       seg_kl += s.kl;
       seg_loss += s.loss;
-      if (s.overflow && seg_overflow < 0) {
-        // A kept token with an overflowing ratio has a non-finite gradient (+-inf, or NaN when
-        // the advantage is 0); every other token's gradient is finite or 0. Confirm with rho.
+      // s.overflow: a kept token's ratio overflowed. A gradient -rho * coef can overflow the
+      // storage dtype only if the block's largest ratio times |coef| comes near its limit (a
+      // superset test without any per-token work; false alarms only cost the scan below).
+      const C abs_coef = coef < C(0) ? -coef : coef;
+      const bool may_overflow = s.overflow || !(f.max_rho * abs_coef < gradient_alarm);
+      if (may_overflow && (seg_overflow.ratio < 0 || seg_overflow.gradient < 0)) {
+        // Rare path: the stored gradient of an overflowing token is non-finite (every other
+        // token's is finite or 0; a false alarm finds none); the ratio tells which kind it is.
         for (int64_t u = t; u < end; ++u) {
-          if (mask && !mask[u]) continue;
           const C g = math::to_compute(grad[u], C());
+          if (g == g && g - g == C(0)) continue;
           const C r = rho[u - blk];
-          if (!(g == g && g - g == C(0)) && !(r - r == C(0))) {
-            seg_overflow = u;
-            break;
-          }
+          int64_t& first = (r - r == C(0)) ? seg_overflow.gradient : seg_overflow.ratio;
+          if (first < 0) first = u;
+          if (seg_overflow.ratio >= 0 && seg_overflow.gradient >= 0) break;
         }
       }
       t = end;
@@ -226,20 +241,20 @@ static void main_chunk(const MainPassArgs& A, int64_t chunk) {
 }
 
 template <class LP>
-static void fill_row(KernelTable& table, bool with_double_behavior) {
+static void fill_row(KernelTable& table) {
   const int i = static_cast<int>(DTypeOf<LP>::value);
   table.main[i][static_cast<int>(DType::kFloat16)] = &main_chunk<LP, math::Half>;
   table.main[i][static_cast<int>(DType::kBFloat16)] = &main_chunk<LP, math::BFloat16>;
   table.main[i][static_cast<int>(DType::kFloat32)] = &main_chunk<LP, float>;
-  table.main[i][static_cast<int>(DType::kFloat64)] = with_double_behavior ? &main_chunk<LP, double> : nullptr;
+  table.main[i][static_cast<int>(DType::kFloat64)] = &main_chunk<LP, double>;
 }
 
 // Float32-compute rows (log_probs half / bf16 / float32); the float64 row only when asked.
 static void fill_main(KernelTable& table, bool with_float64_log_probs) {
-  fill_row<math::Half>(table, true);
-  fill_row<math::BFloat16>(table, true);
-  fill_row<float>(table, true);
-  if (with_float64_log_probs) fill_row<double>(table, true);
+  fill_row<math::Half>(table);
+  fill_row<math::BFloat16>(table);
+  fill_row<float>(table);
+  if (with_float64_log_probs) fill_row<double>(table);
 }
 
 }  // namespace FR_ISA_NAMESPACE

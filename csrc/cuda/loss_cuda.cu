@@ -36,6 +36,7 @@
 #include "flashreinforce/core.h"
 #include "flashreinforce/dtype_load.h"
 #include "flashreinforce/token_math.h"
+#include "flashreinforce/trajectory.h"
 
 namespace flashreinforce {
 namespace {
@@ -49,8 +50,6 @@ constexpr int64_t kTile = kThreads * kItems;
 constexpr int kDigitBits = 8;
 constexpr int kBins = 1 << kDigitBits;
 constexpr unsigned long long kNoError = ~0ull;
-
-enum KeepMode : uint8_t { kKeepNone = 0, kKeepAll = 1, kKeepFlags = 2 };
 
 #define FR_CUDA_CHECK(expr)                                                                    \
   do {                                                                                         \
@@ -73,7 +72,8 @@ struct Workspace {
   uint8_t* keep;                  // [B]
   double* body;                   // [B * 2]   (kl, loss) or (count, -)
   double* head;                   // [tiles * 2]
-  unsigned long long* overflow;   // [B] first overflowing active token, or ~0
+  unsigned long long* overflow;   // [B] first active token whose ratio overflows, or ~0
+  unsigned long long* grad_overflow;  // [B] first active token whose gradient overflows the dtype of log_probs, or ~0
   double* loss_terms;             // [B]
   // Filter state (only when q < 1).
   unsigned long long* prefix_e;   // [B] entropy-key digits fixed so far
@@ -105,6 +105,7 @@ Workspace layout(int64_t b, int64_t tiles, bool filter, char* base) {
   w.body = reinterpret_cast<double*>(take(sizeof(double) * 2 * b));
   w.head = reinterpret_cast<double*>(take(sizeof(double) * 2 * tiles));
   w.overflow = reinterpret_cast<unsigned long long*>(take(sizeof(unsigned long long) * b));
+  w.grad_overflow = reinterpret_cast<unsigned long long*>(take(sizeof(unsigned long long) * b));
   w.loss_terms = reinterpret_cast<double*>(take(sizeof(double) * b));
   if (filter) {
     w.prefix_e = reinterpret_cast<unsigned long long*>(take(sizeof(unsigned long long) * b));
@@ -178,8 +179,8 @@ struct SegmentedSum {
 // for a piece where the trajectory starts in this tile, head[tile * NV + k] for the tile's leading
 // piece of a trajectory that started earlier.
 template <int NV, class Contrib>
-__device__ __forceinline__ void tile_segmented_sums(const int64_t* cu, int64_t batch, int64_t n, int64_t seg_lo,
-                                                    int64_t seg_hi, double* body, double* head, Contrib contrib) {
+__device__ __forceinline__ void tile_segmented_sums(const int64_t* cu, int64_t n, int64_t seg_lo, int64_t seg_hi,
+                                                    double* body, double* head, Contrib contrib) {
   using Scan = cub::BlockScan<ScanElem<NV>, kThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ ScanElem<NV> scanned[kThreads];
@@ -259,7 +260,6 @@ __device__ __forceinline__ void tile_segmented_sums(const int64_t* cu, int64_t b
   if (cu[last_seg + 1] <= end || threadIdx.x == kThreads - 1 || end == n) {
     write_piece(last_seg, inclusive.v);
   }
-  (void)batch;
 }
 
 // The range of trajectories a tile touches (computed once per block by two searches).
@@ -300,7 +300,7 @@ __global__ void count_kernel(const uint8_t* mask, const int64_t* cu, int64_t bat
   if (offsets_invalid(error_key)) return;
   int64_t lo, hi;
   tile_segment_range(cu, batch, n, &lo, &hi);
-  tile_segmented_sums<1>(cu, batch, n, lo, hi, body, head,
+  tile_segmented_sums<1>(cu, n, lo, hi, body, head,
                          [&](int, int64_t t, int64_t, double* c) { c[0] = mask[t] ? 1.0 : 0.0; });
 }
 
@@ -355,20 +355,20 @@ struct TrajParams {
   LossAgg agg;
   double loss_scale_factor;
   double num_policy_tokens;  // <= 0: sum of counts
-  bool compute_double;
 };
 
 template <class C>
 __global__ void __launch_bounds__(1024) trajectory_kernel(TrajParams p, int64_t batch, Workspace w, C* advantages,
                                                           int64_t* policy_tokens) {
   if (offsets_invalid(w.error_key)) return;
+  constexpr bool kComputeDouble = sizeof(C) == 8;
   using Reduce = cub::BlockReduce<double, 1024>;
   __shared__ typename Reduce::TempStorage storage;
   __shared__ double shared_sum[2];
   double reward_sum = 0.0, token_sum = 0.0;
   for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
     const double r = load_as_double(p.rewards, p.rewards_dtype, i);
-    if (!isfinite(r)) report(w.error_key, ErrorCode::kNonFiniteReward, i);
+    if (!finite_in_compute(r, kComputeDouble)) report(w.error_key, ErrorCode::kNonFiniteReward, i);
     if (w.counts[i] == 0) report(w.error_key, ErrorCode::kNoPolicyTokens, i);
     reward_sum += r;
     token_sum += static_cast<double>(w.counts[i]);
@@ -379,44 +379,36 @@ __global__ void __launch_bounds__(1024) trajectory_kernel(TrajParams p, int64_t 
   if (threadIdx.x == 0) {
     shared_sum[0] = rs;
     shared_sum[1] = ts;
+    if (p.num_policy_tokens > 0 && p.num_policy_tokens < ts) {
+      report(w.error_key, ErrorCode::kTooFewPolicyTokens, static_cast<int64_t>(ts));
+    }
   }
   __syncthreads();
   const double baseline = p.has_baseline ? p.baseline : shared_sum[0] / static_cast<double>(batch);
   const double num_policy = p.num_policy_tokens > 0 ? p.num_policy_tokens : shared_sum[1];
   for (int64_t i = threadIdx.x; i < batch; i += blockDim.x) {
     const double r = load_as_double(p.rewards, p.rewards_dtype, i);
+    if (!finite_in_compute(r - baseline, kComputeDouble)) report(w.error_key, ErrorCode::kNonFiniteAdvantage, i);
     const C advantage = static_cast<C>(r - baseline);
     advantages[i] = advantage;
     const int64_t count = w.counts[i];
     policy_tokens[i] = count;
-    double scale;
-    switch (p.agg) {
-      case LossAgg::kTokenMean: scale = 1.0 / num_policy; break;
-      case LossAgg::kSeqMeanTokenSumNorm: scale = 1.0 / (p.loss_scale_factor * p.num_trajectories); break;
-      default: scale = 1.0 / (static_cast<double>(count) * p.num_trajectories); break;
-    }
-    w.coef[i] = static_cast<double>(advantage) * scale;
-    uint8_t keep = kKeepAll;
-    int64_t kept = count;
-    if (p.failures != nullptr) {
-      w.active[i] = 0;
-      if (p.failures[i]) {
-        const int64_t k = static_cast<int64_t>(ceil(p.q * static_cast<double>(count)));
-        kept = min(k, count);
-        if (k <= 0) {
-          keep = kKeepNone;
-        } else if (k < count) {
-          keep = kKeepFlags;
-          w.active[i] = 1;
-          w.remaining[i] = k;
-          w.prefix_e[i] = 0;
-          w.prefix_p[i] = 0;
-        }
+    w.coef[i] = static_cast<double>(advantage) * loss_scale(p.agg, count, p.num_trajectories, num_policy,
+                                                            p.loss_scale_factor);
+    const bool filter = p.failures != nullptr;
+    const KeepPlan plan = keep_plan(filter, filter && p.failures[i], p.q, count);
+    if (filter) {
+      w.active[i] = plan.mode == kKeepFlags ? 1 : 0;
+      if (plan.mode == kKeepFlags) {
+        w.remaining[i] = plan.kept;
+        w.prefix_e[i] = 0;
+        w.prefix_p[i] = 0;
       }
     }
-    w.keep[i] = keep;
-    w.keep_count[i] = kept;
+    w.keep[i] = plan.mode;
+    w.keep_count[i] = plan.kept;
     w.overflow[i] = kNoError;
+    w.grad_overflow[i] = kNoError;
   }
 }
 
@@ -613,7 +605,7 @@ __global__ void __launch_bounds__(kThreads) main_kernel(const LP* lp, const BLP*
   RawLP g_raw[kItems];
 #pragma unroll
   for (int k = 0; k < kItems; ++k) g_raw[k] = to_raw<LP>(math::Store<LP>::from(0.0f));
-  tile_segmented_sums<2>(w.cu, p.batch, p.n, lo, hi, w.body, w.head, [&](int k, int64_t t, int64_t seg, double* c) {
+  tile_segmented_sums<2>(w.cu, p.n, lo, hi, w.body, w.head, [&](int k, int64_t t, int64_t seg, double* c) {
     const bool policy = m[k] != 0;
     const C x = math::to_compute(from_raw<LP>(lp_raw[k]), C());
     const C y = math::to_compute(from_raw<BLP>(blp_raw[k]), C());
@@ -626,8 +618,12 @@ __global__ void __launch_bounds__(kThreads) main_kernel(const LP* lp, const BLP*
     double loss = 0.0;
     if (kept) {
       const C rho = no_is ? C(1) : math::exp_c(x - y);
-      if (!isfinite(rho)) atomicMin(&w.overflow[seg], static_cast<unsigned long long>(t));
       g = -rho * static_cast<C>(w.coef[seg]);
+      if (!isfinite(rho)) {
+        atomicMin(&w.overflow[seg], static_cast<unsigned long long>(t));
+      } else if (!math::fits_storage<LP>(g)) {
+        atomicMin(&w.grad_overflow[seg], static_cast<unsigned long long>(t));
+      }
       loss = static_cast<double>(g) * static_cast<double>(x);
     }
     g_raw[k] = to_raw<LP>(math::Store<LP>::from(g));
@@ -656,6 +652,9 @@ __global__ void finish_trajectories_kernel(int64_t batch, double delta, bool no_
   retained[i] = ok ? w.keep_count[i] : 0;
   w.loss_terms[i] = ok ? total[1] : 0.0;
   if (ok && w.overflow[i] != kNoError) report(w.error_key, ErrorCode::kRatioOverflow, static_cast<int64_t>(w.overflow[i]));
+  if (ok && w.grad_overflow[i] != kNoError) {
+    report(w.error_key, ErrorCode::kGradientOverflow, static_cast<int64_t>(w.grad_overflow[i]));
+  }
 }
 
 template <class LP>
@@ -713,93 +712,91 @@ unsigned int blocks_for(int64_t items, int threads) {
 }
 
 template <class E, class LP>
-void launch_selection(const LossInputs& in, const LossOutputs& out, const Workspace& w, int64_t tiles,
-                      cudaStream_t stream) {
+void launch_selection(const LossParams& p, const Workspace& w, int64_t tiles, cudaStream_t stream) {
   using K = typename math::EntropyKey<E>::type;
-  const E* e = static_cast<const E*>(in.entropies);
-  const int64_t n = in.num_tokens, b = in.batch;
+  const E* e = p.entropies.as<const E>();
+  const uint8_t* mask = p.action_mask.as<const uint8_t>();
+  const int64_t n = p.num_tokens(), b = p.batch();
   const int passes = static_cast<int>(sizeof(K)) + 4;  // 8-bit digits over (entropy key, position)
   for (int pass = 0; pass < passes; ++pass) {
-    histogram_kernel<E><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(e, in.action_mask, b, n, pass, w);
+    histogram_kernel<E><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(e, mask, b, n, pass, w);
     resolve_kernel<K><<<blocks_for(b, 256), 256, 0, stream>>>(b, pass, w);
   }
-  flag_kernel<E, LP><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(e, in.action_mask, b, n, w,
-                                                                                 static_cast<LP*>(out.grad));
+  flag_kernel<E, LP><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(e, mask, b, n, w, p.grad.as<LP>());
 }
 
 template <class E>
-void launch_filter(const LossInputs& in, const LossOutputs& out, const Workspace& w, int64_t tiles,
-                   cudaStream_t stream) {
-  check_entropies_kernel<E><<<blocks_for(in.num_tokens, 256 * 8), 256, 0, stream>>>(
-      static_cast<const E*>(in.entropies), in.action_mask, in.num_tokens, w.error_key);
-  switch (in.log_probs_dtype) {
-    case DType::kFloat16: return launch_selection<E, Half>(in, out, w, tiles, stream);
-    case DType::kBFloat16: return launch_selection<E, BFloat16>(in, out, w, tiles, stream);
-    case DType::kFloat32: return launch_selection<E, float>(in, out, w, tiles, stream);
-    default: return launch_selection<E, double>(in, out, w, tiles, stream);
+void launch_filter(const LossParams& p, const Workspace& w, int64_t tiles, cudaStream_t stream) {
+  check_entropies_kernel<E><<<blocks_for(p.num_tokens(), 256 * 8), 256, 0, stream>>>(
+      p.entropies.as<const E>(), p.action_mask.as<const uint8_t>(), p.num_tokens(), w.error_key);
+  switch (p.log_probs.dtype) {
+    case DType::kFloat16: return launch_selection<E, Half>(p, w, tiles, stream);
+    case DType::kBFloat16: return launch_selection<E, BFloat16>(p, w, tiles, stream);
+    case DType::kFloat32: return launch_selection<E, float>(p, w, tiles, stream);
+    default: return launch_selection<E, double>(p, w, tiles, stream);
   }
 }
 
 template <class LP, class BLP>
-void launch_main(const LossInputs& in, const LossOutputs& out, const Workspace& w, int64_t tiles,
-                 cudaStream_t stream) {
+void launch_main(const LossParams& p, const Workspace& w, int64_t tiles, cudaStream_t stream) {
   using C = typename math::ComputeOf<LP>::type;
-  MainParams p{in.action_mask, in.batch, in.num_tokens, in.no_is, in.negative_token_fraction < 1.0};
+  const int64_t n = p.num_tokens(), b = p.batch();
+  const MainParams mp{p.action_mask.as<const uint8_t>(), b, n, p.options.no_is, p.options.filter()};
   main_kernel<LP, BLP><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(
-      static_cast<const LP*>(in.log_probs), static_cast<const BLP*>(in.behavior_log_probs), static_cast<LP*>(out.grad),
-      p, w);
-  finish_trajectories_kernel<C><<<blocks_for(in.batch * 32, 256), 256, 0, stream>>>(
-      in.batch, in.delta, in.no_is, w, static_cast<C*>(out.sequence_kl), out.admitted, out.retained_tokens);
+      p.log_probs.as<const LP>(), p.behavior_log_probs.as<const BLP>(), p.grad.as<LP>(), mp, w);
+  finish_trajectories_kernel<C><<<blocks_for(b * 32, 256), 256, 0, stream>>>(
+      b, p.options.delta, p.options.no_is, w, p.sequence_kl.as<C>(), p.admitted.as<uint8_t>(),
+      p.retained_tokens.as<int64_t>());
   zero_rejected_kernel<LP><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(
-      static_cast<LP*>(out.grad), out.admitted, in.batch, in.num_tokens, w);
+      p.grad.as<LP>(), p.admitted.as<const uint8_t>(), b, n, w);
 }
 
 template <class LP>
-void launch_main_lp(const LossInputs& in, const LossOutputs& out, const Workspace& w, int64_t tiles,
-                    cudaStream_t stream) {
-  switch (in.behavior_dtype) {
-    case DType::kFloat16: return launch_main<LP, Half>(in, out, w, tiles, stream);
-    case DType::kBFloat16: return launch_main<LP, BFloat16>(in, out, w, tiles, stream);
-    case DType::kFloat32: return launch_main<LP, float>(in, out, w, tiles, stream);
-    default: return launch_main<LP, double>(in, out, w, tiles, stream);
+void launch_main_lp(const LossParams& p, const Workspace& w, int64_t tiles, cudaStream_t stream) {
+  switch (p.behavior_log_probs.dtype) {
+    case DType::kFloat16: return launch_main<LP, Half>(p, w, tiles, stream);
+    case DType::kBFloat16: return launch_main<LP, BFloat16>(p, w, tiles, stream);
+    case DType::kFloat32: return launch_main<LP, float>(p, w, tiles, stream);
+    default: return launch_main<LP, double>(p, w, tiles, stream);
   }
 }
 
 template <class C>
-void launch_trajectories(const LossInputs& in, const LossOutputs& out, const Workspace& w, cudaStream_t stream) {
-  TrajParams p;
-  p.rewards = in.rewards;
-  p.rewards_dtype = in.rewards_dtype;
-  p.failures = in.negative_token_fraction < 1.0 ? in.failures : nullptr;
-  p.q = in.negative_token_fraction;
-  p.has_baseline = in.has_reward_baseline;
-  p.baseline = in.reward_baseline;
-  p.num_trajectories = in.num_trajectories > 0 ? static_cast<double>(in.num_trajectories) : static_cast<double>(in.batch);
-  p.agg = in.loss_agg;
-  p.loss_scale_factor = in.loss_scale_factor;
-  p.num_policy_tokens = static_cast<double>(in.num_policy_tokens);
-  p.compute_double = sizeof(C) == 8;
-  trajectory_kernel<C><<<1, 1024, 0, stream>>>(p, in.batch, w, static_cast<C*>(out.advantages), out.policy_tokens);
+void launch_trajectories(const LossParams& p, const Workspace& w, cudaStream_t stream) {
+  const LossOptions& o = p.options;
+  TrajParams tp;
+  tp.rewards = p.rewards.data;
+  tp.rewards_dtype = p.rewards.dtype;
+  tp.failures = o.filter() ? p.failures.as<const uint8_t>() : nullptr;
+  tp.q = o.negative_token_fraction;
+  tp.has_baseline = o.has_reward_baseline;
+  tp.baseline = o.reward_baseline;
+  tp.num_trajectories = o.num_trajectories > 0 ? static_cast<double>(o.num_trajectories) : static_cast<double>(p.batch());
+  tp.agg = o.loss_agg;
+  tp.loss_scale_factor = o.loss_scale_factor;
+  tp.num_policy_tokens = static_cast<double>(o.num_policy_tokens);
+  trajectory_kernel<C><<<1, 1024, 0, stream>>>(tp, p.batch(), w, p.advantages.as<C>(), p.policy_tokens.as<int64_t>());
 }
 
 }  // namespace
 
 bool has_cuda() { return true; }
 
-size_t cuda_workspace_bytes(const LossInputs& in) {
-  const int64_t tiles = (in.num_tokens + kTile - 1) / kTile;
-  return layout(in.batch, tiles, in.negative_token_fraction < 1.0, nullptr).bytes;
+size_t cuda_workspace_bytes(int64_t num_tokens, int64_t batch, bool filter) {
+  const int64_t tiles = (num_tokens + kTile - 1) / kTile;
+  return layout(batch, tiles, filter, nullptr).bytes;
 }
 
-Error loss_forward_cuda(const LossInputs& in, const LossOutputs& out, void* workspace, int64_t* error_record,
-                        void* stream_handle, bool synchronize_errors) {
+Error loss_forward_cuda(const LossParams& p, void* workspace, int64_t* error_record, void* stream_handle,
+                        bool synchronize_errors) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_handle);
-  const int64_t n = in.num_tokens, b = in.batch;
+  const int64_t n = p.num_tokens(), b = p.batch();
   const int64_t tiles = (n + kTile - 1) / kTile;
   if (tiles > 0x7fffffff) throw std::runtime_error("flashreinforce: too many tokens for one CUDA launch");
-  const bool filter = in.negative_token_fraction < 1.0;
+  const bool filter = p.options.filter();
   const Workspace w = layout(b, tiles, filter, static_cast<char*>(workspace));
-  const bool compute_double = in.log_probs_dtype == DType::kFloat64;
+  const bool compute_double = p.log_probs.dtype == DType::kFloat64;
+  const uint8_t* mask = p.action_mask.as<const uint8_t>();
 
   FR_CUDA_CHECK(cudaMemsetAsync(w.error_key, 0xff, sizeof(unsigned long long), stream));
   FR_CUDA_CHECK(cudaMemsetAsync(w.body, 0, sizeof(double) * 2 * b, stream));
@@ -807,10 +804,10 @@ Error loss_forward_cuda(const LossInputs& in, const LossOutputs& out, void* work
   if (filter) FR_CUDA_CHECK(cudaMemsetAsync(w.hist, 0, sizeof(unsigned int) * kBins * b, stream));
 
   prepare_offsets_kernel<<<blocks_for(b + 1, 256), 256, 0, stream>>>(
-      in.cu_seqlens, in.cu_dtype == DType::kInt32 ? 1 : 0, in.padded_row_length, b, n, w.cu, w.error_key);
-  if (in.action_mask) {
-    count_kernel<<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(in.action_mask, w.cu, b, n, w.body,
-                                                                              w.head, w.error_key);
+      p.cu_seqlens.data, p.cu_seqlens.dtype == DType::kInt32 ? 1 : 0, p.padded_row_length, b, n, w.cu, w.error_key);
+  if (mask) {
+    count_kernel<<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(mask, w.cu, b, n, w.body, w.head,
+                                                                              w.error_key);
     combine_counts_kernel<<<blocks_for(b * 32, 256), 256, 0, stream>>>(w.cu, b, w.body, w.head, w.counts,
                                                                          w.error_key);
     FR_CUDA_CHECK(cudaMemsetAsync(w.body, 0, sizeof(double) * 2 * b, stream));
@@ -819,30 +816,31 @@ Error loss_forward_cuda(const LossInputs& in, const LossOutputs& out, void* work
     lengths_kernel<<<blocks_for(b, 256), 256, 0, stream>>>(w.cu, b, w.counts, w.error_key);
   }
   if (compute_double) {
-    launch_trajectories<double>(in, out, w, stream);
+    launch_trajectories<double>(p, w, stream);
   } else {
-    launch_trajectories<float>(in, out, w, stream);
+    launch_trajectories<float>(p, w, stream);
   }
   if (filter) {
-    switch (in.entropies_dtype) {
-      case DType::kFloat16: launch_filter<Half>(in, out, w, tiles, stream); break;
-      case DType::kBFloat16: launch_filter<BFloat16>(in, out, w, tiles, stream); break;
-      case DType::kFloat32: launch_filter<float>(in, out, w, tiles, stream); break;
-      default: launch_filter<double>(in, out, w, tiles, stream); break;
+    switch (p.entropies.dtype) {
+      case DType::kFloat16: launch_filter<Half>(p, w, tiles, stream); break;
+      case DType::kBFloat16: launch_filter<BFloat16>(p, w, tiles, stream); break;
+      case DType::kFloat32: launch_filter<float>(p, w, tiles, stream); break;
+      default: launch_filter<double>(p, w, tiles, stream); break;
     }
   }
-  switch (in.log_probs_dtype) {
-    case DType::kFloat16: launch_main_lp<Half>(in, out, w, tiles, stream); break;
-    case DType::kBFloat16: launch_main_lp<BFloat16>(in, out, w, tiles, stream); break;
-    case DType::kFloat32: launch_main_lp<float>(in, out, w, tiles, stream); break;
-    default: launch_main_lp<double>(in, out, w, tiles, stream); break;
+  switch (p.log_probs.dtype) {
+    case DType::kFloat16: launch_main_lp<Half>(p, w, tiles, stream); break;
+    case DType::kBFloat16: launch_main_lp<BFloat16>(p, w, tiles, stream); break;
+    case DType::kFloat32: launch_main_lp<float>(p, w, tiles, stream); break;
+    default: launch_main_lp<double>(p, w, tiles, stream); break;
   }
+  const uint8_t* admitted = p.admitted.as<const uint8_t>();
   if (compute_double) {
-    finish_batch_kernel<double><<<1, 1024, 0, stream>>>(b, w, out.admitted, static_cast<double*>(out.loss),
-                                                        static_cast<double*>(out.acceptance_rate), error_record);
+    finish_batch_kernel<double><<<1, 1024, 0, stream>>>(b, w, admitted, p.loss.as<double>(),
+                                                        p.acceptance_rate.as<double>(), error_record);
   } else {
-    finish_batch_kernel<float><<<1, 1024, 0, stream>>>(b, w, out.admitted, static_cast<float*>(out.loss),
-                                                       static_cast<float*>(out.acceptance_rate), error_record);
+    finish_batch_kernel<float><<<1, 1024, 0, stream>>>(b, w, admitted, p.loss.as<float>(),
+                                                       p.acceptance_rate.as<float>(), error_record);
   }
   FR_CUDA_CHECK(cudaGetLastError());
 

@@ -7,9 +7,9 @@ namespace flashreinforce {
 
 bool has_cuda() { return false; }
 
-size_t cuda_workspace_bytes(const LossInputs&) { return 0; }
+size_t cuda_workspace_bytes(int64_t, int64_t, bool) { return 0; }
 
-Error loss_forward_cuda(const LossInputs&, const LossOutputs&, void*, int64_t*, void*, bool) {
+Error loss_forward_cuda(const LossParams&, void*, int64_t*, void*, bool) {
   throw std::runtime_error("flashreinforce was built without CUDA");
 }
 

@@ -9,13 +9,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define FR_HD __host__ __device__ __forceinline__
-#else
-#define FR_HD inline __attribute__((always_inline))
-#endif
-
 #include <math.h>
+
+#include "flashreinforce/host_device.h"
 
 namespace flashreinforce {
 namespace math {
@@ -128,6 +124,19 @@ template <> struct Store<double> {
   FR_HD static double from(double x) { return x; }
 };
 
+// Whether a compute-dtype value stays finite when stored as S: |x| below the midpoint between S's
+// largest finite value and the next power of two (round to nearest even takes that midpoint up to
+// infinity), i.e. 65520 for float16 and (2 - 2^-8) 2^127 for bfloat16; float32 and float64 only
+// need x finite. NaN fails. Branch-free (two compares), so the loops around it vectorize.
+FR_HD float store_limit(Half) { return 65520.0f; }
+FR_HD float store_limit(BFloat16) { return f32_from_bits(0x7f7f8000u); }
+FR_HD float store_limit(float) { return f32_from_bits(0x7f800000u); }
+FR_HD double store_limit(double) { return static_cast<double>(f32_from_bits(0x7f800000u)); }
+template <class S, class C> FR_HD bool fits_storage(C x) {
+  const C limit = static_cast<C>(store_limit(S()));
+  return (x < limit) & (x > -limit);
+}
+
 // Compute type for a log_probs storage type: float64 stays float64, everything else is float32.
 template <class S> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
@@ -142,26 +151,49 @@ FR_HD float round_to_int(float x) {
   return (x + kMagic) - kMagic;
 }
 
-// exp for float32: Cody-Waite range reduction by ln 2 and a degree-6 polynomial (Cephes' expf
-// coefficients); about 1 ulp. Overflow gives +inf (x > ln(FLT_MAX)); results below FLT_MIN
-// flush to 0 (an absolute error below 1.2e-38); NaN propagates. Branch-free.
-FR_HD float exp_fast(float x) {
-  const float kHi = 88.72283935546875f;   // ln(FLT_MAX), rounded down
-  const float kLo = -87.33654475055310f;  // ln(FLT_MIN)
-  float xc = x > kHi ? kHi : x;
-  xc = xc < kLo ? kLo : xc;
-  xc = (xc == xc) ? xc : 0.0f;  // NaN -> 0 here; fixed up below
-  const float fx = round_to_int(xc * 1.44269504088896341f);
-  float r = xc - fx * 0.693359375f;  // ln 2 split in two parts for an exact product
-  r = r - fx * -2.12194440e-4f;
-  const float z = r * r;
+// The float32 exponential's core, shared by exp_fast, exp_parts and expm1_with_excess: Cody-Waite
+// range reduction x = fx ln 2 + r (|r| <= ln 2 / 2; ln 2 split in two parts so that fx * the
+// first part is exact) and Cephes' expf polynomial, e^r = 1 + r + r^2 poly(r). |x| < 2^22 / log2(e).
+struct ExpReduction {
+  float fx;    // the integer exponent, as a float
+  float r;     // the reduced argument
+  float poly;  // poly(r), degree 5
+};
+
+FR_HD ExpReduction exp_reduce(float x) {
+  ExpReduction e;
+  e.fx = round_to_int(x * 1.44269504088896341f);
+  float r = x - e.fx * 0.693359375f;
+  r = r - e.fx * -2.12194440e-4f;
   float y = 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
-  y = y * z + r + 1.0f;
+  e.r = r;
+  e.poly = y;
+  return e;
+}
+
+// 2^fx for an integer-valued fx in [-126, 127], from the exponent field.
+FR_HD float exp2_int(float fx) {
+  return f32_from_bits(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
+}
+
+// exp for float32 (exp_reduce); about 1 ulp. Overflow gives +inf (x > ln(FLT_MAX)); results below
+// FLT_MIN flush to 0 (an absolute error below 1.2e-38); NaN propagates. Branch-free.
+FR_HD float exp_fast(float x) {
+  const float kHi = 88.72283935546875f;   // ln(FLT_MAX), rounded down
+  const float kLo = -87.33654475055310f;  // ln(FLT_MIN)
+  float xc = x > kHi ? kHi : x;
+  xc = xc < kLo ? kLo : xc;
+  xc = (xc == xc) ? xc : 0.0f;  // NaN -> 0 here; fixed up below
+  const ExpReduction e = exp_reduce(xc);
+  const float fx = e.fx;
+  const float r = e.r;
+  const float z = r * r;
+  const float y = e.poly * z + r + 1.0f;
   // Scale by 2^fx by adding to the exponent field: y is in [0.7, 1.5], the result stays normal.
   const int32_t n = static_cast<int32_t>(fx);
   float res = f32_from_bits(f32_bits(y) + (static_cast<uint32_t>(n) << 23));
@@ -179,18 +211,10 @@ FR_HD void exp_parts(float x, float* scale, float* s) {
   float xc = x > 0.0f ? 0.0f : x;
   xc = xc < kLo ? kLo : xc;
   xc = (xc == xc) ? xc : 0.0f;
-  const float fx = round_to_int(xc * 1.44269504088896341f);
-  float r = xc - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  *s = y * z + r;
-  *scale = f32_from_bits(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
+  const ExpReduction e = exp_reduce(xc);
+  const float z = e.r * e.r;
+  *s = e.poly * z + e.r;
+  *scale = exp2_int(e.fx);
 }
 
 // Natural log for positive normal float32 (the only arguments used here: probabilities and
@@ -226,7 +250,7 @@ FR_HD float exp_c(float x) { return exp_fast(x); }
 FR_HD double exp_c(double x) { return ::exp(x); }
 
 // ---------------------------------------------------------------------------------------------
-// The clamped Bernoulli KL proxy (SEMANTICS.md step 3).
+// The clamped Bernoulli KL proxy (docs/semantics.md, computation step 3).
 
 // Probabilities in the gate are clamped to [1e-6, 1 - 1e-6] (rounded to C). Since exp is
 // monotone, clamp(exp(x)) = exp(clamp(x, kLogLo, kLogHi)) with the logs of those bounds: the code
@@ -262,21 +286,13 @@ FR_HD void prob_pair(double log_p, double* p, double* one_minus_p) {
 
 // expm1(d) and its excess expm1(d) - d (= d^2/2 + d^3/6 + ...) without cancellation, |d| <= 14.
 FR_HD float expm1_with_excess(float d, float* excess) {
-  const float fx = round_to_int(d * 1.44269504088896341f);
-  float r = d - fx * 0.693359375f;
-  r = r - fx * -2.12194440e-4f;
-  const float z = r * r;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  const float s = y * z + r;  // e^r - 1
-  const float scale = f32_from_bits(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
+  const ExpReduction e = exp_reduce(d);
+  const float z = e.r * e.r;
+  const float s = e.poly * z + e.r;  // e^r - 1
+  const float scale = exp2_int(e.fx);
   const float em = scale * s + (scale - 1.0f);
-  // With fx == 0, r == d exactly and the excess is the polynomial part y * r^2.
-  *excess = fx == 0.0f ? y * z : em - d;
+  // With fx == 0, r == d exactly and the excess is the polynomial part poly * r^2.
+  *excess = e.fx == 0.0f ? e.poly * z : em - d;
   return em;
 }
 FR_HD double expm1_with_excess(double d, double* excess) {
@@ -317,7 +333,7 @@ FR_HD double h_small(double z) {
 FR_HD float log_c(float x) { return log_fast(x); }
 FR_HD double log_c(double x) { return ::log(x); }
 
-// The clamped Bernoulli KL proxy (SEMANTICS.md step 3):
+// The clamped Bernoulli KL proxy (docs/semantics.md, computation step 3):
 //   d = p (log p - log q) + (1 - p) (log(1-p) - log(1-q)),  p = clamp(exp(behavior)),
 //   q = clamp(exp(current)), clamps to [1e-6, 1 - 1e-6].
 // Written that way, its two terms cancel to first order when p is close to q (d ~ (p-q)^2), and a

@@ -1,5 +1,7 @@
 """The objective and everything the learner's loss computes, with no trainer or transformers imports.
 
+``contract``   the argument contract shared by the two implementations: option defaults, output
+               names, validation rules and the data errors' messages (docs/semantics.md)
 ``fused``      the fused FlashREINFORCE loss over packed sequences (custom op over ``flashreinforce._C``)
 ``reference``  the same objective in plain PyTorch: the readable definition
 ``logprobs``   log-probabilities of sampled tokens without ``[tokens, vocab]`` logits

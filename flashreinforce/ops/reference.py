@@ -1,9 +1,11 @@
 """Pure-PyTorch reference of the FlashREINFORCE objective: the readable definition.
 
-This module is the executable form of ``SEMANTICS.md``. It is written for clarity, not speed:
-the fused kernel (:mod:`flashreinforce.ops`, exported as ``flashreinforce.flashreinforce_loss_packed``
-and ``flashreinforce.flashreinforce_loss``) computes the same thing over packed sequences and is
-tested against this module and against float64 computations.
+This module is the executable form of docs/semantics.md. It is written for clarity, not speed:
+the fused kernel (:mod:`flashreinforce.ops.fused`, exported as
+``flashreinforce.flashreinforce_loss_packed`` and ``flashreinforce.flashreinforce_loss``) computes
+the same thing over packed sequences and is tested against this module and against float64
+computations. Both take the same signatures and validate their arguments with the same rules and
+messages (:mod:`flashreinforce.ops.contract`).
 
 The objective, for a batch of B complete trajectories (one rollout per prompt):
 
@@ -14,7 +16,9 @@ The objective, for a batch of B complete trajectories (one rollout per prompt):
 4. ``sequence_kl_i = max(0, sum_t d / T_i)``; the trajectory is admitted when ``sequence_kl_i <= delta``
    (Sequence Trust Region: the whole trajectory is kept or dropped).
 5. Optional entropy filter (``negative_token_fraction`` q < 1): failed trajectories keep only their
-   ``ceil(q T_i)`` highest-entropy policy tokens (ties: earlier position first).
+   ``ceil(q T_i)`` highest-entropy policy tokens (ties: earlier position first). ``ceil(q T_i)`` is
+   evaluated in floating point, ``math.ceil(q * T_i)``, as the published reference does: q = 0.07,
+   T_i = 100 keeps 8 tokens (``0.07 * 100 == 7.000000000000001``).
 6. Active tokens (kept, of admitted trajectories) get the detached weight ``w = exp(current - behavior) A_i``.
 7. ``loss = -sum_i s_i sum_t w_t current_t`` with ``s_i = 1 / (T_i * num_trajectories)`` for the method's
    ``seq-mean-token-mean`` aggregation (Sample-Mean Optimization); the ablations ``token-mean`` and
@@ -27,23 +31,21 @@ Shapes: packed inputs are ``[N]`` token arrays with ``cu_seqlens [B+1]`` offsets
 from __future__ import annotations
 
 import math
-from numbers import Real
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from flashreinforce.ops.contract import (DEFAULTS, LOSS_AGGREGATIONS, PROB_CLAMP, Arguments, ErrorCode,
+                                         check_arguments, error_for, make_stats)
+
 __all__ = [
     "LOSS_AGGREGATIONS",
     "PROB_CLAMP",
+    "bernoulli_kl",
     "flashreinforce_loss",
     "flashreinforce_loss_packed",
 ]
-
-#: Supported values of ``loss_agg`` (Molt's ``actor.flash_loss_agg``).
-LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-
-#: Probabilities in the Bernoulli-KL gate are clamped to ``[PROB_CLAMP, 1 - PROB_CLAMP]``.
-PROB_CLAMP = 1e-6
 
 
 def flashreinforce_loss_packed(
@@ -51,38 +53,42 @@ def flashreinforce_loss_packed(
     behavior_log_probs: Tensor,
     rewards: Tensor,
     cu_seqlens: Tensor,
-    action_mask: Tensor | None = None,
+    action_mask: Optional[Tensor] = None,
     *,
-    delta: float = 3e-3,
-    negative_token_fraction: float = 1.0,
-    entropies: Tensor | None = None,
-    failures: Tensor | None = None,
-    reward_baseline: float | Tensor | None = None,
-    num_trajectories: int | None = None,
-    loss_agg: str = "seq-mean-token-mean",
-    loss_scale_factor: float | None = None,
-    num_policy_tokens: int | None = None,
-    no_is: bool = False,
+    delta: float = DEFAULTS.delta,
+    negative_token_fraction: float = DEFAULTS.negative_token_fraction,
+    entropies: Optional[Tensor] = DEFAULTS.entropies,
+    failures: Optional[Tensor] = DEFAULTS.failures,
+    reward_baseline: Optional[float | Tensor] = DEFAULTS.reward_baseline,
+    num_trajectories: Optional[int] = DEFAULTS.num_trajectories,
+    loss_agg: str = DEFAULTS.loss_agg,
+    loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
+    num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
+    no_is: bool = DEFAULTS.no_is,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss over packed trajectories (reference implementation).
 
     Args:
         log_probs: ``[N]`` float, current-policy log-probability of each token; carries autograd.
         behavior_log_probs: ``[N]`` float, log-probability recorded by the behavior policy at sampling.
-        rewards: ``[B]`` scalar reward per trajectory.
+        rewards: ``[B]`` real (floating-point or integer), scalar reward per trajectory.
         cu_seqlens: ``[B+1]`` int32/int64 offsets; trajectory i owns ``[cu[i], cu[i+1])``.
         action_mask: ``[N]`` bool, True on policy tokens; ``None`` means every token is a policy token.
         delta: trust threshold on the per-trajectory Bernoulli KL (inclusive); ``inf`` disables the gate.
-        negative_token_fraction: q in [0, 1]; below 1, failed trajectories keep ``ceil(q T_i)`` tokens.
+        negative_token_fraction: q in [0, 1]; below 1, failed trajectories keep ``ceil(q T_i)`` tokens,
+            with ``ceil(q * T_i)`` evaluated in floating point (q = 0.07, T_i = 100 keeps 8).
         entropies: ``[N]`` float, full categorical entropy per token (required when q < 1).
         failures: ``[B]`` bool, explicit failure labels (required when q < 1).
         reward_baseline: baseline subtracted from rewards; default the mean of ``rewards``. Pass the
             global batch mean when a batch is split over microbatches or ranks.
-        num_trajectories: the B in the denominator; default ``len(rewards)`` (pass the global B when split).
+        num_trajectories: the B in the denominator, at least ``len(rewards)``; default ``len(rewards)``
+            (pass the global B when split).
         loss_agg: ``"seq-mean-token-mean"`` (the method), ``"token-mean"`` or ``"seq-mean-token-sum-norm"``.
         loss_scale_factor: the constant token-sum divisor of ``"seq-mean-token-sum-norm"`` (required there).
-        num_policy_tokens: denominator of ``"token-mean"``; default the batch's policy-token count.
-        no_is: use the current policy as the detached denominator: ratios are 1, every trajectory admitted.
+        num_policy_tokens: denominator of ``"token-mean"``, at least the batch's policy-token count;
+            default that count.
+        no_is: use the current policy as the detached denominator: ratios are 1, every trajectory
+            admitted. A bool.
 
     Returns:
         ``(loss, stats)``: a 0-d loss in the compute dtype (float64 for float64 inputs, else float32)
@@ -90,87 +96,16 @@ def flashreinforce_loss_packed(
         ``acceptance_rate`` (0-d), ``policy_tokens [B]`` and ``retained_tokens [B]`` (int64).
 
     Raises:
-        ValueError: invalid shapes, dtypes, devices, offsets, options or values (see SEMANTICS.md).
-        FloatingPointError: an importance ratio overflows on an active token.
+        ValueError: invalid shapes, dtypes, devices, offsets, options or values (docs/semantics.md).
+        TypeError: ``no_is`` is not a bool.
+        FloatingPointError: an importance ratio, or a gradient element in the dtype of ``log_probs``,
+            overflows on an active token.
     """
-    _check_tensor_args(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures)
-    q_frac = _check_options(delta, negative_token_fraction, entropies, failures, loss_agg, loss_scale_factor)
-    num_trajectories = _check_positive_int("num_trajectories", num_trajectories)
-    num_policy_tokens = _check_positive_int("num_policy_tokens", num_policy_tokens)
-    if reward_baseline is not None:
-        reward_baseline = float(reward_baseline)
-        if not math.isfinite(reward_baseline):
-            raise ValueError(f"reward_baseline must be finite, got {reward_baseline}")
-
-    device = log_probs.device
-    batch = rewards.shape[0]
-    offsets = cu_seqlens.to(torch.int64)
-    lengths = offsets[1:] - offsets[:-1]
-    segment = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
-    mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask
-
-    policy_tokens = torch.zeros(batch, dtype=torch.int64, device=device).index_add_(0, segment, mask.long())
-    empty = (policy_tokens == 0).nonzero()
-    if empty.numel():
-        raise ValueError(f"action_mask: trajectory {int(empty[0])} has no policy token")
-    if not torch.isfinite(rewards).all():
-        raise ValueError("rewards must be finite")
-    _check_policy_values("log_probs", log_probs, mask)
-    if not no_is:
-        _check_policy_values("behavior_log_probs", behavior_log_probs, mask)
-    if q_frac < 1.0:
-        _check_entropies(entropies, mask)
-
-    compute = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
-    # Zero non-policy slots before any arithmetic: they may hold NaN or inf and must not leak.
-    current = torch.where(mask, log_probs.to(compute), 0.0)
-    lengths_c = policy_tokens.to(compute)
-
-    with torch.no_grad():
-        if no_is:
-            behavior = current.detach()
-        else:
-            behavior = torch.where(mask, behavior_log_probs.to(compute), 0.0)
-        rewards_c = rewards.to(compute)
-        baseline = rewards_c.mean() if reward_baseline is None else torch.tensor(reward_baseline, dtype=compute, device=device)
-        advantages = rewards_c - baseline
-
-        # The gate statistic is evaluated in float64 whatever the input precision: the two terms of the
-        # Bernoulli KL cancel when p is close to q, and in float32 this textbook form would lose
-        # percents of the value. (The fused kernel uses a cancellation-free form in the compute dtype.)
-        # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
-        # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
-        divergence = torch.where(mask, bernoulli_kl(behavior.double(), current.detach().double()), 0.0)
-        kl_sum = torch.zeros(batch, dtype=torch.float64, device=device).index_add_(0, segment, divergence)
-        sequence_kl = (kl_sum / policy_tokens).clamp_min(0.0).to(compute)
-        admitted = sequence_kl.double() <= delta
-
-        kept = mask
-        if q_frac < 1.0:
-            kept = _entropy_filter(mask, entropies, failures, offsets, policy_tokens, q_frac)
-        active = kept & admitted[segment]
-
-        # Inactive tokens never exponentiate anything (their difference is replaced by 0).
-        ratio = torch.exp(torch.where(active, current.detach() - behavior, 0.0))
-        if not torch.isfinite(ratio).all():
-            bad = int((~torch.isfinite(ratio)).nonzero()[0])
-            raise FloatingPointError(f"importance ratio overflows on active token {bad} (log_probs - behavior_log_probs too large)")
-        weights = torch.where(active, ratio * advantages[segment], 0.0)
-        scale = _trajectory_scale(loss_agg, lengths_c, batch if num_trajectories is None else num_trajectories,
-                                  num_policy_tokens, loss_scale_factor)
-
-    per_trajectory = torch.zeros(batch, dtype=compute, device=device).index_add(0, segment, weights * current)
-    loss = -(per_trajectory * scale).sum()
-    retained = torch.zeros(batch, dtype=torch.int64, device=device).index_add_(0, segment, active.long())
-    stats = {
-        "advantages": advantages,
-        "sequence_kl": sequence_kl,
-        "admitted": admitted,
-        "acceptance_rate": admitted.to(compute).mean(),
-        "policy_tokens": policy_tokens,
-        "retained_tokens": retained,
-    }
-    return loss, stats
+    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, delta=delta,
+                           negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
+                           reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
+                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is)
+    return _objective(args)
 
 
 def flashreinforce_loss(
@@ -179,16 +114,16 @@ def flashreinforce_loss(
     rewards: Tensor,
     action_mask: Tensor,
     *,
-    delta: float = 3e-3,
-    negative_token_fraction: float = 1.0,
-    entropies: Tensor | None = None,
-    failures: Tensor | None = None,
-    reward_baseline: float | Tensor | None = None,
-    num_trajectories: int | None = None,
-    loss_agg: str = "seq-mean-token-mean",
-    loss_scale_factor: float | None = None,
-    num_policy_tokens: int | None = None,
-    no_is: bool = False,
+    delta: float = DEFAULTS.delta,
+    negative_token_fraction: float = DEFAULTS.negative_token_fraction,
+    entropies: Optional[Tensor] = DEFAULTS.entropies,
+    failures: Optional[Tensor] = DEFAULTS.failures,
+    reward_baseline: Optional[float | Tensor] = DEFAULTS.reward_baseline,
+    num_trajectories: Optional[int] = DEFAULTS.num_trajectories,
+    loss_agg: str = DEFAULTS.loss_agg,
+    loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
+    num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
+    no_is: bool = DEFAULTS.no_is,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss over padded ``[B, T]`` trajectories (reference implementation).
 
@@ -196,14 +131,11 @@ def flashreinforce_loss(
     ``behavior_log_probs``, ``action_mask`` (bool) and ``entropies`` are ``[B, T]``; ``rewards`` and
     ``failures`` are ``[B]``. Padding slots must be False in ``action_mask``; their values are ignored.
     """
-    cu_seqlens = _padded_offsets(log_probs, behavior_log_probs, rewards, action_mask, entropies)
-    return flashreinforce_loss_packed(
-        log_probs.reshape(-1), behavior_log_probs.reshape(-1), rewards, cu_seqlens, action_mask.reshape(-1),
-        delta=delta, negative_token_fraction=negative_token_fraction,
-        entropies=None if entropies is None else entropies.reshape(-1), failures=failures,
-        reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-        loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
-    )
+    args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True, delta=delta,
+                           negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
+                           reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
+                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is)
+    return _objective(args)
 
 
 def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
@@ -214,15 +146,102 @@ def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Pieces of the computation
+# The computation, on arguments checked by the contract
+
+
+def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss and statistics of checked arguments (either layout, flattened to ``[N]`` here).
+
+    Data errors are raised in the order of their :class:`~flashreinforce.ops.contract.ErrorCode`
+    (the fused kernel's reporting priority), with the contract's messages.
+    """
+    device = a.log_probs.device
+    batch = a.batch
+    log_probs = a.log_probs.reshape(-1)
+    if a.cu_seqlens is None:  # padded [B, T]
+        offsets = torch.arange(batch + 1, device=device, dtype=torch.int64) * a.padded_width
+    else:
+        offsets = a.cu_seqlens.to(torch.int64)
+        _check_offsets(a, offsets)
+    lengths = offsets[1:] - offsets[:-1]
+    segment = torch.repeat_interleave(torch.arange(batch, device=device), lengths)
+    mask = torch.ones_like(log_probs, dtype=torch.bool) if a.action_mask is None else a.action_mask.reshape(-1)
+
+    policy_tokens = torch.zeros(batch, dtype=torch.int64, device=device).index_add_(0, segment, mask.long())
+    _raise_first(a, ErrorCode.NO_POLICY_TOKENS, policy_tokens == 0)
+    total_policy = int(policy_tokens.sum())
+    if a.num_policy_tokens is not None and a.num_policy_tokens < total_policy:
+        raise error_for(ErrorCode.TOO_FEW_POLICY_TOKENS, total_policy, a)
+
+    # Advantages: formed in float64 from the rewards' values and rounded once to the compute dtype;
+    # rewards and advantages must be finite in the compute dtype (checked in float64 before rounding).
+    compute = a.compute_dtype
+    rewards64 = a.rewards.to(torch.float64)
+    _raise_first(a, ErrorCode.NON_FINITE_REWARD, ~_finite_in(rewards64, compute))
+    baseline = float(rewards64.sum()) / batch if a.reward_baseline is None else a.reward_baseline
+    advantages64 = rewards64 - baseline
+    _raise_first(a, ErrorCode.NON_FINITE_ADVANTAGE, ~_finite_in(advantages64, compute))
+    advantages = advantages64.to(compute)
+
+    entropies = None if a.entropies is None else a.entropies.reshape(-1)
+    _raise_first(a, ErrorCode.BAD_LOG_PROB, mask & ~_valid_log_prob(log_probs))
+    if not a.no_is:
+        _raise_first(a, ErrorCode.BAD_BEHAVIOR_LOG_PROB, mask & ~_valid_log_prob(a.behavior_log_probs.reshape(-1)))
+    if a.filter:
+        _raise_first(a, ErrorCode.BAD_ENTROPY, mask & ~torch.isfinite(entropies))
+
+    # Zero non-policy slots before any arithmetic: they may hold NaN or inf and must not leak.
+    current = torch.where(mask, log_probs.to(compute), 0.0)
+
+    with torch.no_grad():
+        if a.no_is:
+            behavior = current.detach()
+        else:
+            behavior = torch.where(mask, a.behavior_log_probs.reshape(-1).to(compute), 0.0)
+
+        # The gate statistic is evaluated in float64 whatever the input precision: the two terms of the
+        # Bernoulli KL cancel when p is close to q, and in float32 this textbook form would lose
+        # percents of the value. (The fused kernel uses a cancellation-free form in the compute dtype.)
+        # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
+        # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
+        divergence = torch.where(mask, bernoulli_kl(behavior.double(), current.detach().double()), 0.0)
+        kl_sum = torch.zeros(batch, dtype=torch.float64, device=device).index_add_(0, segment, divergence)
+        sequence_kl = (kl_sum / policy_tokens).clamp_min(0.0).to(compute)
+        admitted = sequence_kl.double() <= a.delta
+
+        kept = mask
+        if a.filter:
+            kept = _entropy_filter(mask, entropies, a.failures, offsets, policy_tokens, a.negative_token_fraction)
+        active = kept & admitted[segment]
+
+        # Inactive tokens never exponentiate anything (their difference is replaced by 0).
+        ratio = torch.exp(torch.where(active, current.detach() - behavior, 0.0))
+        _raise_first(a, ErrorCode.RATIO_OVERFLOW, ~torch.isfinite(ratio))
+        # s_i in float64, and A_i s_i rounded once to the compute dtype: the gradient on an active
+        # token is then exactly -ratio * (A_i s_i), the fused kernel's formula.
+        scale = _trajectory_scale(a, policy_tokens)
+        coef = (advantages.double() * scale).to(compute)
+        weights = torch.where(active, ratio * coef[segment], 0.0)  # w_t * s_i, detached
+        gradient = (-weights).to(a.log_probs.dtype)
+        _raise_first(a, ErrorCode.GRADIENT_OVERFLOW, active & ~torch.isfinite(gradient))
+
+    per_trajectory = torch.zeros(batch, dtype=compute, device=device).index_add(0, segment, weights * current)
+    loss = -per_trajectory.sum()
+    retained = torch.zeros(batch, dtype=torch.int64, device=device).index_add_(0, segment, active.long())
+    stats = make_stats(advantages=advantages, sequence_kl=sequence_kl, admitted=admitted,
+                       acceptance_rate=admitted.to(compute).mean(), policy_tokens=policy_tokens,
+                       retained_tokens=retained)
+    return loss, stats
 
 
 def _entropy_filter(mask: Tensor, entropies: Tensor, failures: Tensor, offsets: Tensor,
                     policy_tokens: Tensor, q: float) -> Tensor:
     """Keep, on each failed trajectory, its ``ceil(q T_i)`` highest-entropy policy tokens.
 
-    Ties are broken by position (earlier first): a stable descending sort keeps the original order
-    among equal entropies. Successful trajectories keep every policy token.
+    ``ceil(q T_i)`` is ``math.ceil(q * T_i)`` in floating point (the published reference's rule,
+    kept on purpose: q = 0.07, T_i = 100 keeps 8). Ties are broken by position (earlier first): a
+    stable descending sort keeps the original order among equal entropies. Successful
+    trajectories keep every policy token.
     """
     kept = mask.clone()
     failed = failures.nonzero().flatten().tolist()
@@ -237,118 +256,43 @@ def _entropy_filter(mask: Tensor, entropies: Tensor, failures: Tensor, offsets: 
     return kept
 
 
-def _trajectory_scale(loss_agg: str, lengths: Tensor, num_trajectories: int, num_policy_tokens: int | None,
-                      loss_scale_factor: float | None) -> Tensor:
-    """Per-trajectory factor ``s_i`` of ``loss = -sum_i s_i sum_t w_t log_prob_t``."""
-    if loss_agg == "seq-mean-token-mean":
+def _trajectory_scale(a: Arguments, policy_tokens: Tensor) -> Tensor:
+    """Per-trajectory factor ``s_i`` (float64) of ``loss = -sum_i s_i sum_t w_t log_prob_t``."""
+    lengths = policy_tokens.double()
+    num_trajectories = a.batch if a.num_trajectories is None else a.num_trajectories
+    if a.loss_agg == "seq-mean-token-mean":
         return 1.0 / (lengths * num_trajectories)
-    if loss_agg == "token-mean":
-        total = lengths.sum() if num_policy_tokens is None else num_policy_tokens
-        return torch.full_like(lengths, 1.0) / total
-    return torch.full_like(lengths, 1.0 / (loss_scale_factor * num_trajectories))
+    if a.loss_agg == "token-mean":
+        total = float(lengths.sum()) if a.num_policy_tokens is None else float(a.num_policy_tokens)
+        return torch.full_like(lengths, 1.0 / total)
+    return torch.full_like(lengths, 1.0 / (a.loss_scale_factor * num_trajectories))
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation (errors name the argument)
+# Data checks (the rules and messages are the contract's)
 
 
-def _check_tensor_args(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures):
-    named = {"log_probs": log_probs, "behavior_log_probs": behavior_log_probs, "rewards": rewards,
-             "cu_seqlens": cu_seqlens, "action_mask": action_mask, "entropies": entropies, "failures": failures}
-    for name, value in named.items():
-        if value is not None and not isinstance(value, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    for name in ("log_probs", "behavior_log_probs", "entropies"):
-        value = named[name]
-        if value is not None and not value.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {value.dtype}")
-    for name in ("action_mask", "failures"):
-        value = named[name]
-        if value is not None and value.dtype != torch.bool:
-            raise ValueError(f"{name} must be a bool tensor, got {value.dtype}")
-    if rewards.dtype == torch.bool or rewards.is_complex():
-        raise ValueError(f"rewards must be a real-valued tensor, got {rewards.dtype}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    for name, value in named.items():
-        if value is not None and value.device != log_probs.device:
-            raise ValueError(f"{name} is on {value.device} but log_probs is on {log_probs.device}")
+def _raise_first(a: Arguments, code: ErrorCode, bad: Tensor) -> None:
+    """Raises ``code`` at the first True index of ``bad`` (a trajectory or a token index)."""
+    if bool(bad.any()):
+        raise error_for(code, int(bad.nonzero()[0]), a)
 
-    if log_probs.dim() != 1 or log_probs.numel() == 0:
-        raise ValueError(f"log_probs must be a non-empty 1-D [N] tensor, got shape {tuple(log_probs.shape)}")
-    if rewards.dim() != 1 or rewards.numel() == 0:
-        raise ValueError(f"rewards must be a non-empty 1-D [B] tensor, got shape {tuple(rewards.shape)}")
-    num_tokens, batch = log_probs.shape[0], rewards.shape[0]
-    for name in ("behavior_log_probs", "action_mask", "entropies"):
-        value = named[name]
-        if value is not None and tuple(value.shape) != (num_tokens,):
-            raise ValueError(f"{name} must have shape [{num_tokens}] like log_probs, got {tuple(value.shape)}")
-    if failures is not None and tuple(failures.shape) != (batch,):
-        raise ValueError(f"failures must have shape [{batch}] like rewards, got {tuple(failures.shape)}")
-    if tuple(cu_seqlens.shape) != (batch + 1,):
-        raise ValueError(f"cu_seqlens must have shape [B+1] = [{batch + 1}], got {tuple(cu_seqlens.shape)}")
-    offsets = cu_seqlens.to(torch.int64)
+
+def _check_offsets(a: Arguments, offsets: Tensor) -> None:
     if int(offsets[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {int(offsets[0])}")
-    if bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    if int(offsets[-1]) != num_tokens:
-        raise ValueError(f"cu_seqlens must end at N = {num_tokens} (the length of log_probs), got {int(offsets[-1])}")
+        raise error_for(ErrorCode.BAD_CU_SEQLENS, 0, a)
+    decreasing = (offsets[1:] < offsets[:-1]).nonzero()
+    if decreasing.numel():  # cu[i] < cu[i-1]: the record holds i
+        raise error_for(ErrorCode.BAD_CU_SEQLENS, int(decreasing[0]) + 1, a)
+    if int(offsets[-1]) != a.num_tokens:
+        raise error_for(ErrorCode.BAD_CU_SEQLENS, a.batch, a)
 
 
-def _check_options(delta, q, entropies, failures, loss_agg, loss_scale_factor) -> float:
-    if not isinstance(delta, Real) or math.isnan(delta) or delta < 0:
-        raise ValueError(f"delta must be a non-negative number (inf disables the gate), got {delta!r}")
-    if not isinstance(q, Real) or math.isnan(q) or not 0.0 <= q <= 1.0:
-        raise ValueError(f"negative_token_fraction must be in [0, 1], got {q!r}")
-    if q < 1.0 and (entropies is None or failures is None):
-        missing = " and ".join(n for n, v in (("entropies", entropies), ("failures", failures)) if v is None)
-        raise ValueError(f"negative_token_fraction < 1 needs entropies and failures; missing {missing}")
-    if loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
-    if loss_agg == "seq-mean-token-sum-norm":
-        if loss_scale_factor is None or not math.isfinite(loss_scale_factor) or loss_scale_factor <= 0:
-            raise ValueError(f"loss_scale_factor must be a positive finite number for {loss_agg}, got {loss_scale_factor!r}")
-    elif loss_scale_factor is not None:
-        raise ValueError(f"loss_scale_factor is only used with loss_agg='seq-mean-token-sum-norm', not {loss_agg!r}")
-    return float(q)
+def _finite_in(values64: Tensor, compute: torch.dtype) -> Tensor:
+    """Elementwise: the float64 values stay finite once rounded to ``compute``."""
+    return torch.isfinite(values64.to(compute))
 
 
-def _check_positive_int(name: str, value) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, Tensor)) or int(value) != value or int(value) <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _check_policy_values(name: str, values: Tensor, mask: Tensor) -> None:
-    policy = values[mask]
-    bad = ~torch.isfinite(policy) | (policy > 0)
-    if bad.any():
-        index = int(mask.nonzero().flatten()[bad.nonzero()[0]])
-        raise ValueError(f"{name}: policy token {index} has log probability {float(values[index])}; "
-                         "policy-token log probabilities must be finite and <= 0")
-
-
-def _check_entropies(entropies: Tensor, mask: Tensor) -> None:
-    if not torch.isfinite(entropies[mask]).all():
-        index = int(mask.nonzero().flatten()[(~torch.isfinite(entropies[mask])).nonzero()[0]])
-        raise ValueError(f"entropies: policy token {index} has non-finite entropy {float(entropies[index])}")
-
-
-def _padded_offsets(log_probs, behavior_log_probs, rewards, action_mask, entropies) -> Tensor:
-    for name, value in (("log_probs", log_probs), ("behavior_log_probs", behavior_log_probs),
-                        ("action_mask", action_mask), ("rewards", rewards)):
-        if not isinstance(value, Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if log_probs.dim() != 2 or log_probs.numel() == 0:
-        raise ValueError(f"log_probs must be a non-empty [B, T] tensor, got shape {tuple(log_probs.shape)}")
-    for name, value in (("behavior_log_probs", behavior_log_probs), ("action_mask", action_mask),
-                        ("entropies", entropies)):
-        if value is not None and value.shape != log_probs.shape:
-            raise ValueError(f"{name} must have shape {tuple(log_probs.shape)} like log_probs, got {tuple(value.shape)}")
-    batch, width = log_probs.shape
-    if tuple(rewards.shape) != (batch,):
-        raise ValueError(f"rewards must have shape [{batch}], got {tuple(rewards.shape)}")
-    return torch.arange(batch + 1, device=log_probs.device, dtype=torch.int64) * width
+def _valid_log_prob(values: Tensor) -> Tensor:
+    """Finite and <= 0 (NaN fails both)."""
+    return torch.isfinite(values) & (values <= 0)

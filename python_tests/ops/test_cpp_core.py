@@ -2,7 +2,7 @@
 
 The build directory (build/cpp-tests under the repository) is reused between runs, so only the
 first run compiles. The same build also produces a CPU-only flashreinforce._C, used to check the
-error a CPU-only build gives for CUDA tensors.
+error a CPU-only build gives for CUDA tensors and the structural checks of the raw binding.
 """
 
 from __future__ import annotations
@@ -52,26 +52,37 @@ def test_ctest_core(build_dir):
     assert "100% tests passed" in done.stdout
 
 
-def test_cpu_only_build_rejects_cuda_tensors(build_dir):
+def _load_module(build_dir: Path) -> str:
     modules = list(build_dir.glob("_C*.so")) + list(build_dir.glob("_C*.pyd"))
     assert modules, "the CPU-only _C module was not built"
-    script = textwrap.dedent(f"""
+    return textwrap.dedent(f"""
         import importlib.util
         spec = importlib.util.spec_from_file_location("_C", {str(modules[0])!r})
         C = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(C)
-        assert C.has_cuda() is False
-        def d(shape, dtype, dev="cuda"):
-            strides, acc = [], 1
-            for s in reversed(shape):
-                strides.insert(0, acc); acc *= s
-            return (4096, tuple(shape), tuple(strides), dtype, dev, 0)
-        outs = [d((), "float32"), d((4,), "float32"), d((1,), "float32"), d((1,), "float32"), d((1,), "bool"),
-                d((), "float32"), d((1,), "int64"), d((1,), "int64")]
+    """)
+
+
+# The raw binding's three dicts (flashreinforce/ops/fused.py builds them from tensors): views by
+# name (data_ptr, numel, dtype), the options, and the launch. Here with fake device pointers.
+_RAW_CALL = textwrap.dedent("""
+    views = dict(log_probs=(4096, 4, "float32"), behavior_log_probs=(4096, 4, "float32"),
+                 rewards=(4096, 1, "float32"), cu_seqlens=(4096, 2, "int64"), action_mask=None, entropies=None,
+                 failures=None, loss=(4096, 1, "float32"), grad=(4096, 4, "float32"),
+                 advantages=(4096, 1, "float32"), sequence_kl=(4096, 1, "float32"), admitted=(4096, 1, "bool"),
+                 acceptance_rate=(4096, 1, "float32"), policy_tokens=(4096, 1, "int64"),
+                 retained_tokens=(4096, 1, "int64"), workspace=(4096, 64, "uint8"), error_record=(4096, 2, "int64"))
+    options = dict(delta=1e-3, negative_token_fraction=1.0, reward_baseline=None, num_trajectories=None,
+                   loss_agg="seq-mean-token-mean", loss_scale_factor=None, num_policy_tokens=None, no_is=False)
+    launch = dict(device="cuda", padded_row_length=0, num_threads=1, stream=0, synchronize=True)
+""")
+
+
+def test_cpu_only_build_rejects_cuda_tensors(build_dir):
+    script = _load_module(build_dir) + _RAW_CALL + textwrap.dedent("""
+        assert C.has_cuda() is False and C.cuda_workspace_bytes(4, 1, False) == 0
         try:
-            C.loss_forward(False, d((4,), "float32"), d((4,), "float32"), d((1,), "float32"), d((2,), "int64"),
-                           None, None, None, 1e-3, 1.0, None, None, "seq-mean-token-mean", None, None, False,
-                           outs, d((64,), "uint8"), d((2,), "int64"), 1, 0, True)
+            C.loss_forward(views, options, launch)
         except RuntimeError as e:
             assert "built without CUDA" in str(e), e
             print("ok")
@@ -80,3 +91,42 @@ def test_cpu_only_build_rejects_cuda_tensors(build_dir):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def test_raw_binding_checks_the_structure_it_relies_on(build_dir):
+    """Malformed views never reach the core: a RuntimeError naming the field (the public entry
+    points validate everything before, so only direct calls of the private binding meet these)."""
+    script = _load_module(build_dir) + _RAW_CALL + textwrap.dedent("""
+        import copy
+        def fails(change, fragment):
+            v, o, l = copy.deepcopy(views), dict(options), dict(launch)
+            change(v, o, l)
+            try:
+                C.loss_forward(v, o, l)
+            except RuntimeError as e:
+                assert fragment in str(e), (fragment, str(e))
+            else:
+                raise SystemExit(f"no error for {fragment}")
+        fails(lambda v, o, l: v.update(grad=(4096, 3, "float32")), "grad")
+        fails(lambda v, o, l: v.update(behavior_log_probs=None), "behavior_log_probs")
+        fails(lambda v, o, l: v.update(cu_seqlens=(4096, 3, "int64")), "cu_seqlens")
+        fails(lambda v, o, l: v.update(rewards=(4096, 1, "bool")), "rewards")
+        fails(lambda v, o, l: v.update(bogus=(4096, 1, "bool")), "unknown view 'bogus'")
+        fails(lambda v, o, l: v.update(log_probs=(4096, 4, "complex64")), "unsupported dtype 'complex64'")
+        fails(lambda v, o, l: o.update(negative_token_fraction=0.5), "entropies")
+        fails(lambda v, o, l: o.update(loss_agg="sum"), "loss_agg")
+        fails(lambda v, o, l: l.update(device="meta"), "device")
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr
+
+
+def test_binding_names_match_the_contract():
+    """The binding's views and error codes are the contract's outputs and ErrorCode, in order."""
+    from flashreinforce import _C
+    from flashreinforce.ops import contract
+
+    views = _C.view_names()
+    assert views[-len(contract.OUTPUT_NAMES):] == contract.OUTPUT_NAMES
+    assert [c.name.lower() for c in contract.ErrorCode] == list(_C.error_code_names())

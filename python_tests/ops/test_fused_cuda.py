@@ -12,6 +12,7 @@ import torch
 
 import flashreinforce as fr
 from flashreinforce import _C
+from flashreinforce.ops.contract import ErrorCode
 from python_tests.ops.fused_cases import check_against_expected, expected_loss, random_batch
 
 pytestmark = [
@@ -93,7 +94,8 @@ def test_cuda_one_huge_trajectory_among_many_short(generator):
     assert torch.equal(cpu[2]["policy_tokens"], gpu[2]["policy_tokens"].cpu())
 
 
-@pytest.mark.parametrize("case", ["nan log_prob", "cu_seqlens", "overflow", "no policy", "entropy"])
+@pytest.mark.parametrize("case", ["nan log_prob", "cu_seqlens", "overflow", "no policy", "entropy",
+                                  "gradient overflow", "advantage", "num_policy_tokens"])
 def test_cuda_errors(case):
     lp = torch.tensor([-0.5, -1.0, -0.2, -0.7, -0.1, -2.0], device="cuda")
     blp = lp - 0.01
@@ -112,13 +114,31 @@ def test_cuda_errors(case):
     elif case == "no policy":
         mask[4:] = False
         exc, frag = ValueError, "action_mask"
+    elif case == "gradient overflow":  # ratio e^60 is finite in float32, ratio * A * s is not
+        blp[1] = -60.0
+        opts.update(reward_baseline=-1e20)
+        exc, frag = FloatingPointError, "gradient overflows float32"
+    elif case == "advantage":  # 3e38 - (-1e38) overflows float32
+        opts.update(reward_baseline=-1e38)
+        lp[1] = -1e-3
+        exc, frag = ValueError, "advantage of trajectory 0"
+    elif case == "num_policy_tokens":
+        opts.update(loss_agg="token-mean", num_policy_tokens=3)
+        exc, frag = ValueError, r"policy-token count \(4\), got 3"
     else:
         ent = torch.ones(6, device="cuda")
         ent[2] = math.inf
         opts.update(negative_token_fraction=0.5, entropies=ent, failures=torch.tensor([True, False], device="cuda"))
         exc, frag = ValueError, "entropies"
-    with pytest.raises(exc, match=frag):
-        fr.flashreinforce_loss_packed(lp, blp, torch.tensor([1.0, 0.0], device="cuda"), cu, mask, **opts)
+    rewards = torch.tensor([3e38 if case == "advantage" else 1.0, 0.0], device="cuda")
+    with pytest.raises(exc, match=frag) as cuda_error:
+        fr.flashreinforce_loss_packed(lp, blp, rewards, cu, mask, **opts)
+    # The same exception and message as the CPU path (and hence the reference).
+    cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (lp, blp, rewards, cu, mask)]
+    cpu_opts = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in opts.items()}
+    with pytest.raises(exc) as cpu_error:
+        fr.flashreinforce_loss_packed(*cpu, **cpu_opts)
+    assert str(cuda_error.value) == str(cpu_error.value)
 
 
 def test_cuda_graph_capture(generator):
@@ -208,7 +228,8 @@ def _policy_tokens(b, trajectory):
 
 
 @pytest.mark.parametrize("case", ["log_probs twice", "behavior before log_probs", "entropy before overflow",
-                                  "two overflows", "offsets", "no policy and reward"])
+                                  "two overflows", "offsets", "no policy and reward", "advantage before log_probs",
+                                  "ratio before gradient overflow", "policy-token count first"])
 def test_cuda_error_record_matches_cpu(generator, case):
     """Several errors at once: the CUDA record holds the CPU's (smallest code, then smallest index)."""
     from flashreinforce.ops import fused_loss_capturable
@@ -230,12 +251,30 @@ def test_cuda_error_record_matches_cpu(generator, case):
             b.log_probs[t], b.behavior_log_probs[t] = -1e-3, -200.0
     elif case == "offsets":
         b.cu_seqlens = torch.tensor([0, 3000, 2000, 8009, 8000, 99], dtype=b.cu_seqlens.dtype)
+    elif case == "advantage before log_probs":
+        b.rewards[3] = 3e38
+        b.log_probs[early] = math.nan
+        opts.update(reward_baseline=-1e38)
+    elif case == "ratio before gradient overflow":  # a gradient overflow early, a ratio overflow late
+        b.rewards[0] = 1e36
+        t0 = _policy_tokens(b, 0)[0]
+        b.log_probs[t0], b.behavior_log_probs[t0] = -1e-3, -20.0
+        t4 = _policy_tokens(b, 4)[0]
+        b.log_probs[t4], b.behavior_log_probs[t4] = -1e-3, -200.0
+        opts.update(reward_baseline=0.0)
+    elif case == "policy-token count first":
+        b.log_probs[early] = math.nan
+        opts.update(loss_agg="token-mean", num_policy_tokens=1)
     else:
         b.action_mask[int(b.cu_seqlens[3]):int(b.cu_seqlens[4])] = False
         b.rewards[1] = math.inf
     *_, cpu_error = fused_loss_capturable(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens,
                                           b.action_mask, **opts)
     assert cpu_error.tolist()[0] != 0
+    expected = {"advantage before log_probs": ErrorCode.NON_FINITE_ADVANTAGE,
+                "ratio before gradient overflow": ErrorCode.RATIO_OVERFLOW,
+                "policy-token count first": ErrorCode.TOO_FEW_POLICY_TOKENS}.get(case)
+    assert expected is None or cpu_error.tolist()[0] == expected, cpu_error.tolist()
     to_cuda(b)
     if "entropies" in opts:
         opts.update(entropies=b.entropies, failures=b.failures)

@@ -1,5 +1,6 @@
-"""Every error of SEMANTICS.md, for both fused entry points (and the same exception from the
-reference, so the two stay interchangeable). Messages must name the offending argument."""
+"""Every error of docs/semantics.md, for both fused entry points, and the same exception with the
+same message from the reference (one rule set, flashreinforce/ops/contract.py). Messages must name
+the offending argument."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 import flashreinforce as fr
-from flashreinforce import _C
 from flashreinforce import loss as reference
+from flashreinforce.ops.contract import ErrorCode
 
 
 def base_packed():
@@ -125,11 +126,28 @@ CASES = [
      "loss_scale_factor", True),
     ("factor with another mode", modify(loss_scale_factor=10.0), ValueError, "loss_scale_factor", True),
     ("num_trajectories zero", modify(num_trajectories=0), ValueError, "num_trajectories", True),
+    ("num_trajectories below B", modify(num_trajectories=1), ValueError, "num_trajectories", True),
+    ("num_trajectories float", modify(num_trajectories=4.0), ValueError, "num_trajectories", True),
+    ("num_trajectories bool", modify(num_trajectories=True), ValueError, "num_trajectories", True),
+    ("num_policy_tokens below the count", modify(loss_agg="token-mean", num_policy_tokens=3), ValueError,
+     "num_policy_tokens", True),
     ("num_policy_tokens negative", modify(num_policy_tokens=-3), ValueError, "num_policy_tokens", True),
     ("baseline nan", modify(reward_baseline=math.nan), ValueError, "reward_baseline", True),
+    ("baseline string", modify(reward_baseline="0.5"), ValueError, "reward_baseline", True),
+    ("baseline beyond float32", modify(reward_baseline=1e39), ValueError, "reward_baseline", True),
+    ("delta bool", modify(delta=True), ValueError, "delta", True),
+    ("no_is string", modify(no_is="false"), TypeError, "no_is", True),
+    ("no_is int", modify(no_is=1), TypeError, "no_is", True),
+    ("reward beyond float32", modify(rewards=torch.tensor([1e300, 0.0], dtype=torch.float64)), ValueError,
+     "rewards", True),
+    ("advantage beyond float32", modify(rewards=torch.tensor([3e38, 0.0]), reward_baseline=-3e38), ValueError,
+     "advantage of trajectory 0", True),
+    ("cu_seqlens None", modify(cu_seqlens=None), ValueError, "cu_seqlens", False),
     ("not a tensor", modify(rewards=[1.0, 0.0]), ValueError, "rewards", True),
     ("ratio overflow", modify(log_probs=set_at(1, -1e-3), behavior_log_probs=set_at(1, -200.0), delta=math.inf),
      FloatingPointError, "ratio", True),
+    ("gradient overflow", modify(log_probs=set_at(1, -1e-3), behavior_log_probs=set_at(1, -60.0), delta=math.inf,
+                                 rewards=torch.tensor([1e20, 0.0])), FloatingPointError, "gradient", True),
 ]
 
 
@@ -139,11 +157,13 @@ def test_error(name, factory, exc, fragment, padded_too, form):
     if form == "padded" and not padded_too:
         pytest.skip("packed-only case (offsets)")
     call = call_packed if form == "packed" else call_padded
-    with pytest.raises(exc, match=fragment):
+    with pytest.raises(exc, match=fragment) as fused_error:
         call(fr.flashreinforce_loss_packed if form == "packed" else fr.flashreinforce_loss, factory())
-    # The reference raises the same exception class for the same input.
-    with pytest.raises(exc):
+    # The reference raises the same exception, with the same message, for the same input.
+    with pytest.raises(exc) as reference_error:
         call(reference.flashreinforce_loss_packed if form == "packed" else reference.flashreinforce_loss, factory())
+    assert type(fused_error.value) is type(reference_error.value)
+    assert str(fused_error.value) == str(reference_error.value)
 
 
 def test_overflow_on_inactive_token_is_not_an_error():
@@ -179,34 +199,21 @@ def test_padded_requires_a_mask_and_2d_inputs():
 
 
 def test_mixed_devices_are_rejected():
-    """A tensor on another device is a ValueError (checked by the fake kernel on 'meta' here, and
-    by the bindings for real launches, see test_bindings_reject_mismatched_devices)."""
+    """A tensor on another device is a ValueError from the shared rules (here on 'meta', where the
+    rules run without data), with the same message from the reference."""
     lp = torch.full((4,), -0.5, device="meta")
-    with pytest.raises(ValueError, match="behavior_log_probs"):
-        fr.flashreinforce_loss_packed(lp, torch.full((4,), -0.5), torch.zeros(1, device="meta"),
-                                      torch.tensor([0, 4], device="meta"))
+    args = (lp, torch.full((4,), -0.5), torch.zeros(1, device="meta"), torch.tensor([0, 4], device="meta"))
+    with pytest.raises(ValueError, match="behavior_log_probs is on cpu but log_probs is on meta") as fused_error:
+        fr.flashreinforce_loss_packed(*args)
+    with pytest.raises(ValueError) as reference_error:
+        reference.flashreinforce_loss_packed(*args)
+    assert str(fused_error.value) == str(reference_error.value)
 
 
-def _desc(t, device=None, index=-1):
-    from flashreinforce.ops.fused import _desc as desc
-    d = desc(t)
-    return d if device is None else (*d[:4], device, index)
-
-
-def test_bindings_reject_mismatched_devices():
-    lp = torch.full((4,), -0.5)
-    outs = [torch.empty(()), torch.empty(4), torch.empty(1), torch.empty(1), torch.empty(1, dtype=torch.bool),
-            torch.empty(()), torch.empty(1, dtype=torch.int64), torch.empty(1, dtype=torch.int64)]
-    err = torch.zeros(2, dtype=torch.int64)
-    with pytest.raises(ValueError, match="rewards is on cuda:0 but log_probs is on cpu"):
-        _C.loss_forward(False, _desc(lp), _desc(lp), _desc(torch.zeros(1), "cuda", 0), _desc(torch.tensor([0, 4])),
-                        None, None, None, 1e-3, 1.0, None, None, "seq-mean-token-mean", None, None, False,
-                        [_desc(o) for o in outs], None, _desc(err), 1, 0, True)
-    with pytest.raises(ValueError, match="contiguous"):
-        strided = torch.full((8,), -0.5)[::2]
-        _C.loss_forward(False, _desc(strided), _desc(lp), _desc(torch.zeros(1)), _desc(torch.tensor([0, 4])),
-                        None, None, None, 1e-3, 1.0, None, None, "seq-mean-token-mean", None, None, False,
-                        [_desc(o) for o in outs], None, _desc(err), 1, 0, True)
+def test_fused_loss_runs_on_cpu_and_cuda_only():
+    lp = torch.full((4,), -0.5, device="meta")
+    with pytest.raises(ValueError, match="log_probs is on meta; the fused loss runs on cpu and cuda tensors"):
+        fr.flashreinforce_loss_packed(lp, lp, torch.zeros(1, device="meta"), torch.tensor([0, 4], device="meta"))
 
 
 def test_non_contiguous_inputs_are_accepted(generator):
@@ -227,7 +234,7 @@ def test_capturable_variant_records_errors_instead_of_raising():
     lp[4] = math.nan
     loss, stats, error = fused_loss_capturable(lp, case["behavior_log_probs"], case["rewards"], case["cu_seqlens"],
                                                case["action_mask"], delta=0.1)
-    assert error.tolist() == [4, 4]  # kBadLogProb at token 4
+    assert error.tolist() == [ErrorCode.BAD_LOG_PROB, 4]
     with pytest.raises(ValueError, match="log_probs: policy token 4"):
         raise_for_error(error, lp.numel(), 2)
     _, _, ok = fused_loss_capturable(case["log_probs"], case["behavior_log_probs"], case["rewards"],
@@ -251,7 +258,9 @@ def _long_packed(dtype, with_mask):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("with_mask", [True, False])
-@pytest.mark.parametrize("kind,code", [("log_probs", 4), ("behavior", 5), ("overflow", 7)])
+@pytest.mark.parametrize("kind,code", [("log_probs", ErrorCode.BAD_LOG_PROB),
+                                       ("behavior", ErrorCode.BAD_BEHAVIOR_LOG_PROB),
+                                       ("overflow", ErrorCode.RATIO_OVERFLOW)])
 def test_first_offending_token_is_reported_across_blocks_and_chunks(dtype, with_mask, kind, code):
     """The recorded index is the first bad token even when several blocks and chunks hold one."""
     first, later = 33_333, 45_000  # a later block of the second chunk of trajectory 2; and after it
@@ -266,9 +275,9 @@ def test_first_offending_token_is_reported_across_blocks_and_chunks(dtype, with_
     from flashreinforce.ops import fused_loss_capturable
 
     _, _, error = fused_loss_capturable(lp, blp, rewards, cu, mask, delta=math.inf)
-    assert error.tolist()[1] == first, (kind, error.tolist())
-    assert error.tolist()[0] != 0
-    expected = {4: "log_probs: policy token 33333", 5: "behavior_log_probs: policy token 33333",
-                7: "active token 33333"}[code]
+    assert error.tolist() == [code, first], (kind, error.tolist())
+    expected = {ErrorCode.BAD_LOG_PROB: "log_probs: policy token 33333",
+                ErrorCode.BAD_BEHAVIOR_LOG_PROB: "behavior_log_probs: policy token 33333",
+                ErrorCode.RATIO_OVERFLOW: "active token 33333"}[code]
     with pytest.raises((ValueError, FloatingPointError), match=expected):
         fr.flashreinforce_loss_packed(lp, blp, rewards, cu, mask, delta=math.inf)
