@@ -1,4 +1,4 @@
-"""CPU benchmark of the fused FlashREINFORCE loss (issue 5, target 1).
+"""CPU benchmark of the fused FlashREINFORCE loss (the CPU targets of docs/performance.md).
 
 Forward + backward over a packed batch, side by side with a straightforward eager PyTorch
 implementation of the same objective (segment sums with ``index_add_``) and with ``torch.compile``

@@ -1,4 +1,6 @@
-"""CUDA benchmark of the fused FlashREINFORCE loss (issue 5, target 2). Needs a CUDA device.
+"""CUDA benchmark of the fused FlashREINFORCE loss (the CUDA target of docs/performance.md).
+
+Needs a CUDA device.
 
 Prints tables of:
 

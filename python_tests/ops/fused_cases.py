@@ -1,6 +1,6 @@
 """Test helpers for the fused loss: random packed batches and an independent float64 computation.
 
-``expected_loss`` is written from SEMANTICS.md directly, one trajectory at a time in float64, and
+``expected_loss`` is written from docs/semantics.md directly, one trajectory at a time in float64, and
 shares no code with the kernel or with ``flashreinforce.loss`` (the reference), so agreement is
 evidence for both.
 """
@@ -142,7 +142,7 @@ def expected_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mas
                   negative_token_fraction=1.0, entropies=None, failures=None, reward_baseline=None,
                   num_trajectories=None, loss_agg="seq-mean-token-mean", loss_scale_factor=None,
                   num_policy_tokens=None, no_is=False, exact_kl=None) -> Expected:
-    """Float64 computation of SEMANTICS.md, trajectory by trajectory (packed inputs).
+    """Float64 computation of docs/semantics.md, trajectory by trajectory (packed inputs).
 
     ``exact_kl`` (default: for float64 inputs) evaluates the KL in 40-digit decimals.
     """
@@ -208,7 +208,7 @@ def expected_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mas
 
 
 def check_against_expected(loss, grad, stats, exp: Expected, dtype, delta, where=""):
-    """Asserts the per-dtype tolerances of issue 2 (see the module docstring of the tests)."""
+    """Asserts the per-dtype tolerances of docs/semantics.md, section 5 (see the module docstring of the tests)."""
     grad = grad.detach().double()
     scale = max(float(exp.grad.abs().max()), 1e-300)
     term_scale = max(float(exp.terms.abs().sum()), 1e-300)

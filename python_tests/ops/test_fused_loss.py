@@ -1,6 +1,6 @@
 """The fused loss (compiled CPU path) against an independent float64 computation and the reference.
 
-Tolerances (issue 2): float64 inputs 1e-10 relative; float32: gradient within 1e-5 of its largest
+Tolerances (docs/semantics.md, section 5): float64 inputs 1e-10 relative; float32: gradient within 1e-5 of its largest
 magnitude, loss within 1e-5 of the sum of the absolute per-trajectory terms, sequence_kl within
 5e-3 relative, the same admission decisions away from the threshold; 16-bit gradients to their
 rounding. Inputs are fresh random packed batches (see fused_cases.py) with masked slots holding
@@ -264,7 +264,7 @@ def test_single_token_and_all_masked_but_one():
 
 
 # ---------------------------------------------------------------------------------------------
-# The worked numbers of SEMANTICS.md, for both entry points.
+# The worked numbers of docs/semantics.md, for both entry points.
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -1,7 +1,7 @@
-"""The pure-PyTorch reference (flashreinforce.loss) against SEMANTICS.md.
+"""The pure-PyTorch reference (flashreinforce.loss) against docs/semantics.md.
 
 The reference is the readable definition; here it is checked against the worked numbers of
-SEMANTICS.md and against an independent per-token Python loop in float64 (math module only).
+docs/semantics.md and against an independent per-token Python loop in float64 (math module only).
 """
 
 import math
@@ -15,7 +15,7 @@ from flashreinforce import loss as ref
 
 def _loop_objective(lp, blp, rewards, cu, mask, *, delta, q=1.0, ent=None, failed=None, baseline=None,
                     num_traj=None, agg="seq-mean-token-mean", scale_factor=None, num_tokens=None, no_is=False):
-    """Straight transcription of SEMANTICS.md with Python floats; returns (loss, grad list, admitted)."""
+    """Straight transcription of docs/semantics.md with Python floats; returns (loss, grad list, admitted)."""
     B = len(rewards)
     base = sum(rewards) / B if baseline is None else baseline
     nt = B if num_traj is None else num_traj
@@ -218,7 +218,7 @@ def test_masked_garbage_is_ignored_and_ratio_overflow_raises():
 
 def test_float32_sequence_kl_is_accurate_when_policies_are_close():
     # p close to q: the two terms of the Bernoulli KL cancel; the reference must still be within
-    # SEMANTICS.md's float32 tolerance (5e-3 relative) of the float64 value.
+    # the contract's float32 tolerance (5e-3 relative, docs/semantics.md) of the float64 value.
     gen = torch.Generator().manual_seed(3)
     lp64 = -torch.rand(4000, generator=gen, dtype=torch.float64) * 4 - 1e-3
     blp64 = (lp64 + torch.randn(4000, generator=gen, dtype=torch.float64) * 3e-5).clamp(max=-1e-4)
