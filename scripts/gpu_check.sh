@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the fused loss, for one short session on a lent GPU machine (< 8 minutes):
-# builds flashreinforce._C with the CUDA path, runs the CUDA tests (and the CPU loss tests as a
-# sanity check of the same build), then the CUDA benchmark, which prints its tables.
+# builds flashreinforce._C with the CUDA path, runs the CUDA tests (and the CPU loss, error,
+# edge-case and contract tests as a sanity check of the same build), then the CUDA benchmark,
+# which prints its tables.
 #
 #   bash scripts/gpu_check.sh            # from the repository root
 #
@@ -38,7 +39,8 @@ echo "build done after $(( $(date +%s) - start )) s"
 echo "== tests"
 status=0
 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_fused_cuda.py python_tests/ops/test_fused_loss.py \
-  python_tests/ops/test_fused_errors.py -k "not each_cpu_instruction_set" -x || status=$?
+  python_tests/ops/test_fused_errors.py python_tests/ops/test_edge_cases.py python_tests/ops/test_contract.py \
+  -k "not each_cpu_instruction_set" -x || status=$?
 # The learner's chunked log-probabilities on the GPU (pure PyTorch; needs no build).
 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_logprobs.py -k cuda || status=$?
 echo "tests done after $(( $(date +%s) - start )) s (exit $status)"
