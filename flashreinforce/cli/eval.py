@@ -98,10 +98,14 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     probe = factory()
     try:
         rows = num_prompts(probe)
+        # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
+        seeds = eval_seeds(rows, rows if eval_split and rows is not None else f["eval.num_prompts"])
+        try:
+            probe.reset(seed=seeds[-1])  # an environment with fewer evaluation prompts refuses here
+        except ValueError as err:
+            raise ConfigError(f"--eval.num_prompts {f['eval.num_prompts']}: {err}") from None
     finally:
         probe.close()
-    # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
-    seeds = eval_seeds(rows, rows if eval_split and rows is not None else f["eval.num_prompts"])
     settings = RolloutSettings(max_new_tokens=f["rollout.max_new_tokens"], max_len=f["data.max_len"],
                                max_turns=f["rollout.max_turns"], episodes_per_call=f["rollout.vllm_generate_batch_size"],
                                seed=cfg.seed)

@@ -98,6 +98,8 @@ def test_eval_of_a_run_directory_scores_its_newest_checkpoint(tmp_path):
     (ENV + [], "no model"),
     (ENV + ["--model", "smollm2-135m-instruct", "--preset", "nope"], "unknown --preset 'nope'"),
     (ENV + ["--model", "/no/such/dir"], "--model '/no/such/dir'"),
+    (ENV + ["--env.kwargs", '{"heldout_size": 5}', "--model", "tiny-qwen2", "--eval.num_prompts", "6"],
+     "--eval.num_prompts 6: held-out problem 5 requested, but the held-out split has 5 problems"),
 ])
 def test_eval_configuration_errors_name_the_flag(args, needle):
     proc = run_eval(*args)
