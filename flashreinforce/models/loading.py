@@ -86,10 +86,10 @@ def run_checkpoint(directory: str | Path) -> Path | None:
     """The newest checkpoint of a run directory of this trainer, else its ``hf`` export, else ``None``.
 
     A run directory is recognised by the trainer's ``config.json`` record (it has ``"flags"``); its
-    checkpoints are under ``ckpt.path`` as recorded (default ``OUTPUT/checkpoints``).
+    checkpoints are under ``ckpt.path`` as recorded (default ``OUTPUT/checkpoints``), and the file
+    ``latest`` there names the newest (the layout of :mod:`flashreinforce.trainer.checkpoints`, read
+    here without importing the trainer, which ``models`` must not).
     """
-    from flashreinforce.trainer.checkpoints import latest_checkpoint
-
     directory = Path(directory)
     try:
         record = json.loads((directory / "config.json").read_text())
@@ -99,9 +99,16 @@ def run_checkpoint(directory: str | Path) -> Path | None:
         return None
     flags = record["flags"]
     ckpt_dir = Path(flags.get("ckpt.path") or directory / "checkpoints")
-    latest = latest_checkpoint(ckpt_dir)
-    if latest is not None:
+    try:
+        latest = ckpt_dir / (ckpt_dir / "latest").read_text().strip()
+    except OSError:
+        latest = None
+    if latest is not None and latest.is_dir():
         return latest
+    # No readable pointer: the newest complete step directory.
+    steps = sorted((p for p in ckpt_dir.glob("step_*") if (p / "model.safetensors").is_file()), reverse=True)
+    if steps:
+        return steps[0]
     hf = Path(flags.get("ckpt.output_dir") or directory / "hf")
     return hf if (hf / "config.json").is_file() else None
 

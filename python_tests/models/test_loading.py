@@ -126,6 +126,16 @@ def test_run_directory_resolves_to_its_newest_checkpoint(tmp_path):
     assert resolve_model_spec(str(tmp_path / "model")) == str(tmp_path / "model")
 
 
+def test_run_directory_without_latest_pointer_takes_the_newest_complete_step(tmp_path):
+    for step, complete in ((3, True), (7, True), (9, False)):
+        d = tmp_path / "checkpoints" / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        if complete:
+            (d / "model.safetensors").write_bytes(b"")
+    (tmp_path / "config.json").write_text(json.dumps({"flags": {}}))
+    assert run_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_00000007"
+
+
 def test_run_directory_without_checkpoint_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"flags": {}}))
     with pytest.raises(ConfigError, match="without a checkpoint"):
