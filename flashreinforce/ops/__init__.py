@@ -6,6 +6,7 @@
 ``reference``  the same objective in plain PyTorch: the readable definition
 ``logprobs``   log-probabilities of sampled tokens without ``[tokens, vocab]`` logits
 ``ppo``        group advantages and the clipped PPO loss of the GRPO comparison
+``loss_modes`` how a learner batch becomes a loss, by ``actor.loss_mode`` name
 
 ``import flashreinforce.ops`` loads the compiled extension (for the fused entry points below).
 """
