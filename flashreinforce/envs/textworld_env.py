@@ -51,6 +51,7 @@ import contextlib
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -77,6 +78,8 @@ INSTALL_HINT = "pip install -e '.[textworld]' (or pip install textworld)"
 
 DEFAULT_INSTRUCTION = "You are playing a text adventure game."
 DEFAULT_COMMAND_PROMPT = "Which command do you choose? Reply with the command only."
+
+log = logging.getLogger(__name__)
 
 # Bumped when the layout of the cache or the way games are drawn changes, so old pools are not reused.
 _POOL_FORMAT = 1
@@ -317,6 +320,8 @@ def ensure_game_pool(dist: GameDistribution, train_games: int, cache_dir: str | 
         with _file_lock(directory / ".lock"):
             missing = dist.heldout_games + train_games - len(_existing_games(directory, dist, train_games))
             if missing:
+                log.warning("generating %d TextWorld games into %s (first use; about 3 s a game on a quiet CPU, "
+                            "progress in generation.log there)", missing, directory)
                 _run_generation_child(directory, dist, train_games, missing, timeout_s)
                 missing = dist.heldout_games + train_games - len(_existing_games(directory, dist, train_games))
                 if missing:
