@@ -88,6 +88,14 @@ def test_generation_seeds_are_fixed_and_distinct_per_pool():
     assert tw_env.generation_seed("train", 1, 5, 0) != tw_env.generation_seed("train", 0, 5, 0)
 
 
+def test_the_trainer_evaluates_on_the_heldout_pool():
+    from flashreinforce.trainer.evaluation import eval_seeds
+
+    # TextWorldEnv has no finite prompt set: the evaluation seeds start at the held-out offset, and
+    # training seeds count up from 0, far below it.
+    assert eval_seeds(None, 3) == [HELDOUT_SEED_OFFSET + i for i in range(3)]
+
+
 def test_missing_textworld_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "textworld" else real(name, *a))
