@@ -146,8 +146,8 @@ FLAGS: tuple[Flag, ...] = (
        "vllm.num_engines)"),
     _f("rollout.backend", "str", "local", "where workers run: local (threads of the learner process) or ray "
        "(Ray actors; see --ray.*)", ("local", "ray")),
-    _f("rollout.engine", "str", "local", "rollout engine: local (Hugging Face model) or vllm (optional extra "
-       "flashreinforce[vllm], needs CUDA)", ("local", "vllm")),
+    _f("rollout.engine", "str", "hf", "rollout engine: hf (a Hugging Face model in the worker's process) or vllm "
+       "(optional extra flashreinforce[vllm], needs CUDA)", ("hf", "vllm")),
     _f("rollout.env_timeout_s", "float", 120.0, "seconds an environment call (reset, step) may take; its episode is "
        "then quarantined and the environment instance abandoned (0: no limit)"),
     _f("rollout.max_failed_episodes_in_a_row", "int", 256, "stop the run when this many episodes in a row were "
@@ -485,11 +485,11 @@ def _check(cfg: ResolvedConfig) -> None:
     else:
         for n in ("vllm.num_engines", "vllm.tensor_parallel_size", "vllm.sync_backend",
                   "vllm.gpu_memory_utilization"):
-            inactive[n] = "no vLLM engine (rollout.engine local; workers: rollout.num_workers)"
+            inactive[n] = "no vLLM engine (rollout.engine hf; workers: rollout.num_workers)"
     if v["rollout.backend"] != "ray":
         for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts",
                   "ray.worker_resources", "ray.scheduling_strategy"):
-            inactive[n] = "rollout.backend is local (workers are threads of the learner process)"
+            inactive[n] = "rollout.backend is local (workers are threads of this process)"
     for n in ("ref.num_nodes", "ref.num_gpus_per_node"):
         inactive[n] = "no reference model (algo.kl.init_coef is 0)"
     ranks = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,6 +1,6 @@
 """Rollout engines behind one interface (:class:`RolloutEngine`) and weight publication by version.
 
-``local`` (the default) is :class:`HFEngine`, a Hugging Face model sampled in this process.
+``hf`` (the default) is :class:`HFEngine`, a Hugging Face model sampled in the worker's process.
 ``vllm`` is :class:`flashreinforce.engines.vllm.VLLMEngine` (optional extra ``flashreinforce[vllm]``),
 imported only when selected.
 """
@@ -15,23 +15,23 @@ __all__ = ["ENGINE_KINDS", "Generation", "GenerationRequest", "HFEngine", "Local
            "SamplingParams", "WeightStore", "create_engine", "sampling_log_probs"]
 
 #: Engine kinds ``create_engine`` knows.
-ENGINE_KINDS = ("local", "vllm")
+ENGINE_KINDS = ("hf", "vllm")
 
 
 def create_engine(kind: str, model, *, pad_token_id: int, version: int = -1,
                   options: Mapping[str, Any] | None = None) -> RolloutEngine:
     """An engine of ``kind``.
 
-    ``local``: ``model`` is the engine's own copy of the policy (a ``transformers`` causal LM).
+    ``hf``: ``model`` is the engine's own copy of the policy (a ``transformers`` causal LM).
     ``vllm``: ``model`` is a Hugging Face checkpoint directory, a ``transformers`` config, or a
     causal LM (its config; and its weights when ``version >= 0``); ``options`` are
     :class:`~flashreinforce.engines.vllm.VLLMEngine` keyword arguments. vLLM is imported here,
     only when selected; without it this raises ``ImportError`` naming the extra to install.
     """
     options = dict(options or {})
-    if kind == "local":
+    if kind == "hf":
         if options:
-            raise ValueError(f"the local engine takes no options, got {sorted(options)}")
+            raise ValueError(f"the hf engine takes no options, got {sorted(options)}")
         return HFEngine(model, pad_token_id=pad_token_id, version=version)
     if kind == "vllm":
         from flashreinforce.engines.vllm import VLLMEngine

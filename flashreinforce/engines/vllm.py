@@ -9,9 +9,9 @@
   token only), so the recorded value is the log-probability of the sampled token under the
   distribution vLLM sampled it from: after temperature, top-k and top-p (vLLM >= 0.10.2; before,
   vLLM returned the raw model distribution). Greedy requests (temperature 0) record 0, as the
-  local engine does.
+  hf engine does.
 * **Exact stop set**: ``ignore_eos=True`` plus ``stop_token_ids`` from the trainer, so a turn ends on
-  exactly the tokens the local engine stops on; the stop token is the turn's last action token.
+  exactly the tokens the hf engine stops on; the stop token is the turn's last action token.
 * **Per-request seeds**: each request carries its own ``seed`` (reproducible whatever batch it is in).
 * **Weights in place, by version**: :meth:`VLLMEngine.load_weights` sends the published tensors to
   vLLM's workers through ``LLM.collective_rpc`` to :class:`WeightUpdateExtension` (installed with

@@ -63,7 +63,7 @@ class Evaluator:
         settings = copy.copy(rollout_settings)
         settings.sampling = sampling
         settings.seed = seed
-        engine = create_engine("local", model, pad_token_id=tokenizer.pad_token_id, version=-1)
+        engine = create_engine("hf", model, pad_token_id=tokenizer.pad_token_id, version=-1)
         self.worker = RolloutWorker(-1, engine, env_factory, tokenizer, None, weights, settings)
         self.seeds = list(seeds)
         self.n_samples = n_samples

@@ -62,7 +62,7 @@ class RolloutSide:
                 engine = create_engine("vllm", model_config, pad_token_id=tokenizer.pad_token_id,
                                        options=engine_options)
             else:
-                engine = create_engine("local", learner.full_model(device), pad_token_id=tokenizer.pad_token_id,
+                engine = create_engine("hf", learner.full_model(device), pad_token_id=tokenizer.pad_token_id,
                                        version=learner.version)
             workers.append(RolloutWorker(i, engine, env_factory, tokenizer, self.buffer, self.weights, settings))
         return ThreadRolloutPool(workers)

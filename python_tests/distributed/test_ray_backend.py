@@ -111,7 +111,7 @@ def make_rollout(env_spec, *, num_workers=2, batch_groups=8, async_queue_size=0,
                                                                  async_queue_size=async_queue_size,
                                                                  vocab_size=tok.vocab_size),
                                 prompt_kwargs=dict(num_prompts=None, seed=0))
-    recipe = WorkerRecipe(model_config=model.config, engine="local", tokenizer=tok, env=env_spec, settings=settings,
+    recipe = WorkerRecipe(model_config=model.config, engine="hf", tokenizer=tok, env=env_spec, settings=settings,
                           torch_threads=1)
     backend = rollout.backend(recipe, num_workers, num_cpus=1, num_gpus=0, max_restarts=max_restarts)
     return model, tok, rollout, backend

@@ -85,7 +85,7 @@ def make_rollout(env_spec: EnvSpec, *, batch_groups: int = 8, async_queue_size: 
                                                                  async_queue_size=async_queue_size,
                                                                  vocab_size=tok.vocab_size),
                                 prompt_kwargs=dict(num_prompts=None, seed=0))
-    recipe = WorkerRecipe(model_config=model.config, engine="local", tokenizer=tok, env=env_spec, settings=settings,
+    recipe = WorkerRecipe(model_config=model.config, engine="hf", tokenizer=tok, env=env_spec, settings=settings,
                           torch_threads=1)
     return model, rollout, recipe
 

@@ -1,4 +1,4 @@
-"""The local HF engine: recorded log-probs equal the distribution it sampled from, seeds, weights."""
+"""The hf engine (a Hugging Face model in the worker's process): recorded log-probs equal the distribution it sampled from, seeds, weights."""
 
 import copy
 import math

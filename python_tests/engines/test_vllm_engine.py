@@ -1,4 +1,4 @@
-"""The rollout-engine contract, checked on the local engine here and on the vLLM engine on a GPU.
+"""The rollout-engine contract, checked on the hf engine here and on the vLLM engine on a GPU.
 
 :func:`check_engine_contract` is what any :class:`~flashreinforce.engines.RolloutEngine` must do:
 one generation per request, in order, within its token budget, ending on a stop token exactly when
@@ -119,13 +119,13 @@ def check_engine_contract(make_engine, *, atol: float, batch_invariant: bool = T
 
 
 # ---------------------------------------------------------------------------- runs everywhere
-def test_local_engine_meets_the_engine_contract():
-    check_engine_contract(lambda model: create_engine("local", model, pad_token_id=0, version=-1), atol=1e-4)
+def test_hf_engine_meets_the_engine_contract():
+    check_engine_contract(lambda model: create_engine("hf", model, pad_token_id=0, version=-1), atol=1e-4)
 
 
 def test_vllm_is_imported_only_when_selected():
     code = ("import sys, flashreinforce, flashreinforce.engines, flashreinforce.trainer, flashreinforce.cli; "
-            "import flashreinforce.distributed.ray_backend, flashreinforce.distributed.data_parallel; "
+            "import flashreinforce.distributed.ray, flashreinforce.distributed.data_parallel; "
             "assert 'vllm' not in sys.modules, 'vllm imported'")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

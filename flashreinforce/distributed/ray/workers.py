@@ -68,7 +68,7 @@ class RolloutWorkerActor:
             raise RuntimeError(f"rollout worker {worker_id} on Ray node {node} ({ray.util.get_node_ip_address()}) "
                                f"cannot load --env {recipe.env.spec!r}: {type(err).__name__}: {err} (--env must be "
                                "importable on every node that runs rollout workers)") from err
-        if recipe.engine == "local":
+        if recipe.engine == "hf":
             model = transformers.AutoModelForCausalLM.from_config(recipe.model_config)
             model = model.to(device=device, dtype=torch.float32)
         else:
