@@ -41,7 +41,8 @@ own turn limit counts as failed), ``False`` on the winning step. The final ``inf
 episode ``failure_kind``: ``lost`` (the game's losing condition), ``invalid_command`` (out of
 turns without a single admissible command), or ``out_of_steps`` (out of turns otherwise).
 
-Needs the ``textworld`` package (``pip install -e '.[textworld]'``; it brings spaCy and Jericho),
+TextWorld itself is not thread-safe, so the environments of one process take turns calling into it
+(one lock; the calls are short). Needs the ``textworld`` package (``pip install -e '.[textworld]'``; it brings spaCy and Jericho),
 which is an optional extra: without it the constructor raises an ``ImportError`` that says so.
 """
 
@@ -282,6 +283,12 @@ def _textworld_version() -> str:
 
 _pool_lock = threading.Lock()
 _ready_pools: set[tuple[str, int]] = set()
+
+# TextWorld is not thread-safe: loading a game parses its logic with one module-global TatSu parser,
+# and two threads loading at once corrupt each other (TypeError, IndexError, parse errors). Rollout
+# workers and the evaluator run environments in several threads, so every call into TextWorld holds
+# this lock. The calls are short (tens of milliseconds); the model's generation dominates a turn.
+_textworld_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -526,11 +533,13 @@ class TextWorldEnv(Environment):
 
             infos = textworld.EnvInfos(admissible_commands=True, won=True, lost=True, objective=True,
                                        description=True, inventory=True, policy_commands=True, moves=True)
-            game = textworld.start(path, request_infos=infos)
+            with _textworld_lock:
+                game = textworld.start(path, request_infos=infos)
         self._open[path] = game
         while len(self._open) > self.max_open_games:
             _, old = self._open.popitem(last=False)
-            old.close()
+            with _textworld_lock:
+                old.close()
         return game
 
     def solution(self) -> list[str]:
@@ -549,7 +558,8 @@ class TextWorldEnv(Environment):
     def reset(self, *, seed: int) -> str:
         path, heldout = self.game_for_seed(seed)
         self._game = self._start(path)
-        self._state = self._game.reset()
+        with _textworld_lock:
+            self._state = self._game.reset()
         self._heldout = heldout
         self._turn = 0
         self._moves = 0
@@ -591,7 +601,8 @@ class TextWorldEnv(Environment):
             text = (f'Invalid command "{shown}": it is not one of the admissible commands, so nothing happened.\n\n'
                     + _format_commands(self.admissible_commands(), self.command_prompt))
             return StepResult(observation=text, reward=0.0, done=False, failed=True)
-        self._state, _score, _game_over = self._game.step(command)
+        with _textworld_lock:
+            self._state, _score, _game_over = self._game.step(command)
         self._moves += 1
         won, lost = bool(self._state["won"]), bool(self._state["lost"])
         if won:
@@ -612,7 +623,7 @@ class TextWorldEnv(Environment):
     def close(self) -> None:
         while self._open:
             _, game = self._open.popitem()
-            with contextlib.suppress(Exception):  # closing must not hide the run's own outcome
+            with contextlib.suppress(Exception), _textworld_lock:  # closing must not hide the run's own outcome
                 game.close()
         self._game = None
 

@@ -355,3 +355,34 @@ def test_rollout_with_a_tiny_model(cache):
             assert observed.count("Admissible commands:") == 2
     finally:
         env.close()
+
+
+@needs_textworld
+def test_environments_in_several_threads(cache):
+    # Rollout workers and the evaluator step their environments from different threads; TextWorld's game
+    # loading parses with one module-global parser, which broke (TypeError, IndexError, parse errors)
+    # when two threads loaded games at once.
+    import threading
+
+    errors, wins = [], []
+
+    def play(k):
+        env = make_env(cache, max_open_games=1)  # every reset of another game loads (parses) it again
+        try:
+            for i in range(8):
+                env.reset(seed=(k + i) % 2)
+                for command in env.solution():
+                    result = env.step(command)
+                wins.append(result.info["won"])
+        except Exception as err:  # collected: an assert in a thread would not fail the test
+            errors.append(repr(err))
+        finally:
+            env.close()
+
+    threads = [threading.Thread(target=play, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert wins == [True] * 32
