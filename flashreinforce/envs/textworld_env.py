@@ -24,9 +24,8 @@ from generating the same pool twice), so an interrupted generation resumes where
 Actions. The policy's text is matched against the admissible commands, ignoring case, spacing,
 surrounding punctuation and articles (:func:`match_command`): the whole reply, else its first line
 that is a command, else the command mentioned earliest in the reply ("I take the key." is
-``take key``). A reply that names no admissible command
-costs a turn: the game does not move, and the next observation says the command was invalid and
-lists the admissible commands again.
+``take key``). A reply that names no admissible command costs a turn: the game does not move, and
+the next observation says the command was invalid and lists the admissible commands again.
 
 Rewards (``reward``). ``"sparse"``: 1.0 on the winning step, else 0.0. ``"dense"``: progress along
 TextWorld's shortest winning command sequence: a step that shortens it from ``L`` to ``L'``
@@ -42,8 +41,9 @@ episode ``failure_kind``: ``lost`` (the game's losing condition), ``invalid_comm
 turns without a single admissible command), or ``out_of_steps`` (out of turns otherwise).
 
 TextWorld itself is not thread-safe, so the environments of one process take turns calling into it
-(one lock; the calls are short). Needs the ``textworld`` package (``pip install -e '.[textworld]'``; it brings spaCy and Jericho),
-which is an optional extra: without it the constructor raises an ``ImportError`` that says so.
+(one lock; the calls are short). Needs the ``textworld`` package (``pip install -e '.[textworld]'``;
+it brings spaCy and Jericho), which is an optional extra: without it the constructor raises an
+``ImportError`` that says so.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ from typing import Any, Sequence
 
 from flashreinforce.envs.base import Environment, StepResult
 
-__all__ = ["DEFAULT_CACHE_DIR", "DEFAULT_COMMAND_PROMPT", "DEFAULT_INSTRUCTION", "HELDOUT_SEED_OFFSET", "INSTALL_HINT", "GameDistribution",
-           "TextWorldEnv", "ensure_game_pool", "match_command"]
+__all__ = ["DEFAULT_CACHE_DIR", "DEFAULT_COMMAND_PROMPT", "DEFAULT_INSTRUCTION", "HELDOUT_SEED_OFFSET", "INSTALL_HINT",
+           "GameDistribution", "TextWorldEnv", "ensure_game_pool", "fill_pools", "generation_seed", "match_command",
+           "require_textworld"]
 
 #: Seeds from here on play the held-out pool (equal to the trainer's evaluation seed offset).
 HELDOUT_SEED_OFFSET = 1_000_000_000
@@ -266,7 +267,8 @@ class _Generator:
 def _generate_in_child(request: dict[str, Any]) -> None:
     """Entry point of the generation child (``python -m flashreinforce.envs.textworld_env``)."""
     directory = Path(request["directory"])
-    dist = GameDistribution(**{**request["distribution"], "quest_length": tuple(request["distribution"]["quest_length"])})
+    spec = request["distribution"]
+    dist = GameDistribution(**{**spec, "quest_length": tuple(spec["quest_length"])})
     with tempfile.TemporaryDirectory(prefix="tw-gen-", dir=directory) as scratch:
         generator = _Generator(directory, dist, Path(scratch))
         fill_pools(dist, request["train_games"], _existing_games(directory, dist, request["train_games"]), generator)
@@ -387,9 +389,10 @@ def _normalize(text: str) -> str:
 
 def match_command(text: str, admissible: Sequence[str]) -> str | None:
     """The admissible command ``text`` gives, or None. Case, runs of spaces, surrounding punctuation and
-    the articles ``a``, ``an``, ``the`` are ignored. Tried in order: the whole text; its first line that is a command (after a leading
-    bullet, number, ``>`` or ``command:``); the command whose mention starts earliest in the text
-    (whole words; the longest one when several start there). Returns the command as the game spells it."""
+    the articles ``a``, ``an``, ``the`` are ignored. Tried in order: the whole text; its first line that
+    is a command (after a leading bullet, number, ``>`` or ``command:``); the command whose mention
+    starts earliest in the text (whole words; the longest one when several start there). Returns the
+    command as the game spells it."""
     by_norm = {}
     for command in admissible:
         by_norm.setdefault(_normalize(command), command)
