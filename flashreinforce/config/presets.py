@@ -111,7 +111,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "eval.num_prompts": 128,
         "eval.n_samples_per_prompt": 1,
         "logger.logging_steps": 1,
-        "torch_threads": 2,
+        # One intra-op thread each for the learner and the rollout worker: on 2 cores, 6-update runs
+        # took 18.4 and 21.0 s per update against 22.6 and 22.3 s with 2 threads each (oversubscribed);
+        # docs/performance.md.
+        "torch_threads": 1,
     },
     # SmolLM2-135M-Instruct playing TextWorld games generated offline (flashreinforce.envs.textworld_env,
     # pip install -e '.[textworld]'): one room, 3 objects, quests of 1 to 2 commands, 4 turns, in the
