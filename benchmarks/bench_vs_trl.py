@@ -13,7 +13,8 @@ train problems are the environment's train seeds, the evaluation its held-out se
 (:class:`flashreinforce.envs.arith.ArithEnv`: final answer graded with math-verify), the prompt
 rendering (the model's chat template), ``max_new_tokens`` (TRL's ``max_completion_length``), the
 sampling temperature, the learning rate and Adam settings, the trajectories per optimizer update,
-torch's CPU threads, and the training-time budget. The held-out evaluation is the same
+the cores (2: TRL's one training thread with 2 torch threads; our learner and rollout worker with
+one each, the arith preset's split), and the training-time budget. The held-out evaluation is the same
 :class:`~flashreinforce.trainer.evaluation.Evaluator` (greedy, same prompts) for both, run every
 ``--eval-every-min`` minutes of training; its time is excluded from both budgets.
 
@@ -210,8 +211,8 @@ def run_ours(args, flags: dict, out: Path, extra: list[str]) -> dict:
         resume = ["--resume"] if (run_dir / "checkpoints" / "latest").is_file() else []
         cmd = arith_curve.cli("train", "--preset", args.preset, "--model", args.model, "--output", str(run_dir),
                               "--eval.steps", str(args.ours_eval_every), "--eval.num_prompts", str(args.eval_prompts),
-                              "--eval.eval_at_start", "true", "--torch_threads", str(args.threads),
-                              "--seed", str(args.seed), "--no_progress", *resume, *extra)
+                              "--eval.eval_at_start", "true", "--seed", str(args.seed), "--no_progress", *resume,
+                              *(["--torch_threads", str(args.ours_threads)] if args.ours_threads else []), *extra)
         print(f"[ours] {' '.join(cmd[2:])}", flush=True)
         with open(log, "a") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -328,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ours-eval-every", type=int, default=10, help="ours: evaluate every this many updates")
     p.add_argument("--trl-group-size", type=int, default=8, help="TRL num_generations (its recommended default)")
     p.add_argument("--trl-train-prompts", type=int, default=4096, help="train prompts in TRL's dataset")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads on both sides")
+    p.add_argument("--threads", type=int, default=2, help="TRL's torch CPU threads (its one training thread uses them)")
+    p.add_argument("--ours-threads", type=int, default=None,
+                   help="our torch_threads per thread (default: the preset's; the arith preset gives the learner "
+                        "and the rollout worker one each, 2 cores in all)")
     p.add_argument("--trl-fp32", action="store_true", help="TRL in float32 even when our preset uses bf16 autocast")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", choices=("trl", "ours"), help="run one side only (the other's saved result is used)")
