@@ -13,6 +13,9 @@ twice with :class:`~flashreinforce.trainer.evaluation.Evaluator`:
   temperature) with ``eval.n_samples_per_prompt`` samples per prompt: ``pass@1`` is the mean
   success over all samples (skipped with ``--no_sampled``).
 
+A preset's ``torch_threads`` (a training run's split of the cores) is not applied: evaluation
+runs in one thread with torch's default thread count unless ``--torch_threads`` is given.
+
 It prints one JSON object (``accuracy``, ``pass@1``, ``num_prompts``, ``model``, the checkpoint's
 step when the model is a run directory or a checkpoint, timings) and writes it to ``--output FILE``
 when given. ``--samples FILE`` writes one JSON line per greedy episode (prompt, response, reward).
@@ -165,6 +168,10 @@ def eval_command(argv: Sequence[str]) -> int:
                 raise ConfigError(f"unknown --preset {args['preset']!r}; known presets: {', '.join(sorted(PRESETS))}")
             preset = dict(PRESETS[args["preset"]], preset=args["preset"])
         cfg = resolve(args, preset)
+        if "torch_threads" not in args:
+            # A preset's torch_threads splits the cores between a training run's learner and rollout
+            # workers; evaluation is one thread, which gets torch's default (every core) unless told.
+            cfg.torch_threads = None
     except ConfigError as err:
         print(f"flashreinforce eval: error: {err}", file=sys.stderr)
         return 2

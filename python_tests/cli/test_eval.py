@@ -111,3 +111,14 @@ def test_eval_is_a_registered_command():
     proc = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "--help"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert "eval" in proc.stdout and "held-out" in proc.stdout
+
+
+def test_eval_ignores_a_presets_training_thread_split_unless_told(monkeypatch, capsys):
+    from flashreinforce.cli import eval as eval_cli
+
+    seen = []
+    monkeypatch.setattr(eval_cli, "evaluate_model", lambda cfg, **kw: seen.append(cfg.torch_threads) or {"ok": 1})
+    assert eval_cli.eval_command(["--preset", "arith", "--model", "m"]) == 0
+    assert eval_cli.eval_command(["--preset", "arith", "--model", "m", "--torch_threads", "3"]) == 0
+    assert seen == [None, 3]
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"ok": 1}
