@@ -65,11 +65,9 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
 
     from flashreinforce.config import ConfigError
     from flashreinforce.engines import LocalWeightStore, SamplingParams
-    from flashreinforce.envs.registry import EnvironmentSpecError, EnvSpec, accepts_chat_template, num_prompts
-    from flashreinforce.models.loading import build_model, resolve_model_spec
-    from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
+    from flashreinforce.models.loading import resolve_model_spec
+    from flashreinforce.trainer import components
     from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
-    from flashreinforce.trainer.rollout import RolloutSettings
 
     f = cfg.flags
     if cfg.torch_threads:
@@ -78,40 +76,25 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     if spec is None:
         raise ConfigError("no model: give --model (a folder, a .gguf file, an alias or a run directory)")
     env_name = f["train.agent_path"]
-    if env_name is None:
-        raise ConfigError("no environment: give --env MODULE:CLASS (or a --preset)")
-    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if cfg.device == "auto" else cfg.device))
+    device = components.device_of(cfg.device)
     t0 = time.perf_counter()
     resolved = resolve_model_spec(spec)
-    model, tok_spec = build_model(resolved, device=device, attn_implementation=f["fsdp.attn_implementation"],
-                                  seed=cfg.seed)
-    tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
-    env_renders = False
-    if f["data.apply_chat_template"] and isinstance(tokenizer, HFTokenizer):
-        env_renders = accepts_chat_template(env_name)
-        tokenizer = HFTokenizer(tokenizer.tok, chat_prompt=not env_renders, chat_observations=True)
+    policy = components.load_policy(cfg, device)
+    model, tokenizer = policy.model, policy.tokenizer
     load_s = time.perf_counter() - t0
     eval_split = bool(f["eval.dataset"])
-    env_spec = EnvSpec(env_name, cfg.env_config(eval_split=eval_split), dict(cfg.env_kwargs), env_renders)
-    try:
-        factory = env_spec.factory(tokenizer)
-    except EnvironmentSpecError as err:
-        raise ConfigError(f"--env {env_name!r}: {err}") from None
+    envs = components.eval_environments(cfg, components.load_environments(cfg, policy), tokenizer)
+    factory, rows = envs.factory, envs.num_prompts
+    # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
+    seeds = eval_seeds(rows, rows if eval_split and rows is not None else f["eval.num_prompts"])
     probe = factory()
     try:
-        rows = num_prompts(probe)
-        # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
-        seeds = eval_seeds(rows, rows if eval_split and rows is not None else f["eval.num_prompts"])
-        try:
-            probe.reset(seed=seeds[-1])  # an environment with fewer evaluation prompts refuses here
-        except ValueError as err:
-            raise ConfigError(f"--eval.num_prompts {f['eval.num_prompts']}: {err}") from None
+        probe.reset(seed=seeds[-1])  # an environment with fewer evaluation prompts refuses here
+    except ValueError as err:
+        raise ConfigError(f"--eval.num_prompts {f['eval.num_prompts']}: {err}") from None
     finally:
         probe.close()
-    settings = RolloutSettings(max_new_tokens=f["rollout.max_new_tokens"], max_len=f["data.max_len"],
-                               max_turns=f["rollout.max_turns"], episodes_per_call=f["rollout.vllm_generate_batch_size"],
-                               seed=cfg.seed)
+    settings = components.rollout_settings(f, tokenizer, cfg.seed)
     stop = tokenizer.eos_token_ids
     greedy = SamplingParams(0.0, 1.0, 0, stop)
     temperature = f["eval.temperature"] if f["eval.temperature"] > 0 else f["rollout.temperature"]

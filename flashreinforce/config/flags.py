@@ -136,7 +136,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("rollout.batch_size", "int", 128, "prompts per learner batch"),
     _f("rollout.n_samples_per_prompt", "int", 1, "samples per prompt (1 for flash_reinforce)"),
     _f("rollout.max_new_tokens", "int", 512, "sampled tokens per turn at most"),
-    _f("rollout.max_turns", "int", None, "policy turns per episode at most (default $MAX_AGENT_TURNS or 16)"),
+    _f("rollout.max_turns", "int", None, "policy turns per episode at most (default: $MAX_AGENT_TURNS if set, else "
+       "the environment's own limit; the environment gets the same value)"),
     _f("rollout.temperature", "float", 1.0, "sampling temperature (also used for the learner's log-probabilities)"),
     _f("rollout.top_p", "float", 1.0, "sampling top-p"),
     _f("rollout.top_k", "int", 0, "sampling top-k (0: off)"),
@@ -334,8 +335,6 @@ def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None) -
             merged[name] = given_alias
         elif given_flag is None and preset.get(alias) is not None and preset.get(name) is None:
             merged[name] = preset[alias]
-    if merged["rollout.max_turns"] is None:
-        merged["rollout.max_turns"] = int(os.environ.get("MAX_AGENT_TURNS", "16"))
     for name in ("actor.eps_clip_low_high", "actor.adam.betas"):
         merged[name] = tuple(float(x) for x in merged[name])
 
@@ -411,6 +410,8 @@ def _check(cfg: ResolvedConfig) -> None:
             if v[n] is None or v[n] < 0 or (v[n] == 0 and not allow_zero):
                 errors.append(f"--{n} must be {'>= 0' if allow_zero else 'positive'}, got {v[n]}")
 
+    if v["rollout.max_turns"] is not None and v["rollout.max_turns"] <= 0:
+        errors.append(f"--rollout.max_turns must be positive, got {v['rollout.max_turns']}")
     if v["ray.num_cpus_per_worker"] is None or not (v["ray.num_cpus_per_worker"] >= 0):
         errors.append(f"--ray.num_cpus_per_worker must be >= 0, got {v['ray.num_cpus_per_worker']}")
     if v["ray.num_gpus_per_worker"] is not None and not (v["ray.num_gpus_per_worker"] >= 0):
@@ -425,7 +426,7 @@ def _check(cfg: ResolvedConfig) -> None:
     if not (0 < v["vllm.gpu_memory_utilization"] <= 1):
         errors.append(f"--vllm.gpu_memory_utilization must lie in (0, 1], got {v['vllm.gpu_memory_utilization']}")
     positive("rollout.batch_size", "rollout.n_samples_per_prompt", "train.batch_size", "rollout.max_new_tokens",
-             "data.max_len", "rollout.max_turns", "rollout.vllm_generate_batch_size", "rollout.num_workers",
+             "data.max_len", "rollout.vllm_generate_batch_size", "rollout.num_workers",
              "eval.n_samples_per_prompt", "eval.num_prompts", "logger.logging_steps", "logger.log_samples_num",
              "train.num_episodes",
              "actor.num_nodes", "actor.num_gpus_per_node", "ref.num_nodes", "ref.num_gpus_per_node",

@@ -28,9 +28,8 @@ import importlib.util
 import os
 from typing import Any, Sequence
 
-from flashreinforce.envs.base import StepResult
+from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment, render_prompt
-from flashreinforce.envs.python_tool import default_max_turns
 
 __all__ = ["ALFWorldEnv", "DEFAULT_INSTRUCTION", "extract_action", "resolve_game_file"]
 
@@ -81,6 +80,8 @@ class ALFWorldEnv(TaskEnvironment):
         data_dir: the game data directory; default ``$ALFWORLD_DATA`` (required).
     """
 
+    default_max_turns = 50  # the published ALFWorld setting
+
     def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int | None = None,
                  instruction: str = DEFAULT_INSTRUCTION,
                  observation_template: str = "\n<observation>\n{observation}\n</observation>\n",
@@ -96,10 +97,7 @@ class ALFWorldEnv(TaskEnvironment):
                              "(alfworld-download fills it) or pass data_dir=")
         if not os.path.isdir(data_dir):
             raise ValueError(f"ALFWORLD_DATA {data_dir!r} is not a directory")
-        if max_turns is None:
-            max_turns = default_max_turns(fallback=50)
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        max_turns = resolve_max_turns(self.default_max_turns, max_turns)
         if "{observation}" not in observation_template:
             raise ValueError("observation_template must contain '{observation}'")
         self.data_dir = data_dir

@@ -229,6 +229,8 @@ class ArithEnv(Environment):
     ``info`` of the step: ``correct``, ``has_answer``, ``split`` (``train``/``heldout``).
     """
 
+    default_max_turns = 1  # one question, one answer
+
     def __init__(self, *, digits: int | Sequence[int] = 1, second_digits: int | Sequence[int] | None = None,
                  operations: str = "+-*", negative: bool = False, heldout_size: int | None = None, problem_seed: int = 0,
                  template: str = DEFAULT_TEMPLATE, grader: Any = None, timeout_s: float = 5.0) -> None:

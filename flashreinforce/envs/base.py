@@ -3,14 +3,42 @@
 An episode starts with ``reset(seed=...)``, which returns the prompt text. The policy then
 answers with an action (text); ``step(action)`` returns what the environment says back. The
 observation text of a step is appended to the trajectory as non-action tokens (the policy is
-never trained on them), and the episode goes on until ``done`` or the trainer's turn limit.
+never trained on them), and the episode goes on until ``done`` or the turn limit.
+
+The turn limit is decided in one place, :func:`resolve_max_turns`: the run's ``rollout.max_turns`` when
+given, else ``$MAX_AGENT_TURNS`` (what the published launchers set per setting), else the
+environment's own :attr:`Environment.default_max_turns`. The trainer hands the result to the
+environment (``max_turns=``) and caps the rollout at it, so both always agree.
 """
 
 from __future__ import annotations
 
 import abc
+import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
+
+#: The environment variable holding an agent's turn limit (set per setting by the published launchers).
+MAX_AGENT_TURNS = "MAX_AGENT_TURNS"
+
+
+def resolve_max_turns(default: int, given: int | None = None) -> int:
+    """Policy turns per episode: ``given`` when not ``None``, else ``$MAX_AGENT_TURNS`` when set, else
+    ``default``. Raises ``ValueError`` naming the source when the value is not a positive integer."""
+    if given is not None:
+        value, source = given, "max_turns"
+    else:
+        text = os.environ.get(MAX_AGENT_TURNS, "").strip()
+        if not text:
+            return default
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{MAX_AGENT_TURNS} must be a positive integer, got {text!r}") from None
+        source = MAX_AGENT_TURNS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{source} must be a positive integer, got {value!r}")
+    return value
 
 
 @dataclass
@@ -34,6 +62,10 @@ class StepResult:
 
 class Environment(abc.ABC):
     """A text environment; one instance runs one episode at a time."""
+
+    #: Policy turns per episode when neither the run (``rollout.max_turns``) nor ``$MAX_AGENT_TURNS``
+    #: sets it (see :func:`resolve_max_turns`).
+    default_max_turns: ClassVar[int] = 16
 
     @abc.abstractmethod
     def reset(self, *, seed: int) -> str:

@@ -31,7 +31,7 @@ import time
 import weakref
 from typing import Sequence
 
-from flashreinforce.envs.base import StepResult
+from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_grader import Grade, extract_answer, extract_boxed, extract_last_number, grade_answer
 
@@ -297,7 +297,7 @@ class MathEnv(TaskEnvironment):
         tasks: optional list of :class:`Task` (prompt and ``ground_truth``); ``reset(seed=i)``
             plays ``tasks[i % len]``. Without it, give tasks by ``set_task`` or a
             ``DatasetEnvironment`` (which is what ``make_environment("math", ...)`` builds).
-        max_turns: turns per episode (default 1). With more, a turn WITHOUT a boxed answer is
+        max_turns: turns per episode (default ``MAX_AGENT_TURNS`` if set, else 1). With more, a turn WITHOUT a boxed answer is
             answered with ``retry_message`` and the episode goes on; a boxed answer always ends
             it (right or wrong, no feedback on correctness).
         timeout_s: time limit on grading one answer, in seconds.
@@ -310,7 +310,9 @@ class MathEnv(TaskEnvironment):
             ``"last_number"``: a response without a box is graded on its last plain number.
     """
 
-    def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int = 1, timeout_s: float = 5.0,
+    default_max_turns = 1  # the published math settings answer in one turn
+
+    def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int | None = None, timeout_s: float = 5.0,
                  grader: MathGrader | None = None, apply_chat_template: ChatTemplate | None = None,
                  retry_message: str = DEFAULT_RETRY_MESSAGE,
                  observation_template: str = "\n\n{observation}\n\n", answer_fallback: str | None = None) -> None:
@@ -319,8 +321,7 @@ class MathEnv(TaskEnvironment):
         if answer_fallback not in (None, "last_number"):
             raise ValueError(f"answer_fallback must be None or 'last_number', got {answer_fallback!r}")
         self.answer_fallback = answer_fallback
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        max_turns = resolve_max_turns(self.default_max_turns, max_turns)
         if "{observation}" not in observation_template:
             raise ValueError("observation_template must contain '{observation}'")
         self.max_turns = max_turns

@@ -26,17 +26,16 @@ that is not correct also gets a ``failure_kind``: ``wrong_answer``, ``grade_time
 
 from __future__ import annotations
 
-import os
 import re
 from typing import Sequence
 
-from flashreinforce.envs.base import StepResult
+from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_env import (MathGrader, extract_boxed, grade_failure_kind, require_math_verify,
                                           shared_grader)
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 
-__all__ = ["PythonToolEnv", "extract_code", "format_tool_output", "default_max_turns",
+__all__ = ["PythonToolEnv", "extract_code", "format_tool_output",
            "DEFAULT_SYSTEM_PROMPT"]
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -87,26 +86,13 @@ def format_tool_output(result: SandboxResult, timeout_s: float) -> str:
     return "\n".join(parts)
 
 
-def default_max_turns(fallback: int = 10) -> int:
-    """``MAX_AGENT_TURNS`` from the environment if set (a positive integer), else ``fallback``."""
-    value = os.environ.get("MAX_AGENT_TURNS")
-    if value is None or value.strip() == "":
-        return fallback
-    try:
-        turns = int(value)
-    except ValueError:
-        raise ValueError(f"MAX_AGENT_TURNS must be a positive integer, got {value!r}") from None
-    if turns < 1:
-        raise ValueError(f"MAX_AGENT_TURNS must be a positive integer, got {value!r}")
-    return turns
-
-
 class PythonToolEnv(TaskEnvironment):
     """Math with a Python interpreter as a tool (see the module docstring for the protocol).
 
     Args:
         tasks: optional list of :class:`Task`; as in ``MathEnv``.
-        max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 10.
+        max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 10
+            (:func:`~flashreinforce.envs.base.resolve_max_turns`).
         sandbox: the :class:`Sandbox` running the code; default ``Sandbox(timeout_s=10,
             memory_mb=1024, output_limit_bytes=4096)`` with ``sandbox_options`` applied.
         sandbox_options: keyword arguments for the default sandbox (JSON-friendly, so settable
@@ -125,6 +111,8 @@ class PythonToolEnv(TaskEnvironment):
         apply_chat_template: renders chat-message prompts (see ``render_prompt``).
     """
 
+    default_max_turns = 10  # the published Python-tool setting (Qwen2.5-7B)
+
     def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int | None = None,
                  sandbox: Sandbox | None = None, grader: MathGrader | None = None, timeout_s: float = 5.0,
                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
@@ -133,10 +121,7 @@ class PythonToolEnv(TaskEnvironment):
                  allow_weak_isolation: bool = False) -> None:
         super().__init__(tasks, apply_chat_template=apply_chat_template)
         require_math_verify("PythonToolEnv")
-        if max_turns is None:
-            max_turns = default_max_turns()
-        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
-            raise ValueError(f"max_turns must be an integer >= 1, got {max_turns!r}")
+        max_turns = resolve_max_turns(self.default_max_turns, max_turns)
         if sandbox is not None and not isinstance(sandbox, Sandbox):
             raise TypeError(f"sandbox must be a Sandbox, got {type(sandbox).__name__}")
         if sandbox is not None and (sandbox_options or allow_weak_isolation):

@@ -66,7 +66,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.envs.base import Environment, StepResult, resolve_max_turns
 
 __all__ = ["DEFAULT_CACHE_DIR", "DEFAULT_COMMAND_PROMPT", "DEFAULT_INSTRUCTION", "HELDOUT_SEED_OFFSET", "INSTALL_HINT",
            "GameDistribution", "TextWorldEnv", "ensure_game_pool", "fill_pools", "generation_seed", "match_command",
@@ -88,20 +88,6 @@ _POOL_FORMAT = 1
 # Candidate seeds tried for one pool slot before giving up (a rejected candidate: no quest could be
 # generated, or the game equals a held-out one).
 _MAX_ATTEMPTS = 50
-
-
-def _default_max_turns(fallback: int = 16) -> int:
-    """``MAX_AGENT_TURNS`` if set (the trainer's default for ``rollout.max_turns`` too), else ``fallback``."""
-    value = os.environ.get("MAX_AGENT_TURNS", "").strip()
-    if not value:
-        return fallback
-    try:
-        turns = int(value)
-    except ValueError:
-        turns = 0
-    if turns < 1:
-        raise ValueError(f"MAX_AGENT_TURNS must be a positive integer, got {value!r}")
-    return turns
 
 
 def require_textworld() -> None:
@@ -441,8 +427,8 @@ class TextWorldEnv(Environment):
         world_size, nb_objects, quest_length, theme, problem_seed: the game distribution
             (:class:`GameDistribution`; defaults 1 room, 3 objects, quests of 1 to 2 commands).
         reward: ``"dense"`` (progress along the winning sequence) or ``"sparse"`` (1.0 at a win).
-        max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 16 (the trainer's
-            default ``rollout.max_turns``). Keep it equal to ``rollout.max_turns``.
+        max_turns: policy turns per episode; default ``MAX_AGENT_TURNS`` if set, else 16
+            (:func:`~flashreinforce.envs.base.resolve_max_turns`; the trainer passes ``rollout.max_turns``).
         max_observation_chars: the room description, the inventory and each game answer are cut to
             this many characters (the goal and the command list are never cut).
         cache_dir: where generated games are kept (default ``~/.cache/flashreinforce/textworld``).
@@ -465,9 +451,7 @@ class TextWorldEnv(Environment):
         require_textworld()
         if reward not in ("dense", "sparse"):
             raise ValueError(f"reward must be 'dense' or 'sparse', got {reward!r}")
-        if max_turns is None:
-            max_turns = _default_max_turns()
-        self.max_turns = _positive_int("max_turns", max_turns)
+        self.max_turns = resolve_max_turns(self.default_max_turns, max_turns)
         self.max_observation_chars = _positive_int("max_observation_chars", max_observation_chars, minimum=20)
         self.max_open_games = _positive_int("max_open_games", max_open_games)
         if generation_timeout_s is not None and not (isinstance(generation_timeout_s, (int, float))

@@ -16,7 +16,7 @@ import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import SamplingParams
-from flashreinforce.envs.base import Environment
+from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
                                           num_prompts)
 from flashreinforce.models.loading import build_model
@@ -25,7 +25,7 @@ from flashreinforce.trainer.learner import LearnerSettings
 from flashreinforce.trainer.rollout import RolloutSettings
 
 __all__ = ["Policy", "RunEnvironments", "device_of", "engine_options", "eval_environments", "learner_settings",
-           "load_environments", "load_policy", "rollout_settings", "sampling_params", "total_updates"]
+           "episode_turn_limit", "load_environments", "load_policy", "rollout_settings", "sampling_params", "total_updates"]
 
 
 def device_of(name: str) -> torch.device:
@@ -109,12 +109,40 @@ class RunEnvironments:
     num_prompts: int | None
 
 
+def episode_turn_limit(flags: dict[str, Any], env_cls: type, env_kwargs: dict[str, Any]) -> int:
+    """The run's turn limit (``rollout.max_turns``, else ``$MAX_AGENT_TURNS``, else the environment's
+    ``default_max_turns``), also handed to the environment as ``max_turns`` when its constructor
+    takes it and ``--env.kwargs`` does not set it, so the rollout's cap and the environment's own
+    last turn are the same; ``--env.kwargs`` ``max_turns`` wins when the run sets none."""
+    takes_max_turns = "max_turns" in inspect.signature(env_cls).parameters
+    given = flags["rollout.max_turns"]
+    if given is None and takes_max_turns and env_kwargs.get("max_turns") is not None:
+        given = env_kwargs["max_turns"]
+    try:
+        turns = resolve_max_turns(getattr(env_cls, "default_max_turns", Environment.default_max_turns), given)
+    except ValueError as err:
+        raise ConfigError(f"--rollout.max_turns: {err}") from None
+    if takes_max_turns:
+        env_kwargs.setdefault("max_turns", turns)
+    return turns
+
+
 def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     """The environments ``train.agent_path`` names, probed once for the size of their prompt set."""
     spec = cfg.flags["train.agent_path"]
     if spec is None:
         raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
-    env_spec = EnvSpec(spec, cfg.env_config(), dict(cfg.env_kwargs), policy.env_renders_prompt)
+    kwargs = dict(cfg.env_kwargs)
+    try:
+        env_cls = environment_class(spec)
+    except EnvironmentSpecError as err:
+        raise ConfigError(f"--env {spec!r}: {err}") from None
+    except ImportError as err:  # the module (or something it imports) is not installed
+        raise ConfigError(f"--env {spec!r}: cannot import it: {type(err).__name__}: {err}") from None
+    except TypeError as err:  # names something that is not an Environment subclass
+        raise ConfigError(f"--env {spec!r}: {err}") from None
+    cfg.flags["rollout.max_turns"] = episode_turn_limit(cfg.flags, env_cls, kwargs)
+    env_spec = EnvSpec(spec, cfg.env_config(), kwargs, policy.env_renders_prompt)
     try:
         factory = env_spec.factory(policy.tokenizer)
     except EnvironmentSpecError as err:
@@ -124,7 +152,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     except TypeError as err:  # names something that is not an Environment subclass
         raise ConfigError(f"--env {spec!r}: {err}") from None
     try:
-        inspect.signature(environment_class(spec)).bind_partial(**cfg.env_kwargs)
+        inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
     except TypeError as err:
         raise ConfigError(f"--env.kwargs {json.dumps(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
                           f"them ({err})") from None

@@ -8,7 +8,8 @@ import pytest
 
 from flashreinforce.envs.tasks import Task
 from flashreinforce.envs.math_env import MathGrader
-from flashreinforce.envs.python_tool import PythonToolEnv, default_max_turns, extract_code
+from flashreinforce.envs.base import resolve_max_turns
+from flashreinforce.envs.python_tool import PythonToolEnv, extract_code
 from flashreinforce.envs.sandbox import Sandbox
 
 
@@ -100,12 +101,12 @@ def test_turn_limit_ends_the_episode_without_running_code(grader):
 
 def test_max_turns_default_comes_from_max_agent_turns(grader, monkeypatch):
     monkeypatch.setenv("MAX_AGENT_TURNS", "3")
-    assert default_max_turns() == 3 and _env(grader, [Task("q", "1")]).max_turns == 3
+    assert resolve_max_turns(10) == 3 and _env(grader, [Task("q", "1")]).max_turns == 3
     monkeypatch.delenv("MAX_AGENT_TURNS")
-    assert default_max_turns() == 10 and _env(grader, [Task("q", "1")]).max_turns == 10
+    assert resolve_max_turns(10) == 10 and _env(grader, [Task("q", "1")]).max_turns == 10
     monkeypatch.setenv("MAX_AGENT_TURNS", "zero")
     with pytest.raises(ValueError, match="MAX_AGENT_TURNS"):
-        default_max_turns()
+        resolve_max_turns(10)
 
 
 def test_system_prompt_goes_into_chat_messages(grader):
