@@ -40,12 +40,12 @@ class LossOptions:
     """
 
     delta: float
-    neg_topq: float = 1.0
-    loss_agg: str = "seq-mean-token-mean"
-    loss_scale_factor: float | None = None
-    no_is: bool = False
-    eps_clip: tuple[float, float] = (0.2, 0.2)
-    whiten: bool = False
+    neg_topq: float
+    loss_agg: str
+    loss_scale_factor: float | None
+    no_is: bool
+    eps_clip: tuple[float, float]
+    whiten: bool
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from flashreinforce.ops.contract import DEFAULTS
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, LossOptions, MicroBatch, get_loss_mode
 from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
 from flashreinforce.trainer.schedule import SCHEDULERS, make_scheduler
@@ -57,11 +58,12 @@ class LearnerSettings:
     """
 
     loss_mode: str = "flash_reinforce"
-    delta: float = 3e-3
-    neg_topq: float = 1.0
-    loss_agg: str = "seq-mean-token-mean"
-    loss_scale_factor: float | None = None
-    no_is: bool = False
+    # The objective's own defaults (docs/semantics.md), one definition in flashreinforce.ops.contract.
+    delta: float = DEFAULTS.delta
+    neg_topq: float = DEFAULTS.negative_token_fraction
+    loss_agg: str = DEFAULTS.loss_agg
+    loss_scale_factor: float | None = DEFAULTS.loss_scale_factor
+    no_is: bool = DEFAULTS.no_is
     eps_clip: tuple[float, float] = (0.2, 0.2)
     whiten: bool = False
     lr: float = 1e-6
