@@ -143,14 +143,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         raise ConfigError(f"--env {spec!r}: {err}") from None
     cfg.flags["rollout.max_turns"] = episode_turn_limit(cfg.flags, env_cls, kwargs)
     env_spec = EnvSpec(spec, cfg.env_config(), kwargs, policy.env_renders_prompt)
-    try:
-        factory = env_spec.factory(policy.tokenizer)
-    except EnvironmentSpecError as err:
-        raise ConfigError(f"--env {spec!r}: {err}") from None
-    except ImportError as err:  # the module (or something it imports) is not installed
-        raise ConfigError(f"--env {spec!r}: cannot import it: {type(err).__name__}: {err}") from None
-    except TypeError as err:  # names something that is not an Environment subclass
-        raise ConfigError(f"--env {spec!r}: {err}") from None
+    factory = env_spec.factory(policy.tokenizer)  # the class resolved above, so the spec is good
     try:
         inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
     except TypeError as err:
