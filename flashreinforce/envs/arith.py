@@ -269,5 +269,9 @@ class ArithEnv(Environment):
         if self.problem is None:
             raise RuntimeError("step() called before reset()")
         correct, answer = self.score(action)
-        info = {"correct": correct, "has_answer": answer is not None, "split": self.split}
+        extraction = "none" if answer is None else ("boxed" if extract_boxed(action) is not None else "last_number")
+        info = {"correct": correct, "has_answer": answer is not None, "split": self.split,
+                "answer_extraction": extraction}
+        if not correct:  # why the reward is 0, counted per batch in metrics.jsonl (failure_kinds)
+            info["failure_kind"] = "no_answer" if answer is None else "wrong_answer"
         return StepResult(reward=1.0 if correct else 0.0, done=True, failed=not correct, info=info)

@@ -127,13 +127,15 @@ def test_step_rewards_the_correct_final_answer_only():
     env.reset(seed=5)
     right = env.step(f"{p.a} + {p.b} = {p.a + p.b}")
     assert (right.reward, right.failed, right.done) == (1.0, False, True)
-    assert right.info == {"correct": True, "has_answer": True, "split": "train"}
+    assert right.info == {"correct": True, "has_answer": True, "split": "train", "answer_extraction": "last_number"}
     env.reset(seed=5)
-    wrong = env.step(f"{p.a} + {p.b} = {p.a + p.b + 1}")
+    wrong = env.step(f"{p.a} + {p.b} = \\boxed{{{p.a + p.b + 1}}}")
     assert (wrong.reward, wrong.failed) == (0.0, True)
+    assert wrong.info["failure_kind"] == "wrong_answer" and wrong.info["answer_extraction"] == "boxed"
     env.reset(seed=HELDOUT_SEED_OFFSET)
     none = env.step("I cannot say.")
-    assert none.reward == 0.0 and none.info == {"correct": False, "has_answer": False, "split": "heldout"}
+    assert none.reward == 0.0 and none.info == {"correct": False, "has_answer": False, "split": "heldout",
+                                                "answer_extraction": "none", "failure_kind": "no_answer"}
 
 
 def test_grading_uses_math_verify():
