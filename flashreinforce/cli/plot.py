@@ -48,14 +48,14 @@ def plot(argv: Sequence[str]) -> int:
         return fail(f"--size and --dpi must be positive, got {list(args.size)} and {args.dpi}")
     if not args.output.lower().endswith(".png"):
         return fail(f"--output {args.output!r}: only PNG files are written (name it FILE.png)")
-    try:
-        require_matplotlib()
-    except ImportError as err:
-        return fail(str(err))
     labels = args.labels or default_labels(args.runs)
     try:
         runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
     except FileNotFoundError as err:
+        return fail(str(err))
+    try:  # last: every mistake in the arguments is reported even where matplotlib is missing
+        require_matplotlib()
+    except ImportError as err:
         return fail(str(err))
     for run in runs:
         if not run.metrics:
