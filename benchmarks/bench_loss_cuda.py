@@ -1,18 +1,18 @@
-"""CUDA benchmark of the fused FlashREINFORCE loss (the CUDA target of docs/performance.md).
+"""CUDA benchmark of the fused FlashREINFORCE loss (the CUDA section of docs/performance.md).
 
-Needs a CUDA device.
-
-Prints tables of:
+Needs a CUDA device and flashreinforce._C built with the CUDA path. Prints tables of:
 
 1. achieved bandwidth of the fused forward (loss, gradient and statistics in one launch
-   sequence) for N >= 16M tokens, against the measured device-to-device copy bandwidth; bytes
-   counted are those that must move: log_probs, behavior_log_probs and action_mask read, the
-   gradient written (13 bytes per float32 token, 7 per bfloat16 token);
-2. fused forward + backward against eager PyTorch (the same straightforward objective as
-   bench_loss_cpu.py, with index_add_);
+   sequence) at N = 1M, 4M, 16M and 64M tokens, against the measured device-to-device copy
+   bandwidth; bytes counted are those that must move: log_probs, behavior_log_probs and
+   action_mask read, the gradient written (13 bytes per float32 token, 7 per bfloat16 token);
+2. fused forward + backward against the straightforward eager PyTorch objective (segment sums
+   with ``index_add_``, as in bench_loss_cpu.py), the same under ``torch.compile``, and the
+   package's pure-PyTorch reference (float64 internally), at N = 1M and 16M;
 3. one 1M-token trajectory among thousands of short ones: time and agreement with the CPU path;
 4. the entropy filter (q = 0.5, half failed) against the base path;
-5. CUDA graph capture of the capturable variant: replay time, and equality with eager launches.
+5. CUDA graph capture of the capturable variant: replay time, and equality with eager launches;
+6. determinism: loss, gradient and statistics of repeated calls compared bit for bit.
 
     python benchmarks/bench_loss_cuda.py [--quick]
 """
@@ -23,16 +23,23 @@ import argparse
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 import flashreinforce as fr
 from flashreinforce import _C
-from flashreinforce.ops import fused_loss_capturable, raise_for_error
+from flashreinforce.ops import fused_loss_capturable, raise_for_error, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss_cpu import eager_loss, fused_step, make_batch, print_table  # noqa: E402
+from bench_loss_cpu import eager_loss, eager_step, fused_step, make_batch, print_table  # noqa: E402
+
+
+def reference_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta: float = 3e-3):
+    """The package's pure-PyTorch reference, as an eager baseline with the benchmark's signature."""
+    return reference.flashreinforce_loss_packed(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask,
+                                                   delta=delta)[0]
 
 
 def cuda_time(fn, repeats: int = 20, warmup: int = 3) -> float:
@@ -87,102 +94,151 @@ def main() -> None:
     print(f"# bench_loss_cuda: {props.name}, {props.multi_processor_count} SMs, "
           f"{props.total_memory / 2**30:.0f} GiB, torch {torch.__version__}")
     repeats = 10 if args.quick else 30
+    failed = []
+    state: dict = {}
+
+    def batch16():
+        if "d16" not in state:
+            state["d16"] = to_cuda(make_batch(16 * 2**20, 4096, seed=5))
+        return state["d16"]
 
     # 1. Bandwidth.
-    copy_bw = copy_bandwidth(2**30)
-    rows = [["device-to-device copy (1 GiB)", "-", f"{copy_bw / 1e9:,.0f}", "100%"]]
-    sizes = [16 * 2**20] + ([] if args.quick else [64 * 2**20])
-    for n in sizes:
-        for dtype, bytes_per_token in ((torch.float32, 13), (torch.bfloat16, 7)):
-            d = to_cuda(make_batch(n, 4096, seed=2), dtype)
-            t = cuda_time(fused_forward(d), repeats)
-            bw = bytes_per_token * n / t
-            rows.append([f"fused forward N={n / 2**20:.0f}M {str(dtype)[6:]}", f"{t * 1e3:.3f}", f"{bw / 1e9:,.0f}",
-                         f"{bw / copy_bw:.0%}"])
-            del d
-    print_table("bandwidth (bytes that must move / time; copy counts read + write)",
-                ["what", "ms", "GB/s", "of copy"], rows)
+    def bandwidth():
+        copy_bw = copy_bandwidth(2**30)
+        rows = [["device-to-device copy (1 GiB)", "-", f"{copy_bw / 1e9:,.0f}", "100%"]]
+        sizes = [2**20, 16 * 2**20] if args.quick else [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20]
+        for n in sizes:
+            for dtype, bytes_per_token in ((torch.float32, 13), (torch.bfloat16, 7)):
+                d = to_cuda(make_batch(n, 4096, seed=2), dtype)
+                t = cuda_time(fused_forward(d), repeats)
+                bw = bytes_per_token * n / t
+                rows.append([f"fused forward N={n / 2**20:.0f}M {str(dtype)[6:]}", f"{t * 1e3:.3f}", f"{bw / 1e9:,.0f}",
+                             f"{bw / copy_bw:.0%}"])
+                del d
+        print_table("bandwidth (bytes that must move / time; copy counts read + write)",
+                    ["what", "ms", "GB/s", "of copy"], rows)
 
-    # 2. Against eager PyTorch (forward + backward), N = 16M.
-    n = 16 * 2**20
-    d = to_cuda(make_batch(n, 4096, seed=3))
-    t_fused = cuda_time(fused_step(d), repeats)
-
-    def eager():
-        lp = d["log_probs"].requires_grad_()
-        eager_loss(lp, d["behavior_log_probs"], d["rewards"], d["cu_seqlens"], d["action_mask"]).backward()
-        lp.grad = None
-
-    t_eager = cuda_time(eager, max(5, repeats // 3))
-    print_table(f"forward + backward, N = {n:,}, B = 4096, float32", ["implementation", "ms", "fused speedup"], [
-        ["fused", f"{t_fused * 1e3:.3f}", "1.0x"],
-        ["eager PyTorch", f"{t_eager * 1e3:.3f}", f"{t_eager / t_fused:.1f}x"],
-    ])
+    # 2. Against eager PyTorch, torch.compile and the reference (forward + backward).
+    def versus_eager():
+        for n in [2**20, 16 * 2**20]:
+            d = to_cuda(make_batch(n, max(64, n // 4096), seed=3))
+            compiled = torch.compile(eager_loss, dynamic=False)
+            t0 = time.perf_counter()
+            eager_step(d, compiled)()  # compile outside the timing
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            times = {"fused": cuda_time(fused_step(d), repeats),
+                     "eager PyTorch": cuda_time(eager_step(d), max(5, repeats // 3)),
+                     f"torch.compile(eager) (compiled in {compile_s:.0f} s)": cuda_time(eager_step(d, compiled),
+                                                                                     max(5, repeats // 3)),
+                     "reference (flashreinforce.ops.reference, float64 inside)":
+                         cuda_time(eager_step(d, reference_loss), max(3, repeats // 10))}
+            print_table(f"forward + backward, N = {n:,}, B = {d['rewards'].numel():,}, float32",
+                        ["implementation", "ms", "fused speedup"],
+                        [[name, f"{t * 1e3:.3f}", f"{t / times['fused']:.1f}x"] for name, t in times.items()])
+            del d, compiled
+            torch._dynamo.reset()
 
     # 3. One 1M-token trajectory among thousands of short ones.
-    lengths = [12] * 8000
-    lengths[4321] = 1_000_000
-    cpu = make_batch(sum(lengths), len(lengths), seed=4)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
-    cpu["cu_seqlens"] = cu
-    mask = cpu["action_mask"].clone()
-    mask[cu[:-1].long()] = False
-    mask[cu[1:].long() - 1] = True
-    cpu["action_mask"] = mask
-    gpu = to_cuda(cpu)
-    loss_c, stats_c = fr.flashreinforce_loss_packed(cpu["log_probs"], cpu["behavior_log_probs"], cpu["rewards"],
-                                                    cu, mask, delta=3e-3)
-    loss_g, stats_g = fr.flashreinforce_loss_packed(gpu["log_probs"], gpu["behavior_log_probs"], gpu["rewards"],
-                                                    gpu["cu_seqlens"], gpu["action_mask"], delta=3e-3)
-    t_long = cuda_time(fused_forward(gpu), repeats)
-    uniform = to_cuda(make_batch(sum(lengths), len(lengths), seed=4))
-    t_uniform = cuda_time(fused_forward(uniform), repeats)
-    kl_err = float((stats_c["sequence_kl"] - stats_g["sequence_kl"].cpu()).abs().max())
-    print_table(f"one 1M-token trajectory among {len(lengths) - 1} of 12 tokens (N = {sum(lengths):,})",
-                ["batch", "forward ms", "loss |cpu - gpu|", "max |kl cpu - gpu|", "same admissions"], [
-        ["skewed", f"{t_long * 1e3:.3f}", f"{abs(float(loss_c) - float(loss_g)):.2e}", f"{kl_err:.2e}",
-         str(torch.equal(stats_c["admitted"], stats_g["admitted"].cpu()))],
-        ["lognormal lengths (same N, B)", f"{t_uniform * 1e3:.3f}", "-", "-", "-"],
-    ])
+    def skewed_lengths():
+        lengths = [12] * 8000
+        lengths[4321] = 1_000_000
+        cpu = make_batch(sum(lengths), len(lengths), seed=4)
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(lengths).cumsum(0)
+        cpu["cu_seqlens"] = cu
+        mask = cpu["action_mask"].clone()
+        mask[cu[:-1].long()] = False
+        mask[cu[1:].long() - 1] = True
+        cpu["action_mask"] = mask
+        gpu = to_cuda(cpu)
+        loss_c, stats_c = fr.flashreinforce_loss_packed(cpu["log_probs"], cpu["behavior_log_probs"], cpu["rewards"],
+                                                        cu, mask, delta=3e-3)
+        loss_g, stats_g = fr.flashreinforce_loss_packed(gpu["log_probs"], gpu["behavior_log_probs"], gpu["rewards"],
+                                                        gpu["cu_seqlens"], gpu["action_mask"], delta=3e-3)
+        t_long = cuda_time(fused_forward(gpu), repeats)
+        uniform = to_cuda(make_batch(sum(lengths), len(lengths), seed=4))
+        t_uniform = cuda_time(fused_forward(uniform), repeats)
+        kl_err = float((stats_c["sequence_kl"] - stats_g["sequence_kl"].cpu()).abs().max())
+        print_table(f"one 1M-token trajectory among {len(lengths) - 1} of 12 tokens (N = {sum(lengths):,})",
+                    ["batch", "forward ms", "loss |cpu - gpu|", "max |kl cpu - gpu|", "same admissions"], [
+            ["skewed", f"{t_long * 1e3:.3f}", f"{abs(float(loss_c) - float(loss_g)):.2e}", f"{kl_err:.2e}",
+             str(torch.equal(stats_c["admitted"], stats_g["admitted"].cpu()))],
+            ["lognormal lengths (same N, B)", f"{t_uniform * 1e3:.3f}", "-", "-", "-"],
+        ])
 
     # 4. Entropy filter.
-    d16 = to_cuda(make_batch(16 * 2**20, 4096, seed=5))
-    t_base = cuda_time(fused_forward(d16), repeats)
-    t_filter = cuda_time(fused_forward(d16, negative_token_fraction=0.5, entropies=d16["entropies"],
-                                      failures=d16["failures"]), repeats)
-    print_table("entropy filter (q = 0.5, half failed), N = 16M, forward", ["path", "ms", "vs base"], [
-        ["base", f"{t_base * 1e3:.3f}", "1.00x"],
-        ["filter", f"{t_filter * 1e3:.3f}", f"{t_filter / t_base:.2f}x"],
-    ])
+    def entropy_filter():
+        d16 = batch16()
+        t_base = cuda_time(fused_forward(d16), repeats)
+        t_filter = cuda_time(fused_forward(d16, negative_token_fraction=0.5, entropies=d16["entropies"],
+                                          failures=d16["failures"]), repeats)
+        print_table("entropy filter (q = 0.5, half failed), N = 16M, forward", ["path", "ms", "vs base"], [
+            ["base", f"{t_base * 1e3:.3f}", "1.00x"],
+            ["filter", f"{t_filter * 1e3:.3f}", f"{t_filter / t_base:.2f}x"],
+        ])
 
     # 5. CUDA graph capture.
-    opts = dict(delta=3e-3)
-    static = d16["log_probs"].clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"], d16["cu_seqlens"],
-                                  d16["action_mask"], **opts)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_loss, g_stats, g_error = fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"],
-                                                         d16["cu_seqlens"], d16["action_mask"], **opts)
-    t_graph = cuda_time(graph.replay, repeats)
-    t_plain = cuda_time(lambda: fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"],
-                                                      d16["cu_seqlens"], d16["action_mask"], **opts), repeats)
-    graph.replay()
-    torch.cuda.synchronize()
-    raise_for_error(g_error, static.numel(), d16["rewards"].numel())
-    ref_loss, _ = fr.flashreinforce_loss_packed(static, d16["behavior_log_probs"], d16["rewards"], d16["cu_seqlens"],
-                                                d16["action_mask"], **opts)
-    print_table("CUDA graph capture (capturable variant, N = 16M)", ["launch", "ms", "loss equals eager launch"], [
-        ["graph replay", f"{t_graph * 1e3:.3f}", str(torch.equal(g_loss, ref_loss))],
-        ["eager launches", f"{t_plain * 1e3:.3f}", "-"],
-    ])
-    assert math.isfinite(float(ref_loss))
+    def graph_capture():
+        d16 = batch16()
+        opts = dict(delta=3e-3)
+        static = d16["log_probs"].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"], d16["cu_seqlens"],
+                                      d16["action_mask"], **opts)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_loss, g_stats, g_error = fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"],
+                                                             d16["cu_seqlens"], d16["action_mask"], **opts)
+        t_graph = cuda_time(graph.replay, repeats)
+        t_plain = cuda_time(lambda: fused_loss_capturable(static, d16["behavior_log_probs"], d16["rewards"],
+                                                          d16["cu_seqlens"], d16["action_mask"], **opts), repeats)
+        graph.replay()
+        torch.cuda.synchronize()
+        raise_for_error(g_error, static.numel(), d16["rewards"].numel())
+        ref_loss, _ = fr.flashreinforce_loss_packed(static, d16["behavior_log_probs"], d16["rewards"], d16["cu_seqlens"],
+                                                    d16["action_mask"], **opts)
+        print_table("CUDA graph capture (capturable variant, N = 16M)", ["launch", "ms", "loss equals eager launch"], [
+            ["graph replay", f"{t_graph * 1e3:.3f}", str(torch.equal(g_loss, ref_loss))],
+            ["eager launches", f"{t_plain * 1e3:.3f}", "-"],
+        ])
+        assert math.isfinite(float(ref_loss))
+
+    # 6. Determinism: repeated calls compared bit for bit.
+    def determinism():
+        d16 = batch16()
+        rows = []
+        for name, opts in (("base", {}), ("entropy filter", dict(negative_token_fraction=0.5,
+                                                                  entropies=d16["entropies"], failures=d16["failures"]))):
+            first = None
+            same = True
+            for _ in range(5):
+                lp = d16["log_probs"].clone().requires_grad_()
+                loss, stats = fr.flashreinforce_loss_packed(lp, d16["behavior_log_probs"], d16["rewards"],
+                                                            d16["cu_seqlens"], d16["action_mask"], delta=3e-3, **opts)
+                loss.backward()
+                got = [loss.detach(), lp.grad] + [stats[k] for k in sorted(stats)]
+                if first is None:
+                    first = got
+                else:
+                    same = same and all(torch.equal(a, b) for a, b in zip(first, got))
+            rows.append([name, "5", str(same)])
+        print_table("determinism (N = 16M, forward + backward repeated)", ["path", "calls", "bitwise equal"], rows)
+
+    for section in (bandwidth, versus_eager, skewed_lengths, entropy_filter, graph_capture, determinism):
+        try:
+            section()
+        except Exception as err:  # one failing section must not hide the others' numbers
+            failed.append(section.__name__)
+            print(f"\n## {section.__name__}: FAILED: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}")
+        torch.cuda.synchronize()
+    if failed:
+        print(f"bench_loss_cuda: failed sections: {', '.join(failed)}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,51 +1,107 @@
 #!/usr/bin/env bash
-# GPU check of the fused loss, for one short session on a lent GPU machine (< 8 minutes):
-# builds flashreinforce._C with the CUDA path, runs the CUDA tests (and the CPU loss, error,
-# edge-case and contract tests as a sanity check of the same build), then the CUDA benchmark,
-# which prints its tables.
+# GPU check, for one short session on a lent GPU machine (about 6 minutes on one H200):
+#
+#   1. build flashreinforce._C with the CUDA path;
+#   2. the CUDA tests (python_tests/ops/test_fused_cuda.py, the chunked log-probs on CUDA);
+#   3. the CUDA benchmark of the fused loss (benchmarks/bench_loss_cuda.py);
+#   4. a GPU training smoke run: `train --preset toy --device cuda --train.max_steps 100` next to the
+#      same run on the CPU, compared on the training reward (it must rise on both);
+#   5. the learner step with the fused loss against the eager PyTorch loss
+#      (benchmarks/bench_learner_step.py), for the toy model and a Qwen2.5-0.5B-shaped one;
+#   6. last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
 #
 #   bash scripts/gpu_check.sh            # from the repository root
 #
-# The GPU machine has no network: nothing is installed; the module is built with the CMake,
-# pybind11 and PyTorch already there and placed next to the sources (flashreinforce/_C*.so,
-# ignored by git), and Python finds the package through PYTHONPATH.
-set -euo pipefail
+# Each stage has its own time limit, and a failing stage does not stop the later ones; the exit
+# status is that of the first failure. The GPU machine has no network: nothing is installed; the
+# module is built with the CMake, pybind11 and PyTorch already there and placed next to the
+# sources (flashreinforce/_C*.so, ignored by git), and Python finds the package through PYTHONPATH.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 # Keep a full log where the device tool returns files ($OUT), or under build/ elsewhere.
 LOG_DIR=${OUT:-build}
 mkdir -p "$LOG_DIR"
 exec > >(tee -a "$LOG_DIR/gpu_check.log") 2>&1
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 PY=${PYTHON:-python3}
 ARCHS=${CUDA_ARCHS:-90}   # the lent GPUs are Hopper (sm_90); the default install builds 80;90
 BUILD=build/gpu-check
 start=$(date +%s)
+status=0
+elapsed() { echo "$(( $(date +%s) - start )) s"; }
+# stage NAME LIMIT_S COMMAND...: run one stage under a time limit, remember the first failure.
+stage() {
+  local name=$1 limit=$2; shift 2
+  echo; echo "== $name (limit ${limit} s, at $(elapsed))"
+  timeout --signal=TERM --kill-after=10 "$limit" "$@"
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "!! $name failed (exit $rc$([ $rc -eq 124 ] && echo ', time limit'))"
+    [ $status -eq 0 ] && status=$rc
+  fi
+  return 0
+}
 
 echo "== machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0))"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name(0), 'transformers', transformers.__version__)"
 nvcc --version | tail -1
+lscpu | grep -m1 'Model name' || true
 
 echo "== build (CUDA archs $ARCHS)"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHREINFORCE_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES="$ARCHS" -Dpybind11_DIR="$("$PY" -m pybind11 --cmakedir)" \
   -DPython_EXECUTABLE="$(command -v "$PY")" > "$BUILD.configure.log" 2>&1 || { cat "$BUILD.configure.log"; exit 1; }
-cmake --build "$BUILD" -j "$(nproc)" 2>&1 | tail -3
+cmake --build "$BUILD" -j "$(nproc)" > "$BUILD.build.log" 2>&1 || { tail -40 "$BUILD.build.log"; exit 1; }
 cp "$BUILD"/_C*.so flashreinforce/
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import flashreinforce._C as C; assert C.has_cuda(), 'CUDA path missing'; print('has_cuda', C.has_cuda(), 'cpu isa', C.cpu_isa())"
-echo "build done after $(( $(date +%s) - start )) s"
+"$PY" -c "import flashreinforce._C as C; assert C.has_cuda(), 'CUDA path missing'; print('has_cuda', C.has_cuda(), 'cpu isa', C.cpu_isa())" || exit 1
+echo "build done after $(elapsed)"
 
-echo "== tests"
-status=0
-"$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_fused_cuda.py python_tests/ops/test_fused_loss.py \
+stage "CUDA tests" 150 "$PY" -m pytest -q -p no:cacheprovider -rs python_tests/ops/test_fused_cuda.py
+stage "chunked log-probs on CUDA" 60 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_logprobs.py -k cuda
+
+stage "CUDA benchmark of the fused loss" 200 "$PY" benchmarks/bench_loss_cuda.py ${BENCH_ARGS:-}
+
+# GPU training smoke run, next to the same run on the CPU (same seed, same preset).
+TOY=build/gpu-check-toy
+rm -rf "$TOY"
+for device in cuda cpu; do
+  stage "toy training on $device" 150 "$PY" -m flashreinforce.cli train --preset toy --device "$device" \
+    --train.max_steps 100 --output "$TOY/$device"
+done
+stage "toy reward: cuda vs cpu" 30 "$PY" - "$TOY" <<'EOF'
+import json, sys
+from pathlib import Path
+root = Path(sys.argv[1])
+rows, ok = [], True
+for device in ("cuda", "cpu"):
+    path = root / device / "summary.json"
+    if not path.exists():
+        print(f"{device}: no summary.json (the run failed)"); ok = False; continue
+    s = json.loads(path.read_text())
+    ev = s.get("final_eval") or {}
+    rise = (s["reward_last"] or 0) - (s["reward_first"] or 0)
+    ok &= s["status"] == "completed" and rise >= 0.3
+    rows.append(f"| {device:4} | {s['status']} | {s['step']} | {s['reward_first']:.3f} | {s['reward_last']:.3f} | "
+                f"{ev.get('eval_success_rate', float('nan')):.3f} | {s['training_wall_s']:.1f} |")
+print("| device | status | updates | reward, first 10 updates | reward, last 10 updates | eval success | training s |")
+print("|---|---|---|---|---|---|---|")
+print("\n".join(rows))
+print("reward rises on both devices" if ok else "FAILED: the reward did not rise by >= 0.3 on every device")
+sys.exit(0 if ok else 1)
+EOF
+cp "$TOY/cuda/summary.json" "$LOG_DIR/toy_cuda_summary.json" 2>/dev/null || true
+cp "$TOY/cuda/metrics.jsonl" "$LOG_DIR/toy_cuda_metrics.jsonl" 2>/dev/null || true
+
+stage "learner step, toy model" 90 "$PY" benchmarks/bench_learner_step.py --device cuda --shape tiny \
+  --batch 128 --mean-len 24 --steps 20
+stage "learner step, Qwen2.5-0.5B shape" 180 "$PY" benchmarks/bench_learner_step.py --device cuda \
+  --shape qwen2.5-0.5b --batch 64 --mean-len 1024 --steps 5
+
+stage "CPU loss tests (same build)" 150 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_fused_loss.py \
   python_tests/ops/test_fused_errors.py python_tests/ops/test_edge_cases.py python_tests/ops/test_contract.py \
-  -k "not each_cpu_instruction_set" -x || status=$?
-# The learner's chunked log-probabilities on the GPU (pure PyTorch; needs no build).
-"$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_logprobs.py -k cuda || status=$?
-echo "tests done after $(( $(date +%s) - start )) s (exit $status)"
+  -k "not each_cpu_instruction_set"
 
-echo "== benchmark"
-"$PY" benchmarks/bench_loss_cuda.py ${BENCH_ARGS:-} || status=$?
-echo "== gpu_check finished after $(( $(date +%s) - start )) s (exit $status)"
+echo; echo "== gpu_check finished after $(elapsed) (exit $status)"
 exit $status
