@@ -12,7 +12,8 @@ Needs a CUDA device and flashreinforce._C built with the CUDA path. Prints table
 3. one 1M-token trajectory among thousands of short ones: time and agreement with the CPU path;
 4. the entropy filter (q = 0.5, half failed) against the base path;
 5. CUDA graph capture of the capturable variant: replay time, and equality with eager launches;
-6. determinism: loss, gradient and statistics of repeated calls compared bit for bit.
+6. determinism: loss, gradient and statistics of repeated calls compared bit for bit;
+7. the device time of one forward by kernel (PyTorch's profiler).
 
     python benchmarks/bench_loss_cuda.py [--quick]
 """
@@ -229,7 +230,35 @@ def main() -> None:
             rows.append([name, "5", str(same)])
         print_table("determinism (N = 16M, forward + backward repeated)", ["path", "calls", "bitwise equal"], rows)
 
-    for section in (bandwidth, versus_eager, skewed_lengths, entropy_filter, graph_capture, determinism):
+    # 7. Where the time of one forward goes: the device time of each kernel (PyTorch's profiler).
+    def kernel_breakdown():
+        from torch.profiler import ProfilerActivity, profile
+
+        d16 = batch16()
+        rows = []
+        for name, opts in (("base", {}), ("entropy filter", dict(negative_token_fraction=0.5,
+                                                                  entropies=d16["entropies"],
+                                                                  failures=d16["failures"]))):
+            run = fused_forward(d16, **opts)
+            run()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    run()
+                torch.cuda.synchronize()
+            events = [e for e in prof.key_averages()
+                      if getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) > 0]
+            total = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in events)
+            for e in sorted(events, key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))):
+                t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
+                kernel = e.key.split("(")[0].split("<")[0].replace("flashreinforce::", "").replace(
+                    "(anonymous namespace)::", "")[:48]
+                rows.append([name, kernel, str(e.count // 5), f"{t / 5:.1f}", f"{t / total:.0%}"])
+        print_table("device time per forward by kernel (N = 16M, float32; profiler, 5 calls)",
+                    ["path", "kernel", "launches", "us", "share"], rows)
+
+    for section in (bandwidth, versus_eager, skewed_lengths, entropy_filter, graph_capture, determinism,
+                    kernel_breakdown):
         try:
             section()
         except Exception as err:  # one failing section must not hide the others' numbers

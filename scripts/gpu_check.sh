@@ -11,6 +11,7 @@
 #   6. last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
 #
 #   bash scripts/gpu_check.sh            # from the repository root
+#   GPU_CHECK_KERNEL_ONLY=1 bash scripts/gpu_check.sh   # stages 1-3 only (after a kernel change)
 #
 # Each stage has its own time limit, and a failing stage does not stop the later ones; the exit
 # status is that of the first failure. The GPU machine has no network: nothing is installed; the
@@ -26,6 +27,7 @@ export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 PY=${PYTHON:-python3}
 ARCHS=${CUDA_ARCHS:-90}   # the lent GPUs are Hopper (sm_90); the default install builds 80;90
 BUILD=build/gpu-check
+mkdir -p build
 start=$(date +%s)
 status=0
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
@@ -62,6 +64,11 @@ stage "CUDA tests" 150 "$PY" -m pytest -q -p no:cacheprovider -rs python_tests/o
 stage "chunked log-probs on CUDA" 60 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_logprobs.py -k cuda
 
 stage "CUDA benchmark of the fused loss" 200 "$PY" benchmarks/bench_loss_cuda.py ${BENCH_ARGS:-}
+
+if [ -n "${GPU_CHECK_KERNEL_ONLY:-}" ]; then  # a rerun after a kernel change: stages 1-3 only
+  echo; echo "== gpu_check finished after $(elapsed) (exit $status; GPU_CHECK_KERNEL_ONLY: stages 4-6 skipped)"
+  exit $status
+fi
 
 # GPU training smoke run, next to the same run on the CPU (same seed, same preset).
 TOY=build/gpu-check-toy

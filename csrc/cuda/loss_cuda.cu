@@ -23,13 +23,13 @@
 // asks for it, so the launch sequence can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
-#include <cub/block/block_load.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
-#include <cub/block/block_store.cuh>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -154,6 +154,103 @@ template <> __device__ __forceinline__ BFloat16 from_raw<BFloat16>(uint16_t r) {
 template <class T> __device__ __forceinline__ typename Raw<T>::type to_raw(T v) { return v; }
 template <> __device__ __forceinline__ uint16_t to_raw<Half>(Half v) { return v.bits; }
 template <> __device__ __forceinline__ uint16_t to_raw<BFloat16>(BFloat16 v) { return v.bits; }
+
+// A thread's kItems consecutive values [src, src + kItems) through 16-byte (or, for 8-byte runs,
+// 8-byte) vector loads when all of them are in range and the address is aligned, else one by one
+// (`fill` past `valid`). All of a thread's loads are in flight at once, and no shared memory or
+// block barrier is needed, whatever the dtype; values are bit-identical to scalar loads.
+template <class R> __device__ __forceinline__ R raw_from_bits(uint64_t bits) {
+  R v;
+  memcpy(&v, &bits, sizeof(R));  // the low sizeof(R) bytes (little endian)
+  return v;
+}
+template <class R> __device__ __forceinline__ uint64_t raw_bits(R v) {
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(R));
+  return bits;
+}
+
+template <class R>
+__device__ __forceinline__ bool vector_ok(const R* p, int valid) {
+  constexpr int kBytes = static_cast<int>(sizeof(R)) * kItems;
+  const uintptr_t align = kBytes % 16 == 0 ? 15 : 7;
+  return valid >= kItems && (reinterpret_cast<uintptr_t>(p) & align) == 0;
+}
+
+template <class R>
+__device__ __forceinline__ void load_items(const R* src, int valid, R fill, R (&out)[kItems]) {
+  constexpr int kWords = static_cast<int>(sizeof(R)) * kItems / 4;  // 2, 4, 8 or 16
+  static_assert(kWords == 2 || kWords % 4 == 0, "a thread's run must be 8 bytes or a multiple of 16");
+  if (vector_ok(src, valid)) {
+    uint32_t words[kWords];
+    if constexpr (kWords % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+        words[4 * i] = v.x;
+        words[4 * i + 1] = v.y;
+        words[4 * i + 2] = v.z;
+        words[4 * i + 3] = v.w;
+      }
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(src);
+      words[0] = v.x;
+      words[1] = v.y;
+    }
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      uint64_t bits;
+      if constexpr (sizeof(R) == 8) {
+        bits = static_cast<uint64_t>(words[2 * k]) | (static_cast<uint64_t>(words[2 * k + 1]) << 32);
+      } else {
+        bits = words[k * sizeof(R) / 4] >> ((k * sizeof(R) % 4) * 8);
+      }
+      out[k] = raw_from_bits<R>(bits);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) out[k] = k < valid ? src[k] : fill;
+}
+
+// The store counterpart of load_items: [dst, dst + valid) receives in[0 .. valid).
+template <class R>
+__device__ __forceinline__ void store_items(R* dst, int valid, const R (&in)[kItems]) {
+  constexpr int kWords = static_cast<int>(sizeof(R)) * kItems / 4;
+  if (vector_ok(dst, valid)) {
+    uint32_t words[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) words[i] = 0;
+#pragma unroll
+    for (int k = 0; k < kItems; ++k) {
+      const uint64_t bits = raw_bits(in[k]);
+      if constexpr (sizeof(R) == 8) {
+        words[2 * k] = static_cast<uint32_t>(bits);
+        words[2 * k + 1] = static_cast<uint32_t>(bits >> 32);
+      } else {
+        words[k * sizeof(R) / 4] |= static_cast<uint32_t>(bits) << ((k * sizeof(R) % 4) * 8);
+      }
+    }
+    if constexpr (kWords % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < kWords / 4; ++i) {
+        reinterpret_cast<uint4*>(dst)[i] = make_uint4(words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3]);
+      }
+    } else {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    if (k < valid) dst[k] = in[k];
+  }
+}
+
+// How many of a thread's kItems tokens starting at `base` exist (0 past the end).
+__device__ __forceinline__ int items_in_range(int64_t base, int64_t n) {
+  return base >= n ? 0 : static_cast<int>(n - base < kItems ? n - base : kItems);
+}
 
 // Element of the block-wide segmented scan over threads: the sum of a thread's trailing run and a
 // flag telling whether that run starts inside the thread (then sums from earlier threads stop).
@@ -300,8 +397,11 @@ __global__ void count_kernel(const uint8_t* mask, const int64_t* cu, int64_t bat
   if (offsets_invalid(error_key)) return;
   int64_t lo, hi;
   tile_segment_range(cu, batch, n, &lo, &hi);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kTile + static_cast<int64_t>(threadIdx.x) * kItems;
+  uint8_t m[kItems];
+  load_items<uint8_t>(mask + base, items_in_range(base, n), uint8_t(0), m);
   tile_segmented_sums<1>(cu, n, lo, hi, body, head,
-                         [&](int, int64_t t, int64_t, double* c) { c[0] = mask[t] ? 1.0 : 0.0; });
+                         [&](int k, int64_t, int64_t, double* c) { c[0] = m[k] ? 1.0 : 0.0; });
 }
 
 // Adds body + heads of every trajectory (warp per trajectory; fixed lane order and shuffle tree).
@@ -555,8 +655,8 @@ struct MainParams {
   bool read_flags;  // some trajectory keeps only flagged tokens (entropy filter)
 };
 
-// The main pass: one tile per block, loads and stores through shared-memory transposes (CUB) so
-// global accesses are coalesced while each thread owns kItems consecutive tokens.
+// The main pass: one tile per block; each thread owns kItems consecutive tokens, loaded and stored
+// with vector accesses (load_items / store_items).
 template <class LP, class BLP>
 __global__ void __launch_bounds__(kThreads) main_kernel(const LP* lp, const BLP* blp, LP* grad, MainParams p,
                                                         Workspace w) {
@@ -564,39 +664,25 @@ __global__ void __launch_bounds__(kThreads) main_kernel(const LP* lp, const BLP*
   using C = typename math::ComputeOf<LP>::type;
   using RawLP = typename Raw<LP>::type;
   using RawBLP = typename Raw<BLP>::type;
-  using LoadLP = cub::BlockLoad<RawLP, kThreads, kItems, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
-  using LoadBLP = cub::BlockLoad<RawBLP, kThreads, kItems, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
-  using LoadMask = cub::BlockLoad<uint8_t, kThreads, kItems, cub::BLOCK_LOAD_WARP_TRANSPOSE>;
-  using StoreLP = cub::BlockStore<RawLP, kThreads, kItems, cub::BLOCK_STORE_WARP_TRANSPOSE>;
-  __shared__ union {
-    typename LoadLP::TempStorage lp;
-    typename LoadBLP::TempStorage blp;
-    typename LoadMask::TempStorage mask;
-    typename StoreLP::TempStorage store;
-  } storage;
 
   int64_t lo, hi;
   tile_segment_range(w.cu, p.batch, p.n, &lo, &hi);
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTile;
-  const int valid = static_cast<int>(min(kTile, p.n - t0));
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kTile + static_cast<int64_t>(threadIdx.x) * kItems;
+  const int mine = items_in_range(base, p.n);
   RawLP lp_raw[kItems];
   RawBLP blp_raw[kItems];
   RawLP flags[kItems];
   uint8_t m[kItems];
-  LoadLP(storage.lp).Load(reinterpret_cast<const RawLP*>(lp) + t0, lp_raw, valid, RawLP(0));
-  __syncthreads();
-  LoadBLP(storage.blp).Load(reinterpret_cast<const RawBLP*>(blp) + t0, blp_raw, valid, RawBLP(0));
-  __syncthreads();
+  load_items<RawLP>(reinterpret_cast<const RawLP*>(lp) + base, mine, RawLP(0), lp_raw);
+  load_items<RawBLP>(reinterpret_cast<const RawBLP*>(blp) + base, mine, RawBLP(0), blp_raw);
   if (p.mask) {
-    LoadMask(storage.mask).Load(p.mask + t0, m, valid, uint8_t(0));
-    __syncthreads();
+    load_items<uint8_t>(p.mask + base, mine, uint8_t(0), m);
   } else {
 #pragma unroll
     for (int k = 0; k < kItems; ++k) m[k] = 1;
   }
   if (p.read_flags) {
-    LoadLP(storage.lp).Load(reinterpret_cast<const RawLP*>(grad) + t0, flags, valid, RawLP(0));
-    __syncthreads();
+    load_items<RawLP>(reinterpret_cast<const RawLP*>(grad) + base, mine, RawLP(0), flags);
   }
 
   const bool no_is = p.no_is;
@@ -630,8 +716,7 @@ __global__ void __launch_bounds__(kThreads) main_kernel(const LP* lp, const BLP*
     c[0] = (policy && !no_is) ? static_cast<double>(math::bernoulli_kl<C>(y, x)) : 0.0;
     c[1] = loss;
   });
-  __syncthreads();
-  StoreLP(storage.store).Store(reinterpret_cast<RawLP*>(grad) + t0, g_raw, valid);
+  store_items<RawLP>(reinterpret_cast<RawLP*>(grad) + base, mine, g_raw);
 }
 
 template <class C>
