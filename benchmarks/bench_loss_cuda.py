@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import time
@@ -251,8 +252,8 @@ def main() -> None:
             total = sum(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) for e in events)
             for e in sorted(events, key=lambda e: -getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))):
                 t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))
-                kernel = e.key.split("(")[0].split("<")[0].replace("flashreinforce::", "").replace(
-                    "(anonymous namespace)::", "")[:48]
+                found = re.search(r"(\w+_kernel)", e.key)
+                kernel = found.group(1) if found else e.key[:48]
                 rows.append([name, kernel, str(e.count // 5), f"{t / 5:.1f}", f"{t / total:.0%}"])
         print_table("device time per forward by kernel (N = 16M, float32; profiler, 5 calls)",
                     ["path", "kernel", "launches", "us", "share"], rows)

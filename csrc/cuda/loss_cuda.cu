@@ -657,8 +657,13 @@ struct MainParams {
 
 // The main pass: one tile per block; each thread owns kItems consecutive tokens, loaded and stored
 // with vector accesses (load_items / store_items).
+// Occupancy: three blocks per SM where log_probs are not float64 (the pass is bound by instruction
+// issue and latency more than by bandwidth; the cap costs at most a few bytes of spills there).
+template <class LP>
+constexpr int main_kernel_min_blocks() { return sizeof(LP) == 8 ? 1 : 3; }
+
 template <class LP, class BLP>
-__global__ void __launch_bounds__(kThreads) main_kernel(const LP* lp, const BLP* blp, LP* grad, MainParams p,
+__global__ void __launch_bounds__(kThreads, main_kernel_min_blocks<LP>()) main_kernel(const LP* lp, const BLP* blp, LP* grad, MainParams p,
                                                         Workspace w) {
   if (offsets_invalid(w.error_key)) return;
   using C = typename math::ComputeOf<LP>::type;
