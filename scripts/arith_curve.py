@@ -34,6 +34,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flashreinforce.analysis.runs import read_jsonl  # noqa: E402  (also used by bench_vs_trl.py)
 
 
 def cpu_name() -> str:
@@ -51,20 +54,6 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line being written right now
-                break
-    return rows
 
 
 def training_times(metrics: list[dict], evals: list[dict]) -> dict[int, float]:

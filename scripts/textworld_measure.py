@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -39,33 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line being written
-                break
-    return rows
+from arith_curve import cpu_name, load_average  # noqa: E402  (scripts/: the CPU and load in every summary)
+from flashreinforce.analysis.runs import read_jsonl  # noqa: E402
 
 
 def note(msg: str) -> None:
@@ -132,9 +106,9 @@ def evaluate(model: str, out: Path, samples: Path, common: list[str], log: Path)
 
 def training_seconds(run: Path) -> dict[int, float]:
     """Training seconds at each update: the trainer's wall clock minus its periodic evaluations before it."""
-    evals = {int(e["step"]): float(e.get("eval_time_s", 0.0)) for e in jsonl(run / "eval.jsonl")}
+    evals = {int(e["step"]): float(e.get("eval_time_s", 0.0)) for e in read_jsonl(run / "eval.jsonl")}
     out, spent = {}, 0.0
-    for m in jsonl(run / "metrics.jsonl"):
+    for m in read_jsonl(run / "metrics.jsonl"):
         out[int(m["step"])] = float(m["wall_time_s"]) - spent
         spent += evals.get(int(m["step"]), 0.0)
     return out
@@ -169,12 +143,12 @@ def train(run: Path, budget_s: float, args, extra: list[str], log: Path) -> str:
 
 def summarize(out: Path, reference: dict, base: dict, final: dict | None) -> dict:
     run = out / "run"
-    metrics = jsonl(run / "metrics.jsonl")
+    metrics = read_jsonl(run / "metrics.jsonl")
     times = training_seconds(run)
     avg = lambda xs: (sum(xs) / len(xs)) if xs else None  # noqa: E731
     later = [m for m in metrics if int(m["step"]) > 1]  # the first update includes the start-up
     summary = {
-        "cpu": cpu_name(), "cpus": os.cpu_count(), "load_average_end": loadavg(),
+        "cpu": cpu_name(), "cpus": os.cpu_count(), "load_average_end": load_average(),
         "reference": {k: v for k, v in reference.items() if k != "solution_lengths"},
         "base_success": base["accuracy"], "base_pass@1": base.get("pass@1"),
         "final_success": final["accuracy"] if final else None, "final_pass@1": final.get("pass@1") if final else None,
@@ -188,7 +162,7 @@ def summarize(out: Path, reference: dict, base: dict, final: dict | None) -> dic
         "success_first_5": avg([float(m["success_rate"]) for m in metrics[:5] if "success_rate" in m]),
         "success_last_5": avg([float(m["success_rate"]) for m in metrics[-5:] if "success_rate" in m]),
         "periodic_eval": [{"step": e["step"], "success": e.get("eval_success_rate")}
-                          for e in jsonl(run / "eval.jsonl")],
+                          for e in read_jsonl(run / "eval.jsonl")],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
@@ -212,7 +186,7 @@ def main(argv=None) -> int:
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
-    note(f"CPU {cpu_name()} ({os.cpu_count()} CPUs), load average {loadavg()}; log: {log}")
+    note(f"CPU {cpu_name()} ({os.cpu_count()} CPUs), load average {load_average()}; log: {log}")
     ref_path = out / "reference.json"
     if ref_path.is_file():
         reference = json.loads(ref_path.read_text())

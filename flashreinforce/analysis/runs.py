@@ -11,8 +11,10 @@ from typing import Any, Sequence
 __all__ = ["Run", "default_labels", "load_run", "read_jsonl"]
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a ``.jsonl`` file; a line cut by a crash is skipped; no file: empty."""
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` file; a line cut by a crash (or being written) is skipped;
+    no file: empty."""
+    path = Path(path)
     if not path.is_file():
         return []
     rows = []

@@ -23,7 +23,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["SUMMARY_FILE", "config_hash", "read_jsonl", "software_versions", "write_run_summary"]
+from flashreinforce.analysis.runs import read_jsonl
+
+__all__ = ["SUMMARY_FILE", "config_hash", "software_versions", "write_run_summary"]
 
 SUMMARY_FILE = "summary.json"
 
@@ -71,22 +73,6 @@ def software_versions() -> dict[str, Any]:
             out[dist] = None
     out["git"] = _git_commit(Path(__file__).resolve().parent)
     return out
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a ``.jsonl`` file (a line cut by a crash is skipped; no file: empty)."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def _finite(x: Any) -> bool:
