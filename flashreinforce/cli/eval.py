@@ -36,7 +36,7 @@ __all__ = ["eval_command", "evaluate_model"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from flashreinforce.config.flags import build_parser
+    from flashreinforce.config.command_line import build_parser
 
     p = build_parser(prog="flashreinforce eval")
     p.description = ("Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) "
@@ -137,7 +137,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
 
 def eval_command(argv: Sequence[str]) -> int:
     from flashreinforce.config import ConfigError
-    from flashreinforce.config.flags import resolve
+    from flashreinforce.config.resolution import resolve
     from flashreinforce.config.presets import PRESETS
 
     args = vars(_parser().parse_args(argv))

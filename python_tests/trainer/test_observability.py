@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flashreinforce.config.flags import resolve
+from flashreinforce.config.resolution import resolve
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.diagnostics import ZeroSignalWatch, has_reward_signal
 from flashreinforce.trainer.learner import Learner, LearnerSettings
