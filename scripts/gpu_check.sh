@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-build}
 mkdir -p "$LOG_DIR"
 exec > >(tee -a "$LOG_DIR/gpu_check.log") 2>&1
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 ARCHS=${CUDA_ARCHS:-90}   # the lent GPUs are Hopper (sm_90); the default install builds 80;90
 BUILD=build/gpu-check
@@ -75,7 +75,7 @@ TOY=build/gpu-check-toy
 rm -rf "$TOY"
 for device in cuda cpu; do
   stage "toy training on $device" 150 "$PY" -m flashreinforce.cli train --preset toy --device "$device" \
-    --train.max_steps 100 --output "$TOY/$device"
+    --train.max_steps 100 --no_progress --output "$TOY/$device"
 done
 stage "toy reward: cuda vs cpu" 30 "$PY" - "$TOY" <<'EOF'
 import json, sys
