@@ -331,9 +331,18 @@ class Trainer:
                 pool.stop(timeout=5.0 if status == "failed" else 30.0)
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
-            if status != "aborted":
+            if status in ("completed", "interrupted"):
                 ckpt = self._save()
                 log.info("checkpoint saved to %s", ckpt)
+            elif status == "failed":
+                # Best effort: what failed (a lost Ray cluster, say) may make the save fail too, and
+                # that second error must not hide the first.
+                try:
+                    ckpt = self._save()
+                    log.info("checkpoint saved to %s", ckpt)
+                except Exception as err:
+                    log.error("no checkpoint could be written after the failure (%s: %s); the last one written "
+                              "before it is the one to resume from", type(err).__name__, str(err)[:300])
         if status == "completed":
             self.hf_dir.mkdir(parents=True, exist_ok=True)
             (self.learner.full_model() if self.learner.sharded else self.model).save_pretrained(str(self.hf_dir))

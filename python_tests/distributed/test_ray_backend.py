@@ -244,5 +244,10 @@ def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instan
     with pytest.raises(ActorGone, match=r"the test actor did not answer sleep within 1 s"):
         c.sleep(30.0)
     ray_instance.kill(handle, no_restart=True)
-    with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)"):
+    with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)") as info:
         c.call("pid", timeout=60.0)
+    # Ends a run like every RunFailure: one line from the CLI, saying how to go on.
+    from flashreinforce.trainer.faults import RunFailure
+
+    assert isinstance(info.value, RunFailure)
+    assert "continue with --resume" in str(info.value)

@@ -234,7 +234,12 @@ def test_a_cluster_that_disappears_mid_run_ends_the_run_with_a_message(tmp_path)
         time.sleep(1.0)  # the message comes from a helper process, just after the trainer ends
         text = err_file.read_text()
         assert code != 0
-        assert f"ended without closing its Ray connection to 127.0.0.1:{port}" in text, text[-3000:]
+        # Two ways to end, depending on which of Ray's reactions comes first: Ray's core library ends
+        # the trainer at once (the helper process then names the cluster), or an actor call fails
+        # first and the trainer stops with a one-line error (no traceback). Both say how to go on.
+        killed_by_ray = f"ended without closing its Ray connection to 127.0.0.1:{port}" in text
+        stopped = "flashreinforce train: error: the " in text and "went away" in text and "Traceback" not in text
+        assert killed_by_ray or stopped, text[-3000:]
         assert "--resume" in text
     finally:
         for proc in (trainer, head):

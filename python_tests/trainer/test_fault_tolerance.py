@@ -357,6 +357,25 @@ def test_a_run_whose_every_reward_is_nan_stops_with_a_clear_error(tmp_path, caps
     assert "rollout.max_failed_episodes_in_a_row" in err and "reward nan is not finite" in err
 
 
+def test_a_failed_run_whose_last_checkpoint_fails_too_reports_the_first_error(tmp_path, capsys, caplog,
+                                                                              monkeypatch):
+    # What a lost Ray cluster does: the run fails, and saving the checkpoint after it fails as well
+    # (the buffer lives on the lost cluster). The user must see why the run stopped, on one line.
+    from flashreinforce.trainer.loop import Trainer
+
+    def lost(self):
+        raise ConnectionError("the buffer is unreachable")
+
+    monkeypatch.setattr(Trainer, "_save", lost)
+    code = cli_main(["train", *SMALL, "--env", f"{__name__}:NanToyEnv", "--train.max_steps", "3",
+                     "--rollout.max_failed_episodes_in_a_row", "40", "--output", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "Traceback" not in err
+    assert "episodes in a row" in err  # the first error, not the checkpoint's
+    assert "no checkpoint could be written after the failure (ConnectionError: the buffer is unreachable)" in caplog.text
+
+
 def test_a_stuck_environment_is_reported_by_the_watchdog(tmp_path, capsys):
     t0 = time.monotonic()
     code = cli_main(["train", *SMALL, "--env", f"{__name__}:StuckToyEnv", "--train.max_steps", "3",

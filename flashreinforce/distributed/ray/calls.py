@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Iterable
 
+from flashreinforce.trainer.faults import RunFailure
+
 __all__ = ["ActorClient", "ActorGone", "DEFAULT_CALL_TIMEOUT_S", "delegate", "import_ray"]
 
 #: Longest wait for one answer from an actor of the run (seconds). Every call the trainer makes is
@@ -32,8 +34,13 @@ def import_ray():
     return ray
 
 
-class ActorGone(RuntimeError):
-    """An actor of the run cannot be reached any more: its process or node died, or the cluster is gone."""
+class ActorGone(RunFailure):
+    """An actor of the run cannot be reached any more: its process or node died, or the cluster is gone.
+
+    A :class:`~flashreinforce.trainer.faults.RunFailure`: when it ends a run, ``flashreinforce train``
+    prints its message on one line (exit status 1). The rollout pool catches it for one worker and
+    starts a replacement; only the trainer's own actors (buffer, weights) end the run with it.
+    """
 
 
 def delegate(member: str, names: Iterable[str]) -> Callable[[type], type]:
@@ -116,10 +123,14 @@ class ActorClient:
         try:
             return ray.get(ref, timeout=limit)
         except RayActorError as err:
-            raise ActorGone(f"the {self.actor_name} is gone ({name}): {_first_line(err)}") from err
+            raise ActorGone(f"the {self.actor_name} is gone ({name}): {_first_line(err)}; {_RESUME_HINT}") from err
         except GetTimeoutError as err:
             raise ActorGone(f"the {self.actor_name} did not answer {name} within {limit:g} s: its node or the Ray "
-                            "cluster is unreachable") from err
+                            f"cluster is unreachable; {_RESUME_HINT}") from err
+
+
+_RESUME_HINT = ("its process, its node or the whole Ray cluster went away; once the cluster is back, continue "
+                "with --resume from the last checkpoint")
 
 
 def _first_line(err: BaseException) -> str:

@@ -27,6 +27,7 @@ from flashreinforce.distributed.ray.buffer import RemoteBuffer
 from flashreinforce.distributed.ray.calls import ActorGone, import_ray
 from flashreinforce.distributed.ray.placement import WorkerPlacement, describe_nodes
 from flashreinforce.distributed.ray.workers import RolloutWorkerActor, WorkerRecipe
+from flashreinforce.trainer.faults import RolloutFailed
 from flashreinforce.trainer.rollout import RolloutBackend, fair_share
 
 __all__ = ["RayRolloutBackend"]
@@ -329,13 +330,13 @@ class RayRolloutBackend(RolloutBackend):
         if self._supervisor_error is not None:
             err = self._supervisor_error
             if isinstance(err, ActorGone):
-                raise RuntimeError(f"the Ray rollout supervisor stopped: {err}") from err
+                raise ActorGone(f"the Ray rollout supervisor stopped: {err}") from err
             raise RuntimeError(f"the Ray rollout supervisor failed: {err!r}") from err
         reviving = any(r is not None for r in self._reviving.values()) or self._ping_again
         if self._runs and all(r is None for r in self._runs) and self._failures and not reviving:
             i, err = next(iter(self._failures.items()))
             detail = self._last_stats[i].get("last_error") or ""
-            raise RuntimeError(f"every rollout worker has stopped: worker {i}: {err!r}\n{detail}")
+            raise RolloutFailed(f"every rollout worker has stopped: worker {i}: {err!r}\n{detail}")
 
     def stats(self) -> list[dict[str, float]]:
         out = []
