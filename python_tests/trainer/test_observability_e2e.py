@@ -68,7 +68,9 @@ def test_samples_tensorboard_and_summary_across_ctrl_c_and_resume(tmp_path):
     samples = lines(out / "samples.jsonl")
     assert sorted({s["step"] for s in samples}) == list(range(2, stopped + 1, 2)) and len(samples) == 3 * (stopped // 2)
     for s in samples:
-        assert s["prompt"].startswith("say ") and len(s["turns"]) == 1 and len(s["turns"][0]["action"]) == 1
+        # One sampled token: one character, or none when the policy sampled a special token
+        # (<pad>/<bos>/<eos> decode to nothing; the toy environment grades that an invalid answer).
+        assert s["prompt"].startswith("say ") and len(s["turns"]) == 1 and len(s["turns"][0]["action"]) <= 1
         assert s["reward"] in (0.0, 1.0) and s["failed"] == (s["reward"] == 0.0)
         assert isinstance(s["admitted"], bool) and s["sequence_kl"] >= 0 and s["policy_lag"] >= 0
         assert (s["failure_kind"] in ("wrong_answer", "invalid_answer")) == s["failed"]
