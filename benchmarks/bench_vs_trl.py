@@ -341,11 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = arith_curve.split_extra_args(argv)
     args = build_parser().parse_args(argv)
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)

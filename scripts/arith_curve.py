@@ -200,12 +200,17 @@ def plot(out: Path, rows: list[dict], metrics: list[dict], times: dict[int, floa
     print(f"[curve] wrote {out / 'curve.png'}", flush=True)
 
 
-def main(argv=None) -> int:
+def split_extra_args(argv=None) -> tuple[list[str], list[str]]:
+    """``(own, extra)``: the script's own arguments, and those after ``--`` (passed to the trainer)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def main(argv=None) -> int:
+    argv, extra = split_extra_args(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="directory for every result of this measurement")
     p.add_argument("--preset", default="arith")

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from arith_curve import cpu_name, load_average  # noqa: E402  (scripts/: the CPU and load in every summary)
+from arith_curve import cpu_name, load_average, split_extra_args  # noqa: E402  (shared by the scripts)
 from flashreinforce.analysis.runs import read_jsonl  # noqa: E402
 
 
@@ -169,11 +169,7 @@ def summarize(out: Path, reference: dict, base: dict, final: dict | None) -> dic
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, extra = argv[:i], argv[i + 1:]
+    argv, extra = split_extra_args(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="directory for every result of this measurement")
     p.add_argument("--model", default="smollm2-135m-instruct")
