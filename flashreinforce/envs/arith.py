@@ -52,15 +52,20 @@ _NUMBER = re.compile(r"(?:(?<![\w)])-)?\d+(?:,\d{3})*(?:\.\d+)?(?:\s*/\s*\d+)?")
 def final_answer(text: str) -> str | None:
     r"""The final answer of a response: the last ``\boxed{}`` content, else the last number (commas
     removed), else ``None``. ``"15 - 43 = -28"`` gives ``"-28"``; ``"So 1,024."`` gives ``"1024"``."""
+    return _final_answer(text)[0]
+
+
+def _final_answer(text: str) -> tuple[str | None, str]:
+    """``(answer, how)``: :func:`final_answer` and how it was found (``boxed``, ``last_number``, ``none``)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be str, got {type(text).__name__}")
     boxed = extract_boxed(text)
     if boxed is not None:
-        return boxed
+        return boxed, "boxed"
     numbers = _NUMBER.findall(text)
     if not numbers:
-        return None
-    return "".join(numbers[-1].replace(",", "").split())
+        return None, "none"
+    return "".join(numbers[-1].replace(",", "").split()), "last_number"
 
 
 @dataclass(frozen=True)
@@ -258,18 +263,21 @@ class ArithEnv(Environment):
 
     def score(self, response: str) -> tuple[bool, str | None]:
         """Whether ``response``'s final answer equals the current problem's answer, and that answer."""
+        correct, answer, _ = self._score(response)
+        return correct, answer
+
+    def _score(self, response: str) -> tuple[bool, str | None, str]:
         if self.problem is None:
             raise RuntimeError("score() called before reset()")
-        answer = final_answer(response)
+        answer, how = _final_answer(response)
         if answer is None:
-            return False, None
-        return bool(self.grader.grade(answer, str(self.problem.answer)).correct), answer
+            return False, None, how
+        return bool(self.grader.grade(answer, str(self.problem.answer)).correct), answer, how
 
     def step(self, action: str) -> StepResult:
         if self.problem is None:
             raise RuntimeError("step() called before reset()")
-        correct, answer = self.score(action)
-        extraction = "none" if answer is None else ("boxed" if extract_boxed(action) is not None else "last_number")
+        correct, answer, extraction = self._score(action)
         info = {"correct": correct, "has_answer": answer is not None, "split": self.split,
                 "answer_extraction": extraction}
         if not correct:  # why the reward is 0, counted per batch in metrics.jsonl (failure_kinds)
