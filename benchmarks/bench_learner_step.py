@@ -72,17 +72,8 @@ class _Eager(_Recording):
 
     name = "bench_eager"
 
-    def loss(self, mb, batch, options):
-        if type(self).seen is None:
-            type(self).seen = (mb, batch, options)
-        use_filter = options.neg_topq < 1.0
-        loss, stats = reference.flashreinforce_loss_packed(
-            mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask, delta=options.delta,
-            negative_token_fraction=options.neg_topq, entropies=mb.entropies if use_filter else None,
-            failures=mb.failures if use_filter else None, reward_baseline=batch.reward_baseline,
-            num_trajectories=batch.num_trajectories, loss_agg=options.loss_agg, no_is=options.no_is)
-        return loss, {"sequence_kl": stats["sequence_kl"], "admitted": stats["admitted"],
-                      "retained": stats["retained_tokens"]}, {}
+    def implementation(self):
+        return reference.flashreinforce_loss_packed
 
 
 for _mode in (_Recording, _Eager):

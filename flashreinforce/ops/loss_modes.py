@@ -146,11 +146,16 @@ class FlashReinforceLoss(LossMode):
     def needs_entropy(self, options: LossOptions) -> bool:
         return options.neg_topq < 1.0
 
-    def loss(self, mb, batch, options):
+    def implementation(self):
+        """The packed loss function this mode calls: the fused op (a benchmark may swap in the reference,
+        which has the same signature)."""
         from flashreinforce.ops.fused import flashreinforce_loss_packed
 
+        return flashreinforce_loss_packed
+
+    def loss(self, mb, batch, options):
         use_filter = options.neg_topq < 1.0
-        loss, stats = flashreinforce_loss_packed(
+        loss, stats = self.implementation()(
             mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask,
             delta=options.delta, negative_token_fraction=options.neg_topq,
             entropies=mb.entropies if use_filter else None, failures=mb.failures if use_filter else None,
