@@ -18,8 +18,7 @@ import time
 import pytest
 
 from flashreinforce.envs.sandbox import REFUSED_EXIT, Sandbox, probe_isolation, run_python
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from python_tests.envs.unprivileged import REPO
 _REPORT = probe_isolation()
 _HAS = set(_REPORT.guards)
 # Everything here runs sandboxes at the default minimum level; test_sandbox_parts.py covers the

@@ -31,9 +31,7 @@ import pytest
 
 from flashreinforce.envs.sandbox import probe_isolation
 from python_tests.envs.sandbox_attacks import ATTACKS, Attack
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-UNPRIVILEGED_UID = 65534
+from python_tests.envs.unprivileged import REPO, UNPRIVILEGED_UID, readable_sources
 # (configuration, attack) -> "contained" / "escaped: ..." ; read by conftest's summary.
 OUTCOMES: dict[tuple[str, str], str] = {}
 
@@ -76,6 +74,7 @@ class Batch:
         options, skip = CONFIGS[config]
         python, uid = sys.executable, os.geteuid()
         run_as = {}
+        sources = REPO
         if config.startswith("unprivileged"):
             if skip:
                 pytest.skip(skip)
@@ -84,6 +83,7 @@ class Batch:
                 pytest.skip(reason)
             uid = UNPRIVILEGED_UID
             run_as = {"user": uid, "group": uid, "extra_groups": []}
+            sources = readable_sources()
             os.chmod(base, 0o755)
         elif skip:
             pytest.skip(skip)
@@ -98,11 +98,11 @@ class Batch:
             ctx["env_secret"] = self.secret
             self.contexts[attack.name] = ctx
             requests.append({"name": attack.name, "code": attack.source(ctx), "options": attack.options})
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": REPO, "HF_TOKEN": self.secret,
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": sources, "HF_TOKEN": self.secret,
                "LANG": "C.UTF-8"}
         job = json.dumps({"requests": requests, "options": options})
         self.done = subprocess.run([python, "-m", "python_tests.envs.sandbox_attacks"], input=job, text=True,
-                                   capture_output=True, cwd=REPO, env=env, timeout=900, **run_as)
+                                   capture_output=True, cwd=sources, env=env, timeout=900, **run_as)
         if run_as and "IsolationError" in self.done.stderr:
             # The unprivileged user may get fewer layers than root (user namespaces for root only).
             pytest.skip(f"below the minimum as uid {uid}: {self.done.stderr.strip().splitlines()[-1]}")

@@ -15,8 +15,8 @@ import pytest
 
 from flashreinforce.envs.sandbox import IsolationError, Sandbox, levels, probe_isolation, seccomp
 from flashreinforce.envs.sandbox.cleanup import remove_tree
+from python_tests.envs.unprivileged import REPO, UNPRIVILEGED_UID, readable_sources
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _REPORT = probe_isolation()
 
 
@@ -131,7 +131,8 @@ def test_cleanup_never_follows_links_as_an_unprivileged_user():
     import inspect
 
     plant_source = inspect.getsource(_plant)
-    done = subprocess.run(["/usr/bin/python3", "-c", code, REPO, str(base), plant_source], user=65534, group=65534,
+    done = subprocess.run(["/usr/bin/python3", "-c", code, readable_sources(), str(base), plant_source],
+                          user=UNPRIVILEGED_UID, group=UNPRIVILEGED_UID,
                           extra_groups=[], capture_output=True, text=True, timeout=60, cwd="/")
     shutil.rmtree(base)
     assert done.returncode == 0, done.stderr
