@@ -1,4 +1,4 @@
-"""The sandbox attack suite: each attack, how to prepare for it, and how to tell it was contained.
+"""The sandbox attack suite: the attacks, and the runner process that is the sandbox's parent.
 
 Used by ``test_sandbox_attacks.py``. An attack is Python source run in the sandbox; it prints
 ``BLOCKED:<what>:...`` when the operation it tries fails and ``ESCAPED:<what>:...`` when it
@@ -6,7 +6,8 @@ succeeds, so an attack that breaks for an unrelated reason (a typo, a missing mo
 counts as contained: a contained attack must show its ``BLOCKED`` line (or, for resource
 attacks, the limit that stopped it). Containment is then checked from the outside too: host
 files keep their content, mode, owner and times, decoy processes stay alive, listeners
-receive nothing, secrets never appear in the output, no process survives the run.
+receive nothing, secrets never appear in the output, no process survives the run. What the
+attacks share (helpers, set-ups, checks) is in ``sandbox_attack_kit.py``.
 
 The sandbox's parent is a separate runner process (this module's ``__main__``), started with a
 secret in its environment and counting the signals it receives, so that "read the parent's
@@ -20,278 +21,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import stat
 import sys
-import textwrap
-from dataclasses import dataclass, field
-from typing import Callable
 
-# -- code shared by the attacks -----------------------------------------------------------
+from python_tests.envs.sandbox_attack_kit import (CTYPES, GC_BYPASS, HELPERS, ISINSTANCE_BYPASS, TRACEBACK_BYPASS,
+                                                  Attack, check_decoy, check_denied, check_host_files,
+                                                  check_listeners, check_no_survivor, check_parent, check_secret,
+                                                  counted, decoy, host_files, limit_check, listeners, syscall_nr)
 
-HELPERS = textwrap.dedent('''
-    import os, sys
-    def _attempt(what, fn):
-        try:
-            value = fn()
-        except (Exception, MemoryError) as exc:
-            print(f"BLOCKED:{what}:{type(exc).__name__}:{getattr(exc, 'errno', None)}", flush=True)
-            return None
-        print(f"ESCAPED:{what}:{value!r}"[:400], flush=True)
-        return value
-''')
-
-# Switch the audit hook off by replacing the function its closures call to refuse, found with
-# gc (works on any hook that refuses through a closure variable named ``refuse``).
-GC_BYPASS = textwrap.dedent('''
-    import gc
-    def _noop(*args, **kwargs):
-        return None
-    for _f in gc.get_objects():
-        if type(_f).__name__ == "function" and _f.__closure__ and _f.__code__.co_filename != "main.py":
-            for _c in _f.__closure__:
-                try:
-                    if getattr(_c.cell_contents, "__name__", "") == "refuse":
-                        _c.cell_contents = _noop
-                except ValueError:
-                    pass
-''')
-
-# Get a refusal, walk its traceback into the hook's frames and empty every set/dict they use
-# (their closure variables) and every event table in their globals.
-TRACEBACK_BYPASS = textwrap.dedent('''
-    try:
-        os.kill(1, 0)
-    except PermissionError as _exc:
-        _tb = _exc.__traceback__
-        while _tb is not None:
-            _frame = _tb.tb_frame
-            if _frame.f_code.co_filename != "main.py":
-                for _value in list(_frame.f_locals.values()):
-                    if isinstance(_value, (set, dict)):
-                        _value.clear()
-                for _key, _value in list(_frame.f_globals.items()):
-                    if isinstance(_value, frozenset):
-                        _frame.f_globals[_key] = frozenset()
-                    elif isinstance(_value, dict) and _key.startswith("_") and _key[1:2].isupper():
-                        _frame.f_globals[_key] = {}
-            _tb = _tb.tb_next
-''')
-
-# Make every isinstance() answer True: a hook that returns early for "fd arguments"
-# (isinstance(path, int)) then lets every open() through.
-ISINSTANCE_BYPASS = textwrap.dedent('''
-    import builtins
-    _real_isinstance = builtins.isinstance
-    builtins.isinstance = lambda obj, types: True
-''')
-
-CTYPES = textwrap.dedent('''
-    import ctypes
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.syscall.restype = ctypes.c_long
-    def _syscall(nr, *args):
-        rc = _libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
-        if rc < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        return rc
-''')
-
-
-def _nr(x86_64: int, aarch64: int) -> int:
-    return x86_64 if os.uname().machine == "x86_64" else aarch64
-
-
-# -- attacks --------------------------------------------------------------------------
-
-
-@dataclass
-class Attack:
-    """One attack: ``code`` is formatted with the context ``setup`` returns (``{name}`` keys).
-
-    setup(base_dir, uid) -> dict: prepares host-side artifacts (owned by ``uid``, the uid the
-        sandbox runs as, so that only the sandbox, not file permissions, can stop the attack).
-    check(ctx, result, runner) -> str | None: None when contained, else what escaped.
-    prefix: code put before the attack (helpers, audit-hook bypasses).
-    needs_blocked: the output must contain a BLOCKED line (the attack reached its attempt).
-    options: Sandbox options for this attack (limits).
-    """
-
-    name: str
-    category: str
-    code: str
-    setup: Callable[[str, int], dict] = lambda base, uid: {}
-    check: Callable[[dict, dict, dict], str | None] = lambda ctx, result, runner: None
-    prefix: str = HELPERS
-    needs_blocked: bool = True
-    options: dict = field(default_factory=dict)
-    skip_reason: str | None = None
-
-    def source(self, ctx: dict) -> str:
-        return self.prefix + "\n" + textwrap.dedent(self.code).format(**ctx)
-
-
-def _own(path: str, uid: int) -> None:
-    os.chown(path, uid, uid)
-
-
-def host_files(base: str, uid: int) -> dict:
-    """A host directory outside the sandbox with a secret, a target file and nothing else."""
-    directory = os.path.join(base, "host")
-    os.makedirs(directory, exist_ok=True)
-    os.chmod(directory, 0o755)
-    secret = "secret-" + os.urandom(8).hex()
-    for name, text, mode in (("secret.txt", secret, 0o644), ("target.txt", "original", 0o640)):
-        path = os.path.join(directory, name)
-        with open(path, "w") as f:
-            f.write(text)
-        os.chmod(path, mode)
-        os.utime(path, (1_000_000_000, 1_000_000_000))
-        _own(path, uid)
-    _own(directory, uid)
-    target = os.path.join(directory, "target.txt")
-    return {"dir": directory, "secret_path": os.path.join(directory, "secret.txt"), "secret": secret,
-            "target": target, "target_stat": _stat_tuple(target), "entries": sorted(os.listdir(directory))}
-
-
-def _stat_tuple(path: str) -> tuple:
-    st = os.lstat(path)
-    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, st.st_size
-
-
-def check_host_files(ctx: dict, result: dict, runner: dict) -> str | None:
-    if _stat_tuple(ctx["target"]) != ctx["target_stat"]:
-        return f"target file changed: {ctx['target_stat']} -> {_stat_tuple(ctx['target'])}"
-    with open(ctx["target"]) as f:
-        if f.read() != "original":
-            return "target file content changed"
-    if sorted(os.listdir(ctx["dir"])) != ctx["entries"]:
-        return f"host directory changed: {sorted(os.listdir(ctx['dir']))}"
-    return None
-
-
-def decoy(base: str, uid: int) -> dict:
-    """A host process (as ``uid``) the attack will try to kill or trace; plus host files."""
-    import subprocess
-
-    ctx = host_files(base, uid)
-    kwargs = {"user": uid, "group": uid, "extra_groups": []} if os.geteuid() == 0 and uid != 0 else {}
-    proc = subprocess.Popen(["sleep", "120"], start_new_session=True, **kwargs)
-    ctx.update(decoy=proc.pid, decoy_proc=proc)
-    return ctx
-
-
-def check_decoy(ctx: dict, result: dict, runner: dict) -> str | None:
-    proc = ctx["decoy_proc"]
-    alive = proc.poll() is None
-    tracer = "0"
-    if alive:
-        with open(f"/proc/{proc.pid}/status") as f:
-            tracer = next((line.split()[1] for line in f if line.startswith("TracerPid:")), "0")
-    proc.kill()
-    proc.wait()
-    if not alive:
-        return f"decoy process was killed (status {proc.returncode})"
-    if tracer != "0":
-        return f"decoy process is being traced by {tracer}"
-    return None
-
-
-def listeners(base: str, uid: int) -> dict:
-    """Loopback TCP and UDP, a UNIX socket file and an abstract UNIX socket, all listening."""
-    ctx = host_files(base, uid)
-    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    tcp.bind(("127.0.0.1", 0))
-    tcp.listen(8)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    path = os.path.join(ctx["dir"], "unix.sock")
-    unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    unix.bind(path)
-    os.chmod(path, 0o777)
-    unix.listen(8)
-    abstract_name = "\0flashreinforce-attack-" + os.urandom(6).hex()
-    abstract = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    abstract.bind(abstract_name)
-    abstract.listen(8)
-    for s in (tcp, udp, unix, abstract):
-        s.setblocking(False)
-    ctx.update(tcp_port=tcp.getsockname()[1], udp_port=udp.getsockname()[1], unix_path=path,
-               abstract=abstract_name[1:], sockets=(tcp, udp, unix, abstract), entries=sorted(os.listdir(ctx["dir"])))
-    return ctx
-
-
-def check_listeners(ctx: dict, result: dict, runner: dict) -> str | None:
-    received = []
-    tcp, udp, unix, abstract = ctx["sockets"]
-    for name, s in (("tcp", tcp), ("unix", unix), ("abstract", abstract)):
-        try:
-            conn, _ = s.accept()
-            conn.close()
-            received.append(name)
-        except BlockingIOError:
-            pass
-    try:
-        udp.recvfrom(100)
-        received.append("udp")
-    except BlockingIOError:
-        pass
-    for s in ctx["sockets"]:
-        s.close()
-    return f"connections reached the host: {received}" if received else check_host_files(ctx, result, runner)
-
-
-def check_secret(ctx: dict, result: dict, runner: dict) -> str | None:
-    text = result["stdout"] + result["stderr"]
-    for key in ("secret", "env_secret"):
-        if ctx.get(key) and ctx[key] in text:
-            return f"{key} appeared in the output"
-    return check_host_files(ctx, result, runner) if "target" in ctx else None
-
-
-def check_no_survivor(ctx: dict, result: dict, runner: dict) -> str | None:
-    pids = [int(line.split(":")[1]) for line in result["stdout"].splitlines() if line.startswith("CHILDPID:")]
-    alive = [pid for pid in pids if _alive(pid)]
-    for pid in alive:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return f"processes survived the run: {alive}" if alive else check_host_files(ctx, result, runner)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def check_parent(ctx: dict, result: dict, runner: dict) -> str | None:
-    if runner.get("signals_received"):
-        return f"the sandbox's parent received signals: {runner['signals_received']}"
-    return check_secret(ctx, result, runner)
-
-
-def check_denied(ctx: dict, result: dict, runner: dict) -> str | None:
-    """Every attempt failed with EPERM (or ENOSYS): refused by policy, not by bad arguments."""
-    bad = [line for line in result["stdout"].splitlines()
-           if line.startswith("BLOCKED:") and line.rsplit(":", 1)[1] not in ("1", "38")]
-    return f"failed for another reason than a refusal: {bad}" if bad else check_host_files(ctx, result, runner)
-
-
-def _limit(predicate: Callable[[dict], bool], what: str) -> Callable[[dict, dict, dict], str | None]:
-    def check(ctx: dict, result: dict, runner: dict) -> str | None:
-        return None if predicate(result) else f"{what} not enforced: exit {result['exit_code']}, " \
-                                              f"stdout {result['stdout'][-300:]!r}, stderr {result['stderr'][-300:]!r}"
-    return check
-
-
-def _counted(prefix: str, result: dict) -> int:
-    values = [int(line.split(":")[1]) for line in result["stdout"].splitlines() if line.startswith(prefix)]
-    return values[-1] if values else -1
+__all__ = ["ATTACKS", "Attack", "run_attacks"]
 
 
 def _attacks() -> list[Attack]:
@@ -413,10 +150,10 @@ def _attacks() -> list[Attack]:
                 local, remote = iovec(ctypes.addressof(buf), 64), iovec(0x400000, 64)
                 return _syscall({nr_vm_readv}, os.getppid(), ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
             _attempt("process_vm_readv", readv)
-        ''', lambda b, u: {**host_files(b, u), "nr_vm_readv": _nr(310, 270)}, check_secret, prefix=bypass),
+        ''', lambda b, u: {**host_files(b, u), "nr_vm_readv": syscall_nr(310, 270)}, check_secret, prefix=bypass),
         Attack("parent-ptrace", "parent", '''
             _attempt("ptrace-seize", lambda: _syscall({nr_ptrace}, 0x4206, os.getppid(), 0, 0))
-        ''', lambda b, u: {**host_files(b, u), "nr_ptrace": _nr(101, 117)}, check_parent, prefix=bypass),
+        ''', lambda b, u: {**host_files(b, u), "nr_ptrace": syscall_nr(101, 117)}, check_parent, prefix=bypass),
         Attack("parent-signal", "parent", '''
             import signal
             _attempt("kill-parent", lambda: os.kill(os.getppid(), signal.SIGUSR1))
@@ -426,10 +163,10 @@ def _attacks() -> list[Attack]:
             _attempt("kill-decoy", lambda: os.kill({decoy}, signal.SIGKILL))
             _attempt("killpg-decoy", lambda: os.killpg({decoy}, signal.SIGKILL))
             _attempt("tgkill-decoy", lambda: _syscall({nr_tgkill}, {decoy}, {decoy}, 9))
-        ''', lambda b, u: {**decoy(b, u), "nr_tgkill": _nr(234, 131)}, check_decoy, prefix=bypass),
+        ''', lambda b, u: {**decoy(b, u), "nr_tgkill": syscall_nr(234, 131)}, check_decoy, prefix=bypass),
         Attack("decoy-ptrace", "parent", '''
             _attempt("ptrace-attach", lambda: _syscall({nr_ptrace}, 16, {decoy}, 0, 0))
-        ''', lambda b, u: {**decoy(b, u), "nr_ptrace": _nr(101, 117)}, check_decoy, prefix=bypass),
+        ''', lambda b, u: {**decoy(b, u), "nr_ptrace": syscall_nr(101, 117)}, check_decoy, prefix=bypass),
         # --- sockets of every family ---
         Attack("tcp-connect-loopback", "network", '''
             import socket
@@ -449,7 +186,7 @@ def _attacks() -> list[Attack]:
         Attack("socket-raw-syscall", "network", '''
             for family in (1, 2, 10, 16, 17, 40):
                 _attempt(f"socket({{family}})", lambda: _syscall({nr_socket}, family, 2, 0))
-        ''', lambda b, u: {**host_files(b, u), "nr_socket": _nr(41, 198)}, check_denied, prefix=bypass),
+        ''', lambda b, u: {**host_files(b, u), "nr_socket": syscall_nr(41, 198)}, check_denied, prefix=bypass),
         # --- files ---
         Attack("read-host-file", "files", '''
             _attempt("read-secret", lambda: open({secret_path!r}).read())
@@ -515,13 +252,13 @@ def _attacks() -> list[Attack]:
             for name, nr, args in {calls!r}:
                 _attempt(name, lambda: _syscall(nr, *args))
         ''', lambda b, u: {**host_files(b, u), "calls": [
-            ("unshare-user", _nr(272, 97), (0x10000000,)), ("mount", _nr(165, 40), (0, 0, 0, 0, 0)),
-            ("bpf", _nr(321, 280), (0, 0, 0)), ("perf_event_open", _nr(298, 241), (0, 0, -1, -1, 0)),
-            ("io_uring_setup", _nr(425, 425), (1, 0)), ("userfaultfd", _nr(323, 282), (0,)),
-            ("keyctl", _nr(250, 219), (0, 0)), ("personality", _nr(135, 92), (0x0040000,)),
-            ("open_by_handle_at", _nr(304, 265), (-100, 0, 0)), ("setuid", _nr(105, 146), (0,)),
-            ("setrlimit-as", _nr(160, 164), (9, 0)), ("clone3", 435, (0, 0)),
-            ("kexec_load", _nr(246, 104), (0, 0, 0, 0)), ("init_module", _nr(175, 105), (0, 0, 0))]},
+            ("unshare-user", syscall_nr(272, 97), (0x10000000,)), ("mount", syscall_nr(165, 40), (0, 0, 0, 0, 0)),
+            ("bpf", syscall_nr(321, 280), (0, 0, 0)), ("perf_event_open", syscall_nr(298, 241), (0, 0, -1, -1, 0)),
+            ("io_uring_setup", syscall_nr(425, 425), (1, 0)), ("userfaultfd", syscall_nr(323, 282), (0,)),
+            ("keyctl", syscall_nr(250, 219), (0, 0)), ("personality", syscall_nr(135, 92), (0x0040000,)),
+            ("open_by_handle_at", syscall_nr(304, 265), (-100, 0, 0)), ("setuid", syscall_nr(105, 146), (0,)),
+            ("setrlimit-as", syscall_nr(160, 164), (9, 0)), ("clone3", 435, (0, 0)),
+            ("kexec_load", syscall_nr(246, 104), (0, 0, 0, 0)), ("init_module", syscall_nr(175, 105), (0, 0, 0))]},
             check_denied, prefix=bypass),
         Attack("raise-limits", "resources", '''
             import resource
@@ -537,13 +274,13 @@ def _attacks() -> list[Attack]:
             _attempt("memory", grab)
             print(f"ALLOCATED:{{len(chunks) * 64}}", flush=True)
         ''', options={"memory_mb": 512},
-            check=_limit(lambda r: 0 <= _counted("ALLOCATED:", r) <= 512, "memory limit")),
+            check=limit_check(lambda r: 0 <= counted("ALLOCATED:", r) <= 512, "memory limit")),
         Attack("cpu", "resources", "x = 0\nwhile True:\n    x += 1\n", needs_blocked=False, prefix="",
                options={"timeout_s": 30, "cpu_s": 1},
-               check=_limit(lambda r: r["timed_out"] and r["duration_s"] < 15, "CPU limit")),
+               check=limit_check(lambda r: r["timed_out"] and r["duration_s"] < 15, "CPU limit")),
         Attack("wall-clock", "resources", "import time\ntime.sleep(300)\n", needs_blocked=False, prefix="",
                options={"timeout_s": 1.0},
-               check=_limit(lambda r: r["timed_out"] and r["duration_s"] < 10, "wall-clock limit")),
+               check=limit_check(lambda r: r["timed_out"] and r["duration_s"] < 10, "wall-clock limit")),
         Attack("disk", "resources", '''
             written = 0
             def fill():
@@ -561,11 +298,11 @@ def _attacks() -> list[Attack]:
         ''', needs_blocked=False, options={"disk_mb": 32, "timeout_s": 20},
             # ENOSPC at the tmpfs quota, or the launcher's measurement stopped the run (it
             # checks every 0.25 s, so allow what a fast disk writes in that time).
-            check=_limit(lambda r: ("BLOCKED:disk" in r["stdout"] and _counted("WRITTEN:", r) <= 32)
-                         or ("disk_mb=32" in r["stderr"] and _counted("WRITTEN:", r) <= 32 + 2048), "disk quota")),
+            check=limit_check(lambda r: ("BLOCKED:disk" in r["stdout"] and counted("WRITTEN:", r) <= 32)
+                              or ("disk_mb=32" in r["stderr"] and counted("WRITTEN:", r) <= 32 + 2048), "disk quota")),
         Attack("output-flood", "resources", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
                needs_blocked=False, prefix="", options={"timeout_s": 1.0, "output_limit_bytes": 1024},
-               check=_limit(lambda r: len(r["stdout"]) < 1200 and r["timed_out"], "output limit")),
+               check=limit_check(lambda r: len(r["stdout"]) < 1200 and r["timed_out"], "output limit")),
         Attack("many-threads", "resources", '''
             import threading
             threading.stack_size(64 * 1024)
@@ -580,7 +317,7 @@ def _attacks() -> list[Attack]:
             print(f"THREADS:{{len(started)}}", flush=True)
             stop.set()
         ''', options={"max_threads": 16},
-            check=_limit(lambda r: 0 <= _counted("THREADS:", r) < 16, "thread bound")),
+            check=limit_check(lambda r: 0 <= counted("THREADS:", r) < 16, "thread bound")),
         Attack("open-files", "resources", '''
             fds = []
             def grab():
@@ -588,7 +325,7 @@ def _attacks() -> list[Attack]:
                     fds.append(os.open("/dev/null", os.O_RDONLY))
             _attempt("fds", grab)
             print(f"FDS:{{len(fds)}}", flush=True)
-        ''', check=_limit(lambda r: 0 <= _counted("FDS:", r) <= 256, "open-file limit")),
+        ''', check=limit_check(lambda r: 0 <= counted("FDS:", r) <= 256, "open-file limit")),
     ]
     if os.uname().machine == "x86_64":
         attacks.append(Attack("i386-syscall-abi", "kernel", '''
@@ -601,11 +338,12 @@ def _attacks() -> list[Attack]:
             print("CALLING", flush=True)
             _attempt("int80", lambda: ctypes.CFUNCTYPE(ctypes.c_int)(address)())
         ''', host_files, prefix=bypass, needs_blocked=False,
-            check=_limit(lambda r: "ESCAPED" not in r["stdout"] and "CALLING" in r["stdout"]
-                         # SIGSYS: killed by the filter's architecture check (SIGSEGV: a kernel
-                         # without 32-bit emulation, where the entry does not exist at all).
-                         and (r["exit_code"] in (-signal.SIGSYS, -signal.SIGSEGV) or "BLOCKED:int80" in r["stdout"]),
-                         "foreign system call ABI")))
+            check=limit_check(lambda r: "ESCAPED" not in r["stdout"] and "CALLING" in r["stdout"]
+                              # SIGSYS: killed by the filter's architecture check (SIGSEGV: a kernel
+                              # without 32-bit emulation, where the entry does not exist at all).
+                              and (r["exit_code"] in (-signal.SIGSYS, -signal.SIGSEGV)
+                                   or "BLOCKED:int80" in r["stdout"]),
+                              "foreign system call ABI")))
     return attacks
 
 
