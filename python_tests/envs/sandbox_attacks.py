@@ -27,6 +27,7 @@ from python_tests.envs.sandbox_attack_kit import (CTYPES, GC_BYPASS, HELPERS, IS
                                                   Attack, check_decoy, check_denied, check_host_files,
                                                   check_listeners, check_no_survivor, check_parent, check_secret,
                                                   counted, decoy, host_files, limit_check, listeners, syscall_nr)
+from python_tests.envs.sandbox_attacks_indirect import indirect_attacks
 
 __all__ = ["ATTACKS", "Attack", "run_attacks"]
 
@@ -327,6 +328,7 @@ def _attacks() -> list[Attack]:
             print(f"FDS:{{len(fds)}}", flush=True)
         ''', check=limit_check(lambda r: 0 <= counted("FDS:", r) <= 256, "open-file limit")),
     ]
+    attacks += indirect_attacks()
     if os.uname().machine == "x86_64":
         attacks.append(Attack("i386-syscall-abi", "kernel", '''
             import mmap
@@ -371,7 +373,8 @@ received: list[int] = []
 
 def main() -> None:
     """Runner: JSON ``{"requests": [...], "options": {...}}`` on stdin, JSON results on stdout."""
-    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+    # Counted rather than fatal: SIGIO is what a file description's owner gets by default.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGIO):
         signal.signal(sig, lambda signum, frame: received.append(signum))
     job = json.loads(sys.stdin.read())
     results = run_attacks(job["requests"], job["options"])

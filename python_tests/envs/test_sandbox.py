@@ -179,6 +179,17 @@ def test_file_metadata_changes_are_refused_even_inside():
     assert result.exit_code == 1 and "PermissionError" in result.stderr and "Operation not permitted" in result.stderr
 
 
+def test_descriptor_flags_work_but_signal_owners_are_refused():
+    # O_NONBLOCK and the other flags stay settable; an owner to signal, or O_ASYNC, does not.
+    code = ("import fcntl, os\nr, w = os.pipe()\nos.set_blocking(w, False)\n"
+            "print(os.get_blocking(w), fcntl.fcntl(w, fcntl.F_GETOWN))\n"
+            "for cmd, arg in ((fcntl.F_SETOWN, os.getpid()), (fcntl.F_SETFL, os.O_ASYNC)):\n"
+            "    try:\n        fcntl.fcntl(w, cmd, arg)\n    except PermissionError:\n        print('refused')")
+    result = run_python(code, timeout_s=10)
+    assert result.ok, result.stderr
+    assert result.stdout.split() == ["False", "0", "refused", "refused"]
+
+
 def test_environment_is_minimal(monkeypatch):
     monkeypatch.setenv("FLASHREINFORCE_TEST_SECRET", "do-not-leak")
     result = run_python("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())",

@@ -101,8 +101,11 @@ class Batch:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": sources, "HF_TOKEN": self.secret,
                "LANG": "C.UTF-8"}
         job = json.dumps({"requests": requests, "options": options})
+        # A session of its own: a signal an escape aims at the runner's process group reaches the
+        # runner (which counts it, or dies and fails the configuration), never pytest.
         self.done = subprocess.run([python, "-m", "python_tests.envs.sandbox_attacks"], input=job, text=True,
-                                   capture_output=True, cwd=sources, env=env, timeout=900, **run_as)
+                                   capture_output=True, cwd=sources, env=env, timeout=900, start_new_session=True,
+                                   **run_as)
         if run_as and "IsolationError" in self.done.stderr:
             # The unprivileged user may get fewer layers than root (user namespaces for root only).
             pytest.skip(f"below the minimum as uid {uid}: {self.done.stderr.strip().splitlines()[-1]}")

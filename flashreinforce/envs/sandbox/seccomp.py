@@ -24,6 +24,12 @@ Denied (see docs/sandbox.md for why each one):
   ``move_pages``; ``kill``/``tkill``/``tgkill``/``rt_(tg)sigqueueinfo`` unless aimed at the
   process itself (or ``kill(0, ...)``: its own process group, in which it is alone);
   ``setpriority`` and ``sched_set*`` unless aimed at itself (``0``); ``ioprio_set``;
+- signals the kernel would send on the caller's behalf, to the owner of a file description
+  (whenever it becomes readable or writable, or a lease or a directory changes): ``fcntl``
+  ``F_SETOWN``, ``F_SETOWN_EX``, ``F_SETSIG``, ``F_SETLEASE``, ``F_NOTIFY``, ``F_SETFL`` turning
+  ``O_ASYNC`` on, ``ioctl`` ``FIOASYNC``, ``FIOSETOWN`` and ``SIOCSPGRP``; the filter reads the
+  request, not the descriptor, so a ``dup``'ed descriptor is no way around it (``fcntl64``
+  exists only in the 32-bit ABIs, which are killed);
 - limits and identity: ``setrlimit``, ``prlimit64`` that sets a limit or names another
   process, the ``set*uid``/``set*gid`` family, ``setgroups``, ``capset``, ``setsid``,
   ``setpgid``;
@@ -35,6 +41,7 @@ Denied (see docs/sandbox.md for why each one):
   ``uselib``, ``_sysctl``, ``lookup_dcookie``, ``name_to_handle_at``/``open_by_handle_at``
   (opening any file by handle), ``fanotify_init``, SysV IPC (``shm*``, ``msg*``, ``sem*``),
   POSIX message queues (``mq_open``, ``mq_unlink``), ``lsm_set_self_attr``;
+- kernel memory outside ``RLIMIT_AS``: ``fcntl`` ``F_SETPIPE_SZ`` (pipes keep their 64 KiB);
 - any other architecture or ABI than the one the filter was built for (the i386 ``int 0x80``
   entry on x86_64, 32-bit ARM on aarch64): the process is killed; x32 system calls: ENOSYS.
 
@@ -119,7 +126,8 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "shmdt": (67, 197),
     "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
     "semget": (64, 190), "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192),
-    "mq_open": (240, 180), "mq_unlink": (241, 181), "ioctl": (16, 29),
+    "mq_open": (240, 180), "mq_unlink": (241, 181), "ioctl": (16, 29), "fcntl": (72, 25),
+    "memfd_create": (319, 279), "memfd_secret": (447, 447), "sendmsg": (46, 211), "sendmmsg": (307, 269),
     "lsm_set_self_attr": (460, 460), "seccomp": (317, 277),
 }
 
@@ -157,8 +165,15 @@ _CLONE_THREAD = 0x00010000
 _CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
 # ioctl requests: FS_IOC_SETFLAGS (long and int forms), FS_IOC_FSSETXATTR (chattr +i, project
-# ids), TIOCSTI (push input into a terminal), TIOCLINUX (console control).
-_DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x5412, 0x541C)
+# ids), TIOCSTI (push input into a terminal), TIOCLINUX (console control), FIOASYNC (signal-driven
+# I/O on), FIOSETOWN and SIOCSPGRP (the process or group a socket signals).
+_DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x5412, 0x541C, 0x5452, 0x8901, 0x8902)
+# fcntl commands that make the kernel signal a process of the caller's choosing, or at all:
+# F_SETOWN, F_SETOWN_EX (the owner a description signals), F_SETSIG (which signal), F_SETLEASE
+# and F_NOTIFY (leases and directory notifications, delivered as signals); and F_SETPIPE_SZ (up
+# to 1 MiB of kernel memory per pipe, outside RLIMIT_AS). F_SETFL may not turn O_ASYNC on.
+_F_SETFL, _O_ASYNC = 4, 0o20000
+_DENIED_FCNTLS = (8, 15, 10, 1024, 1026, 1031)
 
 
 class UnsupportedArchitecture(RuntimeError):
@@ -303,6 +318,21 @@ def build_filter(*, own_pid: int, allow_network: bool = False, arch: str | None 
     families = (_AF_INET, _AF_INET6) if allow_network else ()
     _allow_if_first_arg_in(prog, nr("socket"), families, "socket")
     _allow_if_first_arg_in(prog, nr("socketpair"), (_AF_UNIX,), "socketpair")
+
+    # fcntl(fd, cmd, arg): the kernel reads cmd and F_SETFL's flags as 32-bit integers.
+    prog.jump(_JEQ_K, nr("fcntl"), 0, "fcntl.next")
+    prog.load(_arg_lo(1))
+    for command in _DENIED_FCNTLS:
+        prog.jump(_JEQ_K, command, "fcntl.deny", 0)
+    prog.jump(_JEQ_K, _F_SETFL, 0, "fcntl.allow")
+    prog.load(_arg_lo(2))
+    prog.jump(_JSET_K, _O_ASYNC, "fcntl.deny", 0)
+    prog.label("fcntl.allow")
+    prog.ret(_RET_ALLOW)
+    prog.label("fcntl.deny")
+    prog.ret(_RET_ERRNO | _EPERM)
+    prog.label("fcntl.next")
+    prog.load(_OFF_NR)
 
     prog.jump(_JEQ_K, nr("ioctl"), 0, "ioctl.next")
     prog.load(_arg_lo(1))
