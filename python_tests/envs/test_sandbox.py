@@ -49,13 +49,18 @@ def test_libraries_import_and_stdin_is_closed():
     assert result.stdout.splitlines() == ["{2: 3, 3: 2, 5: 1} 10", "eof"]
 
 
-def test_threads_and_asyncio_work():
+def test_threads_asyncio_and_ctypes_callbacks_work():
     code = ("import threading, asyncio\nout = []\nts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n"
             "[t.start() for t in ts]; [t.join() for t in ts]\nprint(sorted(out))\n"
-            "async def f():\n    await asyncio.sleep(0)\n    return 'async ok'\nprint(asyncio.run(f()))")
-    result = run_python(code, timeout_s=20, audit_hook=False)  # asyncio's self-pipe is a socketpair
+            "async def f():\n    await asyncio.sleep(0)\n    return 'async ok'\nprint(asyncio.run(f()))\n"
+            # A callback needs executable memory: libffi maps it anonymously, without a memfd.
+            "import ctypes\nlibc = ctypes.CDLL(None)\narr = (ctypes.c_int * 4)(3, 1, 4, 2)\n"
+            "cmp = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int))\n"
+            "libc.qsort(arr, 4, ctypes.sizeof(ctypes.c_int), cmp(lambda a, b: a[0] - b[0]))\nprint(list(arr))")
+    # asyncio's self-pipe is a socketpair and ctypes is refused by the audit hook: off.
+    result = run_python(code, timeout_s=20, audit_hook=False)
     assert result.ok, result.stderr
-    assert result.stdout.splitlines() == [str(list(range(8))), "async ok"]
+    assert result.stdout.splitlines() == [str(list(range(8))), "async ok", "[1, 2, 3, 4]"]
 
 
 def test_errors_show_the_users_traceback_only():
@@ -160,6 +165,18 @@ def test_reads_outside_are_confined(tmp_path, options):
     assert allowed.run(code).stdout.strip() == secret.read_text()
     result = denied.run(code)
     assert result.exit_code == 1 and secret.read_text() not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("options", _barriers())
+def test_temporary_and_mapped_files_work_but_memfd_is_refused(options):
+    # Unlinked temporary files count against disk_mb (a quota in the tree, else the launcher's
+    # measurement); memfd files, which nothing would count, are refused.
+    code = ("import mmap, os, tempfile\nwith tempfile.TemporaryFile() as f:\n    f.write(b'x' * (1 << 20))\n"
+            "    f.flush()\n    m = mmap.mmap(f.fileno(), 1 << 20)\n    print(len(m), m[:2])\n    m.close()\n"
+            "try:\n    os.memfd_create('m')\nexcept PermissionError:\n    print('memfd refused')")
+    result = Sandbox(timeout_s=10, **options).run(code)
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == ["1048576 b'xx'", "memfd refused"]
 
 
 def test_writes_inside_the_working_directory_work_and_vanish():

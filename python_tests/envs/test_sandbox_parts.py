@@ -1,5 +1,6 @@
 """The sandbox's parts that need no particular kernel: isolation levels, the seccomp program, the
-probe and the refusal below the minimum, argument checks, the cleanup. They run on any machine.
+probe and the refusal below the minimum, argument checks, the cleanup and the measurement of a
+working directory without a quota. They run on any machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 
 from flashreinforce.envs.sandbox import IsolationError, Sandbox, levels, probe_isolation, seccomp
 from flashreinforce.envs.sandbox.cleanup import remove_tree
+from flashreinforce.envs.sandbox.disk_watch import held_unlinked_bytes, over_disk_limit
 from python_tests.envs.unprivileged import REPO, UNPRIVILEGED_UID, readable_sources
 
 _REPORT = probe_isolation()
@@ -113,6 +115,46 @@ def test_cleanup_never_follows_links(tmp_path):
     assert not work.exists()
     assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_text() == "original"
     assert sorted(p.name for p in host.iterdir()) == ["target.txt"]
+
+
+def test_disk_watch_counts_unlinked_files_still_held(tmp_path):
+    # A process holds three 1 MiB files beneath the directory: one named, one unlinked but open,
+    # one unlinked and closed but mapped (counted as a whole file_size_bytes file).
+    code = ("import mmap, os, sys\nos.chdir(sys.argv[1])\nkeep = []\n"
+            "for name in ('named', 'open', 'mapped'):\n"
+            "    fd = os.open(name, os.O_RDWR | os.O_CREAT, 0o600)\n    os.write(fd, b'x' * (1 << 20))\n"
+            "    if name == 'mapped':\n        keep.append(mmap.mmap(fd, 4096))\n"
+            "    if name != 'named':\n        os.unlink(name)\n    keep.append(fd)\n"
+            "print('ready', flush=True)\nsys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        # The mmap module keeps a descriptor of its own: both unlinked files are open, counted exactly.
+        held = held_unlinked_bytes([holder.pid], str(tmp_path), 8 << 20)
+        assert 2 << 20 <= held < 3 << 20
+        assert over_disk_limit(str(tmp_path), [holder.pid], (3 << 20) - 1, 8 << 20)  # 3 MiB in all
+        assert not over_disk_limit(str(tmp_path), [holder.pid], 4 << 20, 8 << 20)
+        assert held_unlinked_bytes([holder.pid], str(tmp_path / "elsewhere"), 8 << 20) == 0
+    finally:
+        holder.communicate("")
+    assert held_unlinked_bytes([holder.pid], str(tmp_path), 8 << 20) == 0  # gone: holds nothing
+
+
+def test_disk_watch_counts_a_file_held_by_a_mapping_alone(tmp_path):
+    code = ("import ctypes, os, sys\nos.chdir(sys.argv[1])\nlibc = ctypes.CDLL(None)\n"
+            "libc.mmap.restype = ctypes.c_void_p\n"
+            "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, "
+            "ctypes.c_long]\nfd = os.open('f', os.O_RDWR | os.O_CREAT, 0o600)\nos.write(fd, b'x' * 4096)\n"
+            "assert libc.mmap(None, 4096, 1, 1, fd, 0) not in (None, ctypes.c_void_p(-1).value)\n"
+            "os.close(fd)\nos.unlink('f')\nprint('ready', flush=True)\nsys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        assert held_unlinked_bytes([holder.pid], str(tmp_path), 8 << 20) == 8 << 20  # its size is not readable
+    finally:
+        holder.communicate("")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to an unprivileged uid needs root")

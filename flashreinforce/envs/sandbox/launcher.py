@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from flashreinforce.envs.sandbox.cgroups import PidsCgroup
-from flashreinforce.envs.sandbox.cleanup import disk_usage, remove_tree
+from flashreinforce.envs.sandbox.cleanup import remove_tree
+from flashreinforce.envs.sandbox.disk_watch import over_disk_limit
 from flashreinforce.envs.sandbox.levels import LEVELS, missing_for
 from flashreinforce.envs.sandbox.probe import IsolationError, IsolationReport
 
@@ -182,12 +183,14 @@ class Sandbox:
     Limits:
         timeout_s: wall-clock limit in seconds (> 0); everything the run started is killed.
         memory_mb: address-space limit (RLIMIT_AS) in MiB. It counts virtual memory:
-            importing numpy and sympy takes about 150 MiB of it.
+            importing numpy and sympy takes about 150 MiB of it. Memory that no mapping shows
+            is refused (memfd, SysV and POSIX shared memory) or counted in ``disk_mb``.
         cpu_s: CPU-time limit in seconds; default ``ceil(timeout_s) + 1``.
         output_limit_bytes: bytes kept of stdout and of stderr, each (>= 16).
         file_size_mb: the largest file the code may write, in MiB (RLIMIT_FSIZE).
         disk_mb: the most the working directory may hold, in MiB (a tmpfs quota in the mount
-            tree; elsewhere the launcher measures it every 0.25 s and kills the run past it).
+            tree; elsewhere the launcher measures it every 0.25 s, with the unlinked files the
+            code still holds there, and kills the run past it).
         max_open_files: RLIMIT_NOFILE.
         max_threads: the most tasks (main thread included) the code may run at once.
 
@@ -347,9 +350,10 @@ class Sandbox:
             os.close(status_w)
             status_w = -1
             stdout, stderr = _Capture(self.output_limit_bytes), _Capture(self.output_limit_bytes)
-            # Without the mount tree's tmpfs quota, the launcher measures the directory itself.
+            # Without the mount tree's tmpfs quota, the launcher measures the directory itself,
+            # with the unlinked files the code still holds there.
             watch = None if code is None or "mount_tree" in self.isolation.guards else \
-                _disk_watch(workdir, self.disk_mb * 1024 * 1024)
+                _disk_watch(workdir, self.disk_mb * 1024 * 1024, proc.pid, cgroup, self.file_size_mb * 1024 * 1024)
             timed_out, over_disk = self._drain(proc, {proc.stdout: stdout, proc.stderr: stderr},
                                                start + self.timeout_s, watch)
             exit_code = proc.wait()
@@ -357,8 +361,8 @@ class Sandbox:
             timed_out = timed_out or exit_code == -signal.SIGXCPU
             _kill_all(proc.pid, cgroup)  # anything the code left behind
             if over_disk:
-                stderr.add(f"\nsandbox: the working directory grew past disk_mb={self.disk_mb}; "
-                           "the run was stopped\n".encode())
+                stderr.add(f"\nsandbox: the working directory, with the unlinked files the code held there, grew "
+                           f"past disk_mb={self.disk_mb} (or could not be measured); the run was stopped\n".encode())
             status = _read_status(status_r)
             result = SandboxResult(
                 stdout=stdout.text(), stderr=stderr.text(), exit_code=exit_code,
@@ -433,8 +437,12 @@ class _Run:
     status: dict
 
 
-def _disk_watch(workdir: str, limit: int) -> Callable[[], bool]:
-    return lambda: disk_usage(workdir, limit) > limit
+def _disk_watch(workdir: str, limit: int, pid: int, cgroup: PidsCgroup | None,
+                file_size: int) -> Callable[[], bool]:
+    def over() -> bool:
+        pids = {pid, *(cgroup.pids() if cgroup is not None else ())}
+        return over_disk_limit(workdir, pids, limit, file_size)
+    return over
 
 
 def _kill_group(pgid: int) -> None:

@@ -16,7 +16,11 @@ Denied (see docs/sandbox.md for why each one):
   possible) or with a namespace flag, ``clone3`` (ENOSYS), ``execve``, ``execveat``;
 - sockets of every family (``socket``); with ``allow_network`` only ``AF_INET`` and
   ``AF_INET6``; ``socketpair`` only for ``AF_UNIX`` (an anonymous connected pair, used by
-  ``asyncio``; it reaches nothing outside the process);
+  ``asyncio``; it reaches nothing outside the process); without ``allow_network``,
+  ``sendmsg`` and ``sendmmsg`` (the only way to put a descriptor in flight, ``SCM_RIGHTS``,
+  where it would hold an unlinked file out of the launcher's sight; ``send`` is ``sendto``)
+  and ``setsockopt`` of the buffer sizes (``SO_SNDBUF``, ``SO_RCVBUF``: up to
+  ``net.core.wmem_max`` of kernel memory per socket, outside ``RLIMIT_AS``);
 - file metadata: the ``chmod``, ``chown``, ``utime`` and ``*xattr`` families, ``file_setattr``,
   ``mknod``; ``ioctl`` requests that set inode flags (``chattr``) or push input into a terminal;
 - other processes: ``ptrace``, ``process_vm_readv``/``writev``, ``process_madvise``,
@@ -41,7 +45,8 @@ Denied (see docs/sandbox.md for why each one):
   ``uselib``, ``_sysctl``, ``lookup_dcookie``, ``name_to_handle_at``/``open_by_handle_at``
   (opening any file by handle), ``fanotify_init``, SysV IPC (``shm*``, ``msg*``, ``sem*``),
   POSIX message queues (``mq_open``, ``mq_unlink``), ``lsm_set_self_attr``;
-- kernel memory outside ``RLIMIT_AS``: ``fcntl`` ``F_SETPIPE_SZ`` (pipes keep their 64 KiB);
+- memory outside ``RLIMIT_AS``: ``memfd_create`` and ``memfd_secret`` (files in memory that
+  no quota counts), ``fcntl`` ``F_SETPIPE_SZ`` (pipes keep their 64 KiB);
 - any other architecture or ABI than the one the filter was built for (the i386 ``int 0x80``
   entry on x86_64, 32-bit ARM on aarch64): the process is killed; x32 system calls: ENOSYS.
 
@@ -128,6 +133,7 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "semget": (64, 190), "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192),
     "mq_open": (240, 180), "mq_unlink": (241, 181), "ioctl": (16, 29), "fcntl": (72, 25),
     "memfd_create": (319, 279), "memfd_secret": (447, 447), "sendmsg": (46, 211), "sendmmsg": (307, 269),
+    "setsockopt": (54, 208),
     "lsm_set_self_attr": (460, 460), "seccomp": (317, 277),
 }
 
@@ -158,12 +164,15 @@ _DENIED = (
     "name_to_handle_at", "open_by_handle_at", "fanotify_init",
     "shmget", "shmat", "shmctl", "shmdt", "msgget", "msgsnd", "msgrcv", "msgctl",
     "semget", "semop", "semctl", "semtimedop", "mq_open", "mq_unlink", "lsm_set_self_attr",
+    "memfd_create", "memfd_secret",
 )
 
 _CLONE_THREAD = 0x00010000
 # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET: never with a thread.
 _CLONE_NAMESPACES = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000
 _AF_UNIX, _AF_INET, _AF_INET6 = 1, 2, 10
+# SOL_SOCKET; SO_SNDBUF, SO_RCVBUF, SO_SNDBUFFORCE, SO_RCVBUFFORCE (the same on x86_64 and aarch64).
+_SOL_SOCKET, _SOCKET_BUFFER_OPTIONS = 1, (7, 8, 32, 33)
 # ioctl requests: FS_IOC_SETFLAGS (long and int forms), FS_IOC_FSSETXATTR (chattr +i, project
 # ids), TIOCSTI (push input into a terminal), TIOCLINUX (console control), FIOASYNC (signal-driven
 # I/O on), FIOSETOWN and SIOCSPGRP (the process or group a socket signals).
@@ -245,7 +254,8 @@ def build_filter(*, own_pid: int, allow_network: bool = False, arch: str | None 
     """The filter program (packed ``struct sock_filter`` array) for this process.
 
     own_pid: the pid (as the process sees itself, ``os.getpid()``) signals may be sent to.
-    allow_network: also allow ``AF_INET``/``AF_INET6`` sockets.
+    allow_network: also allow ``AF_INET``/``AF_INET6`` sockets, ``sendmsg``/``sendmmsg`` and
+        socket buffer sizes.
     arch: ``'x86_64'`` or ``'aarch64'``; default the running interpreter's (see
         :func:`current_arch`).
     """
@@ -315,6 +325,24 @@ def build_filter(*, own_pid: int, allow_network: bool = False, arch: str | None 
     prog.label("prlimit.next")
     prog.load(_OFF_NR)
 
+    if not allow_network:
+        for name in ("sendmsg", "sendmmsg"):
+            prog.jump(_JEQ_K, nr(name), 0, 1)
+            prog.ret(_RET_ERRNO | _EPERM)
+        # setsockopt(fd, SOL_SOCKET, SO_SNDBUF/SO_RCVBUF(FORCE), ...): socket pairs keep the
+        # system's default buffers.
+        prog.jump(_JEQ_K, nr("setsockopt"), 0, "setsockopt.next")
+        prog.load(_arg_lo(1))
+        prog.jump(_JEQ_K, _SOL_SOCKET, 0, "setsockopt.allow")
+        prog.load(_arg_lo(2))
+        for option in _SOCKET_BUFFER_OPTIONS:
+            prog.jump(_JEQ_K, option, "setsockopt.deny", 0)
+        prog.label("setsockopt.allow")
+        prog.ret(_RET_ALLOW)
+        prog.label("setsockopt.deny")
+        prog.ret(_RET_ERRNO | _EPERM)
+        prog.label("setsockopt.next")
+        prog.load(_OFF_NR)
     families = (_AF_INET, _AF_INET6) if allow_network else ()
     _allow_if_first_arg_in(prog, nr("socket"), families, "socket")
     _allow_if_first_arg_in(prog, nr("socketpair"), (_AF_UNIX,), "socketpair")
