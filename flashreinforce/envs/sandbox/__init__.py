@@ -23,7 +23,8 @@ model, the layers and what each one stops, and what is not covered.
 
 Modules: ``launcher`` (the parent side), ``child`` (the program the sandboxed interpreter
 runs), ``seccomp`` (the filter), ``landlock``, ``namespaces`` (user namespace and mount tree),
-``cgroups``, ``cleanup``, ``levels``, ``probe``, ``audit`` (the message layer).
+``cgroups``, ``cleanup``, ``disk_watch`` (the working directory's measurement without the mount
+tree), ``levels``, ``probe``, ``audit`` (the message layer).
 """
 
 from flashreinforce.envs.sandbox.launcher import REFUSED_EXIT, Sandbox, SandboxResult, run_python
