@@ -16,6 +16,7 @@
   working directory that are unlinked while something still holds them (a descriptor, a
   mapping, a descriptor in flight in a socket pair): without the mount tree's tmpfs quota,
   those are invisible to a walk of the directory.
+- The source checkout that an editable install puts on the interpreter's ``sys.path``.
 
 The checks are those of ``sandbox_attack_kit.py``: nothing escaped, the parent received no
 signal, the decoy is alive, the amounts held stay within the limits.
@@ -27,7 +28,9 @@ import os
 import textwrap
 
 from python_tests.envs.sandbox_attack_kit import (CTYPES, GC_BYPASS, HELPERS, Attack, check_decoy, check_denied,
-                                                  check_parent, counted, decoy, host_files, limit_check, syscall_nr)
+                                                  check_host_files, check_parent, counted, decoy, host_files,
+                                                  limit_check, syscall_nr)
+from python_tests.envs.unprivileged import REPO
 
 __all__ = ["indirect_attacks"]
 
@@ -66,6 +69,16 @@ print(f"HELD:{{held}}", flush=True)
 _HIDDEN_OPTIONS = {"disk_mb": 32, "file_size_mb": 8, "timeout_s": 30}
 _HIDDEN_CHECK = limit_check(lambda r: 0 <= counted("HELD:", r) <= 64 and (
     "BLOCKED:hide" in r["stdout"] or "disk_mb=32" in r["stderr"]), "disk quota for unlinked files")
+
+
+def _checkout(base: str, uid: int) -> dict:
+    """The checkout this suite runs from, and files in it the sandbox's user could read."""
+    ctx = host_files(base, uid)
+    files = [os.path.join(REPO, name) for name in ("pyproject.toml", ".git/config", ".git/HEAD")]
+    ctx.update(checkout=REPO, checkout_files=[f for f in files if os.path.isfile(f)],
+               checkout_names=[n for n in ("pyproject.toml", ".git", "flashreinforce", "README.md")
+                               if os.path.exists(os.path.join(REPO, n))])
+    return ctx
 
 
 def _no_shm_file(ctx: dict, result: dict, runner: dict) -> str | None:
@@ -236,4 +249,21 @@ def indirect_attacks() -> list[Attack]:
                 os.unlink(name)
         ''') + HIDDEN_FILES, host_files, _HIDDEN_CHECK, needs_blocked=False, prefix=HELPERS + GC_BYPASS,
             options=_HIDDEN_OPTIONS),
+        # --- the source checkout on sys.path ---
+        Attack("read-source-checkout", "files", '''
+            for path in {checkout_files!r}:
+                _attempt(f"read {{path}}", lambda: open(path).read(200))
+            def list_checkout():
+                # The mount tree holds the directories leading to its read roots (/work/main/.venv
+                # makes a /work/main with only .venv in it): a leak is a name of the checkout's own.
+                leaked = sorted(set(os.listdir({checkout!r})) & set({checkout_names!r}))
+                if not leaked:
+                    raise LookupError("none of the checkout's own names")
+                return leaked
+            _attempt("list-checkout", list_checkout)
+            def import_package():
+                import flashreinforce
+                return flashreinforce.__file__
+            _attempt("import-flashreinforce", import_package)
+        ''', _checkout, check_host_files),
     ]

@@ -117,6 +117,19 @@ def test_cleanup_never_follows_links(tmp_path):
     assert sorted(p.name for p in host.iterdir()) == ["target.txt"]
 
 
+def test_read_roots_are_the_installation_not_what_sys_path_adds(monkeypatch):
+    from flashreinforce.envs.sandbox import child
+
+    # An editable install's .pth file puts the checkout on sys.path; it must not become readable.
+    monkeypatch.setattr(sys, "path", [*sys.path, REPO, "/opt/flashreinforce-elsewhere"])
+    roots = child.read_roots([])
+    assert os.path.normpath(sys.prefix) in roots and os.path.normpath(sys.base_prefix) in roots
+    assert any(p.endswith(("site-packages", "dist-packages")) for p in roots)
+    assert not any(REPO == r or REPO.startswith(r + "/") for r in roots), roots
+    assert "/opt/flashreinforce-elsewhere" not in roots and "/" not in roots
+    assert REPO in child.read_roots([REPO])  # extra_read_paths can still name it
+
+
 def test_disk_watch_counts_unlinked_files_still_held(tmp_path):
     # A process holds three 1 MiB files beneath the directory: one named, one unlinked but open,
     # one unlinked and closed but mapped (counted as a whole file_size_bytes file).

@@ -63,16 +63,28 @@ def _load(name: str):
 
 
 def read_roots(extra: list[str]) -> list[str]:
-    """Absolute paths the code may read: the interpreter, ``sys.path``, system files, ``extra``.
+    """Absolute paths the code may read: the Python installation, system files, ``extra``.
 
-    ``/`` is never included (it would allow everything).
+    The installation is the interpreter's prefixes (for a virtual environment, its directory and
+    the installation it was made from) and the interpreter's directory. Of ``sys.path``, only
+    the entries inside those or inside the system roots are kept: a directory that a ``.pth``
+    file adds, such as the source checkout of an editable install, is not readable unless
+    ``extra`` names it. ``/`` is never included (it would allow everything).
     """
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    paths = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *sys.path, *_SYSTEM_READ_ROOTS,
-             f"/etc/python{version}", f"/etc/python{sys.version_info.major}", *extra]
+    installation = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+                    os.path.dirname(os.path.realpath(sys.executable)), *_SYSTEM_READ_ROOTS,
+                    f"/etc/python{version}", f"/etc/python{sys.version_info.major}"]
+    # As named and as resolved: a site-packages that is a symlink inside the prefix stays.
+    bases = {f(p) for p in installation if p and os.path.isabs(p) for f in (os.path.normpath, os.path.realpath)}
+    bases.discard("/")
+
+    def inside(path: str) -> bool:
+        return any(p == base or p.startswith(base + "/")
+                   for p in (os.path.normpath(path), os.path.realpath(path)) for base in bases)
+
     out = []
-    for path in paths:
+    for path in [*installation, *[p for p in sys.path if p and os.path.isabs(p) and inside(p)], *extra]:
         if path and os.path.isabs(path):
             path = os.path.normpath(path)
             if path != "/" and path not in out:

@@ -203,8 +203,10 @@ class Sandbox:
             ``sandbox.isolation`` and in every result's ``isolation``).
         allow_network: allow ``AF_INET``/``AF_INET6`` sockets (default False: no socket at
             all, no network namespace interfaces, Landlock TCP rules).
-        extra_read_paths: more absolute paths the code may read (datasets, say); one that
-            contains the working directory (``/tmp``) is not mounted in the mount tree.
+        extra_read_paths: more absolute paths the code may read (datasets, say, or the source
+            tree of a package installed editable: of ``sys.path`` only the entries inside the
+            Python installation are readable); one that contains the working directory
+            (``/tmp``) is not mounted in the mount tree.
         landlock, seccomp, namespaces, cgroup: use that layer when the machine offers it
             (default True). Turning one off is for testing the layers apart (the attack
             suite runs with Landlock forced off); it lowers the level.
