@@ -31,18 +31,18 @@ import json
 import logging
 import os
 import pickle
-import random
 import re
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
-import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
 from flashreinforce.config import ConfigError
+from flashreinforce.trainer.checkpoint_rng import check_rng_state, legacy_rng_state, rng_state, set_rng_state
+from flashreinforce.trainer.run_history import trim_history
 
 __all__ = ["CheckpointError", "ResumePoint", "RUN_FILES", "clear_run", "existing_run_files", "find_checkpoint",
            "latest_checkpoint", "learner_state_to_restore", "load_checkpoint", "save_checkpoint", "trim_history"]
@@ -65,81 +65,6 @@ class CheckpointError(ValueError):
 
 def step_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-# ---------------------------------------------------------------- random states as plain data
-
-
-def _rng_state() -> dict[str, Any]:
-    """Python, NumPy and torch (and CUDA) random states as tensors and plain numbers, so that
-    ``torch.load(weights_only=True)`` reads them back."""
-    version, internal, gauss_next = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def _check_rng_state(state: Any) -> None:
-    """Raise ValueError unless ``state`` is what :func:`_rng_state` writes."""
-    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state):
-        raise ValueError("expected a dict with python, numpy and torch random states")
-    py, npy = state["python"], state["numpy"]
-    if not (isinstance(py, dict) and isinstance(py.get("state"), torch.Tensor) and py["state"].numel() == 625):
-        raise ValueError("the Python random state is not 625 integers")
-    if not (isinstance(npy, dict) and isinstance(npy.get("keys"), torch.Tensor) and npy["keys"].numel() == 624):
-        raise ValueError("the NumPy random state is not 624 integers")
-    if not (isinstance(state["torch"], torch.Tensor) and state["torch"].dtype == torch.uint8):
-        raise ValueError("the torch random state is not a uint8 tensor")
-
-
-def _legacy_rng_state(path: Path) -> dict[str, Any] | None:
-    """``rng.pt`` in the format of earlier versions (``random.getstate()`` and ``np.random.get_state()``
-    tuples, a NumPy uint32 array inside), converted to the current one; ``None`` when the file needs
-    anything but NumPy's plain-array reconstruction (so nothing else is ever unpickled)."""
-    try:
-        needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception:
-        return None
-    try:
-        from numpy._core.multiarray import _reconstruct  # NumPy 2
-    except ImportError:  # NumPy 1
-        from numpy.core.multiarray import _reconstruct
-    allowed = {f"{_reconstruct.__module__}._reconstruct", "numpy.ndarray", "numpy.dtype"}
-    if not needed or not needed <= allowed:
-        return None
-    try:
-        # the key array's dtype class (numpy.dtypes.UInt32DType) is met while unpickling, not listed before
-        with torch.serialization.safe_globals([_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
-            old = torch.load(path, map_location="cpu", weights_only=True)
-        (version, internal, gauss_next), (kind, keys, pos, has_gauss, cached) = old["python"], old["numpy"]
-        state = {"python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                            "gauss_next": gauss_next},
-                 "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                           "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-                 "torch": old["torch"]}
-        if "cuda" in old:
-            state["cuda"] = list(old["cuda"])
-        return state
-    except Exception:
-        return None
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    py, npy = state["python"], state["numpy"]
-    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss_next"]))
-    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), int(npy["pos"]), int(npy["has_gauss"]),
-                         float(npy["cached_gaussian"])))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # ---------------------------------------------------------------- durable filesystem steps
@@ -237,7 +162,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, *, model: torch.nn.Module, 
         tokenizer.save_pretrained(tmp)
     torch.save(learner_state["optimizer"], tmp / "optimizer.pt")
     torch.save(learner_state["scheduler"], tmp / "scheduler.pt")
-    torch.save(_rng_state(), tmp / "rng.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
     record = {**state, "step": step, "version": learner_state["version"]}
     (tmp / "state.json").write_text(json.dumps(record, indent=1))
     _fsync_tree(tmp)
@@ -333,12 +258,12 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bo
     try:
         rng = _load_pt(path / "rng.pt", "random states")
     except CheckpointError:
-        rng = _legacy_rng_state(path / "rng.pt") if (path / "rng.pt").is_file() else None
+        rng = legacy_rng_state(path / "rng.pt") if (path / "rng.pt").is_file() else None
         if rng is None:
             raise
         log.info("%s: random states in the format of earlier versions, converted", path / "rng.pt")
     try:
-        _check_rng_state(rng)
+        check_rng_state(rng)
     except ValueError as err:
         raise CheckpointError(f"{path / 'rng.pt'}: {err}") from None
     weights = path / "model.safetensors"
@@ -352,7 +277,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bo
         raise CheckpointError(f"{weights}: does not match the model: missing {sorted(missing)[:5]}, "
                               f"unexpected {sorted(unexpected)[:5]}")
     if restore_rng:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     learner = {"optimizer": optimizer, "scheduler": scheduler, "version": state["version"]}
     return {"state": state, "learner": learner}
 
@@ -466,43 +391,6 @@ def learner_state_to_restore(point: ResumePoint, *, sharded: bool) -> dict[str, 
 
 
 # ---------------------------------------------------------------- the run's history and files
-
-
-def trim_history(out: str | Path, step: int, names: tuple[str, ...] = ("metrics.jsonl", "eval.jsonl")) -> None:
-    """Drop the records of updates after ``step`` (their effect is not in the checkpoint resumed from),
-    so the run's history continues without a gap or a repeat.
-
-    A half-written last line (the run was killed while appending it) is dropped with a warning. A
-    broken line elsewhere is a :class:`~flashreinforce.config.ConfigError` naming the file and line.
-    The file is replaced atomically.
-    """
-    for name in names:
-        p = Path(out) / name
-        if not p.is_file():
-            continue
-        lines = p.read_text(errors="replace").splitlines()
-        last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
-        kept = []
-        for i, ln in enumerate(lines):
-            if not ln.strip():
-                continue
-            try:
-                record = json.loads(ln)
-                record_step = record["step"]
-            except (json.JSONDecodeError, KeyError, TypeError) as err:
-                if i == last:
-                    log.warning("%s: dropped a half-written last line (%d characters: %r...)", p, len(ln), ln[:60])
-                    continue
-                raise ConfigError(f"{p} line {i + 1}: not a JSON record with a 'step' ({_short(err)}); fix or "
-                                  "delete that line, then resume again") from None
-            if record_step <= step:
-                kept.append(ln)
-        tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:12]}")
-        with open(tmp, "w") as fh:
-            fh.write("".join(ln + "\n" for ln in kept))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
 
 
 def existing_run_files(out: str | Path, ckpt_dir: str | Path) -> list[Path]:
