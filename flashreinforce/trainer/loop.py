@@ -39,8 +39,8 @@ import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.trainer import components
-from flashreinforce.trainer.checkpoints import (ResumePoint, clear_run, existing_run_files, learner_state_to_restore,
-                                                save_checkpoint, trim_history)
+from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
+                                                learner_state_to_restore, save_checkpoint, trim_history)
 from flashreinforce.trainer.faults import Watchdog, fault_metrics
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
 from flashreinforce.trainer.learner import Learner, PolicyLearner
@@ -116,12 +116,14 @@ class Trainer:
         point = self._resume_point
         if point is None:
             return
+        point.check_within(self.max_steps)
         self.learner.load_state_dict(learner_state_to_restore(point, sharded=self.learner.sharded))
         self.step = point.step
         if not self._leads:
             return
         self.buffer.load_state_dict(point.state["buffer"])
         self.counters.update(point.state.get("trainer", {}))
+        clean_interrupted_saves(self.ckpt_dir)  # frees what a failed save took before the history is rewritten
         trim_history(self.out, self.step)
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
 

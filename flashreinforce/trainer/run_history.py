@@ -26,11 +26,18 @@ def trim_history(out: str | Path, step: int, names: tuple[str, ...] = ("metrics.
     so the run's history continues without a gap or a repeat.
 
     A half-written last line (the run was killed while appending it) is dropped with a warning. A
-    broken line elsewhere is a :class:`~flashreinforce.config.ConfigError` naming the file and line.
-    The file is replaced atomically.
+    broken line elsewhere (not JSON, no integer 'step') is a
+    :class:`~flashreinforce.config.ConfigError` naming the file and line. The file is replaced
+    atomically, and only when something is dropped; a temporary copy left by a killed resume is
+    removed; a write that fails (a full disk) is a ``ConfigError`` and leaves the file as it was.
     """
     for name in names:
         p = Path(out) / name
+        for stale in Path(out).glob(f".{name}.tmp-*"):
+            try:
+                stale.unlink()
+            except OSError:
+                pass
         if not p.is_file():
             continue
         lines = p.read_text(errors="replace").splitlines()
@@ -42,6 +49,8 @@ def trim_history(out: str | Path, step: int, names: tuple[str, ...] = ("metrics.
             try:
                 record = json.loads(ln)
                 record_step = record["step"]
+                if isinstance(record_step, bool) or not isinstance(record_step, int):
+                    raise TypeError(f"'step' is {record_step!r}, not an integer")
             except (json.JSONDecodeError, KeyError, TypeError) as err:
                 if i == last:
                     log.warning("%s: dropped a half-written last line (%d characters: %r...)", p, len(ln), ln[:60])
@@ -50,9 +59,19 @@ def trim_history(out: str | Path, step: int, names: tuple[str, ...] = ("metrics.
                                   "delete that line, then resume again") from None
             if record_step <= step:
                 kept.append(ln)
+        if kept == lines:
+            continue  # nothing to drop: no write (a resume on a full disk still works)
         tmp = p.with_name(f".{p.name}.tmp-{uuid.uuid4().hex[:12]}")
-        with open(tmp, "w") as fh:
-            fh.write("".join(ln + "\n" for ln in kept))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
+        try:
+            with open(tmp, "w") as fh:
+                fh.write("".join(ln + "\n" for ln in kept))
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, p)
+        except OSError as err:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            raise ConfigError(f"--resume: cannot cut {p} back to step {step} ({err.strerror or _short(err)}); the file "
+                              "is unchanged: free some disk space, then resume again") from None

@@ -16,10 +16,11 @@ import torch
 
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.checkpoints import (CheckpointError, ResumePoint, latest_checkpoint, load_checkpoint,
-                                                save_checkpoint, trim_history)
-from python_tests.builders import tiny_causal_lm
-
-VOCAB = 40
+                                                trim_history)
+from python_tests.trainer.checkpoint_helpers import save as _save
+from python_tests.trainer.checkpoint_helpers import same as _same
+from python_tests.trainer.checkpoint_helpers import tiny_model as _model
+from python_tests.trainer.checkpoint_helpers import weights as _weights
 
 
 class _RunsCode:
@@ -30,40 +31,6 @@ class _RunsCode:
 
     def __reduce__(self):
         return (os.mkdir, (self.marker,))
-
-
-def _model(seed: int = 0) -> torch.nn.Module:
-    return tiny_causal_lm(VOCAB, seed=seed, layers=1)
-
-
-_LEARNER_STATE: dict = {}
-
-
-def _learner_state(version: int) -> dict:
-    """An AdamW state after one step and its LambdaLR state (built once: saving only needs their form)."""
-    if not _LEARNER_STATE:
-        model = _model(11)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
-        opt.step()
-        sched.step()
-        _LEARNER_STATE.update(optimizer=opt.state_dict(), scheduler=sched.state_dict())
-    return {**_LEARNER_STATE, "version": version}
-
-
-def _save(ckpt_dir: Path, step: int, model: torch.nn.Module, **kw) -> Path:
-    state = {"buffer": {"updates_done": step, "counters": {}, "prompts": {"next_id": 4 * step, "requeued": []}},
-             "trainer": {"skipped_updates": 0, "wall_time_s": 1.5}, "max_steps": 10}
-    return save_checkpoint(ckpt_dir, step, model=model, learner_state=_learner_state(step), state=state, **kw)
-
-
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-def _same(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ---------------------------------------------------------------- only tensors and plain data
@@ -122,7 +89,7 @@ def test_a_checkpoint_round_trips_weights_optimizer_and_state(tmp_path):
     assert _same(_weights(model), _weights(other))
     assert loaded["state"]["step"] == 4 and loaded["learner"]["version"] == 4
     assert loaded["learner"]["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.99)
-    assert loaded["learner"]["scheduler"]["last_epoch"] == 1
+    assert loaded["learner"]["scheduler"]["last_epoch"] == 4
 
 
 # ---------------------------------------------------------------- crash-safe saving
