@@ -3,7 +3,9 @@
 Configurations (each one a separate runner process holding a secret in its environment):
 
 - ``default``: every layer the machine offers, as the python_tool environment uses it;
-- ``landlock-off``: Landlock forced off, so the mount tree, seccomp and the rest must hold;
+- ``landlock-off``: Landlock forced off, so the mount tree, seccomp and the rest must hold
+  (and without Landlock's signal scoping, the signals the kernel sends to a file description's
+  owner meet the seccomp filter alone, as on kernels before Linux 6.12);
 - ``namespaces-off``: no user namespace (no mount tree, no network namespace), so Landlock,
   seccomp and the rest must hold (the situation of a machine without user namespaces);
 - ``hook-off``: no audit hook at all (what any bypass of it achieves);
@@ -13,8 +15,9 @@ Configurations (each one a separate runner process holding a secret in its envir
 - ``unprivileged-namespaces-off``: the same without user namespaces (a typical cluster node:
   Landlock and seccomp, RLIMIT_NPROC counted over all of the user's processes).
 
-The numbers (attempts, contained, escaped per configuration) are printed at the end of the
-pytest run (python_tests/envs/conftest.py).
+Each runner has a session of its own, so that an attack on the sandbox's parent and its process
+group can reach nothing above the runner. The numbers (attempts, contained, escaped per
+configuration) are printed at the end of the pytest run (python_tests/envs/conftest.py).
 """
 
 from __future__ import annotations
