@@ -89,6 +89,69 @@ def test_seccomp_filter_programs():
     assert seccomp.current_arch() == os.uname().machine
 
 
+def _decide(program: bytes, arch: str, name: str, *args: int) -> str:
+    """What the filter answers to system call ``name(*args)`` (a classic BPF interpreter for the
+    few instructions the filter uses), as ``'allow'``, ``'kill'`` or the errno name."""
+    import errno
+    import struct
+
+    nr = seccomp.SYSCALLS[name][0 if arch == "x86_64" else 1]
+    audit_arch = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}[arch]
+    data = struct.pack("=iIQ6Q", nr, audit_arch, 0, *[a & (2 ** 64 - 1) for a in (*args, 0, 0, 0, 0, 0, 0)[:6]])
+    code = [struct.unpack("=HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    pc, acc = 0, 0
+    while True:
+        op, jt, jf, k = code[pc]
+        if op == 0x20:  # ld [k]
+            acc = struct.unpack_from("=I", data, k)[0]
+            pc += 1
+            continue
+        if op == 0x06:  # ret k
+            action = k & 0xFFFF0000
+            return {0x7FFF0000: "allow", 0x80000000: "kill"}.get(action) or errno.errorcode[k & 0xFFFF]
+        taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[op]
+        pc += 1 + (jt if taken else jf)
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_seccomp_filter_decisions(arch):
+    # Decisions on both architectures' tables, whatever machine this runs on.
+    closed = seccomp.build_filter(own_pid=1234, arch=arch)
+    networked = seccomp.build_filter(own_pid=1234, allow_network=True, arch=arch)
+    F_SETFL, O_ASYNC, O_NONBLOCK = 4, 0o20000, 0o4000
+    expected = [
+        (("fcntl", 1, 8, 1), "EPERM"),  # F_SETOWN
+        (("fcntl", 1, 15, 0), "EPERM"),  # F_SETOWN_EX
+        (("fcntl", 1, 10, 9), "EPERM"),  # F_SETSIG
+        (("fcntl", 3, 1024, 0), "EPERM"),  # F_SETLEASE
+        (("fcntl", 3, 1026, 4), "EPERM"),  # F_NOTIFY
+        (("fcntl", 3, 1031, 1 << 20), "EPERM"),  # F_SETPIPE_SZ
+        (("fcntl", 1, F_SETFL, O_ASYNC | O_NONBLOCK), "EPERM"),
+        (("fcntl", 1, F_SETFL, O_NONBLOCK), "allow"),
+        (("fcntl", 1, 3, 0), "allow"),  # F_GETFL
+        (("fcntl", 1, 1030, 3), "allow"),  # F_DUPFD_CLOEXEC
+        (("ioctl", 1, 0x5452, 0), "EPERM"),  # FIOASYNC
+        (("ioctl", 1, 0x8901, 0), "EPERM"),  # FIOSETOWN
+        (("ioctl", 1, 0x8902, 0), "EPERM"),  # SIOCSPGRP
+        (("ioctl", 1, 0x5421, 0), "allow"),  # FIONBIO
+        (("memfd_create", 0, 0), "EPERM"),
+        (("memfd_secret", 0), "EPERM"),
+        (("sendmsg", 3, 0, 0), "EPERM"),
+        (("sendmmsg", 3, 0, 0, 0), "EPERM"),
+        (("setsockopt", 3, 1, 7, 0, 4), "EPERM"),  # SOL_SOCKET, SO_SNDBUF
+        (("setsockopt", 3, 1, 8, 0, 4), "EPERM"),  # SO_RCVBUF
+        (("setsockopt", 3, 1, 2, 0, 4), "allow"),  # SO_REUSEADDR
+        (("kill", 999, 9), "EPERM"),
+        (("kill", 1234, 9), "allow"),
+    ]
+    for call, answer in expected:
+        assert _decide(closed, arch, *call) == answer, (arch, call)
+    for call in (("sendmsg", 3, 0, 0), ("setsockopt", 3, 1, 7, 0, 4), ("fcntl", 1, F_SETFL, O_NONBLOCK)):
+        assert _decide(networked, arch, *call) == "allow", (arch, call)
+    assert _decide(networked, arch, "fcntl", 1, 8, 1) == "EPERM"  # signals stay refused with network
+    assert _decide(closed, "x86_64" if arch == "aarch64" else "aarch64", "fcntl", 1, 3, 0) == "kill"  # other ABI
+
+
 def _plant(root: str, target: str) -> None:
     """A tree a hostile run might leave: links to a host file and dir, unreadable directories."""
     os.makedirs(os.path.join(root, "ro"))
