@@ -221,8 +221,8 @@ def indirect_attacks() -> list[Attack]:
             pairs = []
             fill()
             print(f"HELD:{{held >> 20}}", flush=True)
-        ''', host_files, check=limit_check(lambda r: 0 <= counted("HELD:", r) <= 128, "memory limit for socket buffers"),
-            prefix=HELPERS + GC_BYPASS, options={"memory_mb": 128}),
+        ''', host_files, prefix=HELPERS + GC_BYPASS, options={"memory_mb": 128},
+            check=limit_check(lambda r: 0 <= counted("HELD:", r) <= 128, "memory limit for socket buffers")),
         Attack("unlinked-files-held-open", "resources", textwrap.dedent('''
             kept = []
             def hide(fd, name):
