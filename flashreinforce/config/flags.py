@@ -101,8 +101,8 @@ FLAGS: tuple[Flag, ...] = (
     # fsdp / learner placement
     _f("fsdp.attn_implementation", "str", None, "attention implementation of the models (eager, sdpa, "
        "flash_attention_2; default: transformers' choice)"),
-    _f("fsdp.packing_samples", "bool", False, "packed learner forward (one row, reset positions) instead of "
-       "padded rows"),
+    _f("fsdp.packing_samples", "bool", True, "packed learner forward: one row per micro-batch, per-document "
+       "attention (no [S, S] mask), no padding; false: padded rows"),
     _f("fsdp.param_dtype", "str", "fp32", "learner compute dtype (autocast; float32 master weights)",
        ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")),
     _f("fsdp.tp_size", "int", 1, "tensor-parallel size (only 1 on this runtime)"),
@@ -161,6 +161,8 @@ FLAGS: tuple[Flag, ...] = (
     _f("train.batch_size", "int", 128, "trajectories per update = rollout.batch_size * n_samples_per_prompt"),
     _f("train.micro_batch_size", "int", 1, "trajectories per learner micro-batch (0: all)"),
     _f("train.micro_batch_tokens", "int", 0, "tokens per learner micro-batch at most (0: no limit)"),
+    _f("train.share_prefixes", "bool", True, "packed forward: compute once a token prefix that several "
+       "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, found from the token ids"),
     _f("train.max_epochs", "int", 1, "optimizer passes over each batch; must be 1"),
     _f("train.num_episodes", "int", 1, "passes over a finite prompt set (sets the number of updates)"),
     _f("train.max_steps", "int", 0, "optimizer updates (0: num_episodes passes over the prompt set)"),

@@ -298,7 +298,7 @@ class DataParallelLearner:
         if [k for k in missing if k not in tied] or unexpected:
             raise RuntimeError(f"gathered weights do not match the model: missing {missing[:5]}, unexpected "
                                f"{unexpected[:5]}")
-        return model.to(device)
+        return self.learner.with_engine_attention(model.to(device))
 
     def state_dict(self) -> dict:
         """Rank 0: optimizer, scheduler and version for a checkpoint. Under ``fully_shard`` the

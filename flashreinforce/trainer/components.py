@@ -19,6 +19,7 @@ from flashreinforce.engines import SamplingParams
 from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
                                           num_prompts)
+from flashreinforce.models.attention import document_attention_unsupported
 from flashreinforce.models.loading import build_model
 from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 from flashreinforce.trainer.learner import LearnerSettings
@@ -85,18 +86,12 @@ def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
     if tokenizer.vocab_size > emb:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                           f"{emb} rows; use a matching --tokenizer")
-    if f["fsdp.packing_samples"] and not _packed_forward_supported():
-        raise ConfigError("--fsdp.packing_samples: this transformers version does not separate packed "
-                          "sequences by position_ids; drop the flag to use the padded forward")
+    if f["fsdp.packing_samples"]:
+        problem = document_attention_unsupported(model)
+        if problem is not None:
+            raise ConfigError(f"--fsdp.packing_samples (the default): {problem}; give --fsdp.packing_samples false "
+                              "for the padded learner forward")
     return Policy(model, tokenizer, env_renders)
-
-
-def _packed_forward_supported() -> bool:
-    try:
-        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 @dataclass
@@ -198,7 +193,8 @@ def learner_settings(flags: Mapping[str, Any], total_steps: int) -> LearnerSetti
         min_lr_ratio=flags["actor.min_lr_ratio"], total_steps=total_steps, max_norm=flags["actor.max_norm"],
         entropy_coef=flags["actor.entropy_coef"], temperature=flags["rollout.temperature"],
         micro_batch_trajectories=flags["train.micro_batch_size"], micro_batch_tokens=flags["train.micro_batch_tokens"],
-        packed_forward=bool(flags["fsdp.packing_samples"]), param_dtype=flags["fsdp.param_dtype"],
+        packed_forward=bool(flags["fsdp.packing_samples"]), share_prefixes=bool(flags["train.share_prefixes"]),
+        param_dtype=flags["fsdp.param_dtype"],
         gradient_checkpointing=str(flags["actor.gradient_checkpoint"]).lower() in ("full", "true"))
 
 

@@ -27,6 +27,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from flashreinforce.models.attention import use_document_attention
 from flashreinforce.ops.contract import DEFAULTS
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, LossOptions, MicroBatch, get_loss_mode
 from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
@@ -53,8 +54,10 @@ class LearnerSettings:
     no clipping]; entropy_coef [actor.entropy_coef]; temperature: the sampling temperature the
     log-probabilities are computed at [rollout.temperature]; micro_batch_trajectories
     [train.micro_batch_size] and micro_batch_tokens (0: no limit); packed_forward
-    [fsdp.packing_samples]; param_dtype [fsdp.param_dtype] (autocast dtype; master weights stay
-    float32); gradient_checkpointing [actor.gradient_checkpoint].
+    [fsdp.packing_samples] (one row per micro-batch with per-document attention; else padded rows);
+    share_prefixes [train.share_prefixes] (the packed forward computes a prefix that several
+    trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype; master
+    weights stay float32); gradient_checkpointing [actor.gradient_checkpoint].
     """
 
     loss_mode: str = "flash_reinforce"
@@ -79,6 +82,7 @@ class LearnerSettings:
     micro_batch_trajectories: int = 0
     micro_batch_tokens: int = 0
     packed_forward: bool = True
+    share_prefixes: bool = True
     param_dtype: str = "fp32"
     gradient_checkpointing: bool = False
 
@@ -261,6 +265,11 @@ class Learner:
         if settings.gradient_checkpointing:
             enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
             enable()
+        # The engines' copies (full_model) keep the model's own attention; the learner's packed rows
+        # need per-document attention.
+        self._engine_attention = getattr(model.config, "_attn_implementation", None)
+        if settings.packed_forward:
+            use_document_attention(model)
         model.train()
         self.scorer = PolicyLogProbs(model)
         if parallelize is not None:
@@ -345,16 +354,13 @@ class Learner:
         if len(rows) != len(trajectories):
             raise ValueError(f"rows has {len(rows)} entries for {len(trajectories)} trajectories")
         need_entropy = s.needs_entropy
-        autocast = PARAM_DTYPES[s.param_dtype]
         out = GradientParts(rows=rows)
         n = len(trajectories)
         out.per_trajectory = {name: torch.zeros(n, dtype=torch.float64) for name in self.loss_mode.per_trajectory_stats}
         mbs = micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
                             max_trajectories=s.micro_batch_trajectories or None) if trajectories else []
         for mb in mbs:
-            logp, ent = self.scorer(mb, temperature=s.temperature, with_entropy=need_entropy,
-                                    packed_forward=s.packed_forward, pad_token_id=self.pad_token_id,
-                                    autocast_dtype=autocast)
+            logp, ent = self.scorer(mb, **self._scoring_options(need_entropy))
             if out.error is not None:
                 _zero_backward(logp, ent)
                 continue
@@ -369,11 +375,16 @@ class Learner:
             loss.backward()
             out.loss += float(loss.detach())
         for _ in range(len(mbs), num_micro_batches or 0):
-            logp, ent = self.scorer(_placeholder_micro_batch(), temperature=s.temperature, with_entropy=need_entropy,
-                                    packed_forward=s.packed_forward, pad_token_id=self.pad_token_id,
-                                    autocast_dtype=autocast)
+            logp, ent = self.scorer(_placeholder_micro_batch(), **self._scoring_options(need_entropy))
             _zero_backward(logp, ent)
         return out
+
+    def _scoring_options(self, with_entropy: bool) -> dict:
+        """The keyword arguments of :func:`flashreinforce.trainer.scoring.token_log_probs` for this learner."""
+        s = self.settings
+        return {"temperature": s.temperature, "with_entropy": with_entropy, "packed_forward": s.packed_forward,
+                "pad_token_id": self.pad_token_id, "autocast_dtype": PARAM_DTYPES[s.param_dtype],
+                "share_prefixes": s.share_prefixes}
 
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
                    out: GradientParts) -> Tensor:
@@ -410,8 +421,16 @@ class Learner:
         return self.model.state_dict()
 
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
-        """A copy of the current policy on ``device`` (for an engine or an export)."""
-        return copy.deepcopy(self.model).to(device)
+        """A copy of the current policy on ``device`` (for an engine or an export), with the model's
+        own attention implementation."""
+        return self.with_engine_attention(copy.deepcopy(self.model).to(device))
+
+    def with_engine_attention(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` (a copy of the policy) switched back to the attention implementation it was built
+        with: the learner's per-document attention is registered in this process only."""
+        if self._engine_attention and model.config._attn_implementation != self._engine_attention:
+            model.set_attn_implementation(self._engine_attention)
+        return model
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

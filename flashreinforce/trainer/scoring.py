@@ -3,9 +3,14 @@
 The learner's forward pass: one pass of the model body gives the last hidden states; the
 log-probability of each action token comes from the hidden state before it and the output
 projection (:func:`flashreinforce.ops.logprobs.sampled_token_logprobs`), without materialising
-``[tokens, vocab]`` logits. The forward is *packed* (one row, ``position_ids`` restarting per
-trajectory) or *padded* (rows padded to the longest trajectory, gathered back to packed order);
-both give the same numbers.
+``[tokens, vocab]`` logits. The forward is *packed* or *padded*; both give the same numbers.
+
+* Packed: one row (:mod:`flashreinforce.trainer.forward_row`), ``position_ids`` of each token's own
+  trajectory, per-document attention (:mod:`flashreinforce.models.attention`: no ``[S, S]`` mask,
+  cost sum of L² over documents), and each prefix that several trajectories share computed once.
+  The model is switched to document attention on first use
+  (:func:`flashreinforce.models.attention.use_document_attention`; without a layout it is SDPA).
+* Padded: rows padded to the longest trajectory, gathered back to packed order.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flashreinforce.models.attention import ATTENTION_NAME, use_document_attention
 from flashreinforce.ops.logprobs import sampled_token_logprobs
+from flashreinforce.trainer.forward_row import DEFAULT_MIN_SHARED_TOKENS, forward_row
 from flashreinforce.trainer.packing import PackedBatch, to_padded
 
 __all__ = ["PolicyLogProbs", "token_log_probs"]
@@ -28,21 +35,37 @@ def _body(model: torch.nn.Module) -> torch.nn.Module:
 
 def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
                     with_entropy: bool = False, packed_forward: bool = True, pad_token_id: int = 0,
-                    autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
+                    autocast_dtype: torch.dtype | None = None, share_prefixes: bool = True,
+                    min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
+                    attention_backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """Current log-probabilities (and entropies) ``[N]`` float32 of ``batch``'s action tokens.
 
     Non-action slots hold 0 (the loss ignores them). Token t is scored from the hidden state at t-1
     of the same trajectory, at ``temperature``. Gradients flow to the model's parameters.
+    ``share_prefixes``, ``min_shared_tokens`` and ``attention_backend`` shape the packed forward
+    (:func:`flashreinforce.trainer.forward_row.forward_row`); the padded forward ignores them.
     """
     device = next(model.parameters()).device
     body = _body(model)
     head = model.get_output_embeddings()
+    token_index = None
     with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
                         enabled=autocast_dtype is not None):
         if packed_forward:
-            out = body(input_ids=batch.input_ids.to(device)[None], position_ids=batch.position_ids.to(device)[None],
-                       use_cache=False)
+            if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
+                use_document_attention(model)  # ValueError naming the model class when it cannot
+            row = forward_row(batch, share_prefixes=share_prefixes, min_shared_tokens=min_shared_tokens,
+                              backend=attention_backend)
+            # A 2-D all-ones mask: transformers then neither derives a packed [S, S] mask from the
+            # positions nor builds a causal one (SDPA's mask function skips it); the layout is the mask.
+            ones = torch.ones(1, row.num_tokens, dtype=torch.long, device=device)
+            out = body(input_ids=row.input_ids.to(device)[None], position_ids=row.position_ids.to(device)[None],
+                       attention_mask=ones, use_cache=False, document_layout=row.layout)
+            if row.layout.calls == 0:
+                raise ValueError(f"{type(model).__name__} does not compute attention through transformers' "
+                                 "attention interface, so it cannot run packed rows; use --fsdp.packing_samples false")
             hidden = out.last_hidden_state[0]
+            token_index = row.token_index.to(device)
         else:
             ids, mask, index = to_padded(batch, pad_token_id)
             pos = torch.arange(ids.shape[1]).expand_as(ids)
@@ -51,7 +74,8 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
             hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[index.to(device)]
     positions = torch.nonzero(batch.action_mask, as_tuple=True)[0].to(device)
     weight = head.weight
-    rows = hidden[positions - 1].to(weight.dtype)
+    before = positions - 1 if token_index is None else token_index[positions - 1]
+    rows = hidden[before].to(weight.dtype)
     logp, ent = sampled_token_logprobs(rows, weight, batch.input_ids.to(device)[positions],
                                        bias=getattr(head, "bias", None), temperature=temperature,
                                        with_entropy=with_entropy)
@@ -77,9 +101,6 @@ class PolicyLogProbs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, batch: PackedBatch, temperature: float = 1.0, with_entropy: bool = False,
-                packed_forward: bool = True, pad_token_id: int = 0,
-                autocast_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
-        return token_log_probs(self.model, batch, temperature=temperature, with_entropy=with_entropy,
-                               packed_forward=packed_forward, pad_token_id=pad_token_id,
-                               autocast_dtype=autocast_dtype)
+    def forward(self, batch: PackedBatch, **kwargs) -> tuple[Tensor, Tensor | None]:
+        """:func:`token_log_probs` of the wrapped model; ``kwargs`` are its keyword arguments."""
+        return token_log_probs(self.model, batch, **kwargs)
