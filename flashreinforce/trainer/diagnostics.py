@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Sequence
 
-from flashreinforce.trainer.metrics import failure_kind
+from flashreinforce.trainer.outcomes import failure_kind
 from flashreinforce.trainer.samples import clip_text, decode_turns
 from flashreinforce.trainer.trajectory import Trajectory
 

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from flashreinforce.trainer.diagnostics import ZeroSignalWatch
+from flashreinforce.trainer.loggers import close_sinks, open_sinks
+from flashreinforce.trainer.outcomes import failure_kind
+from flashreinforce.trainer.samples import SampleLog, short_sample
 from flashreinforce.trainer.trajectory import Trajectory
 
-__all__ = ["MetricsLog", "UpdateTimings", "failure_kind", "failure_kinds", "mean", "no_answer_fraction",
+__all__ = ["MetricsLog", "UpdateTimings", "failure_kinds", "mean", "no_answer_fraction",
            "open_metrics_log", "run_summary", "std", "update_metrics"]
 
 #: Learner statistics copied into the record when the loss mode or the learner reports them.
@@ -39,17 +43,6 @@ def std(xs) -> float:
         return float("nan")
     m = sum(xs) / len(xs)
     return math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
-
-
-def failure_kind(t: Trajectory) -> str | None:
-    """Why trajectory ``t`` failed: its environment's ``info["failure_kind"]``, else ``truncated``
-    (cut by the turn or length limit) or ``unspecified``; None when it did not fail."""
-    if not t.failed:
-        return None
-    kind = t.info.get("failure_kind")
-    if isinstance(kind, str) and kind:
-        return kind
-    return "truncated" if t.truncated else "unspecified"
 
 
 def failure_kinds(trajectories: Sequence[Trajectory]) -> dict[str, int]:
@@ -198,8 +191,6 @@ class MetricsLog:
             written = self.samples.write(step, trajectories, per_trajectory, version)
             self._sample_steps += 1
             if written and self.console_sample_every and (self._sample_steps - 1) % self.console_sample_every == 0:
-                from flashreinforce.trainer.samples import short_sample
-
                 self.note(f"sample at update {step}: {short_sample(written[0])}")
         if self.watch is not None:
             warning = self.watch.observe(step, trajectories)
@@ -229,8 +220,6 @@ class MetricsLog:
     def close(self, status: str = "completed") -> None:
         """Close the display and the trackers; never raises (the run's checkpoint comes after this)."""
         self.bar.close()
-        from flashreinforce.trainer.loggers import close_sinks
-
         sinks, self.sinks = self.sinks + self._failed_sinks, []
         self._failed_sinks = []
         try:
@@ -246,10 +235,6 @@ def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: in
     starts (or resumes) from. Raises ``ImportError`` naming the install line when a tracker's
     package is missing.
     """
-    from flashreinforce.trainer.diagnostics import ZeroSignalWatch
-    from flashreinforce.trainer.loggers import open_sinks
-    from flashreinforce.trainer.samples import SampleLog
-
     f = cfg.flags
     resume = bool(cfg.resume)
     sinks = open_sinks(f, out, config=cfg.to_json(), initial_step=initial, resume=resume)

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashreinforce.trainer.metrics import failure_kind
+from flashreinforce.trainer.outcomes import failure_kind
 from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["SampleLog", "clip_text", "decode_turns", "pick_rows", "read_samples", "sample_record", "short_sample"]
