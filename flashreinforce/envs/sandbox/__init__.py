@@ -24,12 +24,14 @@ model, the layers and what each one stops, and what is not covered.
 Modules: ``launcher`` (the parent side), ``child`` (the program the sandboxed interpreter
 runs), ``seccomp`` (the filter), ``landlock``, ``namespaces`` (user namespace and mount tree),
 ``cgroups``, ``cleanup``, ``disk_watch`` (the working directory's measurement without the mount
-tree), ``levels``, ``probe``, ``audit`` (the message layer).
+tree), ``levels``, ``isolation`` (the report and the refusal), ``probe``, ``audit`` (the message
+layer).
 """
 
 from flashreinforce.envs.sandbox.launcher import REFUSED_EXIT, Sandbox, SandboxResult, run_python
 from flashreinforce.envs.sandbox.levels import LEVELS
-from flashreinforce.envs.sandbox.probe import IsolationError, IsolationReport, probe_isolation
+from flashreinforce.envs.sandbox.isolation import IsolationError, IsolationReport
+from flashreinforce.envs.sandbox.probe import probe_isolation
 
 __all__ = ["Sandbox", "SandboxResult", "run_python", "IsolationError", "IsolationReport", "probe_isolation",
            "LEVELS", "REFUSED_EXIT"]

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 from flashreinforce.envs.sandbox.cgroups import PidsCgroup
 from flashreinforce.envs.sandbox.cleanup import remove_tree
 from flashreinforce.envs.sandbox.disk_watch import over_disk_limit
+from flashreinforce.envs.sandbox.isolation import IsolationError, IsolationReport
 from flashreinforce.envs.sandbox.levels import LEVELS, missing_for
-from flashreinforce.envs.sandbox.probe import IsolationError, IsolationReport
 
 __all__ = ["Sandbox", "SandboxResult", "run_python", "REFUSED_EXIT"]
 
