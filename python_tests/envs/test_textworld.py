@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from flashreinforce.envs import textworld_env as tw_env
-from flashreinforce.envs.textworld_env import (HELDOUT_SEED_OFFSET, GameDistribution, TextWorldEnv, fill_pools,
-                                               match_command)
+from flashreinforce.envs import textworld as tw_env
+from flashreinforce.envs.textworld import (HELDOUT_SEED_OFFSET, GameDistribution, TextWorldEnv, fill_pools,
+                                           match_command)
 
 HAS_TEXTWORLD = importlib.util.find_spec("textworld") is not None
 needs_textworld = pytest.mark.skipif(not HAS_TEXTWORLD, reason="textworld is not installed (optional extra: "
