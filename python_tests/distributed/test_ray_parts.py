@@ -180,3 +180,35 @@ def test_exit_reporter_speaks_only_when_the_trainer_vanishes(how):
     assert said == (how == "abrupt"), out.stderr
     if said:
         assert "--resume" in out.stderr
+
+
+# ---------------------------------------------------------------------------- the workers' engine model
+BUILD_FROM_CONFIG = """
+import pickle, sys
+import transformers
+config = pickle.loads(sys.stdin.buffer.read())
+print(transformers.AutoModelForCausalLM.from_config(config).config._attn_implementation)
+"""
+
+
+def test_a_worker_builds_its_engine_model_without_the_learners_attention():
+    # The learner switches its model to per-document attention, registered in its own process only; a
+    # Ray worker process builds its engine copy from that model's config.
+    import pickle
+
+    import torch
+
+    from flashreinforce.distributed.ray.workers import engine_model_config
+    from flashreinforce.models.attention import use_document_attention
+    from flashreinforce.models.loading import build_model
+
+    model, _ = build_model("tiny-qwen2", device=torch.device("cpu"), seed=0)
+    use_document_attention(model)
+    assert model.config._attn_implementation == "per_document"
+    config = engine_model_config(model.config)
+    assert model.config._attn_implementation == "per_document"  # the learner's own model is left alone
+    for cfg, want in ((config, "sdpa"), (model.config, "not supported")):
+        out = subprocess.run([sys.executable, "-c", BUILD_FROM_CONFIG], input=pickle.dumps(cfg), capture_output=True,
+                             timeout=120, cwd=ROOT)
+        text = (out.stdout + out.stderr).decode()
+        assert want in text, text[-2000:]

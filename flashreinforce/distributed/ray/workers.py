@@ -5,6 +5,7 @@ weight registry (:class:`~flashreinforce.distributed.ray.weights.RayWeightStore`
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 from dataclasses import dataclass, field
@@ -45,6 +46,20 @@ class WorkerRecipe:
     max_prompts_per_call: int | None = None
 
 
+def engine_model_config(config: Any) -> Any:
+    """A copy of the policy's ``transformers`` config for an engine copy of the model: the learner's
+    per-document attention (registered in the learner's process only, and only for its packed rows)
+    is replaced by transformers' default choice, the attention the policy was built with unless
+    ``--fsdp.attn_implementation`` named another one."""
+    from flashreinforce.models.attention import ATTENTION_NAME
+
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+        return config
+    config = copy.deepcopy(config)
+    config._attn_implementation_internal = None
+    return config
+
+
 class RolloutWorkerActor:
     """Ray actor body: one rollout worker with its own engine and environments (threaded actor:
     ``run`` holds one thread, ``stop`` / ``stats`` / ``pid`` answer on others)."""
@@ -69,7 +84,7 @@ class RolloutWorkerActor:
                                f"cannot load --env {recipe.env.spec!r}: {type(err).__name__}: {err} (--env must be "
                                "importable on every node that runs rollout workers)") from err
         if recipe.engine == "hf":
-            model = transformers.AutoModelForCausalLM.from_config(recipe.model_config)
+            model = transformers.AutoModelForCausalLM.from_config(engine_model_config(recipe.model_config))
             model = model.to(device=device, dtype=torch.float32)
         else:
             model = recipe.model_config
