@@ -5,6 +5,7 @@ recomputation with each version's weights), and a rollout worker killed mid-run.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import signal
 import time
@@ -222,6 +223,38 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
     assert worker_stats[0]["restarts"] == 1 and worker_stats[0]["episodes"] > 0
 
 
+@pytest.mark.slow
+def test_after_the_buffer_actor_is_gone_cleanup_is_quick_quiet_and_keeps_the_first_error(ray_instance, caplog):
+    caplog.set_level(logging.DEBUG, logger="flashreinforce")
+    base, tok, rollout, backend = make_rollout(EnvSpec(TOY, {}, {"alphabet": "abcdefgh"}))
+    try:
+        rollout.weights.publish(base.state_dict(), 0)
+        backend.start()
+        assert rollout.buffer.take(0, timeout=60) is not None
+        ray_instance.kill(rollout.buffer_actor, no_restart=True)  # as when its node or the cluster goes away
+        deadline = time.monotonic() + 60
+        with pytest.raises(ActorGone, match=r"the rollout buffer actor is gone \(take\)") as first:
+            while time.monotonic() < deadline:
+                rollout.buffer.take(0, timeout=0.5)
+        # The workers' calls fail too; the supervisor stops, and says so in one line (a RunFailure).
+        while backend._supervisor_error is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(ActorGone, match="the Ray rollout supervisor stopped"):
+            backend.check()
+        t0 = time.monotonic()
+        with pytest.raises(ActorGone) as again:  # a cleanup call: the first error, at once
+            rollout.buffer.state_dict()
+        assert str(again.value) == str(first.value) and time.monotonic() - t0 < 0.5
+    finally:
+        t0 = time.monotonic()
+        backend.stop(timeout=5.0)  # neither raises nor waits for what cannot answer
+        rollout.close()
+        cleanup_s = time.monotonic() - t0
+    assert cleanup_s < 20.0, cleanup_s
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert tracebacks == [], [r.getMessage() for r in tracebacks]
+
+
 class SleeperClient(ActorClient):
     remote_methods = frozenset(("sleep", "pid"))
     actor_name = "test actor"
@@ -241,11 +274,18 @@ def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instan
     handle = ray_instance.remote(Sleeper).options(num_cpus=0, max_restarts=0).remote()
     c = SleeperClient(handle, call_timeout_s=1.0)
     assert c.call("sleep", 0.0, timeout=120.0) == 0.0  # the actor is up (starting it may take a while)
-    with pytest.raises(ActorGone, match=r"the test actor did not answer sleep within 1 s"):
+    with pytest.raises(ActorGone, match=r"the test actor did not answer sleep within 1 s") as first:
         c.sleep(30.0)
-    ray_instance.kill(handle, no_restart=True)
-    with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)") as info:
+    # From then on the client fails at once with that first error, without asking Ray again.
+    t0 = time.monotonic()
+    with pytest.raises(ActorGone) as again:
         c.call("pid", timeout=60.0)
+    assert str(again.value) == str(first.value) and c.gone is first.value
+    assert time.monotonic() - t0 < 0.5
+    ray_instance.kill(handle, no_restart=True)
+    fresh = SleeperClient(handle, call_timeout_s=1.0)
+    with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)") as info:
+        fresh.call("pid", timeout=60.0)
     # Ends a run like every RunFailure: one line from the CLI, saying how to go on.
     from flashreinforce.trainer.faults import RunFailure
 

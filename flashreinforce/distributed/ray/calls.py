@@ -8,6 +8,8 @@
   failed: an undeclared name is an ``AttributeError`` listing what the actor answers; a dead actor
   (its process or node died) is :class:`ActorGone`; no answer within the call's time limit is
   :class:`ActorGone` too (the usual cause is a Ray cluster that went away), never a silent hang.
+  Once a client has met :class:`ActorGone`, every later call through it fails at once with that first
+  error (``client.gone``): the cleanup after a lost cluster neither waits again nor tells another story.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Callable, ClassVar, Iterable
 
 from flashreinforce.trainer.faults import RunFailure
 
-__all__ = ["ActorClient", "ActorGone", "DEFAULT_CALL_TIMEOUT_S", "delegate", "import_ray"]
+__all__ = ["ActorClient", "ActorGone", "DEFAULT_CALL_TIMEOUT_S", "RESUME_HINT", "delegate", "import_ray"]
 
 #: Longest wait for one answer from an actor of the run (seconds). Every call the trainer makes is
 #: short (a blocking ``take`` waits at most a second inside the actor); an actor that does not
@@ -82,6 +84,10 @@ class ActorClient:
     Args:
         handle: the actor handle.
         call_timeout_s: longest wait for one answer (``None``: no limit).
+
+    ``gone``: the first :class:`ActorGone` a call met (``None`` while the actor answers); from then on
+    :meth:`call` and :meth:`result` raise a copy of it without asking Ray (the run's actors are never
+    restarted, so a lost one stays lost, and a silent one has had its chance).
     """
 
     remote_methods: ClassVar[frozenset[str]] = frozenset()
@@ -90,6 +96,7 @@ class ActorClient:
     def __init__(self, handle, *, call_timeout_s: float | None = DEFAULT_CALL_TIMEOUT_S) -> None:
         self.handle = handle
         self.call_timeout_s = call_timeout_s
+        self.gone: ActorGone | None = None
 
     def __getattr__(self, name: str):
         # Only reached for names the instance and its class lack; private names are never forwarded
@@ -112,10 +119,12 @@ class ActorClient:
 
     def call(self, name: str, *args, timeout: float | None = None, **kwargs) -> Any:
         """``name(*args, **kwargs)`` on the actor, waiting at most ``timeout`` (default ``call_timeout_s``)."""
+        self._raise_if_gone()
         return self.result(self.submit(name, *args, **kwargs), name, timeout=timeout)
 
     def result(self, ref, name: str = "call", *, timeout: float | None = None) -> Any:
         """The value of ``ref`` (a call to this actor); dead or silent actors raise :class:`ActorGone`."""
+        self._raise_if_gone()
         ray = import_ray()
         from ray.exceptions import GetTimeoutError, RayActorError
 
@@ -123,13 +132,23 @@ class ActorClient:
         try:
             return ray.get(ref, timeout=limit)
         except RayActorError as err:
-            raise ActorGone(f"the {self.actor_name} is gone ({name}): {_first_line(err)}; {_RESUME_HINT}") from err
+            gone = ActorGone(f"the {self.actor_name} is gone ({name}): {_first_line(err)}; {RESUME_HINT}")
+            cause = err
         except GetTimeoutError as err:
-            raise ActorGone(f"the {self.actor_name} did not answer {name} within {limit:g} s: its node or the Ray "
-                            f"cluster is unreachable; {_RESUME_HINT}") from err
+            gone = ActorGone(f"the {self.actor_name} did not answer {name} within {limit:g} s: its node or the Ray "
+                             f"cluster is unreachable; {RESUME_HINT}")
+            cause = err
+        if self.gone is None:
+            self.gone = gone
+        raise gone from cause
+
+    def _raise_if_gone(self) -> None:
+        if self.gone is not None:
+            raise ActorGone(str(self.gone)) from self.gone
 
 
-_RESUME_HINT = ("its process, its node or the whole Ray cluster went away; once the cluster is back, continue "
+#: How every "an actor of the run is gone" message ends.
+RESUME_HINT = ("its process, its node or the whole Ray cluster went away; once the cluster is back, continue "
                 "with --resume from the last checkpoint")
 
 

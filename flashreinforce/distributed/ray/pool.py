@@ -53,6 +53,28 @@ def root_cause(err: BaseException) -> str:
     return lines[-1] if lines else type(err).__name__
 
 
+def _cluster_lost(err: BaseException) -> bool:
+    """Whether ``err`` says that an actor, a node or the whole Ray cluster is out of reach rather than
+    a bug of ours: an :class:`ActorGone`, a broken connection, one of Ray's own errors, or any error
+    raised inside Ray's code (``ray.nodes()`` without a cluster, say)."""
+    if isinstance(err, (ActorGone, ConnectionError)) or type(err).__module__.split(".")[0] == "ray":
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "ray"
+
+
+def _quietly(what: str, fn):
+    """``fn()`` for a cleanup step; ``None`` and one log line when it fails (see
+    :meth:`RayRolloutBackend.stop`)."""
+    try:
+        return fn()
+    except Exception as err:
+        log.info("%s failed during cleanup: %s", what, root_cause(err))
+        return None
+
+
 class RayRolloutBackend(RolloutBackend):
     """``num_workers`` :class:`~flashreinforce.distributed.ray.workers.RolloutWorkerActor` s and the
     supervisor thread that restarts them.
@@ -171,28 +193,36 @@ class RayRolloutBackend(RolloutBackend):
                         len(pending), need, ray.available_resources())
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loops, close the buffer, collect the final statistics and remove the worker actors.
+
+        Never raises: this is the cleanup of a run that may be ending because its cluster went away,
+        and that first error is the one to report. A step that fails is logged in one line (nothing
+        when the buffer actor was already known to be gone) and the next step runs.
+        """
         ray = import_ray()
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
         for a in self.actors:
-            a.stop.remote()
-        try:
-            self.buffer.close()
-        except Exception:  # the buffer actor may already be gone; the workers stop on their own
-            log.exception("closing the buffer actor failed")
+            _quietly("stopping a rollout worker", lambda: a.stop.remote())
+        if self.buffer.gone is None:
+            _quietly("closing the buffer actor", self.buffer.close)
         live = {r: i for i, r in enumerate(self._runs) if r is not None}
-        if live:
-            done, _ = ray.wait(list(live), num_returns=len(live), timeout=timeout)
+        if live and self.buffer.gone is None:
+            done = _quietly("waiting for the rollout loops to end",
+                            lambda: ray.wait(list(live), num_returns=len(live), timeout=timeout)[0]) or []
             for ref in done:  # a loop's return value is its final statistics
                 try:
-                    self._last_stats[live[ref]] = ray.get(ref)
+                    self._last_stats[live[ref]] = ray.get(ref, timeout=1.0)
                 except Exception:  # it failed or died; the last statistics seen stand
                     pass
-        closing = [a.close.remote() for a in self.actors]
-        ray.wait(closing, num_returns=len(closing), timeout=10.0)
+        if self.buffer.gone is None:
+            closing = _quietly("closing the rollout workers", lambda: [a.close.remote() for a in self.actors]) or []
+            if closing:
+                _quietly("closing the rollout workers", lambda: ray.wait(closing, num_returns=len(closing),
+                                                                          timeout=10.0))
         for a in self.actors:
-            ray.kill(a, no_restart=True)
+            _quietly("removing a rollout worker actor", lambda: ray.kill(a, no_restart=True))
 
     # ------------------------------------------------------------------ supervision
     def _supervise(self) -> None:
@@ -221,8 +251,14 @@ class RayRolloutBackend(RolloutBackend):
                     self._refresh_stats()
                     last_stats = time.monotonic()
         except BaseException as err:  # surfaced by check()
-            self._supervisor_error = err
-            log.exception("the Ray rollout supervisor failed")
+            if _cluster_lost(err):  # check() raises it as one line; a traceback would only repeat it
+                self._supervisor_error = err if isinstance(err, ActorGone) else ActorGone(
+                    f"the Ray cluster went away ({root_cause(err)}); once it is back, continue with --resume from "
+                    "the last checkpoint")
+                log.debug("the Ray rollout supervisor stopped: %s", root_cause(err))
+            else:
+                self._supervisor_error = err
+                log.exception("the Ray rollout supervisor failed")
 
     def _finished(self, i: int, ref) -> None:
         ray = import_ray()

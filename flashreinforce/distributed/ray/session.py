@@ -76,11 +76,13 @@ class RayConnection:
     def close(self) -> None:
         """Disconnect; stops the Ray instance only if this process started it locally."""
         if self.connected_here:
-            import_ray().shutdown()
             self.connected_here = False
-            if self._reporter is not None:
-                self._reporter.closed()
-                self._reporter = None
+            try:
+                import_ray().shutdown()
+            finally:  # the trainer ends on purpose even when the disconnect fails: the helper stays quiet
+                if self._reporter is not None:
+                    self._reporter.closed()
+                    self._reporter = None
 
 
 #: How long a connection attempt to ``--ray.address`` may take before the address counts as dead
@@ -221,11 +223,20 @@ class RayRollout:
                                  max_restarts=max_restarts)
 
     def close(self) -> None:
-        """Remove the buffer actor and the registry, then disconnect (see :class:`RayConnection`)."""
+        """Remove the buffer actor and the registry, then disconnect (see :class:`RayConnection`).
+
+        Never raises: it runs at the end of every run, also of one that ends because the cluster went
+        away, whose first error is the one to report; a step that fails is logged in one line."""
         ray = import_ray()
+        for what, actor in (("the buffer actor", self.buffer_actor), ("the weight registry", self.registry_actor)):
+            try:
+                if ray.is_initialized():
+                    ray.kill(actor, no_restart=True)
+            except Exception as err:
+                log.info("removing %s failed during cleanup: %s: %s", what, type(err).__name__,
+                         str(err).strip().splitlines()[0] if str(err).strip() else "")
         try:
-            if ray.is_initialized():
-                for a in (self.buffer_actor, self.registry_actor):
-                    ray.kill(a, no_restart=True)
-        finally:
             self.connection.close()
+        except Exception as err:
+            log.info("disconnecting from Ray failed during cleanup: %s: %s", type(err).__name__,
+                     str(err).strip().splitlines()[0] if str(err).strip() else "")
