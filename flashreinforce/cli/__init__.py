@@ -2,11 +2,13 @@
 
 ``flashreinforce COMMAND [ARGS]``; ``python -m flashreinforce.cli COMMAND`` is the same (torchrun
 launches it that way). Each command is a function ``(argv) -> exit status`` in :data:`COMMANDS`,
-imported only when run, so ``flashreinforce --help`` starts fast.
+imported only when run, so ``flashreinforce --help`` starts fast. An unknown command is one error
+line (with the closest command as a suggestion) and exit status 2.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -26,6 +28,17 @@ def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = [f"  {name.ljust(width)}  {desc} (flashreinforce {name} --help)" for name, (_, desc) in COMMANDS.items()]
     return "usage: flashreinforce COMMAND [ARGS]\n\ncommands:\n" + "\n".join(lines) + "\n"
+
+
+def _unknown_command(command: str) -> str:
+    """One line for a command that is not in :data:`COMMANDS`: the closest one, if any, and the list."""
+    if command.startswith("-"):
+        return (f"unknown option {command!r} before the command; usage: flashreinforce COMMAND [ARGS], "
+                f"commands: {', '.join(COMMANDS)} (flashreinforce --help describes them)")
+    close = difflib.get_close_matches(command, COMMANDS, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return (f"unknown command {command!r}; {hint}commands: {', '.join(COMMANDS)} "
+            "(flashreinforce --help describes them)")
 
 
 def _quiet_openmp_threads() -> None:
@@ -48,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"flashreinforce: unknown command {command!r}\n{_usage()}", file=sys.stderr)
+        print(f"flashreinforce: error: {_unknown_command(command)}", file=sys.stderr)
         return 2
     module, _, function = COMMANDS[command][0].partition(":")
     return getattr(importlib.import_module(module), function)(rest)
