@@ -6,6 +6,11 @@ One place decides what ``--env`` (``train.agent_path``) means:
 * ``MODULE:CLASS`` naming an :class:`~flashreinforce.envs.Environment` subclass;
 * ``FILE.py`` (its one ``Environment`` subclass) or ``FILE.py:CLASS``.
 
+A module or file whose import fails is an :class:`EnvironmentSpecError` of one line
+(:func:`import_failure`): a syntax error names the file, the line and the message; any other
+exception names the module, the exception's type and message and where it was raised. A
+``MODULE`` that is not installed at all stays a ``ModuleNotFoundError``.
+
 :func:`make_environment` builds one environment from a spec and the run's flat configuration;
 :class:`EnvSpec` is the picklable recipe the trainer hands to rollout workers (threads or Ray
 actors), and :func:`num_prompts` tells whether an environment has a finite prompt set::
@@ -23,6 +28,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -32,7 +38,7 @@ from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, T
                                        chat_template_from_tokenizer, load_tasks)
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "environment_class",
-           "make_environment", "num_prompts"]
+           "import_failure", "make_environment", "num_prompts"]
 
 
 class EnvironmentSpecError(ValueError):
@@ -63,7 +69,16 @@ def _import_class(spec: str) -> type:
     if not module_name or not class_name:
         raise EnvironmentSpecError(f"environment spec {spec!r} must be one of {sorted(BUILTIN_ENVIRONMENTS)} "
                          "or 'module:Class'")
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise  # the module itself is not installed (the caller says so)
+        raise EnvironmentSpecError(import_failure(module_name, err)) from None
+    except SyntaxError as err:
+        raise EnvironmentSpecError(import_failure(module_name, err)) from None
+    except (Exception, SystemExit) as err:
+        raise EnvironmentSpecError(import_failure(module_name, err)) from None
     try:
         cls = getattr(module, class_name)
     except AttributeError as exc:
@@ -71,6 +86,36 @@ def _import_class(spec: str) -> type:
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise TypeError(f"environment spec {spec!r} is not a flashreinforce.envs.Environment subclass")
     return cls
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def import_failure(what: str, err: BaseException) -> str:
+    """One line for an exception raised while importing the environment's module or file ``what``.
+
+    A syntax error: ``FILE:LINE: SyntaxError: MESSAGE (the line's text)``. Any other exception:
+    ``importing WHAT raised TYPE: MESSAGE (at FILE:LINE in FUNCTION)``, where that place is the
+    innermost frame of the traceback (the raise), followed by the frame in the module's own file that
+    led there when that is another one.
+    """
+    if isinstance(err, SyntaxError):
+        where = f"{err.filename or what}:{err.lineno}" if err.lineno else f"{err.filename or what}"
+        text = f" ({err.text.strip()})" if err.text and err.text.strip() else ""
+        return f"importing {what}: {where}: {type(err).__name__}: {err.msg}{text}"
+    frames = traceback.extract_tb(err.__traceback__)
+    frames = [f for f in frames if not f.filename.startswith("<frozen importlib")]
+    place = ""
+    if frames:
+        last = frames[-1]
+        place = f" (at {last.filename}:{last.lineno} in {last.name}"
+        own = [f for f in frames if f.name == "<module>" and f is not last]
+        if own and own[-1].filename != last.filename:
+            place += f", from {own[-1].filename}:{own[-1].lineno}"
+        place += ")"
+    message = _one_line(err)
+    return f"importing {what} raised {type(err).__name__}{': ' + message if message else ''}{place}"
 
 
 _task_cache: dict[tuple, list[Task]] = {}
@@ -145,6 +190,9 @@ def _load_file(path: str, class_name: str) -> str:
         sys.modules[name] = module
         try:
             spec.loader.exec_module(module)
+        except (Exception, SystemExit) as err:
+            del sys.modules[name]
+            raise EnvironmentSpecError(import_failure(path, err)) from None
         except BaseException:
             del sys.modules[name]
             raise

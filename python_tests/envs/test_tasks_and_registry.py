@@ -220,3 +220,55 @@ def test_importing_the_package_is_light():
             "if m in sys.modules)); print(e.make_environment.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["[]", "flashreinforce.envs.registry"]
+
+
+# ------------------------------------------------------------------ an --env whose import fails: one line
+def test_an_environment_file_with_a_syntax_error_is_one_line_with_file_and_line(tmp_path):
+    from flashreinforce.envs.registry import EnvironmentSpecError, environment_class
+
+    bad = tmp_path / "bad_env.py"
+    bad.write_text("import os\n\nclass Broken(:\n    pass\n")
+    for spec in (str(bad), f"{bad}:Broken"):
+        with pytest.raises(EnvironmentSpecError) as info:
+            environment_class(spec)
+        message = str(info.value)
+        assert "\n" not in message
+        assert f"{bad}:3: SyntaxError: " in message and "class Broken(:" in message, message
+
+
+def test_an_exception_while_importing_names_module_type_message_and_place(tmp_path, monkeypatch):
+    from flashreinforce.envs.registry import EnvironmentSpecError, environment_class
+
+    code = ("def configure():\n"
+            "    raise RuntimeError('no API key\\nset MY_KEY')\n"
+            "\n"
+            "configure()\n")
+    (tmp_path / "fr_raising_env.py").write_text(code)
+    (tmp_path / "fr_dependent_env.py").write_text("import json\nimport fr_not_installed_anywhere\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, module in ((str(tmp_path / "fr_raising_env.py"), str(tmp_path / "fr_raising_env.py")),
+                         ("fr_raising_env:Env", "fr_raising_env")):
+        with pytest.raises(EnvironmentSpecError) as info:
+            environment_class(spec)
+        message = str(info.value)
+        assert message == (f"importing {module} raised RuntimeError: no API key set MY_KEY "
+                           f"(at {tmp_path / 'fr_raising_env.py'}:2 in configure)"), message
+    with pytest.raises(EnvironmentSpecError) as info:  # a module it imports is missing: which one, and where
+        environment_class("fr_dependent_env:Env")
+    assert str(info.value) == ("importing fr_dependent_env raised ModuleNotFoundError: No module named "
+                               f"'fr_not_installed_anywhere' (at {tmp_path / 'fr_dependent_env.py'}:2 in <module>)")
+    with pytest.raises(ModuleNotFoundError, match="fr_absent_module"):  # the module itself: left to the caller
+        environment_class("fr_absent_module:Env")
+
+
+def test_the_cli_prints_one_line_for_an_environment_file_with_a_syntax_error(tmp_path):
+    import subprocess
+
+    bad = tmp_path / "bad_env.py"
+    bad.write_text("class Broken(:\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--env", str(bad),
+                           "--output", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("flashreinforce train: error: --env "), proc.stderr[-3000:]
+    assert f"{bad}:1: SyntaxError: invalid syntax" in lines[0]
