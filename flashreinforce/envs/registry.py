@@ -119,14 +119,45 @@ def import_failure(what: str, err: BaseException) -> str:
 
 
 _task_cache: dict[tuple, list[Task]] = {}
+_object_task_cache: dict[tuple, tuple[Any, list[Task]]] = {}
 
 
-def _cached_tasks(path: str, input_key: str, label_key: str | None, max_samples: int | None) -> list[Task]:
-    stat = os.stat(path)
-    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, input_key, label_key, max_samples)
-    if key not in _task_cache:
-        _task_cache[key] = load_tasks(path, input_key=input_key, label_key=label_key, max_samples=max_samples)
-    return _task_cache[key]
+def _cached_tasks(source: Any, input_key: str, label_key: str | None, max_samples: int | None,
+                  flag: str) -> list[Task]:
+    """:func:`load_tasks`, once per process for each file version (path, modification time, size)
+    or in-memory dataset object (the object itself is kept with its tasks, so its id stays its own)."""
+    options = (input_key, label_key, max_samples)
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        try:
+            stat = os.stat(path)
+        except OSError:  # load_tasks names the flag and the problem
+            return load_tasks(path, input_key=input_key, label_key=label_key, max_samples=max_samples, flag=flag)
+        key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size) + options
+        if key not in _task_cache:
+            _task_cache[key] = load_tasks(path, input_key=input_key, label_key=label_key, max_samples=max_samples,
+                                          flag=flag)
+        return _task_cache[key]
+    key = (id(source),) + options
+    cached = _object_task_cache.get(key)
+    if cached is None or cached[0] is not source:
+        cached = (source, load_tasks(source, input_key=input_key, label_key=label_key, max_samples=max_samples,
+                                     flag=flag))
+        _object_task_cache[key] = cached
+    return cached[1]
+
+
+def _dataset_flag(flat: Mapping[str, Any], dataset: Any) -> str:
+    """The flag that named ``dataset`` for messages: ``eval.dataset`` for the evaluation split (the
+    factory's config then carries it as ``data.prompt_dataset``), both when they name the same file."""
+    eval_dataset = flat.get("eval.dataset")
+    if eval_dataset is None:
+        return "data.prompt_dataset"
+    if isinstance(eval_dataset, (str, os.PathLike)) and isinstance(dataset, (str, os.PathLike)):
+        same = os.fspath(eval_dataset) == os.fspath(dataset)
+    else:
+        same = eval_dataset is dataset
+    return "eval.dataset" if same else "data.prompt_dataset"
 
 
 def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
@@ -137,7 +168,9 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
         :class:`Environment` subclass.
     config: the trainer configuration, flat with dotted keys (``{"data.max_samples": 10}``) or
         nested (``{"data": {"max_samples": 10}}``). Read keys (others are ignored):
-        ``data.prompt_dataset`` (path; required for the shipped task environments),
+        ``data.prompt_dataset`` (required for the shipped task environments: a path, a list of
+        dicts or a ``datasets.Dataset``; see :func:`~flashreinforce.envs.tasks.load_tasks`),
+        ``eval.dataset`` (only to name the flag in messages when it is the dataset given),
         ``data.input_key`` (default ``prompt``), ``data.label_key`` (default ``reward_model``),
         ``data.max_samples`` (default all rows), ``max_turns`` (default: the environment's own).
     apply_chat_template: callable rendering chat messages (see :func:`render_prompt`).
@@ -146,8 +179,9 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     With ``data.prompt_dataset`` set, the environment must accept tasks (``set_task``); it is
     wrapped in a :class:`DatasetEnvironment`, so ``reset(seed=i)`` plays row ``i % len``. A
     ``module:Class`` environment gets ``max_turns`` and ``apply_chat_template`` only when set.
-    Call once per rollout worker: each call returns a new environment (the dataset file is read
-    once per process and shared).
+    Call once per rollout worker: each call returns a new environment (the dataset is read once
+    per process and shared). A dataset that cannot be read raises
+    :class:`~flashreinforce.envs.tasks.DatasetError` naming the flag, the file and the problem.
     """
     if not isinstance(spec, str):
         raise TypeError(f"spec must be str, got {type(spec).__name__}")
@@ -161,15 +195,16 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
         kwargs.setdefault("apply_chat_template", apply_chat_template)
     dataset = flat.get("data.prompt_dataset")
     if dataset is None and builtin and issubclass(cls, TaskEnvironment):  # textworld generates its own games
-        raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file)")
-    env = cls(**kwargs)
+        raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file, a datasets "
+                         "save_to_disk folder, a list of dicts or a datasets.Dataset)")
     if dataset is None:
-        return env
+        return cls(**kwargs)
     label_key = flat.get("data.label_key", "reward_model")
     if spec == "alfworld" and "data.label_key" not in flat:
         label_key = "game_file"
-    tasks = _cached_tasks(os.fspath(dataset), flat.get("data.input_key", "prompt"), label_key,
-                          flat.get("data.max_samples"))
+    tasks = _cached_tasks(dataset, flat.get("data.input_key", "prompt"), label_key, flat.get("data.max_samples"),
+                          _dataset_flag(flat, dataset))  # before the environment: a bad dataset builds nothing
+    env = cls(**kwargs)
     try:
         return DatasetEnvironment(env, tasks)
     except TypeError:

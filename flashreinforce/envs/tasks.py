@@ -1,7 +1,9 @@
 """Prompt datasets and task-driven environments: one episode plays one dataset row.
 
 Data format (the one of the published settings): a JSONL file (one JSON object per line), a
-JSON file holding a list of objects, or a Parquet file (needs ``pyarrow``). Each row has
+JSON file holding a list of objects, a Parquet file (needs ``pyarrow``), or a folder written by
+Hugging Face ``datasets``' ``save_to_disk`` (needs ``datasets``); from Python also a list of dicts or
+a ``datasets.Dataset``. Each row has
 
 - ``data.input_key`` (default ``prompt``): a string, or a list of chat messages
   ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``;
@@ -10,6 +12,9 @@ JSON file holding a list of objects, or a Parquet file (needs ``pyarrow``). Each
 - optionally ``datasource`` (kept on the :class:`Task`, e.g. to split evaluation metrics).
 
 :func:`flashreinforce.envs.registry.make_environment` builds an environment over such a file.
+A dataset that cannot be read (no such file, a missing key, a bad row, a format whose package is
+not installed) is a :class:`DatasetError`: one line naming the flag, the file and the problem,
+which ``flashreinforce train`` / ``eval`` print as their usual configuration error (exit status 2).
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from flashreinforce.config import ConfigError
 from flashreinforce.envs.base import Environment, StepResult
 
 __all__ = [
-    "Task", "TaskEnvironment", "DatasetEnvironment", "load_tasks", "render_prompt", "chat_template_from_tokenizer",
+    "DatasetError", "DatasetNotFound", "Task", "TaskEnvironment", "DatasetEnvironment", "describe_source", "load_tasks",
+    "render_prompt", "chat_template_from_tokenizer",
 ]
 
 Messages = Sequence[Mapping[str, str]]
@@ -98,23 +105,88 @@ def chat_template_from_tokenizer(tokenizer: Any) -> ChatTemplate:
     return apply
 
 
-def _read_rows(path: str) -> list:
+class DatasetError(ConfigError):
+    """A prompt dataset that cannot be used; the message names the flag, the file and the problem.
+
+    A :class:`~flashreinforce.config.ConfigError` (so a ``ValueError``): the command line prints it as
+    one line with exit status 2.
+    """
+
+
+class DatasetNotFound(DatasetError, FileNotFoundError):
+    """The dataset path names nothing."""
+
+
+#: Files a ``datasets`` ``save_to_disk`` folder holds: one Dataset, or a DatasetDict of splits.
+_HF_DATASET_FILES = ("state.json", "dataset_info.json")
+_HF_DATASET_DICT_FILE = "dataset_dict.json"
+
+
+def _is_hf_dataset(source: Any) -> bool:
+    """A ``datasets.Dataset`` object (recognized without importing ``datasets``)."""
+    return type(source).__module__.split(".")[0] == "datasets" and hasattr(source, "column_names")
+
+
+def describe_source(source: Any, flag: str = "data.prompt_dataset") -> str:
+    """How error messages name a dataset: ``--FLAG PATH`` for a path, else what the object is."""
+    if isinstance(source, (str, os.PathLike)):
+        return f"--{flag} {os.fspath(source)}"
+    if _is_hf_dataset(source):
+        return f"{flag} (a datasets.Dataset of {len(source)} rows)"
+    if isinstance(source, (list, tuple)):
+        return f"{flag} (a list of {len(source)} rows)"
+    return f"{flag} ({type(source).__name__})"
+
+
+def _read_hf_folder(path: str, where: str) -> list:
+    if os.path.isfile(os.path.join(path, _HF_DATASET_DICT_FILE)):
+        splits = sorted(e.name for e in os.scandir(path) if e.is_dir())
+        raise DatasetError(f"{where}: a datasets folder with several splits ({', '.join(splits)}); give one "
+                           f"split's folder, e.g. {os.path.join(path, splits[0] if splits else 'train')}")
+    try:
+        import datasets
+    except ImportError:
+        raise DatasetError(f"{where}: a Hugging Face datasets folder (save_to_disk); reading it needs the datasets "
+                           "package: pip install datasets") from None
+    try:
+        dataset = datasets.load_from_disk(path)
+    except Exception as err:
+        raise DatasetError(f"{where}: datasets.load_from_disk failed: {type(err).__name__}: {err}") from None
+    if not _is_hf_dataset(dataset):
+        raise DatasetError(f"{where}: datasets.load_from_disk gave a {type(dataset).__name__}, not a Dataset")
+    return _hf_rows(dataset)
+
+
+def _hf_rows(dataset: Any) -> list:
+    return dataset.to_list() if hasattr(dataset, "to_list") else [dict(row) for row in dataset]
+
+
+def _read_file(path: str, where: str) -> list:
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), "
-                              "or convert it to JSONL") from exc
-        return pq.read_table(path).to_pylist()
-    with open(path, "r", encoding="utf-8") as f:
-        text = f.read()
+        except ImportError:
+            raise DatasetError(f"{where}: reading Parquet needs pyarrow (pip install pyarrow), "
+                               "or convert it to JSONL") from None
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as err:  # pyarrow's own errors: not Parquet, truncated, ...
+            raise DatasetError(f"{where}: cannot be read as Parquet ({type(err).__name__}: {err})") from None
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start}); a JSONL, JSON or "
+                           ".parquet file is expected") from None
+    except OSError as err:
+        raise DatasetError(f"{where}: cannot be read ({err.strerror or err})") from None
     if path.endswith(".json") or text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+            raise DatasetError(f"{where}: not valid JSON ({exc})") from None
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json dataset must hold a list of objects, got {type(rows).__name__}")
+            raise DatasetError(f"{where}: a .json dataset must hold a list of objects, got {type(rows).__name__}")
         return rows
     rows = []
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -123,63 +195,93 @@ def _read_rows(path: str) -> list:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{lineno}: not valid JSON ({exc})") from exc
+            raise DatasetError(f"{where}:{lineno}: not valid JSON ({exc})") from None
     return rows
+
+
+def _read_rows(source: Any, where: str) -> list:
+    """The rows of a path (file or ``save_to_disk`` folder), a list of rows or a ``datasets.Dataset``."""
+    if _is_hf_dataset(source):
+        return _hf_rows(source)
+    if isinstance(source, (list, tuple)):
+        return list(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise DatasetError(f"{where}: expected a path, a list of dicts or a datasets.Dataset, "
+                           f"got {type(source).__name__}")
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        if any(os.path.isfile(os.path.join(path, n)) for n in _HF_DATASET_FILES + (_HF_DATASET_DICT_FILE,)):
+            return _read_hf_folder(path, where)
+        raise DatasetError(f"{where}: is a folder, but not one written by datasets' save_to_disk (no "
+                           f"{_HF_DATASET_FILES[0]}); give a JSONL, JSON or Parquet file")
+    if not os.path.isfile(path):
+        raise DatasetNotFound(f"{where}: does not exist")
+    return _read_file(path, where)
 
 
 def _ground_truth(label: Any, where: str) -> str | tuple:
     if isinstance(label, Mapping):
         if "ground_truth" not in label:
-            raise ValueError(f"{where}: the label dict has no 'ground_truth' key (keys: {sorted(label)})")
+            raise DatasetError(f"{where}: the label dict has no 'ground_truth' key (keys: {sorted(label)})")
         label = label["ground_truth"]
     if isinstance(label, bool) or label is None:
-        raise ValueError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
+        raise DatasetError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
     if isinstance(label, (int, float, str)):
         return str(label)
     if isinstance(label, (list, tuple)) and label and all(
             isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in label):
         return tuple(str(x) for x in label)
-    raise ValueError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
+    raise DatasetError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
 
 
-def load_tasks(path: str | os.PathLike, *, input_key: str | None = "prompt",
-               label_key: str | None = "reward_model", max_samples: int | None = None) -> list[Task]:
-    """Read a prompt dataset (JSONL, JSON list or Parquet) into :class:`Task` objects.
+def load_tasks(source: str | os.PathLike | Sequence[Mapping[str, Any]] | Any, *, input_key: str | None = "prompt",
+               label_key: str | None = "reward_model", max_samples: int | None = None,
+               flag: str = "data.prompt_dataset") -> list[Task]:
+    """Read a prompt dataset into :class:`Task` objects.
 
+    source: a path to a JSONL file, a JSON file holding a list of objects, a Parquet file (needs
+        ``pyarrow``) or a folder written by ``datasets.Dataset.save_to_disk`` (needs ``datasets``:
+        loaded with ``datasets.load_from_disk``, its rows used as a JSONL's); or the rows
+        themselves: a list of dicts, or a ``datasets.Dataset``.
     max_samples: keep the first ``max_samples`` rows (None: all).
     input_key: None for datasets whose environment makes its own prompt (``Task.prompt`` is
         then ``""``; e.g. ALFWorld games).
     label_key: None for datasets without labels (``Task.ground_truth`` is then None).
-    Raises ValueError naming the file and row for a missing key or a malformed value.
+    flag: the option that named the dataset (``data.prompt_dataset``, ``eval.dataset``), for messages.
+
+    Raises :class:`DatasetError` (a ``ValueError``; :class:`DatasetNotFound`, also a
+    ``FileNotFoundError``, for a path that names nothing), one line naming ``--flag``, the file (and
+    row) and the problem: a missing key, a malformed value, a format whose package is missing.
     """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"data.prompt_dataset {path!r} does not exist")
+    where_source = describe_source(source, flag)
     if max_samples is not None and (not isinstance(max_samples, int) or isinstance(max_samples, bool)
                                     or max_samples < 1):
-        raise ValueError(f"data.max_samples must be a positive integer or None, got {max_samples!r}")
-    rows = _read_rows(path)
+        raise DatasetError(f"data.max_samples must be a positive integer or None, got {max_samples!r}")
+    rows = _read_rows(source, where_source)
     if max_samples is not None:
         rows = rows[:max_samples]
     if not rows:
-        raise ValueError(f"{path}: the dataset is empty")
+        raise DatasetError(f"{where_source}: the dataset is empty")
     tasks = []
     for index, row in enumerate(rows):
-        where = f"{path} row {index}"
+        where = f"{where_source} row {index}"
         if not isinstance(row, Mapping):
-            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if input_key is None:
             prompt = ""
         elif input_key not in row:
-            raise ValueError(f"{where}: no data.input_key {input_key!r} (keys: {sorted(row)})")
+            raise DatasetError(f"{where}: no data.input_key {input_key!r} (keys: {sorted(row)})")
         else:
             prompt = row[input_key]
             if not isinstance(prompt, str):
-                prompt = _check_messages(prompt, where)
+                try:
+                    prompt = _check_messages(prompt, where)
+                except ValueError as err:
+                    raise DatasetError(str(err)) from None
         ground_truth = None
         if label_key is not None:
             if label_key not in row:
-                raise ValueError(f"{where}: no data.label_key {label_key!r} (keys: {sorted(row)})")
+                raise DatasetError(f"{where}: no data.label_key {label_key!r} (keys: {sorted(row)})")
             ground_truth = _ground_truth(row[label_key], where)
         datasource = row.get("datasource")
         extra = {k: v for k, v in row.items() if k not in (input_key, label_key)}

@@ -272,3 +272,119 @@ def test_the_cli_prints_one_line_for_an_environment_file_with_a_syntax_error(tmp
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("flashreinforce train: error: --env "), proc.stderr[-3000:]
     assert f"{bad}:1: SyntaxError: invalid syntax" in lines[0]
+
+
+# ------------------------------------------------------------------ dataset problems: one line naming flag and file
+def _run_train(tmp_path, *flags):
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--env", "math",
+                           "--output", str(tmp_path / "run"), *flags], capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("problem", ["missing key", "missing file"])
+def test_the_cli_prints_one_line_with_exit_status_2_for_a_dataset_problem(tmp_path, problem):
+    if problem == "missing key":
+        path = _write_jsonl(tmp_path / "nolabel.jsonl", [{"prompt": "1+1?"}])
+        want = f"--data.prompt_dataset {path} row 0: no data.label_key 'reward_model' (keys: ['prompt'])"
+    else:
+        path = tmp_path / "missing.jsonl"
+        want = f"--data.prompt_dataset {path}: does not exist"
+    proc = _run_train(tmp_path, "--data.prompt_dataset", str(path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [f"flashreinforce train: error: {want}"]
+
+
+def test_dataset_errors_name_the_flag_that_gave_the_file(tmp_path):
+    from flashreinforce.envs.tasks import DatasetError
+
+    good = _write_jsonl(tmp_path / "train.jsonl", _math_rows(2, random.Random()))
+    bad = _write_jsonl(tmp_path / "eval.jsonl", [{"prompt": "q"}])
+    # The evaluation factory's config carries eval.dataset as data.prompt_dataset.
+    with pytest.raises(DatasetError, match=rf"^--eval.dataset {bad} row 0: no data.label_key"):
+        make_environment("math", {"data.prompt_dataset": str(bad), "eval.dataset": str(bad)})
+    with pytest.raises(DatasetError, match=rf"^--data.prompt_dataset {bad} row 0: no data.label_key"):
+        make_environment("math", {"data.prompt_dataset": str(bad), "eval.dataset": str(good)})
+    with pytest.raises(DatasetError, match=rf"^--data.prompt_dataset {tmp_path}: is a folder, but not one written"):
+        load_tasks(tmp_path)
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    from flashreinforce.envs.tasks import DatasetError
+
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # as if it were not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(DatasetError) as info:
+        load_tasks(path, flag="eval.dataset")
+    assert str(info.value) == (f"--eval.dataset {path}: reading Parquet needs pyarrow (pip install pyarrow), "
+                               "or convert it to JSONL")
+
+
+def _fake_save_to_disk_folder(path):
+    path.mkdir()
+    (path / "state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    (path / "dataset_info.json").write_text("{}")
+    return path
+
+
+def test_a_datasets_folder_without_the_datasets_package_says_so(tmp_path, monkeypatch):
+    from flashreinforce.envs.tasks import DatasetError
+
+    folder = _fake_save_to_disk_folder(tmp_path / "saved")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # hidden: importing it raises ImportError
+    with pytest.raises(DatasetError) as info:
+        load_tasks(folder)
+    assert str(info.value) == (f"--data.prompt_dataset {folder}: a Hugging Face datasets folder (save_to_disk); "
+                               "reading it needs the datasets package: pip install datasets")
+    splits = tmp_path / "splits"
+    splits.mkdir()
+    (splits / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    for name in ("train", "test"):
+        _fake_save_to_disk_folder(splits / name)
+    with pytest.raises(DatasetError, match=r"several splits \(test, train\); give one split's folder, e\.g\. "):
+        load_tasks(splits)
+
+
+def test_a_list_of_dicts_is_a_dataset_too(tmp_path):
+    from flashreinforce.envs.tasks import DatasetError
+
+    rows = _math_rows(3, random.Random())
+    tasks = load_tasks(rows, max_samples=2)
+    assert [t.ground_truth for t in tasks] == [r["reward_model"]["ground_truth"] for r in rows[:2]]
+    env = make_environment("math", {"data.prompt_dataset": rows})
+    try:
+        assert len(env.tasks) == 3 and env.reset(seed=4).endswith(rows[1]["prompt"][0]["content"] + "\n\nAssistant:")
+        again = make_environment("math", {"data.prompt_dataset": rows})
+        assert all(a is b for a, b in zip(again.tasks, env.tasks))  # read once per process
+        again.close()
+    finally:
+        env.close()
+    with pytest.raises(DatasetError, match=r"^data.prompt_dataset \(a list of 1 rows\) row 0: no data.label_key"):
+        load_tasks([{"prompt": "q"}])
+    with pytest.raises(DatasetError, match="expected a path, a list of dicts or a datasets.Dataset, got int"):
+        load_tasks(7)
+
+
+def test_a_datasets_dataset_and_its_save_to_disk_folder(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="the datasets route needs the datasets package "
+                                                      "(pip install datasets); its not-installed message is tested")
+    rows = _math_rows(4, random.Random())
+    dataset = datasets.Dataset.from_list(rows)
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    want = load_tasks(rows)
+    assert load_tasks(dataset) == want
+    assert load_tasks(tmp_path / "saved") == want
+    env = make_environment("math", {"data.prompt_dataset": str(tmp_path / "saved")})
+    try:
+        truth = rows[2]["reward_model"]["ground_truth"]
+        env.reset(seed=2)
+        assert env.step(f"\\boxed{{{truth}}}").reward == 1.0
+    finally:
+        env.close()
+    datasets.DatasetDict({"train": dataset, "test": dataset}).save_to_disk(str(tmp_path / "dict"))
+    from flashreinforce.envs.tasks import DatasetError
+
+    with pytest.raises(DatasetError, match="several splits"):
+        load_tasks(tmp_path / "dict")
