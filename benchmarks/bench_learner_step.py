@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from flashreinforce.objective import LossOptions
 from flashreinforce.ops import reference
 from flashreinforce.ops.loss_modes import FlashReinforceLoss, get_loss_mode, register_loss_mode
 from flashreinforce.trainer.learner import Learner, LearnerSettings
@@ -125,7 +126,7 @@ def sync(device: torch.device) -> None:
 
 def run(impl: str, args, trajectories, device: torch.device) -> dict:
     model = build_model(args, device)
-    settings = LearnerSettings(loss_mode=impl, delta=args.delta, lr=1e-6, temperature=1.0,
+    settings = LearnerSettings(loss_mode=impl, loss=LossOptions(delta=args.delta), lr=1e-6, temperature=1.0,
                                micro_batch_tokens=args.micro_batch_tokens, total_steps=args.steps + 2,
                                param_dtype=args.param_dtype)
     learner = Learner(model, settings)

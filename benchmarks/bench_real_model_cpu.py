@@ -81,7 +81,7 @@ def main() -> int:
     tokens = sum(len(t.token_ids) for t in trajs)
 
     def learner(dtype: str) -> Learner:
-        settings = LearnerSettings(delta=float("inf"), lr=1e-7, weight_decay=0.0, scheduler="constant",
+        settings = LearnerSettings(loss=LossOptions(delta=float("inf")), lr=1e-7, weight_decay=0.0, scheduler="constant",
                                    warmup_ratio=0.0, total_steps=10**6, temperature=args.temperature,
                                    micro_batch_trajectories=0, param_dtype=dtype)
         return Learner(copy.deepcopy(model), settings, pad_token_id=tok.pad_token_id)

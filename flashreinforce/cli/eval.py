@@ -35,13 +35,27 @@ from typing import Any, Sequence
 __all__ = ["eval_command", "evaluate_model"]
 
 
+#: What ``flashreinforce eval --help`` lists: the model, the environment and its data, the lengths and
+#: the sampling of an episode, the evaluation's own flags. Every training flag is still accepted
+#: (a training command line with ``eval`` in place of ``train`` evaluates what it trains), just not listed.
+_EVAL_FLAGS = ("actor.model_name_or_path", "train.agent_path", "fsdp.attn_implementation", "rollout.max_new_tokens",
+               "rollout.max_turns", "rollout.temperature", "rollout.top_p", "rollout.top_k",
+               "rollout.vllm_generate_batch_size", "rollout.env_timeout_s")
+_EVAL_OPTIONS = ("config", "preset", "env", "env.kwargs", "model", "reward", "tokenizer", "output", "seed", "device",
+                 "torch_threads")
+
+
+def _shown(name: str) -> bool:
+    return name in _EVAL_FLAGS or name in _EVAL_OPTIONS or name.split(".")[0] in ("eval", "data")
+
+
 def _parser() -> argparse.ArgumentParser:
     from flashreinforce.config.command_line import build_parser
 
-    p = build_parser(prog="flashreinforce eval")
-    p.description = ("Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) "
-                     "on the evaluation prompts: greedy accuracy and sampled pass@1; prints one JSON object. "
-                     "--output FILE also writes it there.")
+    p = build_parser(prog="flashreinforce eval", shown=_shown, description=(
+        "Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) on the "
+        "evaluation prompts: greedy accuracy and sampled pass@1; prints one JSON object. --output FILE also "
+        "writes it there. Training flags are accepted too (not listed)."))
     for action in p._actions:  # the train parser's --output is a run directory; here it is a file
         if action.dest == "output":
             action.help = "also write the result JSON to this file"
@@ -69,40 +83,39 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     from flashreinforce.trainer import components
     from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
 
-    f = cfg.flags
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
-    spec = f["actor.model_name_or_path"]
+    spec = cfg.actor.model_name_or_path
     if spec is None:
         raise ConfigError("no model: give --model (a folder, a .gguf file, an alias or a run directory)")
-    env_name = f["train.agent_path"]
+    env_name = cfg.train.agent_path
     device = components.device_of(cfg.device)
     t0 = time.perf_counter()
     resolved = resolve_model_spec(spec)
     policy = components.load_policy(cfg, device)
     model, tokenizer = policy.model, policy.tokenizer
     load_s = time.perf_counter() - t0
-    eval_split = bool(f["eval.dataset"])
+    eval_split = bool(cfg.eval.dataset)
     envs = components.eval_environments(cfg, components.load_environments(cfg, policy), tokenizer)
     factory, rows = envs.factory, envs.num_prompts
     # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
-    seeds = eval_seeds(rows, rows if eval_split and rows is not None else f["eval.num_prompts"])
+    seeds = eval_seeds(rows, rows if eval_split and rows is not None else cfg.eval.num_prompts)
     probe = factory()
     try:
         probe.reset(seed=seeds[-1])  # an environment with fewer evaluation prompts refuses here
     except ValueError as err:
-        raise ConfigError(f"--eval.num_prompts {f['eval.num_prompts']}: {err}") from None
+        raise ConfigError(f"--eval.num_prompts {cfg.eval.num_prompts}: {err}") from None
     finally:
         probe.close()
-    settings = components.rollout_settings(f, tokenizer, cfg.seed)
+    settings = components.rollout_settings(cfg, tokenizer, cfg.seed)
     stop = tokenizer.eos_token_ids
     greedy = SamplingParams(0.0, 1.0, 0, stop)
-    temperature = f["eval.temperature"] if f["eval.temperature"] > 0 else f["rollout.temperature"]
-    top_p = f["eval.top_p"] if f["eval.temperature"] > 0 else f["rollout.top_p"]
-    sampled_params = SamplingParams(temperature, top_p, f["rollout.top_k"], stop)
+    temperature = cfg.eval.temperature if cfg.eval.temperature > 0 else cfg.rollout.temperature
+    top_p = cfg.eval.top_p if cfg.eval.temperature > 0 else cfg.rollout.top_p
+    sampled_params = SamplingParams(temperature, top_p, cfg.rollout.top_k, stop)
     evaluator = Evaluator(env_factory=factory, seeds=seeds, model=model, tokenizer=tokenizer,
                           weights=LocalWeightStore(), rollout_settings=settings, sampling=greedy, n_samples=1,
-                          episodes_per_call=f["rollout.vllm_generate_batch_size"], seed=cfg.seed + 1)
+                          episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=cfg.seed + 1)
     try:
         trajectories: list = []
         g = evaluator.evaluate(-1, trajectories=trajectories)
@@ -113,13 +126,13 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
             "accuracy": g["eval_success_rate"], "reward_mean": g["eval_reward_mean"],
             "response_tokens_mean": g["eval_response_tokens_mean"],
             "truncated_fraction": g["eval_truncated_fraction"], "greedy_s": g["eval_time_s"],
-            "max_new_tokens": f["rollout.max_new_tokens"], "load_s": load_s, "device": str(device),
+            "max_new_tokens": cfg.rollout.max_new_tokens, "load_s": load_s, "device": str(device),
             "torch_threads": torch.get_num_threads(),
         }
         if sampled:
-            s = evaluator.evaluate(-1, sampling=sampled_params, n_samples=f["eval.n_samples_per_prompt"])
+            s = evaluator.evaluate(-1, sampling=sampled_params, n_samples=cfg.eval.n_samples_per_prompt)
             result.update({"pass@1": s["eval_success_rate"], "pass@1_temperature": temperature,
-                           "pass@1_top_p": top_p, "pass@1_samples_per_prompt": f["eval.n_samples_per_prompt"],
+                           "pass@1_top_p": top_p, "pass@1_samples_per_prompt": cfg.eval.n_samples_per_prompt,
                            "sampled_reward_mean": s["eval_reward_mean"], "sampled_s": s["eval_time_s"]})
         else:
             result["pass@1"] = None
@@ -137,7 +150,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
 
 def eval_command(argv: Sequence[str]) -> int:
     from flashreinforce.config import ConfigError
-    from flashreinforce.config.resolution import resolve
+    from flashreinforce.config.command_line import resolve_arguments
     from flashreinforce.config.presets import PRESETS
 
     args = vars(_parser().parse_args(argv))
@@ -145,12 +158,7 @@ def eval_command(argv: Sequence[str]) -> int:
     no_sampled = bool(args.pop("no_sampled", False))
     output = args.pop("output", None)
     try:
-        preset = None
-        if "preset" in args:
-            if args["preset"] not in PRESETS:
-                raise ConfigError(f"unknown --preset {args['preset']!r}; known presets: {', '.join(sorted(PRESETS))}")
-            preset = dict(PRESETS[args["preset"]], preset=args["preset"])
-        cfg = resolve(args, preset)
+        cfg = resolve_arguments(args, PRESETS)
         if "torch_threads" not in args:
             # A preset's torch_threads splits the cores between a training run's learner and rollout
             # workers; evaluation is one thread, which gets torch's default (every core) unless told.

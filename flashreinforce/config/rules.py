@@ -10,22 +10,40 @@ rollout.n_samples_per_prompt == train.batch_size``, ``train.max_epochs == 1``; M
 ``train.force_on_policy``, which the native trainer is by construction), no reference-model KL,
 room for the prompt (``data.max_len > rollout.max_new_tokens``). ``actor.loss_mode
 flash_reinforce``: the ``flash_reinforce`` estimator, one sample per prompt, no external importance
-correction, ``0 <= actor.flash_neg_topq <= 1``, ``actor.flash_gate_delta >= 0`` (``inf``: no gate), a
-positive ``actor.loss_scale_factor`` with ``seq-mean-token-sum-norm``. Any other loss mode is the
+correction, and the loss options that :class:`flashreinforce.objective.LossOptions` accepts
+(``0 <= actor.flash_neg_topq <= 1``, ``actor.flash_gate_delta >= 0`` with ``inf`` for no gate, a
+positive ``actor.loss_scale_factor`` with ``seq-mean-token-sum-norm``). Any other loss mode is the
 GRPO comparison: the ``grpo`` estimator and a valid ``actor.eps_clip_low_high``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
-__all__ = ["is_off", "rule_violations"]
+from flashreinforce.objective import LOSS_AGGREGATIONS, OPTION_FLAGS, LossOptions
+
+__all__ = ["is_off", "loss_option_errors", "rule_violations"]
 
 
 def is_off(value: Any) -> bool:
     """Whether a switch-like value means off (``None``, ``off``, ``none``, ``false``, ``0``, empty)."""
     return value is None or str(value).lower() in ("off", "none", "false", "0", "")
+
+
+def loss_option_errors(flags: Mapping[str, Any]) -> list[str]:
+    """The FlashREINFORCE options among ``flags`` checked by :class:`flashreinforce.objective.LossOptions`
+    (the check the loss functions make), the message naming the flag; the PPO options are not read."""
+    values = {opt: flags[flag] for opt, flag in OPTION_FLAGS.items()
+              if flag in flags and opt not in ("eps_clip", "whiten")}
+    if values.get("loss_agg", LOSS_AGGREGATIONS[0]) != "seq-mean-token-sum-norm":
+        values.pop("loss_scale_factor", None)  # inactive with another aggregation
+    try:
+        LossOptions(**values)
+    except (TypeError, ValueError) as err:
+        text = str(err)
+        option = text.split(" ", 1)[0]
+        return [OPTION_FLAGS.get(option, option) + text[len(option):]]
+    return []
 
 
 def rule_violations(flags: Mapping[str, Any], *, native: bool) -> list[str]:
@@ -63,14 +81,7 @@ def rule_violations(flags: Mapping[str, Any], *, native: bool) -> list[str]:
              f"does its own behavior correction), got {v['algo.advantage.is_correction_level']!r}")
         need(v["rollout.n_samples_per_prompt"] == 1, "actor.loss_mode flash_reinforce uses one sample per prompt; got "
              f"rollout.n_samples_per_prompt {v['rollout.n_samples_per_prompt']}")
-        q = v["actor.flash_neg_topq"]
-        need(0.0 <= q <= 1.0, f"actor.flash_neg_topq must lie in [0, 1], got {q}")
-        delta = v["actor.flash_gate_delta"]
-        need(not math.isnan(delta) and delta >= 0, f"actor.flash_gate_delta must be >= 0 (inf: no gate), got {delta}")
-        if v.get("actor.flash_loss_agg") == "seq-mean-token-sum-norm":
-            lsf = v.get("actor.loss_scale_factor")
-            need(lsf is not None and math.isfinite(lsf) and lsf > 0,
-                 f"actor.flash_loss_agg seq-mean-token-sum-norm needs a positive actor.loss_scale_factor, got {lsf}")
+        errors.extend(loss_option_errors(v))
     else:
         if not native:
             need(not any(k.startswith("actor.flash_") for k in v),

@@ -22,9 +22,10 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import NamedTuple, Optional
 
-import numpy as np
 import torch
 from torch import Tensor
+
+from flashreinforce.objective import LOSS_AGGREGATIONS, LossOptions
 
 __all__ = [
     "DEFAULTS",
@@ -41,8 +42,6 @@ __all__ = [
     "make_stats",
 ]
 
-#: Supported values of ``loss_agg`` (Molt's ``actor.flash_loss_agg``).
-LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
 #: Probabilities in the Bernoulli-KL gate are clamped to ``[PROB_CLAMP, 1 - PROB_CLAMP]``.
 PROB_CLAMP = 1e-6
@@ -50,18 +49,19 @@ PROB_CLAMP = 1e-6
 
 @dataclass(frozen=True)
 class Defaults:
-    """The keyword-only parameters of both entry points, in signature order, with their defaults."""
+    """The keyword-only parameters of both entry points, in signature order, with their defaults
+    (the options' defaults are :class:`flashreinforce.objective.LossOptions`')."""
 
-    delta: float = 3e-3
-    negative_token_fraction: float = 1.0
+    delta: float = LossOptions.delta
+    negative_token_fraction: float = LossOptions.negative_token_fraction
     entropies: Optional[Tensor] = None
     failures: Optional[Tensor] = None
     reward_baseline: Optional[float] = None
     num_trajectories: Optional[int] = None
-    loss_agg: str = LOSS_AGGREGATIONS[0]
-    loss_scale_factor: Optional[float] = None
+    loss_agg: str = LossOptions.loss_agg
+    loss_scale_factor: Optional[float] = LossOptions.loss_scale_factor
     num_policy_tokens: Optional[int] = None
-    no_is: bool = False
+    no_is: bool = LossOptions.no_is
 
 
 DEFAULTS = Defaults()
@@ -279,38 +279,21 @@ def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_m
     if failures is not None and failures.shape != (batch,):
         raise ValueError(f"failures must have shape [{batch}] like rewards, got {tuple(failures.shape)}")
 
-    # Options.
+    # Options: the objective's own (one check, LossOptions'), then those that depend on this call.
     compute_dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
-    delta = _real_number("delta", delta, "must be a non-negative number (inf disables the gate)")
-    if not delta >= 0.0:  # NaN fails too
-        raise ValueError(f"delta must be a non-negative number (inf disables the gate), got {delta!r}")
-    q = _real_number("negative_token_fraction", negative_token_fraction, "must be a number in [0, 1]")
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"negative_token_fraction must be a number in [0, 1], got {q!r}")
-    if q < 1.0 and (entropies is None or failures is None):
+    options = LossOptions(delta=delta, negative_token_fraction=negative_token_fraction, loss_agg=loss_agg,
+                          loss_scale_factor=loss_scale_factor, no_is=no_is)
+    if options.entropy_filter and (entropies is None or failures is None):
         missing = " and ".join(n for n, v in (("entropies", entropies), ("failures", failures)) if v is None)
         raise ValueError(f"negative_token_fraction < 1 needs entropies and failures; missing {missing}")
-    if type(loss_agg) is not str or loss_agg not in LOSS_AGGREGATIONS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {loss_agg!r}")
-    if loss_agg == "seq-mean-token-sum-norm":
-        if loss_scale_factor is None:
-            raise ValueError(f"loss_scale_factor must be a positive finite number for {loss_agg}, got None")
-        loss_scale_factor = _real_number("loss_scale_factor", loss_scale_factor,
-                                         f"must be a positive finite number for {loss_agg}")
-        if not (math.isfinite(loss_scale_factor) and loss_scale_factor > 0.0):
-            raise ValueError(f"loss_scale_factor must be a positive finite number for {loss_agg}, "
-                             f"got {loss_scale_factor!r}")
-    elif loss_scale_factor is not None:
-        raise ValueError(f"loss_scale_factor is only used with loss_agg='seq-mean-token-sum-norm', not {loss_agg!r}")
     reward_baseline = _reward_baseline(reward_baseline, compute_dtype)
     num_trajectories = _count("num_trajectories", num_trajectories, batch, "the batch's trajectory count")
     num_policy_tokens = _count("num_policy_tokens", num_policy_tokens, 1, "one token")
-    if type(no_is) is not bool and not isinstance(no_is, np.bool_):
-        raise TypeError(f"no_is must be a bool, got {no_is!r}")
 
     return Arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures,
-                     num_tokens, batch, width, compute_dtype, delta, q, reward_baseline, num_trajectories,
-                     loss_agg, loss_scale_factor, num_policy_tokens, bool(no_is))
+                     num_tokens, batch, width, compute_dtype, options.delta, options.negative_token_fraction,
+                     reward_baseline, num_trajectories, options.loss_agg, options.loss_scale_factor, num_policy_tokens,
+                     options.no_is)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -10,13 +10,16 @@ The learner knows no particular mode. For one batch of B trajectories it asks th
 3. once, for the batch's statistics from everything the micro-batches reported
    (:meth:`LossMode.summarize`).
 
-A new mode is one subclass decorated with :func:`register_loss_mode`. This module works on tensors
-only: it imports neither the trainer nor ``transformers``.
+A new mode is one subclass decorated with :func:`register_loss_mode`; the names live in one registry,
+:data:`flashreinforce.objective.LOSS_MODE_REGISTRY` (which the configuration reads without PyTorch), and
+every mode receives the same :class:`flashreinforce.objective.LossOptions`. This module works on
+tensors only: it imports neither the trainer nor ``transformers``.
 """
 
 from __future__ import annotations
 
 import abc
+import importlib
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -24,28 +27,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from flashreinforce.objective import LOSS_MODE_REGISTRY, LossOptions
 from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
 
 __all__ = ["LOSS_MODES", "BatchContext", "FlashReinforceLoss", "LossMode", "LossOptions", "MicroBatch",
            "PPOClippedLoss", "get_loss_mode", "register_loss_mode"]
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """The options of every registered mode (each mode reads its own).
-
-    FlashREINFORCE: ``delta`` (trust threshold), ``neg_topq`` (entropy filter q), ``loss_agg``,
-    ``loss_scale_factor`` (``seq-mean-token-sum-norm`` only), ``no_is``. PPO: ``eps_clip``
-    (low, high) and ``whiten`` (divide group advantages by the group std).
-    """
-
-    delta: float
-    neg_topq: float
-    loss_agg: str
-    loss_scale_factor: float | None
-    no_is: bool
-    eps_clip: tuple[float, float]
-    whiten: bool
 
 
 @dataclass(frozen=True)
@@ -114,37 +100,50 @@ class LossMode(abc.ABC):
         """The batch's statistics from ``[B]`` float64 per-trajectory values and summed counts."""
 
 
-#: name -> the registered mode (one instance each).
+#: name -> the mode's one instance, for every mode registered in this process.
 LOSS_MODES: dict[str, LossMode] = {}
 
 
 def register_loss_mode(cls: type[LossMode]) -> type[LossMode]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
-    if not getattr(cls, "name", None):
+    """Class decorator: register ``cls`` under ``cls.name`` in :data:`flashreinforce.objective.LOSS_MODE_REGISTRY`
+    and :data:`LOSS_MODES` (a shipped mode takes the name the registry gives its ``module:Class``)."""
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    declared = [name for name, entry in LOSS_MODE_REGISTRY.items() if entry == path]
+    name = cls.__dict__.get("name") or (declared[0] if declared else None)
+    if not name:
         raise TypeError(f"{cls.__name__} needs a class attribute 'name'")
-    if cls.name in LOSS_MODES:
-        raise ValueError(f"loss mode {cls.name!r} is already registered ({type(LOSS_MODES[cls.name]).__name__})")
-    LOSS_MODES[cls.name] = cls()
+    entry = LOSS_MODE_REGISTRY.get(name)
+    if entry is not None and entry not in (path, cls):
+        shown = entry if isinstance(entry, str) else entry.__name__
+        raise ValueError(f"loss mode {name!r} is already registered ({shown})")
+    cls.name = name
+    LOSS_MODE_REGISTRY[name] = cls
+    LOSS_MODES[name] = cls()
     return cls
 
 
 def get_loss_mode(name: str) -> LossMode:
-    """The registered mode ``name``; ``ValueError`` listing the known names otherwise."""
-    try:
-        return LOSS_MODES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODES)}, got {name!r}") from None
+    """The registered mode ``name`` (one instance); ``ValueError`` listing the known names otherwise."""
+    mode = LOSS_MODES.get(name) if isinstance(name, str) else None
+    if mode is not None:
+        return mode
+    entry = LOSS_MODE_REGISTRY.get(name) if isinstance(name, str) else None
+    if entry is None:
+        raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODE_REGISTRY)}, got {name!r}")
+    if isinstance(entry, str):  # a mode registered by where it lives: importing it registers it
+        module, _, attr = entry.partition(":")
+        getattr(importlib.import_module(module), attr)
+    return LOSS_MODES[name]
 
 
 @register_loss_mode
 class FlashReinforceLoss(LossMode):
     """The method: the fused FlashREINFORCE op with the batch-global baseline and B (see docs/semantics.md)."""
 
-    name = "flash_reinforce"
     per_trajectory_stats = ("sequence_kl", "admitted", "retained")
 
     def needs_entropy(self, options: LossOptions) -> bool:
-        return options.neg_topq < 1.0
+        return options.entropy_filter
 
     def implementation(self):
         """The packed loss function this mode calls: the fused op (a benchmark may swap in the reference,
@@ -154,16 +153,13 @@ class FlashReinforceLoss(LossMode):
         return flashreinforce_loss_packed
 
     def loss(self, mb, batch, options):
-        use_filter = options.neg_topq < 1.0
+        use_filter = options.entropy_filter
         loss, stats = self.implementation()(
             mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask,
-            delta=options.delta, negative_token_fraction=options.neg_topq,
             entropies=mb.entropies if use_filter else None, failures=mb.failures if use_filter else None,
             reward_baseline=batch.reward_baseline, num_trajectories=batch.num_trajectories,
-            loss_agg=options.loss_agg,
-            loss_scale_factor=options.loss_scale_factor if options.loss_agg == "seq-mean-token-sum-norm" else None,
             num_policy_tokens=batch.policy_tokens if options.loss_agg == "token-mean" else None,
-            no_is=options.no_is)
+            **options.objective_kwargs())
         per_trajectory = {"sequence_kl": stats["sequence_kl"], "admitted": stats["admitted"],
                           "retained": stats["retained_tokens"]}
         return loss, per_trajectory, {}
@@ -178,8 +174,6 @@ class FlashReinforceLoss(LossMode):
 @register_loss_mode
 class PPOClippedLoss(LossMode):
     """The GRPO comparison: group-relative advantages and the token-mean clipped PPO loss."""
-
-    name = "ppo"
 
     def advantages(self, rewards, group_ids, options):
         return group_advantages(rewards, group_ids, whiten=options.whiten).to(torch.float32)

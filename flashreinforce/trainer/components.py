@@ -1,8 +1,8 @@
 """From a resolved configuration to the parts of a run: the policy and its tokenizer, the
 environments, the learner's and the rollout's settings.
 
-Each function reads the dotted flags it names and nothing else, so the mapping from a Molt flag to
-the setting it controls is written once, here.
+Each function reads the configuration sections it names and nothing else, so the mapping from a
+flag to the setting it controls is written once, here.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import inspect
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.engines import SamplingParams
 from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
@@ -63,30 +64,29 @@ class Policy:
 def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
     """Build the model named by ``actor.model_name_or_path`` and the tokenizer that goes with it
     (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``."""
-    f = cfg.flags
-    if f["actor.model_name_or_path"] is None:
+    if cfg.actor.model_name_or_path is None:
         raise ConfigError("no model: give --model (or --actor.model_name_or_path, or a --preset)")
-    model, tok_spec = build_model(f["actor.model_name_or_path"], device=device,
-                                  attn_implementation=f["fsdp.attn_implementation"], seed=cfg.seed)
+    model, tok_spec = build_model(cfg.actor.model_name_or_path, device=device,
+                                  attn_implementation=cfg.fsdp.attn_implementation, seed=cfg.seed)
     try:
         tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
     except (OSError, ValueError) as err:
-        flag = f"--tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"--model {f['actor.model_name_or_path']}"
+        flag = f"--tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"--model {cfg.actor.model_name_or_path}"
         first = (str(err).strip().splitlines() or [""])[0][:300]
         raise ConfigError(f"{flag}: cannot load a tokenizer from {cfg.tokenizer or tok_spec}: {first} (give "
                           "--tokenizer char or a directory holding a tokenizer)") from None
-    spec = f["train.agent_path"]
+    spec = cfg.train.agent_path
     env_renders = False
-    if f["data.apply_chat_template"] and isinstance(tokenizer, HFTokenizer):
+    if cfg.data.apply_chat_template and isinstance(tokenizer, HFTokenizer):
         env_renders = spec is not None and accepts_chat_template(spec)
         tokenizer = HFTokenizer(tokenizer.tok, chat_prompt=not env_renders, chat_observations=True)
-    elif f["data.apply_chat_template"]:
+    elif cfg.data.apply_chat_template:
         cfg.inactive["data.apply_chat_template"] = "the character tokenizer has no chat template"
     emb = model.get_input_embeddings().weight.shape[0]
     if tokenizer.vocab_size > emb:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                           f"{emb} rows; use a matching --tokenizer")
-    if f["fsdp.packing_samples"]:
+    if cfg.fsdp.packing_samples:
         problem = document_attention_unsupported(model)
         if problem is not None:
             raise ConfigError(f"--fsdp.packing_samples (the default): {problem}; give --fsdp.packing_samples false "
@@ -104,13 +104,13 @@ class RunEnvironments:
     num_prompts: int | None
 
 
-def episode_turn_limit(flags: dict[str, Any], env_cls: type, env_kwargs: dict[str, Any]) -> int:
+def episode_turn_limit(cfg: ResolvedConfig, env_cls: type, env_kwargs: dict[str, Any]) -> int:
     """The run's turn limit (``rollout.max_turns``, else ``$MAX_AGENT_TURNS``, else the environment's
     ``default_max_turns``), also handed to the environment as ``max_turns`` when its constructor
     takes it and ``--env.kwargs`` does not set it, so the rollout's cap and the environment's own
     last turn are the same; ``--env.kwargs`` ``max_turns`` wins when the run sets none."""
     takes_max_turns = "max_turns" in inspect.signature(env_cls).parameters
-    given = flags["rollout.max_turns"]
+    given = cfg.rollout.max_turns
     if given is None and takes_max_turns and env_kwargs.get("max_turns") is not None:
         given = env_kwargs["max_turns"]
     try:
@@ -124,7 +124,7 @@ def episode_turn_limit(flags: dict[str, Any], env_cls: type, env_kwargs: dict[st
 
 def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     """The environments ``train.agent_path`` names, probed once for the size of their prompt set."""
-    spec = cfg.flags["train.agent_path"]
+    spec = cfg.train.agent_path
     if spec is None:
         raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
     kwargs = dict(cfg.env_kwargs)
@@ -136,7 +136,8 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         raise ConfigError(f"--env {spec!r}: cannot import it: {type(err).__name__}: {err}") from None
     except TypeError as err:  # names something that is not an Environment subclass
         raise ConfigError(f"--env {spec!r}: {err}") from None
-    cfg.flags["rollout.max_turns"] = episode_turn_limit(cfg.flags, env_cls, kwargs)
+    cfg.rollout.max_turns = episode_turn_limit(cfg, env_cls, kwargs)
+    _drop_irrelevant_kwargs_warning(cfg, env_cls)
     env_spec = EnvSpec(spec, cfg.env_config(), kwargs, policy.env_renders_prompt)
     factory = env_spec.factory(policy.tokenizer)  # the class resolved above, so the spec is good
     try:
@@ -152,9 +153,23 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     return RunEnvironments(env_spec, factory, prompts)
 
 
+def _drop_irrelevant_kwargs_warning(cfg: ResolvedConfig, env_cls: type) -> None:
+    """The warning that a preset's ``env.kwargs`` were dropped with its environment matters only when the
+    replacing environment could have taken some of them; otherwise it stays a note in ``inactive``."""
+    note = cfg.inactive.get("env.kwargs")
+    if note is None or note not in cfg.warnings:
+        return
+    from flashreinforce.config.presets import PRESETS
+
+    dropped = PRESETS.get(cfg.preset or "", {}).get("env.kwargs") or {}
+    params = inspect.signature(env_cls).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and not set(dropped) & set(params):
+        cfg.warnings.remove(note)
+
+
 def eval_environments(cfg: ResolvedConfig, envs: RunEnvironments, tokenizer) -> RunEnvironments:
     """The evaluation environments: ``eval.dataset`` rows when given, else the training ones."""
-    if not cfg.flags["eval.dataset"]:
+    if not cfg.eval.dataset:
         return envs
     spec = EnvSpec(envs.spec.spec, cfg.env_config(eval_split=True), envs.spec.kwargs, envs.spec.chat_template)
     factory = spec.factory(tokenizer)
@@ -166,60 +181,53 @@ def eval_environments(cfg: ResolvedConfig, envs: RunEnvironments, tokenizer) -> 
     return RunEnvironments(spec, factory, prompts)
 
 
-def total_updates(flags: Mapping[str, Any], prompts: int | None) -> int:
+def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
     """``train.max_steps``, or the updates of ``train.num_episodes`` passes over a finite prompt set."""
-    steps = flags["train.max_steps"]
+    steps = cfg.train.max_steps
     if steps:
         return int(steps)
     if prompts is None:
         raise ConfigError(f"--train.max_steps {steps} means train.num_episodes passes over a finite prompt set, but "
                           "this environment has no finite prompt set (endless seeds): give --train.max_steps N > 0")
-    steps = flags["train.num_episodes"] * prompts // flags["rollout.batch_size"]
+    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_size
     if steps <= 0:
-        raise ConfigError(f"train.num_episodes {flags['train.num_episodes']} passes over {prompts} prompts "
-                          f"make no full batch of rollout.batch_size {flags['rollout.batch_size']}")
+        raise ConfigError(f"train.num_episodes {cfg.train.num_episodes} passes over {prompts} prompts "
+                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_size}")
     return int(steps)
 
 
-def learner_settings(flags: Mapping[str, Any], total_steps: int) -> LearnerSettings:
-    """The learner's settings from the ``actor.*``, ``algo.*``, ``train.*`` and ``fsdp.*`` flags."""
-    lo, hi = flags["actor.eps_clip_low_high"]
+def learner_settings(cfg: ResolvedConfig, total_steps: int) -> LearnerSettings:
+    """The learner's settings from the ``actor``, ``algo``, ``train``, ``rollout`` and ``fsdp`` sections."""
+    a = cfg.actor
     return LearnerSettings(
-        loss_mode=flags["actor.loss_mode"], delta=flags["actor.flash_gate_delta"], neg_topq=flags["actor.flash_neg_topq"],
-        loss_agg=flags["actor.flash_loss_agg"], loss_scale_factor=flags["actor.loss_scale_factor"],
-        no_is=flags["actor.flash_no_is"], eps_clip=(lo, hi), whiten=not flags["algo.advantage.no_whiten"],
-        lr=flags["actor.adam.lr"], weight_decay=flags["actor.adam.weight_decay"], betas=tuple(flags["actor.adam.betas"]),
-        scheduler=flags["actor.lr_scheduler"], warmup_ratio=flags["actor.lr_warmup_ratio"],
-        min_lr_ratio=flags["actor.min_lr_ratio"], total_steps=total_steps, max_norm=flags["actor.max_norm"],
-        entropy_coef=flags["actor.entropy_coef"], temperature=flags["rollout.temperature"],
-        micro_batch_trajectories=flags["train.micro_batch_size"], micro_batch_tokens=flags["train.micro_batch_tokens"],
-        packed_forward=bool(flags["fsdp.packing_samples"]), share_prefixes=bool(flags["train.share_prefixes"]),
-        param_dtype=flags["fsdp.param_dtype"],
-        gradient_checkpointing=str(flags["actor.gradient_checkpoint"]).lower() in ("full", "true"))
+        loss_mode=a.loss_mode, loss=cfg.loss_options(), lr=a.adam.lr, weight_decay=a.adam.weight_decay,
+        betas=tuple(a.adam.betas), scheduler=a.lr_scheduler, warmup_ratio=a.lr_warmup_ratio, min_lr_ratio=a.min_lr_ratio,
+        total_steps=total_steps, max_norm=a.max_norm, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
+        micro_batch_trajectories=cfg.train.micro_batch_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        packed_forward=cfg.fsdp.packing_samples, share_prefixes=cfg.train.share_prefixes,
+        param_dtype=cfg.fsdp.param_dtype, gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"))
 
 
-def sampling_params(flags: Mapping[str, Any], tokenizer, *, evaluation: bool = False) -> SamplingParams:
-    """Sampling of the rollouts (``rollout.*``) or of the evaluation (``eval.*``), stopping at the
+def sampling_params(cfg: ResolvedConfig, tokenizer, *, evaluation: bool = False) -> SamplingParams:
+    """Sampling of the rollouts (``rollout``) or of the evaluation (``eval``), stopping at the
     tokenizer's end-of-sequence tokens."""
-    prefix = "eval" if evaluation else "rollout"
-    return SamplingParams(flags[f"{prefix}.temperature"], flags[f"{prefix}.top_p"], flags["rollout.top_k"],
-                          tokenizer.eos_token_ids)
+    section = cfg.eval if evaluation else cfg.rollout
+    return SamplingParams(section.temperature, section.top_p, cfg.rollout.top_k, tokenizer.eos_token_ids)
 
 
-def rollout_settings(flags: Mapping[str, Any], tokenizer, seed: int) -> RolloutSettings:
+def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettings:
     """How workers roll out: lengths, turns, sampling, episodes per engine call."""
-    return RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],
-                           max_turns=flags["rollout.max_turns"], sampling=sampling_params(flags, tokenizer),
-                           episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed,
-                           env_timeout_s=flags["rollout.env_timeout_s"])
+    return RolloutSettings(max_new_tokens=cfg.rollout.max_new_tokens, max_len=cfg.data.max_len,
+                           max_turns=cfg.rollout.max_turns, sampling=sampling_params(cfg, tokenizer),
+                           episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=seed,
+                           env_timeout_s=cfg.rollout.env_timeout_s)
 
 
-def engine_options(flags: Mapping[str, Any], seed: int) -> dict[str, Any]:
-    """The vLLM engine's options from the flags (empty for the local engine)."""
-    if flags["rollout.engine"] != "vllm":
+def engine_options(cfg: ResolvedConfig, seed: int) -> dict[str, Any]:
+    """The vLLM engine's options (empty for the local engine)."""
+    if cfg.rollout.engine != "vllm":
         return {}
-    dtype = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}.get(
-        flags["fsdp.param_dtype"], "auto")
-    return {"tensor_parallel_size": flags["vllm.tensor_parallel_size"],
-            "gpu_memory_utilization": flags["vllm.gpu_memory_utilization"], "dtype": dtype, "seed": seed,
-            "max_model_len": flags["data.max_len"]}
+    dtype = PARAM_DTYPES[cfg.fsdp.param_dtype]
+    return {"tensor_parallel_size": cfg.vllm.tensor_parallel_size,
+            "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
+            "dtype": "auto" if dtype == "float32" else dtype, "seed": seed, "max_model_len": cfg.data.max_len}

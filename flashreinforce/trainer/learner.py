@@ -27,9 +27,10 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 from torch import Tensor
 
+from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.models.attention import use_document_attention
-from flashreinforce.ops.contract import DEFAULTS
-from flashreinforce.ops.loss_modes import BatchContext, LossMode, LossOptions, MicroBatch, get_loss_mode
+from flashreinforce.objective import LossOptions
+from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
 from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
 from flashreinforce.trainer.schedule import SCHEDULERS, make_scheduler
 from flashreinforce.trainer.scoring import PolicyLogProbs
@@ -37,38 +38,30 @@ from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["BatchTotals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
 
-PARAM_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16}
+#: Learner compute dtypes: the canonical names of ``fsdp.param_dtype`` -> the autocast dtype (None: float32).
+_AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class LearnerSettings:
-    """Learner configuration (the Molt flag each field comes from in brackets).
+    """Learner configuration (the flag each field comes from in brackets).
 
-    loss_mode: a registered loss mode, ``flash_reinforce`` or ``ppo`` [actor.loss_mode]. delta [actor.flash_gate_delta],
-    neg_topq [actor.flash_neg_topq], loss_agg [actor.flash_loss_agg], loss_scale_factor
-    [actor.loss_scale_factor], no_is [actor.flash_no_is]; eps_clip [actor.eps_clip_low_high] and
-    whiten (= not algo.advantage.no_whiten) for ppo. lr, weight_decay, betas [actor.adam.*];
-    scheduler [actor.lr_scheduler], warmup_ratio [actor.lr_warmup_ratio], min_lr_ratio
-    [actor.min_lr_ratio], total_steps (optimizer steps of the run); max_norm [actor.max_norm, <= 0:
-    no clipping]; entropy_coef [actor.entropy_coef]; temperature: the sampling temperature the
-    log-probabilities are computed at [rollout.temperature]; micro_batch_trajectories
-    [train.micro_batch_size] and micro_batch_tokens (0: no limit); packed_forward
-    [fsdp.packing_samples] (one row per micro-batch with per-document attention; else padded rows);
-    share_prefixes [train.share_prefixes] (the packed forward computes a prefix that several
-    trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype; master
-    weights stay float32); gradient_checkpointing [actor.gradient_checkpoint].
+    loss_mode: a registered loss mode, ``flash_reinforce`` or ``ppo`` [actor.loss_mode]. loss: the
+    objective's options, :class:`flashreinforce.objective.LossOptions` (the actor's ``flash_*``,
+    ``loss_scale_factor`` and ``eps_clip_low_high`` flags and ``algo.advantage.no_whiten``). lr,
+    weight_decay, betas [actor.adam.*]; scheduler [actor.lr_scheduler], warmup_ratio
+    [actor.lr_warmup_ratio], min_lr_ratio [actor.min_lr_ratio], total_steps (optimizer steps of the
+    run); max_norm [actor.max_norm, <= 0: no clipping]; entropy_coef [actor.entropy_coef];
+    temperature: the sampling temperature the log-probabilities are computed at [rollout.temperature];
+    micro_batch_trajectories [train.micro_batch_size] and micro_batch_tokens (0: no limit);
+    packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
+    padded rows); share_prefixes [train.share_prefixes] (the packed forward computes a prefix that
+    several trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype;
+    master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint].
     """
 
     loss_mode: str = "flash_reinforce"
-    # The objective's own defaults (docs/semantics.md), one definition in flashreinforce.ops.contract.
-    delta: float = DEFAULTS.delta
-    neg_topq: float = DEFAULTS.negative_token_fraction
-    loss_agg: str = DEFAULTS.loss_agg
-    loss_scale_factor: float | None = DEFAULTS.loss_scale_factor
-    no_is: bool = DEFAULTS.no_is
-    eps_clip: tuple[float, float] = (0.2, 0.2)
-    whiten: bool = False
+    loss: LossOptions = field(default_factory=LossOptions)
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -88,6 +81,9 @@ class LearnerSettings:
 
     def __post_init__(self) -> None:
         get_loss_mode(self.loss_mode)  # raises ValueError naming the known modes
+        if not isinstance(self.loss, LossOptions):
+            raise TypeError(f"LearnerSettings.loss must be a flashreinforce.objective.LossOptions, got "
+                            f"{type(self.loss).__name__}")
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"actor.lr_scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.param_dtype not in PARAM_DTYPES:
@@ -104,16 +100,14 @@ class LearnerSettings:
             raise ValueError(f"the learner's temperature must be positive and finite, got {self.temperature}")
 
     @property
-    def loss_options(self) -> LossOptions:
-        """The options the loss mode reads."""
-        return LossOptions(delta=self.delta, neg_topq=self.neg_topq, loss_agg=self.loss_agg,
-                           loss_scale_factor=self.loss_scale_factor, no_is=self.no_is, eps_clip=tuple(self.eps_clip),
-                           whiten=self.whiten)
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The learner's autocast dtype (``None``: float32, no autocast)."""
+        return _AUTOCAST[PARAM_DTYPES[self.param_dtype]]
 
     @property
     def needs_entropy(self) -> bool:
         """Whether the learner computes token entropies (the loss mode reads them, or the bonus is on)."""
-        return get_loss_mode(self.loss_mode).needs_entropy(self.loss_options) or self.entropy_coef != 0.0
+        return get_loss_mode(self.loss_mode).needs_entropy(self.loss) or self.entropy_coef != 0.0
 
 
 @dataclass
@@ -142,7 +136,7 @@ class BatchTotals:
         gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
         if gids.numel() != b:
             raise ValueError(f"group_ids has {gids.numel()} entries for {b} trajectories")
-        advantages = get_loss_mode(settings.loss_mode).advantages(rewards, gids, settings.loss_options)
+        advantages = get_loss_mode(settings.loss_mode).advantages(rewards, gids, settings.loss)
         return cls(num_trajectories=b, reward_baseline=float(rewards.mean()),
                    policy_tokens=sum(t.num_action_tokens for t in trajectories), advantages=advantages)
 
@@ -383,7 +377,7 @@ class Learner:
         """The keyword arguments of :func:`flashreinforce.trainer.scoring.token_log_probs` for this learner."""
         s = self.settings
         return {"temperature": s.temperature, "with_entropy": with_entropy, "packed_forward": s.packed_forward,
-                "pad_token_id": self.pad_token_id, "autocast_dtype": PARAM_DTYPES[s.param_dtype],
+                "pad_token_id": self.pad_token_id, "autocast_dtype": s.autocast_dtype,
                 "share_prefixes": s.share_prefixes}
 
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
@@ -395,7 +389,7 @@ class Learner:
         batch = MicroBatch(log_probs=logp, behavior_log_probs=mb.behavior_log_probs.to(dev), rewards=mb.rewards.to(dev),
                            cu_seqlens=mb.cu_seqlens.to(dev), action_mask=mb.action_mask.to(dev),
                            failures=mb.failures.to(dev), rows=torch.tensor([rows[i] for i in mb.rows]), entropies=ent)
-        loss, per_trajectory, sums = self.loss_mode.loss(batch, totals.context(), s.loss_options)
+        loss, per_trajectory, sums = self.loss_mode.loss(batch, totals.context(), s.loss)
         for name, values in per_trajectory.items():
             out.per_trajectory[name][local] = values.detach().double().cpu()
         for name, value in sums.items():

@@ -120,9 +120,10 @@ class WandbSink(MetricSink):
         self.run.finish(exit_code=0 if status == "completed" else 1)
 
 
-def open_sinks(flags: Mapping[str, Any], out: str | Path, *, config: Mapping[str, Any] | None = None,
+def open_sinks(logger: Any, out: str | Path, *, config: Mapping[str, Any] | None = None,
                initial_step: int = 0, resume: bool = False, rank: int | None = None) -> list[MetricSink]:
-    """The trackers the flags turn on (empty by default, and on every rank but 0).
+    """The trackers the ``logger`` section (:class:`flashreinforce.config.sections.LoggerConfig`) turns on
+    (empty by default, and on every rank but 0).
 
     ``initial_step``: the step a resumed run continues from. ``rank``: this process's rank
     (default ``$RANK``, 0 without torchrun).
@@ -132,12 +133,12 @@ def open_sinks(flags: Mapping[str, Any], out: str | Path, *, config: Mapping[str
         return []
     sinks: list[MetricSink] = []
     try:
-        if flags.get("logger.tensorboard.dir"):
-            sinks.append(TensorBoardSink(flags["logger.tensorboard.dir"],
+        if logger.tensorboard.dir:
+            sinks.append(TensorBoardSink(logger.tensorboard.dir,
                                          purge_step=initial_step + 1 if resume and initial_step else None))
-        if flags.get("logger.wandb.project"):
-            sinks.append(WandbSink(flags["logger.wandb.project"], out=out, run_name=flags.get("logger.wandb.run_name"),
-                                   config=config, resume=resume))
+        if logger.wandb.project:
+            sinks.append(WandbSink(logger.wandb.project, out=out, run_name=logger.wandb.run_name, config=config,
+                                   resume=resume))
     except BaseException:
         close_sinks(sinks, "failed")
         raise

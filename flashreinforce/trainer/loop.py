@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
 from flashreinforce.trainer import components
 from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
                                                 learner_state_to_restore, save_checkpoint, trim_history)
-from flashreinforce.trainer.faults import Watchdog, fault_metrics
+from flashreinforce.trainer.faults import FaultMetrics, Watchdog
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
 from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
@@ -61,10 +61,9 @@ class Trainer:
         if not cfg.output:
             raise ConfigError("--output DIR is required")
         self.cfg = cfg
-        f = cfg.flags
         self.out = Path(cfg.output)
-        self.ckpt_dir = Path(f["ckpt.path"] or self.out / "checkpoints")
-        self.hf_dir = Path(f["ckpt.output_dir"] or self.out / "hf")
+        self.ckpt_dir = Path(cfg.ckpt.path or self.out / "checkpoints")
+        self.hf_dir = Path(cfg.ckpt.output_dir or self.out / "hf")
         self.device = components.device_of(cfg.device)
         self._interrupted = threading.Event()
         self._evaluator: Evaluator | None = None
@@ -77,7 +76,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
-        cfg, f = self.cfg, self.cfg.flags
+        cfg = self.cfg
         if cfg.torch_threads:
             torch.set_num_threads(int(cfg.torch_threads))
         random.seed(cfg.seed)
@@ -87,25 +86,25 @@ class Trainer:
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.envs = components.load_environments(cfg, policy)
         self.num_prompts = self.envs.num_prompts
-        self.max_steps = components.total_updates(f, self.num_prompts)
-        settings = components.learner_settings(f, self.max_steps)
+        self.max_steps = components.total_updates(cfg, self.num_prompts)
+        settings = components.learner_settings(cfg, self.max_steps)
         if cfg.resume:  # the weights go in before any sharding of the model, on every rank
             self._resume_point = ResumePoint.load(self.ckpt_dir, cfg.resume, self.model)
         if self.dist is not None:
             from flashreinforce.distributed.data_parallel import DataParallelLearner
 
             self.learner = DataParallelLearner(self.model, settings, self.dist, pad_token_id=self.tokenizer.pad_token_id,
-                                               strategy=f["fsdp.strategy"])
+                                               strategy=cfg.fsdp.strategy)
         else:
             self.learner = Learner(self.model, settings, pad_token_id=self.tokenizer.pad_token_id)
         self.step = 0
         self.counters: dict[str, float] = {"skipped_updates": 0, "wall_time_s": 0.0}
         if not self._leads:
             return
-        self.rollout = start_rollout_side(f, num_prompts=self.num_prompts, vocab_size=self.tokenizer.vocab_size,
+        self.rollout = start_rollout_side(cfg, num_prompts=self.num_prompts, vocab_size=self.tokenizer.vocab_size,
                                           seed=cfg.seed)
         self.buffer, self.weights = self.rollout.buffer, self.rollout.weights
-        self.rollout_settings = components.rollout_settings(f, self.tokenizer, cfg.seed)
+        self.rollout_settings = components.rollout_settings(cfg, self.tokenizer, cfg.seed)
 
     @property
     def _leads(self) -> bool:
@@ -134,30 +133,30 @@ class Trainer:
             state["optimizer_format"] = learner_state["optimizer_format"]
         model = self.learner.full_model() if self.learner.sharded else self.model
         return save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
-                               state=state, tokenizer=self.tokenizer, max_keep=self.cfg.flags["ckpt.max_ckpt_num"])
+                               state=state, tokenizer=self.tokenizer, max_keep=self.cfg.ckpt.max_ckpt_num)
 
     def _make_workers(self) -> RolloutBackend:
         return self.rollout.make_workers(
-            self.cfg.flags, learner=self.learner, model_config=self.model.config, tokenizer=self.tokenizer,
+            self.cfg, learner=self.learner, model_config=self.model.config, tokenizer=self.tokenizer,
             env_spec=self.envs.spec, env_factory=self.envs.factory, settings=self.rollout_settings,
-            engine_options=components.engine_options(self.cfg.flags, self.cfg.seed), device=self.device,
+            engine_options=components.engine_options(self.cfg, self.cfg.seed), device=self.device,
             torch_threads=self.cfg.torch_threads)
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
         """Mean reward and success rate of the current policy on the evaluation prompts."""
         if self._evaluator is None:
-            f = self.cfg.flags
+            cfg = self.cfg
             envs = components.eval_environments(self.cfg, self.envs, self.tokenizer)
             if envs is self.envs:
-                seeds = eval_seeds(envs.num_prompts, f["eval.num_prompts"])
+                seeds = eval_seeds(envs.num_prompts, cfg.eval.num_prompts)
             else:  # every row of the evaluation dataset
-                seeds = eval_seeds(envs.num_prompts, envs.num_prompts or f["eval.num_prompts"])
+                seeds = eval_seeds(envs.num_prompts, envs.num_prompts or cfg.eval.num_prompts)
             self._evaluator = Evaluator(
                 env_factory=envs.factory, seeds=seeds, model=self.learner.full_model(self.device),
                 tokenizer=self.tokenizer, weights=self.weights, rollout_settings=self.rollout_settings,
-                sampling=components.sampling_params(f, self.tokenizer, evaluation=True),
-                n_samples=f["eval.n_samples_per_prompt"], episodes_per_call=f["rollout.vllm_generate_batch_size"],
+                sampling=components.sampling_params(cfg, self.tokenizer, evaluation=True),
+                n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.vllm_generate_batch_size,
                 seed=self.cfg.seed + 1)
         return self._evaluator.evaluate(self.learner.version)
 
@@ -240,15 +239,16 @@ class Trainer:
                 self.learner.stop()
 
     def _write_config(self) -> None:
-        cfg, f = self.cfg, self.cfg.flags
+        cfg = self.cfg
         record = cfg.to_json()
         record.update(max_steps=self.max_steps, loss_impl=self.learner.loss_impl, num_prompts=self.num_prompts,
                       device=str(self.device), torch_threads=torch.get_num_threads(),
                       tokenizer_kind=type(self.tokenizer).__name__,
                       learner_ranks=1 if self.dist is None else self.dist.world_size,
-                      learner_strategy=None if self.dist is None else f["fsdp.strategy"],
-                      rollout_backend=f["rollout.backend"], rollout_engine=f["rollout.engine"])
+                      learner_strategy=None if self.dist is None else cfg.fsdp.strategy,
+                      rollout_backend=cfg.rollout.backend, rollout_engine=cfg.rollout.engine)
         (self.out / "config.json").write_text(json.dumps(record, indent=1, default=str))
+        write_config_file(cfg, self.out / "config.yaml")  # what --config and --resume read
 
     def _take_batch(self, pool: RolloutBackend):
         """The next batch, or ``None`` once interrupted; checks the workers and the watchdog
@@ -263,7 +263,7 @@ class Trainer:
         return batch
 
     def _train(self) -> dict[str, Any]:
-        cfg, f = self.cfg, self.cfg.flags
+        cfg = self.cfg
         self._write_config()
         for w in cfg.warnings:
             log.warning(w)
@@ -274,9 +274,10 @@ class Trainer:
                                        initial=self.step)
         pool = None
         status = "completed"
-        self._watchdog = Watchdog(f["train.stall_timeout_s"], f["rollout.max_failed_episodes_in_a_row"])
+        self._watchdog = Watchdog(cfg.train.stall_timeout_s, cfg.rollout.max_failed_episodes_in_a_row)
+        fault_metrics = FaultMetrics(log)  # per-update environment-call timeouts, and their warning
         try:
-            if f["eval.eval_at_start"] and self.step == 0:
+            if cfg.eval.eval_at_start and self.step == 0:
                 ev = self.evaluate()
                 self._write_eval(ev)
                 metrics_log.log_eval(self.step, ev)
@@ -312,13 +313,13 @@ class Trainer:
                     wall_time_before=self.counters["wall_time_s"])
                 record.update(fault_metrics(buffer_stats, worker_stats))
                 t_last = now
-                if f["eval.steps"] and self.step % f["eval.steps"] == 0:
+                if cfg.eval.steps and self.step % cfg.eval.steps == 0:
                     ev = self.evaluate()
                     self._write_eval(ev)
                     record.update(ev)
                     t_last = time.perf_counter()
                 metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
-                if f["ckpt.save_steps"] and self.step % f["ckpt.save_steps"] == 0:
+                if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
                     self._save()
             self.counters["wall_time_s"] += time.perf_counter() - t_run
         except KeyboardInterrupt:

@@ -235,13 +235,13 @@ def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: in
     starts (or resumes) from. Raises ``ImportError`` naming the install line when a tracker's
     package is missing.
     """
-    f = cfg.flags
+    log_cfg = cfg.logger
     resume = bool(cfg.resume)
-    sinks = open_sinks(f, out, config=cfg.to_json(), initial_step=initial, resume=resume)
-    samples = SampleLog(out, tokenizer, every=f["logger.log_samples_steps"], per_update=f["logger.log_samples_num"],
+    sinks = open_sinks(log_cfg, out, config=cfg.to_json(), initial_step=initial, resume=resume)
+    samples = SampleLog(out, tokenizer, every=log_cfg.log_samples_steps, per_update=log_cfg.log_samples_num,
                         initial_step=initial if resume else 0)
-    watch = ZeroSignalWatch(f["logger.warn_zero_variance_steps"], tokenizer, initial_step=initial)
-    return MetricsLog(out, total=total, initial=initial, progress=cfg.progress, logging_steps=f["logger.logging_steps"],
+    watch = ZeroSignalWatch(log_cfg.warn_zero_variance_steps, tokenizer, initial_step=initial)
+    return MetricsLog(out, total=total, initial=initial, progress=cfg.progress, logging_steps=log_cfg.logging_steps,
                       sinks=sinks, samples=samples, watch=watch)
 
 

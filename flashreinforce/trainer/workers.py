@@ -9,11 +9,11 @@ object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
-from flashreinforce.config import ConfigError
+from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
@@ -36,25 +36,25 @@ class RolloutSide:
     weights: WeightStore
     ray: Any = None
 
-    def make_workers(self, flags: Mapping[str, Any], *, learner: PolicyLearner, model_config, tokenizer,
+    def make_workers(self, cfg: ResolvedConfig, *, learner: PolicyLearner, model_config, tokenizer,
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
                      engine_options: dict[str, Any], device: torch.device,
                      torch_threads: int | None) -> RolloutBackend:
         """The rollout workers (not started): ``rollout.num_workers`` (``vllm.num_engines`` with vLLM)."""
-        engine_kind = flags["rollout.engine"]
-        num_workers = flags["vllm.num_engines"] if engine_kind == "vllm" else flags["rollout.num_workers"]
+        engine_kind = cfg.rollout.engine
+        num_workers = cfg.vllm.num_engines if engine_kind == "vllm" else cfg.rollout.num_workers
         if self.ray is not None:
             from flashreinforce.distributed.ray import WorkerRecipe
 
             recipe = WorkerRecipe(model_config=model_config, engine=engine_kind, tokenizer=tokenizer, env=env_spec,
-                                  settings=settings, group_size=flags["rollout.n_samples_per_prompt"],
+                                  settings=settings, group_size=cfg.rollout.n_samples_per_prompt,
                                   engine_options=engine_options, torch_threads=torch_threads)
-            gpus = flags["ray.num_gpus_per_worker"]
+            gpus = cfg.ray.num_gpus_per_worker
             if gpus is None:
-                gpus = flags["vllm.tensor_parallel_size"] if engine_kind == "vllm" else 0.0
-            return self.ray.backend(recipe, num_workers, num_cpus=flags["ray.num_cpus_per_worker"], num_gpus=gpus,
-                                    max_restarts=flags["ray.max_restarts"], resources=flags["ray.worker_resources"],
-                                    strategy=flags["ray.scheduling_strategy"])
+                gpus = cfg.vllm.tensor_parallel_size if engine_kind == "vllm" else 0.0
+            return self.ray.backend(recipe, num_workers, num_cpus=cfg.ray.num_cpus_per_worker, num_gpus=gpus,
+                                    max_restarts=cfg.ray.max_restarts, resources=cfg.ray.worker_resources,
+                                    strategy=cfg.ray.scheduling_strategy)
         workers = []
         for i in range(num_workers):
             if engine_kind == "vllm":
@@ -74,29 +74,29 @@ class RolloutSide:
             ray.close()
 
 
-def start_rollout_side(flags: Mapping[str, Any], *, num_prompts: int | None, vocab_size: int,
+def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
                        seed: int) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
     ``train.async_queue_size`` batches ahead, ``train.max_policy_lag``) over the shuffled prompt
     stream, and the weight store, on the configured backend."""
-    buffer_kwargs = dict(batch_groups=flags["rollout.batch_size"], group_size=flags["rollout.n_samples_per_prompt"],
-                         async_queue_size=flags["train.async_queue_size"], max_policy_lag=flags["train.max_policy_lag"],
+    buffer_kwargs = dict(batch_groups=cfg.rollout.batch_size, group_size=cfg.rollout.n_samples_per_prompt,
+                         async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed)
-    if flags["rollout.engine"] == "vllm":
+    if cfg.rollout.engine == "vllm":
         from flashreinforce.engines.vllm import import_vllm
 
         try:
             import_vllm()
         except ImportError as err:
             raise ConfigError(f"--rollout.engine vllm: {err}") from None
-    if flags["rollout.backend"] == "ray":
+    if cfg.rollout.backend == "ray":
         from flashreinforce.distributed.ray import RayRollout, import_ray
 
         try:
             import_ray()
         except ImportError as err:
             raise ConfigError(f"--rollout.backend ray: {err}") from None
-        ray = RayRollout.create(address=flags["ray.address"], buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
+        ray = RayRollout.create(address=cfg.ray.address, buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
         return RolloutSide(ray.buffer, ray.weights, ray)
     return RolloutSide(RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs)), LocalWeightStore())

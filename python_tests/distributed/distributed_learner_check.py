@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2ForCausalLM
 
+from flashreinforce.objective import LossOptions
 from flashreinforce.distributed.data_parallel import DataParallelLearner, distributed_context
 from flashreinforce.trainer.learner import Learner, LearnerSettings
 from flashreinforce.trainer.trajectory import Trajectory
@@ -146,7 +147,7 @@ def run_case(ctx, name: str, strategy: str, settings: LearnerSettings, trajs, gr
 def run_resume_case(ctx) -> dict:
     """fully_shard: gather the full optimizer state and weights, restore them into a new sharded
     learner, and check that its next update equals the original learner's."""
-    settings = LearnerSettings(lr=1e-2, weight_decay=0.1, delta=float("inf"), micro_batch_trajectories=2,
+    settings = LearnerSettings(lr=1e-2, weight_decay=0.1, loss=LossOptions(delta=float("inf")), micro_batch_trajectories=2,
                                packed_forward=False, scheduler="cosine_with_min_lr", total_steps=5, warmup_ratio=0.2)
     base = tiny_model(5, True)
     b1, b2 = batch(21, 5), batch(22, 6)
@@ -184,31 +185,35 @@ def main() -> None:
     torch.set_num_threads(1)
     ctx = distributed_context("cpu")
     trajs = batch(11, 7)
-    base = dict(lr=1e-2, weight_decay=0.1, max_norm=1.0, delta=2e-3, temperature=0.9)
+    base = dict(lr=1e-2, weight_decay=0.1, max_norm=1.0, loss=LossOptions(delta=2e-3), temperature=0.9)
     cases = [
         ("flash_micro2_padded", "replicate", LearnerSettings(**base, micro_batch_trajectories=2, packed_forward=False),
          trajs, None, True),
         ("flash_packed_untied", "replicate", LearnerSettings(**base, packed_forward=True), trajs, None, False),
         ("token_mean_filter", "replicate",
-         LearnerSettings(**base, neg_topq=0.5, loss_agg="token-mean", micro_batch_tokens=40, packed_forward=False),
+         LearnerSettings(**{**base, "loss": LossOptions(delta=2e-3, negative_token_fraction=0.5, loss_agg="token-mean")},
+                         micro_batch_tokens=40, packed_forward=False),
          trajs, None, True),
         ("ppo_groups_split", "replicate",
-         LearnerSettings(**{**base, "delta": 3e-3}, loss_mode="ppo", micro_batch_trajectories=3, packed_forward=False),
+         LearnerSettings(**{**base, "loss": LossOptions(delta=3e-3)}, loss_mode="ppo", micro_batch_trajectories=3,
+                         packed_forward=False),
          trajs[:6], [0, 0, 1, 1, 2, 2], True),
         # B = 1: rank 1 gets no trajectory (the entropy bonus makes the gradient non-zero).
         ("one_trajectory", "replicate", LearnerSettings(**base, entropy_coef=0.1, packed_forward=False), trajs[:1],
          None, True),
-        ("overflow_skips_everywhere", "replicate", LearnerSettings(**{**base, "delta": float("inf")},
+        ("overflow_skips_everywhere", "replicate", LearnerSettings(**{**base, "loss": LossOptions(delta=float("inf"))},
                                                                    packed_forward=False),
          batch(12, 5, overflow=True), None, True),
         ("fsdp_flash_micro2", "fully_shard", LearnerSettings(**base, micro_batch_trajectories=2, packed_forward=False),
          trajs, None, True),
-        ("fsdp_untied_filter", "fully_shard", LearnerSettings(**base, neg_topq=0.5, packed_forward=False),
+        ("fsdp_untied_filter", "fully_shard",
+         LearnerSettings(**{**base, "loss": LossOptions(delta=2e-3, negative_token_fraction=0.5)}, packed_forward=False),
          trajs, None, False),
         ("fsdp_one_trajectory", "fully_shard", LearnerSettings(**base, entropy_coef=0.1, packed_forward=False),
          trajs[:1], None, True),
         ("fsdp_overflow_skips_everywhere", "fully_shard",
-         LearnerSettings(**{**base, "delta": float("inf")}, micro_batch_trajectories=1, packed_forward=False),
+         LearnerSettings(**{**base, "loss": LossOptions(delta=float("inf"))}, micro_batch_trajectories=1,
+                         packed_forward=False),
          batch(12, 5, overflow=True), None, True),
     ]
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None

@@ -72,7 +72,7 @@ set +e
 echo $? >"$LOGS/first.rc"
 ls -A "$DISK/run/checkpoints" >"$LOGS/first.listing"
 mount -o remount,size=16m "$DISK"
-"$@" --output "$DISK/run" --train.max_steps 3 --resume >"$LOGS/second.out" 2>"$LOGS/second.err"
+"$@" --output "$DISK/run" --train.max_steps 3 --ckpt.save_steps 10 --resume >"$LOGS/second.out" 2>"$LOGS/second.err"
 echo $? >"$LOGS/second.rc"
 ls -A "$DISK/run/checkpoints" >"$LOGS/second.listing"
 cp "$DISK/run/metrics.jsonl" "$LOGS/metrics.jsonl"

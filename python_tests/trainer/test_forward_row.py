@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from flashreinforce.objective import LossOptions
 from flashreinforce.trainer.forward_row import forward_row
 from flashreinforce.trainer.learner import Learner, LearnerSettings
 from flashreinforce.trainer.packing import micro_batches, pack
@@ -115,7 +116,7 @@ def test_random_batches_map_every_token():
 
 
 def _learner(model, **kwargs):
-    return Learner(model, LearnerSettings(delta=0.05, lr=1e-3, temperature=0.9, **kwargs))
+    return Learner(model, LearnerSettings(loss=LossOptions(delta=0.05), lr=1e-3, temperature=0.9, **kwargs))
 
 
 def test_the_update_and_its_statistics_do_not_depend_on_the_forward():

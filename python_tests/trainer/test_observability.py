@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from flashreinforce.objective import LossOptions
 from flashreinforce.config.resolution import resolve
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.diagnostics import ZeroSignalWatch, has_reward_signal
@@ -163,7 +164,7 @@ def test_metrics_log_decodes_nothing_when_samples_are_off(tmp_path):
 def test_learner_step_returns_per_trajectory_gate_statistics():
     rng = random.Random(0)
     trajs = [random_trajectory(rng, 40) for _ in range(5)]
-    learner = Learner(tiny_causal_lm(40, seed=1), LearnerSettings(delta=3e-3, lr=1e-3), pad_token_id=0)
+    learner = Learner(tiny_causal_lm(40, seed=1), LearnerSettings(loss=LossOptions(delta=3e-3), lr=1e-3), pad_token_id=0)
     metrics = learner.step(trajs)
     per = metrics["per_trajectory"]
     assert set(per) == {"sequence_kl", "admitted", "retained"}
@@ -240,10 +241,10 @@ def test_flat_scalars_flattens_dicts_and_drops_text():
 
 
 def test_trackers_are_off_by_default_and_on_other_ranks(tmp_path):
-    flags = resolve({}).flags
-    assert open_sinks(flags, tmp_path) == []
-    flags = dict(flags, **{"logger.tensorboard.dir": str(tmp_path / "tb")})
-    assert open_sinks(flags, tmp_path, rank=1) == [] and not (tmp_path / "tb").exists()
+    logger = resolve({}).logger
+    assert open_sinks(logger, tmp_path) == []
+    logger.tensorboard.dir = str(tmp_path / "tb")
+    assert open_sinks(logger, tmp_path, rank=1) == [] and not (tmp_path / "tb").exists()
 
 
 def test_a_missing_tracker_package_is_a_config_error_naming_the_install_line(monkeypatch):
@@ -267,11 +268,12 @@ def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install 'flashreinforce[tensorboard]')")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    flags = dict(resolve({}).flags, **{"logger.tensorboard.dir": str(tmp_path / "tb")})
+    logger = resolve({}).logger
+    logger.tensorboard.dir = str(tmp_path / "tb")
     trajs = [episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")], info={"failure_kind": "wrong_answer"})]
     records = [record_of(trajs, step) for step in (1, 2, 3)]
     records[1].update(eval_reward_mean=0.25)
-    (sink,) = open_sinks(flags, tmp_path)
+    (sink,) = open_sinks(logger, tmp_path)
     for r in records:
         sink.log(r["step"], r)
     sink.close()
@@ -283,7 +285,7 @@ def test_tensorboard_events_read_back_with_tensorboards_reader(tmp_path):
     assert [(e.step, e.value) for e in acc.Scalars("reward_mean")] == [(1, 0.5), (2, 0.5), (3, 0.5)]
     assert [(e.step, e.value) for e in acc.Scalars("eval_reward_mean")] == [(2, 0.25)]
     # a resumed run from step 2 drops the earlier session's step 3 and logs it again
-    (sink,) = open_sinks(flags, tmp_path, initial_step=2, resume=True)
+    (sink,) = open_sinks(logger, tmp_path, initial_step=2, resume=True)
     sink.log(3, dict(records[2], reward_mean=0.75))
     sink.close()
     acc = EventAccumulator(str(tmp_path / "tb"))

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from flashreinforce.objective import LossOptions
 from flashreinforce.trainer.learner import Learner, LearnerSettings
 from flashreinforce.trainer.schedule import lr_factor
 from flashreinforce.trainer.scoring import token_log_probs
@@ -128,7 +129,7 @@ def test_learner_gradient_matches_float64_reference(micro, packed, q, agg):
             kls.append(max(0.0, d / len(pos)))
     ks = sorted(kls)
     delta = (ks[4] + ks[5]) / 2
-    learner = Learner(model, LearnerSettings(delta=delta, neg_topq=q, loss_agg=agg, temperature=0.9,
+    learner = Learner(model, LearnerSettings(loss=LossOptions(delta=delta, negative_token_fraction=q, loss_agg=agg), temperature=0.9,
                                              micro_batch_trajectories=micro, packed_forward=packed))
     learner.optimizer.zero_grad()
     stats = learner.accumulate_gradients(trajs)
@@ -149,7 +150,7 @@ def test_ppo_mode_gradient_is_micro_batch_invariant():
     out = []
     for micro in (0, 3):
         model = copy.deepcopy(base)
-        learner = Learner(model, LearnerSettings(loss_mode="ppo", eps_clip=(0.2, 0.2), micro_batch_trajectories=micro))
+        learner = Learner(model, LearnerSettings(loss_mode="ppo", loss=LossOptions(eps_clip=(0.2, 0.2)), micro_batch_trajectories=micro))
         learner.optimizer.zero_grad()
         learner.accumulate_gradients(trajs, groups)
         out.append(grads(model))
@@ -169,7 +170,7 @@ def test_lr_schedule():
 
 def test_state_round_trip_gives_the_same_next_update():
     base = tiny_model(6)
-    settings = LearnerSettings(lr=1e-2, delta=float("inf"), scheduler="cosine_with_min_lr", warmup_ratio=0.2,
+    settings = LearnerSettings(lr=1e-2, loss=LossOptions(delta=float("inf")), scheduler="cosine_with_min_lr", warmup_ratio=0.2,
                                total_steps=10)
     a = Learner(copy.deepcopy(base), settings)
     for k in range(3):
@@ -189,7 +190,7 @@ def test_state_round_trip_gives_the_same_next_update():
 
 def test_non_finite_gradient_skips_the_step():
     model = tiny_model(7)
-    learner = Learner(model, LearnerSettings(lr=1e-2, delta=float("inf")))
+    learner = Learner(model, LearnerSettings(lr=1e-2, loss=LossOptions(delta=float("inf"))))
     before = copy.deepcopy(model.state_dict())
     trajs = random_batch(1, model, n=3)
     with torch.no_grad():

@@ -33,7 +33,7 @@ def _turns(monkeypatch, spec=SPEC, env_turns=None, **flags):
                    **({"env.kwargs": {"max_turns": env_turns}} if env_turns is not None else {})})
     kwargs = dict(cfg.env_kwargs)
     env_cls = TurnsEnv if spec == SPEC else NoTurnsEnv
-    turns = components.episode_turn_limit(cfg.flags, env_cls, kwargs)
+    turns = components.episode_turn_limit(cfg, env_cls, kwargs)
     return turns, kwargs.get("max_turns")
 
 

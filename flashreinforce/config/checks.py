@@ -1,0 +1,166 @@
+"""The checks of a whole configuration: each field against its flag, each section, and the rules
+across sections (shared with the published settings, :mod:`flashreinforce.config.rules`); and the
+notes on flags that have no effect on this runtime (``inactive``). Values this runtime cannot honour
+in a way that would change results are errors (:class:`~flashreinforce.config.schema.ConfigError`),
+never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from functools import lru_cache
+from typing import Any, Mapping, Sequence
+
+from flashreinforce.config.rules import rule_violations
+from flashreinforce.config.schema import ConfigError, flag_table
+
+__all__ = ["parse_worker_resources", "raise_errors", "validate"]
+
+
+@lru_cache(maxsize=None)
+def _flags(cls: type):
+    return flag_table(cls)
+
+
+def raise_errors(errors: list[str]) -> None:
+    if len(errors) == 1:  # one line naming the flag
+        raise ConfigError(errors[0])
+    raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> tuple[dict[str, float], ...]:
+    """``--ray.worker_resources``: ``None``, a mapping, a list of mappings, or their JSON text -> one
+    mapping (Ray resource name -> amount) per slot; worker ``i`` takes slot ``i % len``. ``CPU`` and
+    ``GPU`` are refused (they have their own flags); amounts must be positive numbers."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{flag}: not JSON ({err}): {value!r}") from None
+    slots = [value] if isinstance(value, Mapping) else value
+    if not isinstance(slots, Sequence) or not slots or not all(isinstance(x, Mapping) for x in slots):
+        raise ValueError(f"{flag} must be a JSON object of resource amounts or a non-empty list of them, got "
+                         f"{value!r}")
+    out = []
+    for slot in slots:
+        clean = {}
+        for name, amount in slot.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{flag}: give {name} with --ray.num_{name.lower()}s_per_worker, not as a custom "
+                                 "resource")
+            if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
+                raise ValueError(f"{flag}: resource {name!r} needs a positive amount, got {amount!r}")
+            clean[str(name)] = float(amount)
+        out.append(clean)
+    return tuple(out)
+
+
+def validate(cfg) -> None:
+    """Check ``cfg`` (a :class:`~flashreinforce.config.trainer_config.TrainerConfig`) as a whole (every field against its flag, each section, the rules across
+    sections) and record the flags without effect; ``ConfigError`` naming every broken rule."""
+    errors: list[str] = []
+    for f in _flags(type(cfg)):  # a Python user may have set fields directly
+        try:
+            cfg.set(f.name, cfg[f.name])
+        except ConfigError as err:
+            errors.append(str(err))
+    if errors:
+        raise_errors(errors)
+    cfg.inactive = {k: v for k, v in cfg.inactive.items() if k == "env.kwargs"}
+    cfg.warnings = []
+    for f in dataclasses.fields(cfg):
+        if "section" in f.metadata:
+            section = getattr(cfg, f.name)
+            if hasattr(section, "validate"):
+                section.validate(errors)
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
+        errors.append(f"--seed must be an integer, got {cfg.seed!r}")
+    if cfg.torch_threads is not None and (not isinstance(cfg.torch_threads, int) or cfg.torch_threads <= 0):
+        errors.append(f"--torch_threads must be a positive integer, got {cfg.torch_threads}")
+    _check(cfg, errors)
+    if errors:
+        raise_errors(errors)
+
+
+def _check(cfg, errors: list[str]) -> None:
+    v = cfg.flags
+    inactive = cfg.inactive
+    warn = cfg.warnings
+    if v["ray.worker_resources"] is not None:
+        try:
+            parse_worker_resources(v["ray.worker_resources"])
+        except ValueError as err:
+            errors.append(str(err))
+    if "env.kwargs" in inactive:  # a preset's environment arguments, dropped with its environment
+        warn.append(inactive["env.kwargs"])
+    for f in _flags(type(cfg)):
+        if f.no_effect:
+            inactive[f.name] = f.no_effect
+
+    # The rules every run obeys (shared with the published experiment settings).
+    errors.extend(rule_violations(v, native=True))
+    for n in ("fsdp.tp_size", "fsdp.ep_size", "fsdp.cp_size"):
+        if v[n] not in (None, 1) and v[n] > 1:
+            errors.append(f"--{n} {v[n]}: the native learner runs on one device; only 1 is supported")
+    mode = v["actor.loss_mode"]
+    if mode == "flash_reinforce":
+        agg, lsf = v["actor.flash_loss_agg"], v["actor.loss_scale_factor"]
+        if agg != "seq-mean-token-sum-norm" and lsf is not None:
+            inactive["actor.loss_scale_factor"] = f"only used by flash_loss_agg seq-mean-token-sum-norm (agg is {agg})"
+        for n in ("actor.eps_clip_low_high", "algo.advantage.no_whiten"):
+            inactive[n] = "only used by actor.loss_mode ppo"
+    else:
+        for n in [f.name for f in _flags(type(cfg)) if f.name.startswith("actor.flash_")] + ["actor.loss_scale_factor"]:
+            inactive[n] = f"dropped: actor.loss_mode is {mode}"
+
+    # Flags without an effect on this runtime: accepted and recorded, never misapplied.
+    if v["rollout.engine"] == "vllm":
+        if "rollout.num_workers" in cfg.explicit and v["rollout.num_workers"] != v["vllm.num_engines"]:
+            errors.append(f"--rollout.num_workers {v['rollout.num_workers']} and --vllm.num_engines "
+                          f"{v['vllm.num_engines']} disagree: with --rollout.engine vllm every worker runs one vLLM "
+                          "engine; give --vllm.num_engines")
+        inactive["rollout.num_workers"] = "rollout.engine vllm: one worker per vLLM engine (vllm.num_engines)"
+        inactive["vllm.sync_backend"] = ("weights travel through the weight store (Ray object store or this process) "
+                                         "and vLLM's RPC; no NCCL broadcast to vLLM engines")
+    else:
+        for n in ("vllm.num_engines", "vllm.tensor_parallel_size", "vllm.sync_backend",
+                  "vllm.gpu_memory_utilization"):
+            inactive[n] = "no vLLM engine (rollout.engine hf; workers: rollout.num_workers)"
+    if v["rollout.backend"] != "ray":
+        for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts",
+                  "ray.worker_resources", "ray.scheduling_strategy"):
+            inactive[n] = "rollout.backend is local (workers are threads of this process)"
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    for n in ("actor.num_nodes", "actor.num_gpus_per_node"):
+        inactive[n] = ("the learner's ranks are torchrun's (WORLD_SIZE): launch with torchrun --nnodes N "
+                       "--nproc-per-node G")
+        if v[n] > 1 and ranks <= 1:
+            warn.append(f"--{n} {v[n]}: this run has one learner process; launch with torchrun for a data-parallel "
+                        "learner (the update is the same, only slower)")
+    if ranks <= 1:
+        inactive["fsdp.strategy"] = "one learner process (not launched by torchrun)"
+    inactive["actor.optim"] = "adam and adamw both mean torch.optim.AdamW (decoupled weight decay)" \
+        if v["actor.optim"] == "adam" else inactive.get("actor.optim", "")
+    if not inactive["actor.optim"]:
+        del inactive["actor.optim"]
+    if v["eval.steps"] == 0 and v["eval.every_min"] == 0 and not v["eval.eval_at_start"]:
+        for n in ("eval.dataset", "eval.n_samples_per_prompt", "eval.temperature", "eval.top_p", "eval.num_prompts"):
+            inactive[n] = "no evaluation (eval.steps 0 and no eval.eval_at_start)"
+    if v["data.prompt_dataset"] is None:
+        for n in ("data.input_key", "data.label_key", "data.max_samples"):
+            inactive[n] = "no data.prompt_dataset"
+    if v["train.max_steps"]:
+        inactive["train.num_episodes"] = "train.max_steps sets the number of updates"
+    if v["logger.wandb.run_name"] is not None and not v["logger.wandb.project"]:
+        inactive["logger.wandb.run_name"] = "no W&B logging (logger.wandb.project not given)"
+    if v["logger.log_samples_steps"] == 0:
+        inactive["logger.log_samples_num"] = "no samples (logger.log_samples_steps 0)"
+    for n, package in (("logger.tensorboard.dir", "tensorboard"), ("logger.wandb.project", "wandb")):
+        if v[n] and importlib.util.find_spec(package) is None:
+            errors.append(f"--{n} needs the {package} package, which is not installed: "
+                          f"pip install 'flashreinforce[{package}]'  (or: pip install {package})")

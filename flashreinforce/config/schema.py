@@ -1,0 +1,172 @@
+"""How a configuration field describes its flag: one declaration gives the Python field, the
+command-line flag and the config-file key, with one help text, one type and one set of bounds.
+
+A section is a dataclass whose fields are made with :func:`option` (a value) or :func:`section` (a
+nested section). The dotted path of a field is its flag's name: ``TrainerConfig.actor.adam.lr`` is
+``--actor.adam.lr`` and ``actor: {adam: {lr: ...}}`` (or ``actor.adam.lr: ...``) in a config file.
+:func:`flag_table` walks the sections into :class:`Flag` rows; :func:`check_value` checks one value
+against its row (kind, choices, bounds) and returns it normalized.
+
+Kinds: ``float`` (``inf`` allowed), ``int``, ``str``, ``bool``, ``float2`` (two floats), ``json`` (any
+JSON value); ``nullable`` fields also take ``None`` (``none`` on the command line).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import Any, Callable
+
+__all__ = ["INT_LIMIT", "KINDS", "ConfigError", "Flag", "check_value", "flag_table", "get_path", "option", "section",
+           "set_path"]
+
+#: Kinds of flag values.
+KINDS = ("float", "int", "str", "bool", "float2", "json")
+#: Integer flags are bounded (a count beyond this is a typo, not a plan).
+INT_LIMIT = 2**31 - 1
+
+
+class ConfigError(ValueError):
+    """A flag value the native trainer refuses (the message names the flag)."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag: its dotted name, kind, default, help, and what values it takes.
+
+    choices: the allowed values (a tuple, or a function giving them, for names that live in a
+    registry). minimum/maximum: numeric bounds (``above``: the minimum itself is excluded).
+    nullable: ``None`` allowed. no_effect: why the flag never changes anything on this runtime (the
+    value is recorded as inactive with this reason).
+    """
+
+    name: str
+    type: str
+    default: Any
+    help: str
+    choices: tuple | Callable[[], tuple] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    above: bool = False
+    nullable: bool = False
+    no_effect: str | None = None
+
+    def allowed(self) -> tuple | None:
+        """The allowed values, asked of the registry when the choices are a function."""
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def option(kind: str, default: Any, help: str, *, choices: tuple | Callable[[], tuple] | None = None,
+           minimum: float | None = None, maximum: float | None = None, above: bool = False,
+           nullable: bool | None = None, no_effect: str | None = None) -> Any:
+    """A configuration field (see :class:`Flag`); ``nullable`` defaults to ``default is None``."""
+    if kind not in KINDS:
+        raise TypeError(f"option: unknown kind {kind!r}")
+    meta = {"flag": dict(type=kind, default=default, help=help, choices=choices, minimum=minimum, maximum=maximum,
+                         above=above, nullable=default is None if nullable is None else nullable,
+                         no_effect=no_effect)}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str = "") -> Any:
+    """A nested section field (its own dataclass)."""
+    return field(default_factory=cls, metadata={"section": help})
+
+
+def flag_table(root: type, prefix: str = "") -> tuple[Flag, ...]:
+    """Every option under the dataclass ``root``, as :class:`Flag` rows named by their dotted path."""
+    rows: list[Flag] = []
+    for f in dataclasses.fields(root):
+        name = f"{prefix}{f.name}"
+        if "section" in f.metadata:
+            rows.extend(flag_table(f.default_factory, f"{name}."))
+        elif "flag" in f.metadata:
+            rows.append(Flag(name=name, **f.metadata["flag"]))
+    return tuple(rows)
+
+
+def get_path(obj: Any, name: str) -> Any:
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_path(obj: Any, name: str, value: Any) -> None:
+    *parents, last = name.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, last, value)
+
+
+def _number(flag: Flag, value: Any, integer: bool) -> int | float:
+    what = "an integer" if integer else "a number"
+    if isinstance(value, str):  # a config file's "1e-5", "inf"
+        try:
+            value = int(value) if integer else float(value)
+        except ValueError:
+            raise ConfigError(f"--{flag.name} must be {what}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, Integral if integer else Real):
+        if integer and isinstance(value, float) and value.is_integer() and abs(value) <= INT_LIMIT:
+            return int(value)
+        raise ConfigError(f"--{flag.name} must be {what}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def _bounds(flag: Flag, value: float) -> None:
+    low, high = flag.minimum, flag.maximum
+    if flag.type == "int":
+        low = -INT_LIMIT if low is None else low
+        high = INT_LIMIT if high is None else high
+    if low is None and high is None:
+        return
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError(f"--{flag.name} must be a number, got nan")
+    too_low = low is not None and (value <= low if flag.above else value < low)
+    if too_low or (high is not None and value > high):
+        positive = (flag.minimum == 1 and flag.type == "int") or (flag.minimum == 0 and flag.above)
+        if positive and flag.maximum is None and too_low:
+            raise ConfigError(f"--{flag.name} must be positive, got {value:g}")
+        if low is not None and high is not None:
+            span = f"in {'(' if flag.above else '['}{low:g}, {high:g}]"
+        elif low is not None:
+            span = f"{'>' if flag.above else '>='} {low:g}"
+        else:
+            span = f"<= {high:g}"
+        raise ConfigError(f"--{flag.name} must be {span}, got {value:g}")
+
+
+def check_value(flag: Flag, value: Any) -> Any:
+    """``value`` checked against ``flag`` and normalized (numbers to int/float, pairs to tuples).
+
+    Raises :class:`ConfigError` naming the flag.
+    """
+    if value is None:
+        if flag.nullable:
+            return None
+        raise ConfigError(f"--{flag.name} needs a value (it cannot be none)")
+    kind = flag.type
+    if kind in ("float", "int"):
+        value = _number(flag, value, kind == "int")
+        _bounds(flag, value)
+    elif kind == "bool":
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            value = value.strip().lower() in ("true", "1", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"--{flag.name} must be true or false, got {value!r}")
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise ConfigError(f"--{flag.name} must be a string, got {value!r}")
+    elif kind == "float2":
+        if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != 2:
+            raise ConfigError(f"--{flag.name} takes two numbers, got {value!r}")
+        value = tuple(_number(flag, x, False) for x in value)
+        for x in value:
+            _bounds(flag, x)
+    allowed = flag.allowed()
+    if allowed is not None and value not in allowed:
+        raise ConfigError(f"--{flag.name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+    return value

@@ -1,0 +1,297 @@
+"""The sections of a run's configuration, one dataclass each: every field is a flag.
+
+``TrainerConfig.rollout.batch_size`` is ``--rollout.batch_size`` and ``rollout: {batch_size: 128}``
+in a config file (Molt's dotted names, so users move between the two trainers unchanged). Each
+field carries its help, kind and bounds (:func:`flashreinforce.config.schema.option`); a section's
+:meth:`validate` adds the checks that involve several of its fields. Checks across sections and the
+notes on flags without effect are :mod:`flashreinforce.config.resolution`'s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from flashreinforce.config.schema import option, section
+from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
+
+__all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
+           "EvalConfig", "FsdpConfig", "KLConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
+           "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig", "WandbConfig"]
+
+#: Learner compute dtypes by the names ``fsdp.param_dtype`` takes (aliases map to the canonical name).
+PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                "fp16": "float16", "float16": "float16"}
+
+_ONE_DEVICE = "the native learner runs on one device per process; only 1 is supported"
+
+
+@dataclass
+class AdamConfig:
+    lr: float = option("float", 1e-6, "learning rate", minimum=0, maximum=math.inf)
+    weight_decay: float = option("float", 0.1, "decoupled weight decay", minimum=0)
+    betas: tuple[float, float] = option("float2", (0.9, 0.95), "Adam betas (two numbers in [0, 1))", minimum=0)
+
+    def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.lr) or not math.isfinite(self.weight_decay):
+            errors.append(f"--actor.adam.lr and --actor.adam.weight_decay must be finite, got {self.lr} and "
+                          f"{self.weight_decay}")
+        if not all(0 <= b < 1 for b in self.betas):
+            errors.append(f"--actor.adam.betas must both lie in [0, 1), got {self.betas[0]:g} {self.betas[1]:g}")
+
+
+@dataclass
+class ActorConfig:
+    """The policy: model, loss, optimizer and schedule."""
+
+    model_name_or_path: str | None = option(
+        "str", None, "policy model: a local Hugging Face checkpoint directory, a .gguf file, the alias "
+        "smollm2-135m-instruct, a run directory (its newest checkpoint), a model config JSON, or a built-in tiny "
+        "config name (tiny-qwen2); alias --model")
+    loss_mode: str = option("str", "flash_reinforce", "loss mode, a name registered in flashreinforce.objective."
+                            "LOSS_MODE_REGISTRY: flash_reinforce (the fused loss) or ppo (GRPO comparison)",
+                            choices=loss_mode_names)
+    # 1e-3 is the published runs' shared value (the settings' common flags), which a trainer launched
+    # without a setting inherits; the loss functions' own default, 3e-3, is the value of the published
+    # math settings (R1, Qwen2.5-Math) that override it (docs/semantics.md).
+    # The loss options' values are checked once, by flashreinforce.objective.LossOptions (config.rules).
+    flash_gate_delta: float = option("float", 1e-3, "trust threshold delta of the sequence Bernoulli-KL gate "
+                                     "(inf: off)")
+    flash_gate_level: str = option("str", "seq", "gate level; only seq (whole trajectories) exists", choices=("seq",))
+    flash_neg_topq: float = option("float", 1.0, "entropy filter q in [0, 1]: failed trajectories keep ceil(q T) "
+                                   "tokens (1: off)")
+    flash_loss_agg: str = option("str", LOSS_AGGREGATIONS[0], "loss aggregation", choices=LOSS_AGGREGATIONS)
+    loss_scale_factor: float | None = option("float", None, "constant divisor of seq-mean-token-sum-norm")
+    flash_no_is: bool = option("bool", False, "no importance correction (ratio 1; the gate admits everything)")
+    eps_clip_low_high: tuple[float, float] = option("float2", (0.2, 0.2), "PPO ratio clip range (low high), "
+                                                    "loss_mode ppo")
+    entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")
+    optim: str = option("str", "adam", "optimizer: adam (decoupled weight decay, i.e. AdamW) or adamw",
+                        choices=("adam", "adamw"))
+    adam: AdamConfig = section(AdamConfig)
+    lr_scheduler: str = option("str", "cosine_with_min_lr", "learning-rate schedule",
+                               choices=("cosine_with_min_lr", "constant", "constant_with_warmup"))
+    lr_warmup_ratio: float = option("float", 0.03, "warmup steps as a fraction of the run's optimizer steps",
+                                    minimum=0, maximum=1)
+    min_lr_ratio: float = option("float", 0.1, "final learning rate of cosine_with_min_lr, as a fraction of lr",
+                                 minimum=0, maximum=1)
+    max_norm: float = option("float", 1.0, "gradient-norm clipping threshold (<= 0: no clipping)")
+    gradient_checkpoint: str = option("str", "none", "activation checkpointing of the learner model: full or none",
+                                      choices=("full", "none", "true", "false"))
+    num_nodes: int = option("int", 1, "learner nodes (the learner's ranks are torchrun's)", minimum=1)
+    num_gpus_per_node: int = option("int", 1, "learner GPUs per node (the learner's ranks are torchrun's)", minimum=1)
+
+    def validate(self, errors: list[str]) -> None:
+        self.adam.validate(errors)
+        if not math.isfinite(self.entropy_coef) or not math.isfinite(self.max_norm):
+            errors.append(f"--actor.entropy_coef and --actor.max_norm must be finite, got {self.entropy_coef} and "
+                          f"{self.max_norm}")
+
+
+@dataclass
+class RefConfig:
+    num_nodes: int = option("int", 1, "reference-model nodes", minimum=1,
+                            no_effect="no reference model (algo.kl.init_coef is 0)")
+    num_gpus_per_node: int = option("int", 1, "reference-model GPUs per node", minimum=1,
+                                    no_effect="no reference model (algo.kl.init_coef is 0)")
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = option("str", "flash_reinforce", "flash_reinforce (reward minus batch mean) or grpo (reward "
+                            "minus prompt-group mean)", choices=("flash_reinforce", "grpo"))
+    is_correction_level: str = option("str", "off", "external importance correction; must be off (the fused loss "
+                                      "does its own behavior correction)")
+    no_whiten: bool = option("bool", False, "grpo: do not divide advantages by the group std")
+
+
+@dataclass
+class KLConfig:
+    init_coef: float = option("float", 0.0, "KL-to-reference coefficient; must be 0 (no reference model)")
+
+
+@dataclass
+class AlgoConfig:
+    advantage: AdvantageConfig = section(AdvantageConfig)
+    kl: KLConfig = section(KLConfig)
+
+
+@dataclass
+class CkptConfig:
+    path: str | None = option("str", None, "training-state checkpoints directory (default OUTPUT/checkpoints)")
+    output_dir: str | None = option("str", None, "final Hugging Face model export directory (default OUTPUT/hf)")
+    save_steps: int = option("int", 10, "checkpoint every this many updates (0: only at the end and on Ctrl-C)",
+                             minimum=0)
+    max_ckpt_num: int = option("int", 3, "checkpoints kept (oldest removed first)", minimum=0)
+
+
+@dataclass
+class DataConfig:
+    prompt_dataset: str | None = option("str", None, "prompt dataset (JSONL/JSON/Parquet file, or a datasets "
+                                        "save_to_disk folder) for dataset-driven environments and --reward")
+    input_key: str = option("str", "prompt", "dataset key of the prompt")
+    label_key: str = option("str", "reward_model", "dataset key of the label")
+    max_samples: int | None = option("int", None, "use the first N dataset rows", minimum=1)
+    max_len: int = option("int", 1024, "tokens per trajectory at most (prompt, actions and observations)", minimum=1)
+    apply_chat_template: bool = option("bool", False, "render prompts with the tokenizer's chat template")
+
+
+@dataclass
+class EvalConfig:
+    dataset: str | None = option("str", None, "evaluation prompt dataset (default: the environment's own eval seeds)")
+    steps: int = option("int", 0, "evaluate every this many updates (0: never)", minimum=0)
+    every_min: float = option("float", 0.0, "also evaluate every this many minutes of training time (evaluations and "
+                              "checkpoints excluded; 0: never); rollouts pause during evaluations", minimum=0)
+    eval_at_start: bool = option("bool", False, "evaluate before the first update")
+    n_samples_per_prompt: int = option("int", 1, "samples per evaluation prompt", minimum=1)
+    temperature: float = option("float", 0.7, "evaluation sampling temperature (0: greedy)", minimum=0)
+    top_p: float = option("float", 0.7, "evaluation top-p", minimum=0, maximum=1, above=True)
+    num_prompts: int = option("int", 64, "evaluation prompts of an environment without a finite prompt set",
+                              minimum=1)
+
+    def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.temperature) or not math.isfinite(self.every_min):
+            errors.append(f"--eval.temperature and --eval.every_min must be finite, got {self.temperature} and "
+                          f"{self.every_min}")
+
+
+@dataclass
+class FsdpConfig:
+    attn_implementation: str | None = option("str", None, "attention implementation of the models (eager, sdpa, "
+                                             "flash_attention_2; default: transformers' choice)")
+    packing_samples: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
+                                   "attention (no [S, S] mask), no padding; false: padded rows")
+    param_dtype: str = option("str", "fp32", "learner compute dtype (autocast; float32 master weights)",
+                              choices=tuple(PARAM_DTYPES))
+    tp_size: int = option("int", 1, f"tensor-parallel size ({_ONE_DEVICE})", minimum=1)
+    ep_size: int = option("int", 1, f"expert-parallel size ({_ONE_DEVICE})", minimum=1)
+    cp_size: int = option("int", 1, f"context-parallel size ({_ONE_DEVICE})", minimum=1)
+    strategy: str = option("str", "replicate", "data-parallel learner under torchrun: replicate (whole model per "
+                           "rank, gradients all-reduced) or fully_shard (FSDP2: parameters, gradients and optimizer "
+                           "state sharded)", choices=("replicate", "fully_shard"))
+
+
+@dataclass
+class TensorBoardConfig:
+    dir: str | None = option("str", None, "write TensorBoard event files (the metrics.jsonl keys) to this directory "
+                             "(optional extra flashreinforce[tensorboard])")
+
+
+@dataclass
+class WandbConfig:
+    project: str | None = option("str", None, "log the metrics.jsonl keys to this Weights & Biases project "
+                                 "(optional extra flashreinforce[wandb]; WANDB_MODE=offline works without network)")
+    run_name: str | None = option("str", None, "W&B run name (default: the output directory's name)")
+
+
+@dataclass
+class LoggerConfig:
+    logging_steps: int = option("int", 1, "print a log line every this many updates (metrics.jsonl gets every "
+                                "update)", minimum=1)
+    tensorboard: TensorBoardConfig = section(TensorBoardConfig)
+    wandb: WandbConfig = section(WandbConfig)
+    log_samples_steps: int = option("int", 10, "write decoded trajectories to OUTPUT/samples.jsonl every this many "
+                                    "updates (0: never)", minimum=0)
+    log_samples_num: int = option("int", 4, "trajectories written per sample step", minimum=1)
+    warn_zero_variance_steps: int = option("int", 5, "warn once when each of the first N updates had no reward "
+                                           "variance, so nothing was learned (0: never)", minimum=0)
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = option("int", 128, "prompts per learner batch", minimum=1)
+    n_samples_per_prompt: int = option("int", 1, "samples per prompt (1 for flash_reinforce)", minimum=1)
+    max_new_tokens: int = option("int", 512, "sampled tokens per turn at most", minimum=1)
+    max_turns: int | None = option("int", None, "policy turns per episode at most (default: $MAX_AGENT_TURNS if set, "
+                                   "else the environment's own limit; the environment gets the same value)", minimum=1)
+    temperature: float = option("float", 1.0, "sampling temperature (also used for the learner's log-probabilities)",
+                                minimum=0, above=True)
+    top_p: float = option("float", 1.0, "sampling top-p", minimum=0, maximum=1, above=True)
+    top_k: int = option("int", 0, "sampling top-k (0: off)", minimum=0)
+    micro_batch_size: int = option("int", 1, "Molt's rollout forward micro-batch", minimum=0,
+                                   no_effect="behavior log-probs come from the sampler; there is no rollout forward pass")
+    vllm_generate_batch_size: int = option("int", 16, "episodes a rollout worker samples together", minimum=1)
+    num_workers: int = option("int", 2, "rollout workers running concurrently with the learner (engine vllm: "
+                              "vllm.num_engines)", minimum=1)
+    backend: str = option("str", "local", "where workers run: local (threads of the learner process) or ray (Ray "
+                          "actors; see --ray.*)", choices=("local", "ray"))
+    engine: str = option("str", "hf", "rollout engine: hf (a Hugging Face model in the worker's process) or vllm "
+                         "(optional extra flashreinforce[vllm], needs CUDA)", choices=("hf", "vllm"))
+    env_timeout_s: float = option("float", 120.0, "seconds an environment call (reset, step) may take; its episode "
+                                  "is then quarantined and the environment instance abandoned (0: no limit)", minimum=0)
+    max_failed_episodes_in_a_row: int = option("int", 256, "stop the run when this many episodes in a row were "
+                                               "quarantined or rejected (0: never)", minimum=0)
+
+    def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.temperature):
+            errors.append(f"--rollout.temperature must be positive and finite, got {self.temperature}")
+        if not math.isfinite(self.env_timeout_s):
+            errors.append(f"--rollout.env_timeout_s must be a finite number of seconds >= 0 (0: no limit), "
+                          f"got {self.env_timeout_s}")
+
+
+@dataclass
+class RayConfig:
+    address: str | None = option("str", None, "Ray cluster to join (auto, HOST:PORT, ray://...; default "
+                                 "$RAY_ADDRESS); without one a local Ray instance is started for the run and stopped "
+                                 "after it")
+    num_cpus_per_worker: float = option("float", 1.0, "Ray CPUs each rollout worker actor reserves", minimum=0)
+    num_gpus_per_worker: float | None = option("float", None, "Ray GPUs each rollout worker actor reserves "
+                                               "(default: vllm.tensor_parallel_size with the vllm engine, else 0; "
+                                               "fractions share a GPU)", minimum=0)
+    max_restarts: int = option("int", 3, "restarts per rollout worker after its process dies (-1: unlimited)",
+                               minimum=-1)
+    worker_resources: object = option("json", None, "custom Ray resources each rollout worker reserves: a JSON "
+                                      "object, or a list of objects that workers take in turn (e.g. "
+                                      "[{\"node_a\": 1}, {\"node_b\": 1}])")
+    scheduling_strategy: str = option("str", "default", "how Ray places rollout workers: default (Ray's: nodes near "
+                                      "the driver first) or spread (over as many nodes as possible)",
+                                      choices=("default", "spread"))
+
+
+@dataclass
+class TrainConfig:
+    agent_path: str | None = option("str", None, "environment: MODULE:CLASS, a .py file (optionally FILE.py:CLASS), "
+                                    "or a shipped name (math, python_tool); alias --env")
+    batch_size: int = option("int", 128, "trajectories per update = rollout.batch_size * n_samples_per_prompt",
+                             minimum=1)
+    micro_batch_size: int = option("int", 1, "trajectories per learner micro-batch (0: all)", minimum=0)
+    micro_batch_tokens: int = option("int", 0, "tokens per learner micro-batch at most (0: no limit)", minimum=0)
+    share_prefixes: bool = option("bool", True, "packed forward: compute once a token prefix that several "
+                                  "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, "
+                                  "found from the token ids")
+    max_epochs: int = option("int", 1, "optimizer passes over each batch; must be 1")
+    num_episodes: int = option("int", 1, "passes over a finite prompt set (sets the number of updates)", minimum=1)
+    max_steps: int = option("int", 0, "optimizer updates (0: num_episodes passes over the prompt set)", minimum=0,
+                            maximum=10**9)
+    async_queue_size: int = option("int", 1, "batches that may be in flight ahead of the learner (0: synchronous)",
+                                   minimum=0)
+    max_policy_lag: int | None = option("int", None, "drop trajectories more than this many versions old (none: "
+                                        "keep)", minimum=0)
+    stall_timeout_s: float = option("float", 1800.0, "stop the run when no trajectory arrived for this many seconds "
+                                    "while the learner waited for its batch (0: never)", minimum=0)
+    force_on_policy: bool = option("bool", False, "Molt's one-update-per-batch switch",
+                                   no_effect="every collected batch gets exactly one optimizer step on this runtime")
+    colocate_fsdp_models: bool = option("bool", False, "Molt's model colocation switch",
+                                        no_effect="learner and rollout engines already share this process")
+
+    def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.stall_timeout_s):
+            errors.append(f"--train.stall_timeout_s must be a finite number of seconds >= 0 (0: no limit), "
+                          f"got {self.stall_timeout_s}")
+
+
+@dataclass
+class VllmConfig:
+    num_engines: int = option("int", 1, "vLLM engines, one per rollout worker (rollout.engine vllm)", minimum=1)
+    tensor_parallel_size: int = option("int", 1, "GPUs per vLLM engine", minimum=1)
+    sync_backend: str = option("str", "nccl", "Molt's weight-sync backend (weights travel through the weight store "
+                               "and vLLM's RPC here)")
+    gpu_memory_utilization: float = option("float", 0.9, "fraction of each GPU a vLLM engine may take", minimum=0,
+                                           maximum=1, above=True)
+
+
+#: The sections in flag order: (name, class).
+SECTIONS = (("actor", ActorConfig), ("ref", RefConfig), ("algo", AlgoConfig), ("ckpt", CkptConfig),
+            ("data", DataConfig), ("eval", EvalConfig), ("fsdp", FsdpConfig), ("logger", LoggerConfig),
+            ("rollout", RolloutConfig), ("ray", RayConfig), ("train", TrainConfig), ("vllm", VllmConfig))

@@ -1,0 +1,298 @@
+"""The configuration of a run as one typed object: the sections (every flag) and the run's options.
+
+:class:`TrainerConfig` is what ``flashreinforce train`` resolves from its command line and what a
+Python user builds directly::
+
+    from flashreinforce import TrainerConfig, train
+
+    config = TrainerConfig.from_preset("toy", output="runs/api")
+    config.train.max_steps = 50          # the field of --train.max_steps
+    train(config)
+
+``config.flags`` is the same configuration as a flat mapping of dotted flag names, which the
+cross-section rules (shared with the published settings) and the environments read.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from flashreinforce.config.checks import raise_errors, validate
+from flashreinforce.config.schema import ConfigError, check_value, flag_table, get_path, section, set_path
+from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
+                                            LoggerConfig, RayConfig, RefConfig, RolloutConfig, TrainConfig,
+                                            VllmConfig)
+from flashreinforce.objective import OPTION_FLAGS, LossOptions
+
+__all__ = ["RUN_OPTIONS", "TrainerConfig"]
+
+#: The run's own options (not Molt flags): name -> help. ``env`` and ``model`` are aliases of
+#: ``train.agent_path`` and ``actor.model_name_or_path``.
+RUN_OPTIONS = {
+    "preset": "a named preset (see --help); other settings override it",
+    "env": "environment (alias of --train.agent_path)",
+    "env.kwargs": "JSON object of environment constructor arguments",
+    "model": "policy model (alias of --actor.model_name_or_path)",
+    "reward": "a reward function MODULE:FUNC or FILE.py:FUNC, optionally =WEIGHT (repeatable): reward(prompt, "
+              "completion, **row) -> float over --data.prompt_dataset, summed with the weights; no Environment needed",
+    "tokenizer": "char, or a local tokenizer directory (default: the model's)",
+    "output": "run directory: config.yaml, metrics.jsonl, checkpoints",
+    "resume": "continue from the last checkpoint (or the checkpoint directory given), with the run's config.yaml",
+    "seed": "run seed (default 0)",
+    "device": "learner and engine device: auto, cpu, cuda, cuda:N (default auto)",
+    "torch_threads": "torch intra-op threads (default: torch's)",
+    "no_progress": "no progress bar",
+    "overwrite": "start over in an --output that holds an earlier run: delete its records and checkpoints first",
+    "allow_config_change": "with --resume: continue although what the run is (model, environment, preset, loss) "
+                           "differs from its config.yaml",
+    "config": "a YAML or JSON file of settings (keys: flag names, nested by section or dotted; a preset: key "
+              "allowed); flags override it, it overrides the preset",
+}
+
+
+@dataclass
+class TrainerConfig:
+    """A run's configuration.
+
+    Sections (``actor``, ``algo``, ``ckpt``, ``data``, ``eval``, ``fsdp``, ``logger``, ``ray``,
+    ``ref``, ``rollout``, ``train``, ``vllm``): every flag, as typed fields. Run options: ``preset``,
+    ``env_kwargs``, ``rewards`` (reward-function specs), ``tokenizer``, ``output``, ``resume``, ``seed``,
+    ``device``, ``torch_threads``, ``progress``, ``overwrite``, ``allow_config_change``. Set by the
+    resolution: ``inactive`` (flag -> why it has no effect here), ``warnings``, ``explicit`` (flags
+    given on the command line), ``config_file``.
+    """
+
+    actor: ActorConfig = section(ActorConfig)
+    ref: RefConfig = section(RefConfig)
+    algo: AlgoConfig = section(AlgoConfig)
+    ckpt: CkptConfig = section(CkptConfig)
+    data: DataConfig = section(DataConfig)
+    eval: EvalConfig = section(EvalConfig)
+    fsdp: FsdpConfig = section(FsdpConfig)
+    logger: LoggerConfig = section(LoggerConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+    ray: RayConfig = section(RayConfig)
+    train: TrainConfig = section(TrainConfig)
+    vllm: VllmConfig = section(VllmConfig)
+    preset: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    rewards: list[str] = field(default_factory=list)
+    tokenizer: str | None = None
+    output: str | None = None
+    resume: str | None = None
+    seed: int = 0
+    device: str = "auto"
+    torch_threads: int | None = None
+    progress: bool = True
+    overwrite: bool = False
+    allow_config_change: bool = False
+    config_file: str | None = None
+    inactive: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    explicit: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_flags(cls, values: Mapping[str, Any], **run_options: Any) -> "TrainerConfig":
+        """A config from flag values by dotted name (each checked against its flag) and run options."""
+        cfg = cls(**run_options)
+        for name, value in values.items():
+            cfg.set(name, value)
+        return cfg
+
+    @classmethod
+    def from_layers(cls, given: Mapping[str, Any], preset: Mapping[str, Any] | None = None,
+                    file: Mapping[str, Any] | None = None) -> "TrainerConfig":
+        """The defaults, then ``preset``, ``file`` and ``given`` (flat dotted keys: flags, aliases and run
+        options), last wins; each value checked against its flag (the whole is checked by
+        :func:`flashreinforce.config.checks.validate`)."""
+        preset, file = dict(preset or {}), dict(file or {})
+        cfg = cls()
+        errors: list[str] = []
+        run: dict[str, Any] = {}
+        layers = (preset, file, given)
+        for layer in layers:
+            for key, value in layer.items():
+                if key in FLAG_BY_NAME:
+                    try:
+                        cfg.set(key, value)
+                    except ConfigError as err:
+                        errors.append(str(err))
+                elif key in _RUN_FIELD or key == "no_progress":
+                    run[key] = value
+                elif key not in _ALIASES:
+                    errors.append(unknown_flag_message(key))
+            # --model / --env: the alias of a layer overrides earlier layers; within a layer the alias and
+            # its flag must agree.
+            for alias, name in _ALIASES.items():
+                value, flag_value = layer.get(alias), layer.get(name)
+                if value is not None and flag_value is not None and value != flag_value:
+                    errors.append(f"--{alias} {value!r} and --{name} {flag_value!r} disagree; give one of them")
+                elif value is not None:
+                    try:
+                        cfg.set(name, value)
+                    except ConfigError as err:
+                        errors.append(str(err))
+        if errors:
+            raise_errors(errors)
+
+        env_kwargs = run.get("env.kwargs") or {}
+        if not isinstance(env_kwargs, dict):
+            raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {env_kwargs!r}")
+        # A preset's environment arguments belong to the preset's environment: an --env that replaces it
+        # (a user's class, perhaps with a plain constructor) does not get them.
+        preset_env = preset.get("train.agent_path") or preset.get("env")
+        dropped = None
+        given_kwargs = any("env.kwargs" in layer for layer in (file, given))
+        if "env.kwargs" in preset and not given_kwargs and cfg.train.agent_path != preset_env:
+            dropped, env_kwargs = env_kwargs, {}
+        rewards = run.get("reward") or []
+        if isinstance(rewards, str):
+            rewards = [rewards]
+        overwrite = bool(run.get("overwrite", False))
+        if overwrite and run.get("resume"):
+            raise ConfigError("--overwrite and --resume contradict each other: --resume continues the run in --output, "
+                              "--overwrite deletes it first; give one of them")
+        cfg.preset = run.get("preset")
+        cfg.env_kwargs = dict(env_kwargs)
+        cfg.rewards = [str(r) for r in rewards]
+        cfg.tokenizer = run.get("tokenizer")
+        cfg.output = run.get("output")
+        cfg.resume = run.get("resume")
+        cfg.seed = run.get("seed", 0)
+        cfg.device = str(run.get("device", "auto"))
+        cfg.torch_threads = run.get("torch_threads")
+        cfg.progress = not bool(run.get("no_progress", False))
+        cfg.overwrite = overwrite
+        cfg.allow_config_change = bool(run.get("allow_config_change", False))
+        cfg.config_file = run.get("config")
+        cfg.explicit = sorted(k for k in given if k in FLAG_BY_NAME)
+        if dropped:
+            cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {dropped} for its environment "
+                                          f"{preset_env}, which --env {cfg.train.agent_path} replaces: dropped (give "
+                                          "--env.kwargs to pass arguments)")
+        return cfg
+
+    @classmethod
+    def from_preset(cls, name: str, **run_options: Any) -> "TrainerConfig":
+        """The defaults with the preset ``name`` applied (``ConfigError`` listing the presets for an
+        unknown one); ``run_options`` (``output``, ``seed``, ...) as keyword arguments."""
+        from flashreinforce.config.presets import PRESETS
+
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        cfg = cls.from_layers({}, dict(PRESETS[name], preset=name))
+        validate(cfg)
+        for key, value in run_options.items():
+            if key not in RUN_FIELDS:
+                raise ConfigError(f"TrainerConfig.from_preset: unknown run option {key!r}; run options: "
+                                  f"{', '.join(sorted(RUN_FIELDS))} (set flags on the sections, e.g. "
+                                  "config.train.max_steps = 20)")
+            setattr(cfg, key, value)
+        return cfg
+
+    # ------------------------------------------------------------------ flat access
+    @property
+    def flags(self) -> dict[str, Any]:
+        """Every flag's value by dotted name (a fresh dict: set values with :meth:`set`)."""
+        return {f.name: get_path(self, f.name) for f in FLAGS}
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in FLAG_BY_NAME:
+            raise KeyError(name)
+        return get_path(self, name)
+
+    def set(self, name: str, value: Any) -> None:
+        """Set flag ``name`` (dotted) to ``value``, checked and normalized (``ConfigError`` naming it)."""
+        flag = FLAG_BY_NAME.get(name)
+        if flag is None:
+            raise ConfigError(unknown_flag_message(name))
+        set_path(self, name, check_value(flag, value))
+
+    def loss_options(self) -> LossOptions:
+        """The loss options of the actor's flags (``ConfigError`` naming the flag of a bad value)."""
+        values = {opt: self[flag] for opt, flag in OPTION_FLAGS.items()}
+        values["whiten"] = not values["whiten"]  # the flag is algo.advantage.no_whiten
+        values["eps_clip"] = tuple(values["eps_clip"])
+        if values["loss_agg"] != "seq-mean-token-sum-norm":
+            values["loss_scale_factor"] = None  # recorded as inactive, not applied
+        try:
+            return LossOptions(**values)
+        except (TypeError, ValueError) as err:
+            text = str(err)
+            option = text.split(" ", 1)[0]
+            if option in OPTION_FLAGS:
+                text = OPTION_FLAGS[option] + text[len(option):]
+            raise ConfigError(text) from None
+
+    def copy(self) -> "TrainerConfig":
+        return copy.deepcopy(self)
+
+    # ------------------------------------------------------------------ records
+    def to_json(self) -> dict[str, Any]:
+        """The record written to ``OUTPUT/config.json``."""
+        return {"flags": self.flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
+                "env_kwargs": self.env_kwargs, "rewards": self.rewards, "tokenizer": self.tokenizer,
+                "output": self.output, "resume": self.resume, "seed": self.seed, "device": self.device,
+                "torch_threads": self.torch_threads, "explicit_flags": self.explicit,
+                "config_file": self.config_file}
+
+    def to_file(self) -> dict[str, Any]:
+        """The resolved settings in the config-file format (``--config``): nested by section, run options
+        as top-level keys; reading it back gives the same configuration."""
+        out: dict[str, Any] = {"preset": self.preset}
+        for f in dataclasses.fields(self):
+            if "section" in f.metadata:
+                out[f.name] = _section_dict(getattr(self, f.name))
+        out.update({"env.kwargs": dict(self.env_kwargs), "reward": list(self.rewards), "tokenizer": self.tokenizer,
+                    "seed": self.seed, "device": self.device, "torch_threads": self.torch_threads})
+        return out
+
+    def env_config(self, *, eval_split: bool = False) -> dict[str, Any]:
+        """The flat config an environment factory receives (dotted flags plus ``env.kwargs``)."""
+        cfg = self.flags
+        cfg["env.kwargs"] = dict(self.env_kwargs)
+        if eval_split:
+            cfg["data.prompt_dataset"] = self.data.prompt_dataset if self.eval.dataset is None else self.eval.dataset
+        return cfg
+
+
+def _section_dict(obj: Any) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        out[f.name] = _section_dict(value) if "section" in f.metadata else (list(value) if isinstance(value, tuple)
+                                                                            else value)
+    return out
+
+
+# Run options as they come from a layer (command-line dest / config-file key) -> TrainerConfig field.
+_RUN_FIELD = {"preset": "preset", "env.kwargs": "env_kwargs", "reward": "rewards", "tokenizer": "tokenizer",
+              "output": "output", "resume": "resume", "seed": "seed", "device": "device",
+              "torch_threads": "torch_threads", "overwrite": "overwrite", "allow_config_change": "allow_config_change",
+              "config": "config_file"}
+_ALIASES = {"model": "actor.model_name_or_path", "env": "train.agent_path"}
+
+#: Every flag, in section order, from the sections' fields.
+FLAGS = flag_table(TrainerConfig)
+FLAG_BY_NAME = {f.name: f for f in FLAGS}
+#: The run options' field names (what ``from_preset`` and the Python API take as keywords).
+RUN_FIELDS = ("preset", "env_kwargs", "rewards", "tokenizer", "output", "resume", "seed", "device", "torch_threads",
+              "progress", "overwrite", "allow_config_change")
+
+
+def unknown_flag_message(name: str) -> str:
+    """``unknown flag --NAME``, with the closest known names."""
+    import difflib
+
+    known = list(FLAG_BY_NAME) + [k for k in RUN_OPTIONS]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if not close:  # a misspelt last part: match on it alone within the section
+        tail = name.rsplit(".", 1)[-1]
+        close = [n for n in difflib.get_close_matches(tail, [k.rsplit(".", 1)[-1] for k in known], n=3, cutoff=0.7)]
+        close = [k for k in known if k.rsplit(".", 1)[-1] in close][:3]
+    hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
+    return f"unknown flag --{name}{hint}"
