@@ -495,7 +495,8 @@ class RolloutWorker:
         call = self._calls.current or self._engine_call
         return {"idle_s": self.idle_s, "busy_s": self.busy_s, "episodes": self.episodes, "errors": self.errors,
                 "weight_loads": self.weight_loads, "quarantined_episodes": self.quarantined,
-                "env_timeouts": self._calls.timeouts, "current_call": call[0] if call else "",
+                "env_timeouts": self._calls.timeouts, "env_timeouts_by_call": dict(self._calls.timeouts_by_call),
+                "current_call": call[0] if call else "",
                 "current_call_s": time.monotonic() - call[1] if call else 0.0}
 
 

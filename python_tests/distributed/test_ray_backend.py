@@ -39,6 +39,25 @@ class SlowCopyEnv(ToyCopyEnv):
 '''
 
 
+SOMETIMES_SLOW_ENV = '''
+import time
+from flashreinforce.envs.toy import ToyCopyEnv
+
+
+class SometimesSlowEnv(ToyCopyEnv):
+    """ToyCopyEnv whose step takes 3 s for every seed 1 mod 4 (longer than the test's env_timeout_s)."""
+
+    def reset(self, *, seed):
+        self._slow = seed % 4 == 1
+        return super().reset(seed=seed)
+
+    def step(self, action):
+        if self._slow:
+            time.sleep(3.0)
+        return super().step(action)
+'''
+
+
 def traj(ticket, reward=1.0):
     return Trajectory([1, 2, 3], [False, True, True], [0.0, -0.5, -0.7], reward=reward, failed=reward <= 0,
                       prompt_id=ticket.prompt_id)
@@ -102,12 +121,13 @@ def ray_instance():
         ray.shutdown()
 
 
-def make_rollout(env_spec, *, num_workers=2, batch_groups=8, async_queue_size=0, per_call=4, max_restarts=2):
+def make_rollout(env_spec, *, num_workers=2, batch_groups=8, async_queue_size=0, per_call=4, max_restarts=2,
+                 env_timeout_s=120.0):
     model, _ = build_model("tiny-qwen2", device=torch.device("cpu"), seed=0)
     tok = load_tokenizer("char")
     settings = RolloutSettings(max_new_tokens=1, max_len=24, max_turns=1,
                                sampling=SamplingParams(1.0, 1.0, 0, tok.eos_token_ids), episodes_per_call=per_call,
-                               seed=0)
+                               seed=0, env_timeout_s=env_timeout_s)
     rollout = RayRollout.create(address=None, buffer_kwargs=dict(batch_groups=batch_groups, group_size=1,
                                                                  async_queue_size=async_queue_size,
                                                                  vocab_size=tok.vocab_size),
@@ -221,6 +241,34 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
         assert taken.count(pid_) == 1, pid_
     assert workers_after == {0}  # the restarted worker produces trajectories again
     assert worker_stats[0]["restarts"] == 1 and worker_stats[0]["episodes"] > 0
+
+
+@pytest.mark.slow
+def test_ray_workers_report_their_environment_call_timeouts_by_call_kind(ray_instance, tmp_path):
+    from flashreinforce.trainer.faults import FaultMetrics
+
+    env_file = tmp_path / "sometimes_slow_env.py"
+    env_file.write_text(SOMETIMES_SLOW_ENV)
+    base, tok, rollout, backend = make_rollout(EnvSpec(f"{env_file}:SometimesSlowEnv", {}, {}), env_timeout_s=0.3)
+    faults = FaultMetrics()
+    records = []
+    try:
+        rollout.weights.publish(base.state_dict(), 0)
+        backend.start()
+        for version in range(3):
+            batch = rollout.buffer.take(version, timeout=120)
+            assert batch is not None, "no batch from the Ray workers"
+            rollout.weights.publish(base.state_dict(), version + 1)
+            rollout.buffer.update_done()
+            time.sleep(0.6)  # the supervisor refreshes the workers' statistics twice a second
+            records.append(faults(rollout.buffer.stats(), backend.stats()))
+    finally:
+        backend.stop()
+        rollout.close()
+    total = records[-1]["env_timeouts"]
+    assert total > 0 and sum(r["env_timeouts_by_call"]["env.step"] for r in records) == total, records
+    assert all(r["env_timeouts_by_call"]["env.reset"] == 0 for r in records)
+    assert records[-1]["quarantined_episodes"] >= total  # each timed-out episode was quarantined
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyEnv
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
-from flashreinforce.trainer.faults import QuarantinedEpisode, RunStalled, Watchdog
+from flashreinforce.trainer.faults import FaultMetrics, QuarantinedEpisode, RunStalled, Watchdog
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
 from flashreinforce.trainer.trajectory import Trajectory
 from python_tests.builders import tiny_causal_lm
@@ -154,6 +154,7 @@ def test_a_step_that_never_returns_is_abandoned_after_the_timeout():
     assert "env.step" in groups[1][0].reason
     assert isinstance(groups[0][0], Trajectory) and isinstance(groups[2][0], Trajectory)
     assert worker.stats()["env_timeouts"] == 1
+    assert worker.stats()["env_timeouts_by_call"] == {"env.step": 1}  # by call kind
     # the stuck environment instance is never used again: a fresh one takes its place
     n = len(built)
     again = worker.run_tickets([Ticket(7, 20, 1), Ticket(8, 21, 1), Ticket(9, 22, 1)])
@@ -301,6 +302,53 @@ def test_the_watchdog_stops_a_run_whose_every_episode_fails():
         dog.check({"put_trajectories": 0, "failed_in_a_row": 50, "last_failure": "RuntimeError: boom"}, [])
 
 
+def test_a_reset_that_never_returns_is_counted_as_a_reset_timeout():
+    class HangingResetEnv(SeedEnv):
+        def reset(self, *, seed):
+            if seed == 11:
+                RELEASE.wait(600)
+            return super().reset(seed=seed)
+
+    worker, _ = _worker(HangingResetEnv, env_timeout_s=0.3)
+    groups = worker.run_tickets(_tickets(3))
+    assert [type(g[0]).__name__ for g in groups] == ["Trajectory", "QuarantinedEpisode", "Trajectory"]
+    assert "env.reset timed out" in groups[1][0].kind
+    assert worker.stats()["env_timeouts_by_call"] == {"env.reset": 1}
+
+
+def test_fault_metrics_count_timeouts_per_update_by_call_and_warn_once_a_minute(caplog):
+    now = [0.0]
+    faults = FaultMetrics(logging.getLogger("fr-test-faults"), clock=lambda: now[0])
+    buffer = {"quarantined_episodes": 4, "skipped_prompts": 1, "retried_prompts": 2}
+
+    def workers(*by_call):
+        return [{"env_timeouts": sum(b.values()), "env_timeouts_by_call": b} for b in by_call]
+
+    with caplog.at_level(logging.WARNING, logger="fr-test-faults"):
+        first = faults(buffer, workers({"env.step": 1}, {}))
+        assert first == {"quarantined_episodes": 4, "skipped_prompts": 1, "retried_prompts": 2, "env_timeouts": 1,
+                         "env_timeouts_by_call": {"env.reset": 0, "env.step": 1}}
+        assert caplog.records == []  # the first timeout: the worker has logged it in full
+        now[0] += 5
+        second = faults(buffer, workers({"env.step": 3}, {"env.reset": 2}))
+        assert second["env_timeouts_by_call"] == {"env.reset": 2, "env.step": 2} and second["env_timeouts"] == 5
+        assert len(caplog.records) == 1  # they repeat: one line
+        assert "5 environment call(s) timed out (env.reset 2, env.step 3; 5 in this run)" in caplog.records[0].message
+        now[0] += 30
+        third = faults(buffer, workers({"env.step": 4}, {"env.reset": 2}))
+        assert third["env_timeouts_by_call"] == {"env.reset": 0, "env.step": 1}
+        assert len(caplog.records) == 1  # within the minute: counted, not logged
+        now[0] += 31
+        fourth = faults(buffer, workers({"env.step": 6}, {"env.reset": 2}))
+        assert fourth["env_timeouts_by_call"] == {"env.reset": 0, "env.step": 2}
+        assert len(caplog.records) == 2
+        assert "3 environment call(s) timed out since the last warning 61 s ago (env.step 3; 8 in this run)" in \
+            caplog.records[1].message
+        now[0] += 100
+        quiet = faults(buffer, workers({"env.step": 6}, {"env.reset": 2}))
+        assert quiet["env_timeouts_by_call"] == {"env.reset": 0, "env.step": 0} and len(caplog.records) == 2
+
+
 # ---------------------------------------------------------------- whole runs
 
 
@@ -323,6 +371,19 @@ class FlakyToyEnv(ToyCopyEnv):
 class StuckToyEnv(ToyCopyEnv):
     def step(self, action):
         RELEASE.wait(600)
+        return super().step(action)
+
+
+class SometimesStuckToyEnv(ToyCopyEnv):
+    """The toy task, except that the step of every seed 5 mod 8 hangs (until the module ends)."""
+
+    def reset(self, *, seed):
+        self._stuck = seed % 8 == 5
+        return super().reset(seed=seed)
+
+    def step(self, action):
+        if self._stuck:
+            RELEASE.wait(600)
         return super().step(action)
 
 
@@ -385,3 +446,17 @@ def test_a_stuck_environment_is_reported_by_the_watchdog(tmp_path, capsys):
     assert "Traceback" not in err
     assert "env.step" in err and "train.stall_timeout_s" in err
     assert time.monotonic() - t0 < 120
+
+
+def test_a_run_writes_its_environment_call_timeouts_per_update(tmp_path, capsys, caplog):
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="flashreinforce.trainer"):
+        code = cli_main(["train", *SMALL, "--env", f"{__name__}:SometimesStuckToyEnv", "--train.max_steps", "4",
+                         "--rollout.env_timeout_s", "0.2", "--output", str(out)])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    per_update = [r["env_timeouts_by_call"] for r in rows]
+    assert all(set(u) == {"env.reset", "env.step"} and u["env.reset"] == 0 for u in per_update), per_update
+    assert sum(u["env.step"] for u in per_update) == rows[-1]["env_timeouts"] > 1  # they add up to the total
+    warnings = [r for r in caplog.records if "environment call(s) timed out" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # repeated, but one line a minute at most

@@ -34,7 +34,8 @@ __all__ = ["RayRolloutBackend"]
 
 log = logging.getLogger(__name__)
 
-_STAT_KEYS = ("idle_s", "busy_s", "episodes", "errors", "weight_loads")
+#: Counters of a worker's statistics that add up over its incarnations.
+_STAT_KEYS = ("idle_s", "busy_s", "episodes", "errors", "weight_loads", "quarantined_episodes", "env_timeouts")
 
 #: A worker not back this long after its death gets a log line saying what it waits for (seconds),
 #: repeated every :data:`REVIVE_REPORT_EVERY_S`.
@@ -63,6 +64,15 @@ def _cluster_lost(err: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_globals.get("__name__", "").split(".")[0] == "ray"
+
+
+def _add_counts(a: dict[str, int], b: Any) -> dict[str, int]:
+    """``a`` plus the counts of ``b`` (a dict of counts, or nothing), as a new dict."""
+    out = dict(a)
+    if isinstance(b, dict):
+        for k, n in b.items():
+            out[k] = out.get(k, 0) + int(n)
+    return out
 
 
 def _quietly(what: str, fn):
@@ -114,6 +124,7 @@ class RayRolloutBackend(RolloutBackend):
         self._failures: dict[int, BaseException] = {}
         self._last_stats: list[dict[str, Any]] = []
         self._base_stats: list[dict[str, float]] = []
+        self._base_timeouts: list[dict[str, int]] = []  # env_timeouts_by_call of dead incarnations
         self._reviving: dict[int, Any] = {}  # worker -> pending "are you up?" call after a death
         self._ping_again: dict[int, float] = {}  # worker -> when to ask again
         self._dead_since: dict[int, float] = {}  # worker -> when its death was seen (until it is back)
@@ -151,6 +162,7 @@ class RayRolloutBackend(RolloutBackend):
         self.restarts = [0] * self.num_workers
         self._last_stats = [{k: 0.0 for k in _STAT_KEYS} for _ in range(self.num_workers)]
         self._base_stats = [{k: 0.0 for k in _STAT_KEYS} for _ in range(self.num_workers)]
+        self._base_timeouts = [{} for _ in range(self.num_workers)]
         self._runs = [a.run.remote(0) for a in self.actors]
         self._thread = threading.Thread(target=self._supervise, name="ray-rollout-supervisor", daemon=True)
         self._thread.start()
@@ -284,6 +296,7 @@ class RayRolloutBackend(RolloutBackend):
         self.lost_groups += lost
         for k in _STAT_KEYS:  # the dead incarnation's counters, as last seen, stay in the totals
             self._base_stats[i][k] += float(self._last_stats[i].get(k, 0.0))
+        self._base_timeouts[i] = _add_counts(self._base_timeouts[i], self._last_stats[i].get("env_timeouts_by_call"))
         self._last_stats[i] = {k: 0.0 for k in _STAT_KEYS}
         where = self.locations[i] if i < len(self.locations) else {}
         on = f"on node {where.get('node', '?')[:8]} ({where.get('ip', '?')})"
@@ -374,11 +387,19 @@ class RayRolloutBackend(RolloutBackend):
             detail = self._last_stats[i].get("last_error") or ""
             raise RolloutFailed(f"every rollout worker has stopped: worker {i}: {err!r}\n{detail}")
 
-    def stats(self) -> list[dict[str, float]]:
+    def stats(self) -> list[dict[str, Any]]:
+        """Per worker, as last seen (refreshed twice a second): the counters summed over its
+        incarnations (``env_timeouts_by_call`` by call kind too), ``restarts``, and the call its
+        loop is inside (``current_call``, ``current_call_s``; for the watchdog's message)."""
         out = []
         for i in range(self.num_workers):
-            s = {k: self._base_stats[i][k] + float(self._last_stats[i].get(k, 0.0)) for k in _STAT_KEYS}
+            last = self._last_stats[i]
+            s: dict[str, Any] = {k: self._base_stats[i][k] + float(last.get(k, 0.0)) for k in _STAT_KEYS}
+            s["env_timeouts_by_call"] = _add_counts(self._base_timeouts[i], last.get("env_timeouts_by_call"))
             s["restarts"] = self.restarts[i]
+            running = i < len(self._runs) and self._runs[i] is not None
+            s["current_call"] = last.get("current_call", "") if running else ""
+            s["current_call_s"] = float(last.get("current_call_s", 0.0)) if running else 0.0
             out.append(s)
         return out
 
