@@ -1,18 +1,29 @@
 """FlashREINFORCE: critic-free, single-rollout, asynchronous REINFORCE for LLM agents.
 
-``flashreinforce.loss`` holds the pure-PyTorch reference of the objective.
+* ``train``, ``TrainerConfig``, ``load_config``, ``Trainer``: training from Python
+  (:mod:`flashreinforce.api`), the same run as ``flashreinforce train``;
+* ``flashreinforce_loss_packed``, ``flashreinforce_loss``: the fused loss;
+  ``flashreinforce.loss`` holds the pure-PyTorch reference of the objective;
+* ``LossOptions``: the objective's options (:mod:`flashreinforce.objective`).
 """
 
 __version__ = "0.1.0"
 
-# The fused kernel's entry points (flashreinforce.ops, backed by the compiled flashreinforce._C).
-# Imported lazily so that `import flashreinforce` works even where the extension is not built.
-_FUSED_EXPORTS = ("flashreinforce_loss_packed", "flashreinforce_loss")
+# Imported lazily, so that `import flashreinforce` needs no PyTorch and works where the extension is
+# not built: the fused kernel's entry points (flashreinforce.ops over flashreinforce._C), and the
+# training API.
+_EXPORTS = {"flashreinforce_loss_packed": "flashreinforce.ops", "flashreinforce_loss": "flashreinforce.ops",
+            "train": "flashreinforce.api", "load_config": "flashreinforce.api",
+            "TrainerConfig": "flashreinforce.config", "Trainer": "flashreinforce.trainer",
+            "LossOptions": "flashreinforce.objective"}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    if name in _FUSED_EXPORTS:
-        from flashreinforce import ops
+    module = _EXPORTS.get(name)
+    if module is not None:
+        import importlib
 
-        return getattr(ops, name)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'flashreinforce' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from typing import Any
 
 from flashreinforce.config.files import flatten_settings, read_config_file
 from flashreinforce.config.schema import ConfigError
-from flashreinforce.config.trainer_config import FLAG_BY_NAME, TrainerConfig
+from flashreinforce.config.trainer_config import FLAG_BY_NAME, TrainerConfig, file_value, reward_spec
 
 __all__ = ["IDENTITY", "identity_changes", "saved_settings"]
 
@@ -51,8 +51,12 @@ def saved_settings(output: str | Path) -> tuple[dict[str, Any], Path] | None:
 
 
 def _value(cfg: TrainerConfig, name: str) -> Any:
-    value = getattr(cfg, name) if not "." in name else cfg[name]
-    return list(value) if isinstance(value, tuple) else value
+    """What the run's saved config file holds for ``name`` (so both sides compare alike)."""
+    if name == "rewards":
+        return [reward_spec(r) for r in cfg.rewards]
+    if "." not in name:
+        return file_value(getattr(cfg, name))
+    return file_value(cfg[name], FLAG_BY_NAME[name].objects)
 
 
 def identity_changes(saved: TrainerConfig, new: TrainerConfig) -> list[str]:

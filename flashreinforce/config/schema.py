@@ -39,7 +39,8 @@ class Flag:
     choices: the allowed values (a tuple, or a function giving them, for names that live in a
     registry). minimum/maximum: numeric bounds (``above``: the minimum itself is excluded).
     nullable: ``None`` allowed. no_effect: why the flag never changes anything on this runtime (the
-    value is recorded as inactive with this reason).
+    value is recorded as inactive with this reason). objects: a ``str`` flag that also takes a Python
+    object set from Python (a dataset given as rows or a ``datasets.Dataset``).
     """
 
     name: str
@@ -52,6 +53,7 @@ class Flag:
     above: bool = False
     nullable: bool = False
     no_effect: str | None = None
+    objects: bool = False
 
     def allowed(self) -> tuple | None:
         """The allowed values, asked of the registry when the choices are a function."""
@@ -60,13 +62,13 @@ class Flag:
 
 def option(kind: str, default: Any, help: str, *, choices: tuple | Callable[[], tuple] | None = None,
            minimum: float | None = None, maximum: float | None = None, above: bool = False,
-           nullable: bool | None = None, no_effect: str | None = None) -> Any:
+           nullable: bool | None = None, no_effect: str | None = None, objects: bool = False) -> Any:
     """A configuration field (see :class:`Flag`); ``nullable`` defaults to ``default is None``."""
     if kind not in KINDS:
         raise TypeError(f"option: unknown kind {kind!r}")
     meta = {"flag": dict(type=kind, default=default, help=help, choices=choices, minimum=minimum, maximum=maximum,
                          above=above, nullable=default is None if nullable is None else nullable,
-                         no_effect=no_effect)}
+                         no_effect=no_effect, objects=objects)}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -116,27 +118,32 @@ def _number(flag: Flag, value: Any, integer: bool) -> int | float:
     return int(value) if integer else float(value)
 
 
+def _span(low: float | None, high: float | None, above: bool) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if above else '['}{low:g}, {high:g}]"
+    if low is not None:
+        return f"{'>' if above else '>='} {low:g}"
+    return f"<= {high:g}"
+
+
 def _bounds(flag: Flag, value: float) -> None:
     low, high = flag.minimum, flag.maximum
-    if flag.type == "int":
-        low = -INT_LIMIT if low is None else low
-        high = INT_LIMIT if high is None else high
+    if flag.type == "int":  # integers are bounded even where the flag states no bound
+        if value > (INT_LIMIT if high is None else high):
+            raise ConfigError(f"--{flag.name} must be {_span(low, INT_LIMIT if high is None else high, False)}, "
+                              f"got {value:g}")
+        if low is None and value < -INT_LIMIT:
+            raise ConfigError(f"--{flag.name} must be >= {-INT_LIMIT}, got {value:g}")
     if low is None and high is None:
         return
     if isinstance(value, float) and math.isnan(value):
         raise ConfigError(f"--{flag.name} must be a number, got nan")
     too_low = low is not None and (value <= low if flag.above else value < low)
     if too_low or (high is not None and value > high):
-        positive = (flag.minimum == 1 and flag.type == "int") or (flag.minimum == 0 and flag.above)
-        if positive and flag.maximum is None and too_low:
+        positive = (low == 1 and flag.type == "int") or (low == 0 and flag.above)
+        if positive and high is None:
             raise ConfigError(f"--{flag.name} must be positive, got {value:g}")
-        if low is not None and high is not None:
-            span = f"in {'(' if flag.above else '['}{low:g}, {high:g}]"
-        elif low is not None:
-            span = f"{'>' if flag.above else '>='} {low:g}"
-        else:
-            span = f"<= {high:g}"
-        raise ConfigError(f"--{flag.name} must be {span}, got {value:g}")
+        raise ConfigError(f"--{flag.name} must be {_span(low, high, flag.above)}, got {value:g}")
 
 
 def check_value(flag: Flag, value: Any) -> Any:
@@ -158,6 +165,8 @@ def check_value(flag: Flag, value: Any) -> Any:
         if not isinstance(value, bool):
             raise ConfigError(f"--{flag.name} must be true or false, got {value!r}")
     elif kind == "str":
+        if flag.objects and not isinstance(value, (str, bytes, int, float, bool)):
+            return value  # set from Python: rows or a dataset object, read by the environment
         if not isinstance(value, str):
             raise ConfigError(f"--{flag.name} must be a string, got {value!r}")
     elif kind == "float2":

@@ -128,7 +128,9 @@ class CkptConfig:
 @dataclass
 class DataConfig:
     prompt_dataset: str | None = option("str", None, "prompt dataset (JSONL/JSON/Parquet file, or a datasets "
-                                        "save_to_disk folder) for dataset-driven environments and --reward")
+                                        "save_to_disk folder; from Python also a list of dicts or a "
+                                        "datasets.Dataset) for dataset-driven environments and --reward",
+                                        objects=True)
     input_key: str = option("str", "prompt", "dataset key of the prompt")
     label_key: str = option("str", "reward_model", "dataset key of the label")
     max_samples: int | None = option("int", None, "use the first N dataset rows", minimum=1)
@@ -138,7 +140,8 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    dataset: str | None = option("str", None, "evaluation prompt dataset (default: the environment's own eval seeds)")
+    dataset: str | None = option("str", None, "evaluation prompt dataset (default: the environment's own eval "
+                                 "seeds); the forms of data.prompt_dataset", objects=True)
     steps: int = option("int", 0, "evaluate every this many updates (0: never)", minimum=0)
     every_min: float = option("float", 0.0, "also evaluate every this many minutes of training time (evaluations and "
                               "checkpoints excluded; 0: never); rollouts pause during evaluations", minimum=0)

@@ -142,6 +142,16 @@ class TrainerConfig:
         env_kwargs = run.get("env.kwargs") or {}
         if not isinstance(env_kwargs, dict):
             raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {env_kwargs!r}")
+        rewards = run.get("reward") or []
+        if isinstance(rewards, (str, tuple)) or callable(rewards):
+            rewards = [rewards]
+        if rewards:  # reward functions are an environment of their own, replacing a preset's
+            named = [layer.get("env") or layer.get("train.agent_path") for layer in (file, given)]
+            named = [n for n in named if n is not None]
+            if named and named[-1] != REWARD_ENVIRONMENT:
+                raise ConfigError(f"--reward and --env {named[-1]} both say what the task is: --reward scores "
+                                  f"completions with the {REWARD_ENVIRONMENT} environment; give one of them")
+            cfg.train.agent_path = REWARD_ENVIRONMENT
         # A preset's environment arguments belong to the preset's environment: an --env that replaces it
         # (a user's class, perhaps with a plain constructor) does not get them.
         preset_env = preset.get("train.agent_path") or preset.get("env")
@@ -149,16 +159,13 @@ class TrainerConfig:
         given_kwargs = any("env.kwargs" in layer for layer in (file, given))
         if "env.kwargs" in preset and not given_kwargs and cfg.train.agent_path != preset_env:
             dropped, env_kwargs = env_kwargs, {}
-        rewards = run.get("reward") or []
-        if isinstance(rewards, str):
-            rewards = [rewards]
         overwrite = bool(run.get("overwrite", False))
         if overwrite and run.get("resume"):
             raise ConfigError("--overwrite and --resume contradict each other: --resume continues the run in --output, "
                               "--overwrite deletes it first; give one of them")
         cfg.preset = run.get("preset")
         cfg.env_kwargs = dict(env_kwargs)
-        cfg.rewards = [str(r) for r in rewards]
+        cfg.rewards = list(rewards)
         cfg.tokenizer = run.get("tokenizer")
         cfg.output = run.get("output")
         cfg.resume = run.get("resume")
@@ -247,7 +254,8 @@ class TrainerConfig:
         for f in dataclasses.fields(self):
             if "section" in f.metadata:
                 out[f.name] = _section_dict(getattr(self, f.name))
-        out.update({"env.kwargs": dict(self.env_kwargs), "reward": list(self.rewards), "tokenizer": self.tokenizer,
+        out.update({"env.kwargs": dict(self.env_kwargs), "reward": [reward_spec(r) for r in self.rewards],
+                    "tokenizer": self.tokenizer,
                     "seed": self.seed, "device": self.device, "torch_threads": self.torch_threads})
         return out
 
@@ -260,12 +268,33 @@ class TrainerConfig:
         return cfg
 
 
+def reward_spec(reward: Any) -> str:
+    """A reward as its ``--reward`` spec: a string as given, a function (or ``(function, weight)``) as
+    ``MODULE:FUNC[=WEIGHT]`` where it can be imported again."""
+    if isinstance(reward, str):
+        return reward
+    func, weight = reward if isinstance(reward, tuple) else (getattr(reward, "func", reward),
+                                                            getattr(reward, "weight", 1.0))
+    spec = f"{getattr(func, '__module__', '?')}:{getattr(func, '__qualname__', repr(func))}"
+    return spec if weight == 1.0 else f"{spec}={weight:g}"
+
+
+def file_value(value: Any, objects: bool = False) -> Any:
+    """A flag value as a config file holds it: pairs as lists; for a flag that takes Python objects
+    (``objects``: a dataset given as rows or a ``datasets.Dataset``), the object's description."""
+    if isinstance(value, tuple):
+        return list(value)
+    if objects and value is not None and not isinstance(value, str):
+        return f"<{type(value).__name__} given in Python>"
+    return value
+
+
 def _section_dict(obj: Any) -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        out[f.name] = _section_dict(value) if "section" in f.metadata else (list(value) if isinstance(value, tuple)
-                                                                            else value)
+        objects = "flag" in f.metadata and f.metadata["flag"]["objects"]
+        out[f.name] = _section_dict(value) if "section" in f.metadata else file_value(value, objects)
     return out
 
 
@@ -275,6 +304,9 @@ _RUN_FIELD = {"preset": "preset", "env.kwargs": "env_kwargs", "reward": "rewards
               "torch_threads": "torch_threads", "overwrite": "overwrite", "allow_config_change": "allow_config_change",
               "config": "config_file"}
 _ALIASES = {"model": "actor.model_name_or_path", "env": "train.agent_path"}
+
+#: The environment that --reward functions become.
+REWARD_ENVIRONMENT = "reward_functions"
 
 #: Every flag, in section order, from the sections' fields.
 FLAGS = flag_table(TrainerConfig)

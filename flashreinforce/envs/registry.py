@@ -38,7 +38,7 @@ from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, T
                                        chat_template_from_tokenizer, load_tasks)
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "environment_class",
-           "import_failure", "make_environment", "num_prompts"]
+           "import_failure", "import_module", "make_environment", "num_prompts"]
 
 
 class EnvironmentSpecError(ValueError):
@@ -51,6 +51,8 @@ BUILTIN_ENVIRONMENTS = {
     "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
     "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
     "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
+    # Plain reward functions over a prompt dataset (--reward MODULE:FUNC chooses it).
+    "reward_functions": "flashreinforce.envs.rewards:RewardFunctionEnv",
 }
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -64,13 +66,28 @@ def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def import_module(name: str):
+    """``importlib.import_module``, also finding a module in the current folder (as ``python -m`` or a
+    ``python`` prompt would, though a console script's ``sys.path`` does not hold it)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        cwd = os.getcwd()
+        top = name.split(".")[0]
+        if err.name != top or cwd in sys.path or not (os.path.isfile(os.path.join(cwd, top + ".py"))
+                                                      or os.path.isdir(os.path.join(cwd, top))):
+            raise
+    sys.path.insert(0, cwd)
+    return importlib.import_module(name)
+
+
 def _import_class(spec: str) -> type:
     module_name, _, class_name = spec.partition(":")
     if not module_name or not class_name:
         raise EnvironmentSpecError(f"environment spec {spec!r} must be one of {sorted(BUILTIN_ENVIRONMENTS)} "
                          "or 'module:Class'")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
             raise  # the module itself is not installed (the caller says so)
@@ -202,6 +219,8 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     label_key = flat.get("data.label_key", "reward_model")
     if spec == "alfworld" and "data.label_key" not in flat:
         label_key = "game_file"
+    if not getattr(cls, "uses_label", True):  # the label is one more field of the row (reward functions)
+        label_key = None
     tasks = _cached_tasks(dataset, flat.get("data.input_key", "prompt"), label_key, flat.get("data.max_samples"),
                           _dataset_flag(flat, dataset))  # before the environment: a bad dataset builds nothing
     env = cls(**kwargs)

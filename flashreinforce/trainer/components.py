@@ -136,6 +136,8 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         raise ConfigError(f"--env {spec!r}: cannot import it: {type(err).__name__}: {err}") from None
     except TypeError as err:  # names something that is not an Environment subclass
         raise ConfigError(f"--env {spec!r}: {err}") from None
+    if cfg.rewards:
+        kwargs["rewards"] = _reward_functions(cfg)
     cfg.rollout.max_turns = episode_turn_limit(cfg, env_cls, kwargs)
     _drop_irrelevant_kwargs_warning(cfg, env_cls)
     env_spec = EnvSpec(spec, cfg.env_config(), kwargs, policy.env_renders_prompt)
@@ -151,6 +153,22 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     finally:
         probe.close()
     return RunEnvironments(env_spec, factory, prompts)
+
+
+def _reward_functions(cfg: ResolvedConfig) -> list:
+    """``--reward`` specs (or the Python API's functions), each checked now: a spec that names nothing
+    usable is a :class:`ConfigError`, not a failed episode per prompt."""
+    from flashreinforce.envs.rewards import RewardSpecError, load_reward
+
+    for spec in cfg.rewards:
+        try:
+            load_reward(spec)
+        except RewardSpecError as err:
+            raise ConfigError(str(err)) from None
+    if cfg.data.prompt_dataset is None:
+        raise ConfigError("--reward scores completions of the rows of --data.prompt_dataset; give one (a JSONL, "
+                          "JSON or Parquet file, or a datasets save_to_disk folder)")
+    return list(cfg.rewards)
 
 
 def _drop_irrelevant_kwargs_warning(cfg: ResolvedConfig, env_cls: type) -> None:

@@ -177,12 +177,15 @@ class MetricsLog:
         step = int(record["step"])
         self._to_sinks(step, record)
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", acc=f"{record['acceptance_rate']:.2f}",
-                             lag=f"{record['policy_lag_mean']:.1f}", refresh=False)
+        # "success" is the share of rewarded episodes; "admitted" the share of trajectories the trust gate
+        # kept (acceptance_rate), which is not an accuracy.
+        self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", success=f"{record.get('success_rate', 0.0):.2f}",
+                             admitted=f"{record['acceptance_rate']:.2f}", lag=f"{record['policy_lag_mean']:.1f}",
+                             refresh=False)
         if not self.progress and record["step"] % self.logging_steps == 0:
-            print(f"step {record['step']}: reward {record['reward_mean']:.3f} acceptance "
-                  f"{record['acceptance_rate']:.2f} lag {record['policy_lag_mean']:.2f} loss {record['loss']:.4f}",
-                  file=sys.stderr, flush=True)
+            print(f"step {record['step']}: reward {record['reward_mean']:.3f} success "
+                  f"{record.get('success_rate', 0.0):.2f} gate-admitted {record['acceptance_rate']:.2f} lag "
+                  f"{record['policy_lag_mean']:.2f} loss {record['loss']:.4f}", file=sys.stderr, flush=True)
         if trajectories is None:
             return
         if self.samples is not None and self.samples.due(step):
