@@ -460,3 +460,77 @@ def test_a_run_writes_its_environment_call_timeouts_per_update(tmp_path, capsys,
     assert sum(u["env.step"] for u in per_update) == rows[-1]["env_timeouts"] > 1  # they add up to the total
     warnings = [r for r in caplog.records if "environment call(s) timed out" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]  # repeated, but one line a minute at most
+
+
+class FaultInjectingToyEnv(ToyCopyEnv):
+    """The toy task with a fault of its own for seven prompts in 40 (by seed), counted in ``INJECTED``
+    when it happens: reset raises, reset returns an int, reset returns text the character tokenizer
+    cannot encode, step raises, step returns a dict, step hangs (until the module ends), step gives
+    a NaN reward."""
+
+    KINDS = {1: "reset raises", 6: "reset returns an int", 11: "unencodable prompt", 16: "step raises",
+             21: "step returns a dict", 26: "step hangs", 31: "NaN reward"}
+    INJECTED: dict[str, int] = {}
+    LOCK = threading.Lock()
+
+    def _inject(self, kind):
+        with self.LOCK:
+            self.INJECTED[kind] = self.INJECTED.get(kind, 0) + 1
+
+    def reset(self, *, seed):
+        self._kind = self.KINDS.get(seed % 40)
+        prompt = super().reset(seed=seed)
+        if self._kind == "reset raises":
+            self._inject(self._kind)
+            raise RuntimeError("injected reset fault")
+        if self._kind == "reset returns an int":
+            self._inject(self._kind)
+            return 7
+        if self._kind == "unencodable prompt":
+            self._inject(self._kind)
+            return prompt + " \u00e9\u00e9"
+        return prompt
+
+    def step(self, action):
+        kind = self._kind
+        if kind in ("step raises", "step returns a dict", "step hangs", "NaN reward"):
+            self._inject(kind)
+        if kind == "step raises":
+            raise RuntimeError("injected step fault")
+        if kind == "step returns a dict":
+            return {"reward": 1.0, "done": True}
+        if kind == "step hangs":
+            RELEASE.wait(600)
+        result = super().step(action)
+        if kind == "NaN reward":
+            return StepResult(reward=float("nan"), done=True)
+        return result
+
+
+def test_a_run_survives_every_kind_of_fault_injected_together_and_loses_nothing(tmp_path):
+    from flashreinforce.config import parse_train_args
+    from flashreinforce.config.presets import PRESETS
+    from flashreinforce.trainer import Trainer
+
+    FaultInjectingToyEnv.INJECTED.clear()
+    steps, batch = 30, 8
+    cfg = parse_train_args([*SMALL, "--env", f"{__name__}:FaultInjectingToyEnv", "--train.max_steps", str(steps),
+                            "--rollout.env_timeout_s", "0.3", "--rollout.num_workers", "2",
+                            "--output", str(tmp_path / "run")], PRESETS)
+    summary = Trainer(cfg).run()
+    injected = dict(FaultInjectingToyEnv.INJECTED)
+    assert summary["status"] == "completed" and summary["step"] == steps
+    assert set(injected) == set(FaultInjectingToyEnv.KINDS.values()), injected  # every kind happened
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(r["trajectories"] == batch for r in rows)  # every update trained on a full batch
+    stats = summary["buffer"]
+    assert stats["taken_trajectories"] == steps * batch and stats.get("lost_trajectories", 0) == 0
+    # Each injected fault reached the buffer as a quarantined episode or a rejected trajectory, except
+    # those of the episodes still running when the run stopped (cancelled, their prompts kept).
+    accounted = stats["quarantined_episodes"] + stats["rejected_trajectories"]
+    assert accounted <= sum(injected.values()) <= accounted + stats.get("cancelled_groups", 0), (injected, stats)
+    assert stats["rejected_trajectories"] <= injected["NaN reward"]
+    assert rows[-1]["env_timeouts"] == sum(r["env_timeouts_by_call"]["env.step"] for r in rows) > 0
+    print(f"[faults] {sum(injected.values())} injected over {steps} updates: {injected}; buffer: "
+          f"{ {k: stats.get(k, 0) for k in ('quarantined_episodes', 'rejected_trajectories', 'retried_prompts', 'skipped_prompts', 'cancelled_groups', 'lost_trajectories', 'taken_trajectories')} }")
