@@ -309,7 +309,7 @@ def test_a_reset_that_never_returns_is_counted_as_a_reset_timeout():
                 RELEASE.wait(600)
             return super().reset(seed=seed)
 
-    worker, _ = _worker(HangingResetEnv, env_timeout_s=0.3)
+    worker, _ = _worker(HangingResetEnv, env_timeout_s=0.5)
     groups = worker.run_tickets(_tickets(3))
     assert [type(g[0]).__name__ for g in groups] == ["Trajectory", "QuarantinedEpisode", "Trajectory"]
     assert "env.reset timed out" in groups[1][0].kind
@@ -450,16 +450,19 @@ def test_a_stuck_environment_is_reported_by_the_watchdog(tmp_path, capsys):
 
 def test_a_run_writes_its_environment_call_timeouts_per_update(tmp_path, capsys, caplog):
     out = tmp_path / "run"
+    t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="flashreinforce.trainer"):
         code = cli_main(["train", *SMALL, "--env", f"{__name__}:SometimesStuckToyEnv", "--train.max_steps", "4",
-                         "--rollout.env_timeout_s", "0.2", "--output", str(out)])
+                         "--rollout.env_timeout_s", "0.5", "--output", str(out)])
+    elapsed = time.monotonic() - t0
     assert code == 0, capsys.readouterr().err[-3000:]
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     per_update = [r["env_timeouts_by_call"] for r in rows]
     assert all(set(u) == {"env.reset", "env.step"} and u["env.reset"] == 0 for u in per_update), per_update
     assert sum(u["env.step"] for u in per_update) == rows[-1]["env_timeouts"] > 1  # they add up to the total
     warnings = [r for r in caplog.records if "environment call(s) timed out" in r.getMessage()]
-    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # repeated, but one line a minute at most
+    # Repeated, so said; but one line a minute at most (a loaded machine may stretch the run past a minute).
+    assert 1 <= len(warnings) <= 1 + int(elapsed // 60), [r.getMessage() for r in warnings]
 
 
 class FaultInjectingToyEnv(ToyCopyEnv):
@@ -515,7 +518,7 @@ def test_a_run_survives_every_kind_of_fault_injected_together_and_loses_nothing(
     FaultInjectingToyEnv.INJECTED.clear()
     steps, batch = 30, 8
     cfg = parse_train_args([*SMALL, "--env", f"{__name__}:FaultInjectingToyEnv", "--train.max_steps", str(steps),
-                            "--rollout.env_timeout_s", "0.3", "--rollout.num_workers", "2",
+                            "--rollout.env_timeout_s", "1", "--rollout.num_workers", "2",
                             "--output", str(tmp_path / "run")], PRESETS)
     summary = Trainer(cfg).run()
     injected = dict(FaultInjectingToyEnv.INJECTED)
