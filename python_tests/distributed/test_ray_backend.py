@@ -22,6 +22,7 @@ from flashreinforce.models.tokenizers import load_tokenizer
 from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.models.loading import build_model
 from flashreinforce.trainer.trajectory import Trajectory
+from python_tests.distributed.worker_freeze import frozen_holding
 
 TOY = "flashreinforce.envs.toy:ToyCopyEnv"
 
@@ -209,19 +210,16 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
 
         for _ in range(2):
             learn_one()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:  # freeze worker 0 in the middle of episodes: what it holds cannot change any more
             assert time.monotonic() < deadline, "worker 0 never held a prompt"
             pid = backend.worker_pid(0)
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.3)  # once a call it sent just before (a put) has reached the buffer actor
-            held = ray_instance.get(rollout.buffer.handle.held_prompts.remote(0))
+            held = frozen_holding(pid, lambda: ray_instance.get(rollout.buffer.handle.held_prompts.remote(0)))
             if held:
                 break
-            os.kill(pid, signal.SIGCONT)
             time.sleep(0.01)
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + 300  # a restarted process imports torch again: slow on a busy machine
         while backend.restarts[0] == 0 or not workers_after:
             assert time.monotonic() < deadline, "worker 0 was not restarted"
             batch = learn_one()  # the learner keeps going on the other worker's rollouts
@@ -292,7 +290,7 @@ def test_after_the_buffer_actor_is_gone_cleanup_is_quick_quiet_and_keeps_the_fir
         t0 = time.monotonic()
         with pytest.raises(ActorGone) as again:  # a cleanup call: the first error, at once
             rollout.buffer.state_dict()
-        assert str(again.value) == str(first.value) and time.monotonic() - t0 < 0.5
+        assert str(again.value) == str(first.value) and time.monotonic() - t0 < 2.0
     finally:
         t0 = time.monotonic()
         backend.stop(timeout=5.0)  # neither raises nor waits for what cannot answer
@@ -329,7 +327,7 @@ def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instan
     with pytest.raises(ActorGone) as again:
         c.call("pid", timeout=60.0)
     assert str(again.value) == str(first.value) and c.gone is first.value
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 2.0  # not the 60 s the call would have waited behind sleep(30)
     ray_instance.kill(handle, no_restart=True)
     fresh = SleeperClient(handle, call_timeout_s=1.0)
     with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)") as info:

@@ -33,6 +33,7 @@ from flashreinforce.models.tokenizers import load_tokenizer  # noqa: E402
 from flashreinforce.trainer import Trainer  # noqa: E402
 from flashreinforce.trainer.checkpoints import latest_checkpoint  # noqa: E402
 from flashreinforce.trainer.rollout import RolloutSettings  # noqa: E402
+from python_tests.distributed.worker_freeze import frozen_holding  # noqa: E402
 
 TOY = "flashreinforce.envs.toy:ToyCopyEnv"
 
@@ -245,33 +246,32 @@ def test_a_lost_node_costs_only_its_prompts_and_a_new_node_gets_the_worker_back(
         pool = trainer.pool
         pool.revive_report_after_s = 1.0  # the "still waiting" line after 1 s instead of 10
         assert pool.locations[1]["node"] == node_c.node_id
+        deadline = time.monotonic() + 120
         while True:  # freeze worker 1 while it holds prompts: what it holds cannot change any more
+            assert time.monotonic() < deadline, "worker 1 never held a prompt"
             pid = pool.worker_pid(1)
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(0.3)  # once a call it sent just before (a put) has reached the buffer actor
-            held = pool.buffer.held_prompts(1)
+            held = frozen_holding(pid, lambda: pool.buffer.held_prompts(1))
             if held:
                 break
-            os.kill(pid, signal.SIGCONT)
             time.sleep(0.01)
         story.update(held=held, lost_at=trainer.step)
         t_lost = time.monotonic()
         os.kill(pid, signal.SIGKILL)  # node c goes down: the worker process...
         nodes.cluster.remove_node(node_c, allow_graceful=False)  # ...its raylet and its object store
-        wait_until(lambda: pool.restarts[1] == 1, 120, "the lost worker was never noticed")
+        wait_until(lambda: pool.restarts[1] == 1, 300, "the lost worker was never noticed")
         story["noticed_after_s"] = time.monotonic() - t_lost
         noticed = trainer.step
-        wait_until(lambda: trainer.step >= noticed + 5, 120, "training stopped with node c gone")
+        wait_until(lambda: trainer.step >= noticed + 5, 300, "training stopped with node c gone")
         story["running_while_down"] = pool.running()
         wait_until(lambda: any("has waited" in r.getMessage() for r in caplog.records), 60,
                    "no log line about the worker waiting for a node")
         t_added = time.monotonic()
         story["new_node"] = nodes.cluster.add_node(num_cpus=1, resources={"node_c": 1})
-        wait_until(lambda: pool.running() == 2, 180, "the worker did not come back on the new node")
+        wait_until(lambda: pool.running() == 2, 300, "the worker did not come back on the new node")
         story["back_after_s"] = time.monotonic() - t_added
         story["back_on"] = pool.locations[1]["node"]
         n = len(taken)
-        wait_until(lambda: any(w == 1 for batch in taken[n:] for _, w in batch), 120,
+        wait_until(lambda: any(w == 1 for batch in taken[n:] for _, w in batch), 300,
                    "the worker on the new node sent nothing")
     finally:
         trainer._on_sigint(signal.SIGINT, None)  # stop as Ctrl-C does: finish the update, save, return
