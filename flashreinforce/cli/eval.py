@@ -128,6 +128,10 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
             "truncated_fraction": g["eval_truncated_fraction"], "greedy_s": g["eval_time_s"],
             "max_new_tokens": cfg.rollout.max_new_tokens, "load_s": load_s, "device": str(device),
             "torch_threads": torch.get_num_threads(),
+            # What the environment reported per episode, averaged (for the Python tool: tool calls per
+            # trajectory, tool errors, answers taken from the tool's output, turns).
+            "episode_means": {k[len("eval_env/"):]: v for k, v in g.items() if k.startswith("eval_env/")},
+            "turns_mean": sum(t.num_turns for t in trajectories) / max(1, len(trajectories)),
         }
         if sampled:
             s = evaluator.evaluate(-1, sampling=sampled_params, n_samples=cfg.eval.n_samples_per_prompt)

@@ -116,6 +116,49 @@ PRESETS: dict[str, dict[str, Any]] = {
         # docs/performance.md.
         "torch_threads": 1,
     },
+    # SmolLM2-135M-Instruct with a sandboxed Python tool (flashreinforce.envs.arith_tool) on problems it
+    # cannot do in its head: two-digit products, three-digit sums and differences, remainders. At most 3
+    # policy turns (code, then the answer); a turn ends at its first code block or box. The dataset route:
+    # --data.prompt_dataset FILE.jsonl (prompt + reward_model.ground_truth rows) with the same protocol.
+    # Measured learning: docs/results.md.
+    "arith_tool": {
+        "model": "smollm2-135m-instruct",
+        "env": "flashreinforce.envs.arith_tool:ArithToolEnv",
+        "env.kwargs": {"heldout_size": 256, "sandbox_options": {"timeout_s": 5.0}},
+        "data.apply_chat_template": True,
+        "rollout.batch_size": 32,
+        "train.batch_size": 32,
+        "rollout.max_new_tokens": 48,
+        "rollout.max_turns": 3,
+        "data.max_len": 512,
+        "rollout.temperature": 0.7,
+        "rollout.top_p": 1.0,
+        "rollout.num_workers": 1,
+        "rollout.vllm_generate_batch_size": 32,
+        "rollout.env_timeout_s": 30.0,
+        "train.async_queue_size": 1,
+        "train.max_policy_lag": 2,
+        "train.micro_batch_size": 0,
+        "train.max_steps": 2000,
+        "actor.adam.lr": 2e-5,
+        "actor.adam.weight_decay": 0.0,
+        "actor.adam.betas": (0.9, 0.99),
+        "actor.lr_scheduler": "constant_with_warmup",
+        "actor.lr_warmup_ratio": 0.0,
+        "actor.max_norm": 1.0,
+        "actor.flash_gate_delta": 0.05,
+        "fsdp.param_dtype": "bf16",
+        "ckpt.save_steps": 10,
+        "ckpt.max_ckpt_num": 2,
+        "eval.steps": 10,
+        "eval.eval_at_start": False,
+        "eval.temperature": 0.0,
+        "eval.top_p": 1.0,
+        "eval.num_prompts": 128,
+        "eval.n_samples_per_prompt": 1,
+        "logger.logging_steps": 1,
+        "torch_threads": 1,
+    },
     # SmolLM2-135M-Instruct playing TextWorld games generated offline (flashreinforce.envs.textworld_env,
     # pip install -e '.[textworld]'): one room, 3 objects, quests of 1 to 2 commands, 4 turns, in the
     # model's chat template (the game's answers are user turns, masked out of the loss). Sized for a

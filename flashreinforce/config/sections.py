@@ -220,7 +220,9 @@ class RolloutConfig:
                           "actors; see --ray.*)", choices=("local", "ray"))
     engine: str = option("str", "hf", "rollout engine: hf (a Hugging Face model in the worker's process) or vllm "
                          "(optional extra flashreinforce[vllm], needs CUDA)", choices=("hf", "vllm"))
-    env_timeout_s: float = option("float", 120.0, "seconds an environment call (reset, step) may take; its episode "
+    # 30 s: three times the longest call a shipped environment makes (python_tool's 10 s sandbox limit);
+    # a hanging call costs its worker's whole engine call this long (docs/trainer.md, fault tolerance).
+    env_timeout_s: float = option("float", 30.0, "seconds an environment call (reset, step) may take; its episode "
                                   "is then quarantined and the environment instance abandoned (0: no limit)", minimum=0)
     max_failed_episodes_in_a_row: int = option("int", 256, "stop the run when this many episodes in a row were "
                                                "quarantined or rejected (0: never)", minimum=0)

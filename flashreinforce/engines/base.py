@@ -13,7 +13,7 @@ import abc
 import math
 import threading
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -42,11 +42,17 @@ class SamplingParams:
 @dataclass(frozen=True)
 class GenerationRequest:
     """One continuation to sample: the context ``token_ids``, at most ``max_new_tokens`` new tokens,
-    and a ``seed`` that fixes the sampling noise of this request (reproducible rollouts)."""
+    and a ``seed`` that fixes the sampling noise of this request (reproducible rollouts).
+
+    ``stop``: optional ``stop(new_token_ids) -> bool``, asked after each sampled token; the turn ends
+    (finish reason ``"stop"``) after the first token for which it is true. An engine that cannot ask
+    it mid-generation ignores it (the rollout cuts the turn afterwards, at the same token).
+    """
 
     token_ids: Sequence[int]
     max_new_tokens: int
     seed: int
+    stop: Callable[[Sequence[int]], bool] | None = None
 
 
 @dataclass

@@ -176,7 +176,7 @@ class HFEngine(RolloutEngine):
                 out_ids[i].append(tok)
                 out_lp[i].append(float(logp[i, tok]))
                 next_tokens[i] = tok
-                if tok in stop:
+                if tok in stop or (requests[i].stop is not None and requests[i].stop(out_ids[i])):
                     reasons[i] = "stop"
                 elif len(out_ids[i]) >= limits[i]:
                     reasons[i] = "length"

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.math_grader import extract_boxed
 
-__all__ = ["HELDOUT_SEED_OFFSET", "ArithEnv", "ArithProblem", "ArithSpec", "final_answer"]
+__all__ = ["HELDOUT_SEED_OFFSET", "ArithEnv", "ArithProblem", "ArithSpec", "final_answer", "problem_for_seed"]
 
 #: Seeds from here on play the held-out split (equal to the trainer's evaluation seed offset).
 HELDOUT_SEED_OFFSET = 1_000_000_000
@@ -70,7 +70,8 @@ def _final_answer(text: str) -> tuple[str | None, str]:
 
 @dataclass(frozen=True)
 class ArithProblem:
-    """One problem: ``a op b`` with its exact ``answer`` (an integer for these operations)."""
+    """One problem: ``a op b`` with its exact ``answer`` (an integer for these operations; ``%`` is the
+    remainder, used by the tool task's generator)."""
 
     a: int
     op: str
@@ -84,6 +85,8 @@ class ArithProblem:
             return self.a - self.b
         if self.op == "*":
             return self.a * self.b
+        if self.op == "%":  # the remainder of a divided by b (flashreinforce.envs.arith_tool)
+            return self.a % self.b
         q = Fraction(self.a, self.b)
         if q.denominator != 1:
             raise ValueError(f"{self.a} / {self.b} is not exact")

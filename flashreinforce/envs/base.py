@@ -75,5 +75,16 @@ class Environment(abc.ABC):
     def step(self, action: str) -> StepResult:
         """Apply the policy's action text and return the environment's answer."""
 
+    def turn_end(self, text: str) -> int | None:
+        """Where the policy's turn ends in ``text`` (its sampled text so far), or ``None`` while it goes on.
+
+        The rollout stops sampling the turn once this returns an index (the engine stops early where it
+        can) and keeps the tokens up to the one that reached it; the turn is then closed with the
+        tokenizer's end-of-turn token, as context (not an action), so that the next observation follows
+        a finished turn. The default never ends a turn early: turns end at a stop token or the length
+        limit. Must be monotone: once a prefix has an end, every longer prefix has one.
+        """
+        return None
+
     def close(self) -> None:
         """Release resources (subprocesses, files). Called once when the worker stops."""

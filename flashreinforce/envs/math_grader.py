@@ -109,6 +109,37 @@ def extract_answer(text: str, *, fallback: str | None = None) -> tuple[str | Non
     return None, "none"
 
 
+def first_box_end(text: str) -> int | None:
+    r"""The index just after the closing brace of the FIRST complete ``oxed{...}`` (or ``box{...}``)
+    of ``text``, or None when none is complete yet (monotone: a longer text keeps the same end)."""
+    start = 0
+    while True:
+        found = [(text.find(c, start), c) for c in _BOX_COMMANDS]
+        found = [(i, c) for i, c in found if i >= 0]
+        if not found:
+            return None
+        i, command = min(found)
+        j = i + len(command)
+        while j < len(text) and text[j] in " \t":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            depth = 0
+            while j < len(text):
+                ch = text[j]
+                if ch == "\\":
+                    j += 2
+                    continue
+                if ch == "{":
+                    depth += 1
+                elif ch == "}":
+                    depth -= 1
+                    if depth == 0:
+                        return j + 1
+                j += 1
+            return None  # the first box is still open: nothing after it can end the turn
+        start = j
+
+
 def _box_content(text: str, i: int) -> str | None:
     n = len(text)
     while i < n and text[i] in " \t":

@@ -13,10 +13,17 @@ Protocol (also stated to the policy by the default ``system_prompt``):
   without code) ends the episode and is graded like ``MathEnv`` (math-verify, last box).
 - **End**: the episode also ends on a turn with neither code nor a box (reward 0), and at
   ``max_turns`` (reward 0 unless that turn gives the answer; code in it is not run).
+- **Turn end** (``end_turns``, on by default): a turn ends right after its first complete code block
+  or its first complete ``\boxed{...}`` (:meth:`PythonToolEnv.turn_end`): the rollout stops sampling
+  there, so the policy never writes on past its own code (inventing the output) and the tool's real
+  output comes next.
+- **Latency** (``tool_latency``): an added delay per tool call drawn from a lognormal distribution
+  (``{"median_s": 0.5, "sigma": 1.0}``), on top of the sandbox's own time, to study asynchrony.
 
 Reward 1.0 for a correct final answer, else 0.0; ``failed = not correct``. The final step's
 ``info`` holds ``tool_calls``, ``tool_timeouts``, ``tool_errors`` (non-zero exits that were not
-timeouts), ``turns``, ``turn_limit``, and ``has_boxed``, ``correct``, ``grade_timeout``,
+timeouts), ``tool_latency_s`` (added delay in all), ``answer_from_tool`` (the final answer is a
+number the last tool run printed), ``turns``, ``turn_limit``, and ``has_boxed``, ``correct``, ``grade_timeout``,
 ``grade_error``, ``answer_extraction`` (``boxed`` or ``none``); earlier steps return an empty
 ``info``, so summing or updating the per-step dicts both give the episode's totals. A final answer
 that is not correct also gets a ``failure_kind``: ``wrong_answer``, ``grade_timeout``,
@@ -26,13 +33,17 @@ that is not correct also gets a ``failure_kind``: ``wrong_answer``, ``grade_time
 
 from __future__ import annotations
 
+import math
+import random
 import re
-from typing import Sequence
+import time
+from typing import Any, Sequence
 
 from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_env import (MathGrader, extract_boxed, grade_failure_kind, require_math_verify,
                                           shared_grader)
+from flashreinforce.envs.math_grader import first_box_end
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 
 __all__ = ["PythonToolEnv", "extract_code", "format_tool_output",
@@ -72,6 +83,32 @@ def extract_code(text: str) -> tuple[str, int] | None:
     return best
 
 
+def first_code_end(text: str) -> int | None:
+    """The index where the FIRST complete code block of ``text`` ends (fence or ``</code>``), or None."""
+    fenced = _FENCED.search(text)
+    ends = [fenced.end()] if fenced is not None else []
+    open_ = text.find("<code>")
+    if open_ >= 0:
+        close = text.find("</code>", open_)
+        if close >= 0:
+            ends.append(close + len("</code>"))
+    return min(ends) if ends else None
+
+
+_PRINTED_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _latency_options(value: Any) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"median_s", "sigma"} or "median_s" not in value:
+        raise ValueError(f"tool_latency must be a dict {{'median_s': S, 'sigma': X}}, got {value!r}")
+    median, sigma = float(value["median_s"]), float(value.get("sigma", 1.0))
+    if not (math.isfinite(median) and median > 0 and math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"tool_latency needs median_s > 0 and sigma >= 0, got {value!r}")
+    return median, sigma
+
+
 def format_tool_output(result: SandboxResult, timeout_s: float) -> str:
     """The text the policy sees for one sandbox run."""
     parts = [result.stdout.rstrip("\n")] if result.stdout.strip() else []
@@ -97,6 +134,9 @@ class PythonToolEnv(TaskEnvironment):
             memory_mb=1024, output_limit_bytes=4096)`` with ``sandbox_options`` applied.
         sandbox_options: keyword arguments for the default sandbox (JSON-friendly, so settable
             from ``--env.kwargs``), e.g. ``{"timeout_s": 5, "min_isolation": "full"}``.
+        end_turns: end each turn after its first complete code block or box (see the protocol).
+        tool_latency: an added lognormal delay per tool call, ``{"median_s": S, "sigma": X}``
+            (deterministic per task, turn and call).
         allow_weak_isolation: run the tool code even where the machine's isolation is below
             the sandbox's ``min_isolation`` (default ``'filesystem'``); without it, building
             the environment raises :class:`~flashreinforce.envs.sandbox.IsolationError` there.
@@ -118,7 +158,8 @@ class PythonToolEnv(TaskEnvironment):
                  system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
                  observation_template: str = "\n<output>\n{observation}\n</output>\n",
                  apply_chat_template: ChatTemplate | None = None, sandbox_options: dict | None = None,
-                 allow_weak_isolation: bool = False) -> None:
+                 allow_weak_isolation: bool = False, end_turns: bool = True,
+                 tool_latency: dict | None = None) -> None:
         super().__init__(tasks, apply_chat_template=apply_chat_template)
         require_math_verify("PythonToolEnv")
         max_turns = resolve_max_turns(self.default_max_turns, max_turns)
@@ -143,12 +184,22 @@ class PythonToolEnv(TaskEnvironment):
         self.grader = grader if grader is not None else shared_grader(timeout_s)
         self.system_prompt = system_prompt
         self.observation_template = observation_template
+        self.end_turns = bool(end_turns)
+        self.tool_latency = _latency_options(tool_latency)
         self._reset_counters()
 
     def _reset_counters(self) -> None:
         self._turn = 0
-        self._counts = {"tool_calls": 0, "tool_timeouts": 0, "tool_errors": 0}
+        self._counts = {"tool_calls": 0, "tool_timeouts": 0, "tool_errors": 0, "tool_latency_s": 0.0}
         self._last_tool = "none"  # outcome of the latest code run: none, ok, timeout, error
+        self._last_output = ""  # what the latest code run printed
+
+    def turn_end(self, text: str) -> int | None:
+        """The end of the turn's first complete code block or ``\\boxed{}`` (``end_turns``), else None."""
+        if not self.end_turns:
+            return None
+        ends = [e for e in (first_code_end(text), first_box_end(text)) if e is not None]
+        return min(ends) if ends else None
 
     def start(self, task: Task) -> str:
         if task.ground_truth is None:
@@ -163,8 +214,9 @@ class PythonToolEnv(TaskEnvironment):
         return super().start(Task(prompt, task.ground_truth, task.datasource, task.index, task.extra))
 
     def _finish(self, answer: str | None, turn_limit: bool) -> StepResult:
+        used = answer is not None and answer.strip() in _PRINTED_NUMBER.findall(self._last_output)
         info = {**self._counts, "turns": self._turn, "turn_limit": turn_limit, "has_boxed": answer is not None,
-                "correct": False, "grade_timeout": False, "grade_error": False,
+                "answer_from_tool": used, "correct": False, "grade_timeout": False, "grade_error": False,
                 "answer_extraction": "none" if answer is None else "boxed"}
         grade = None
         if answer is not None:
@@ -191,8 +243,15 @@ class PythonToolEnv(TaskEnvironment):
         if self._turn >= self.max_turns:
             return self._finish(None, turn_limit=True)
         result = self.sandbox.run(code[0])
+        if self.tool_latency is not None:  # a slower tool, for the asynchrony measurements
+            median, sigma = self.tool_latency
+            rng = random.Random(f"tool-latency:{self.task.index}:{self._turn}:{self._counts['tool_calls']}")
+            delay = median * math.exp(sigma * rng.gauss(0.0, 1.0))
+            time.sleep(delay)
+            self._counts["tool_latency_s"] += delay
         self._counts["tool_calls"] += 1
         self._last_tool = "ok"
+        self._last_output = result.stdout
         if result.timed_out:
             self._counts["tool_timeouts"] += 1
             self._last_tool = "timeout"

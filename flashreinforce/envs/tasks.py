@@ -370,5 +370,8 @@ class DatasetEnvironment(Environment):
     def step(self, action: str) -> StepResult:
         return self.env.step(action)
 
+    def turn_end(self, text: str) -> int | None:
+        return self.env.turn_end(text)
+
     def close(self) -> None:
         self.env.close()

@@ -178,6 +178,7 @@ class RolloutBuffer:
         self.issued = 0
         self.freed = 0
         self.counters = collections.Counter()
+        self._paused = False
 
     # ---------------------------------------------------------------- worker side
     def _limit(self) -> int:
@@ -187,7 +188,7 @@ class RolloutBuffer:
         """Block until a prompt may be started; ``None`` if closed or ``timeout`` seconds passed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._closed and self.issued - self.freed >= self._limit():
+            while not self._closed and (self._paused or self.issued - self.freed >= self._limit()):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return None
@@ -347,6 +348,21 @@ class RolloutBuffer:
             self.counters["taken_groups"] += len(groups)
             self.counters["taken_trajectories"] += sum(len(g) for _, g in groups)
         return Batch([g for _, g in groups], learner_version, time.monotonic() - start, dropped_groups, dropped_trajs)
+
+    def pause(self) -> None:
+        """Hand out no prompt until :meth:`resume` (the learner evaluates); workers also wait between
+        engine calls of the episodes they hold (:attr:`paused`)."""
+        with self._cond:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def update_done(self) -> None:
         """The learner finished an optimizer step: one more batch of prompts may be started."""

@@ -19,6 +19,7 @@ from flashreinforce.engines import SamplingParams, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
 from flashreinforce.trainer.buffer import Ticket
 from flashreinforce.trainer.faults import QuarantinedEpisode
+from flashreinforce.trainer.outcomes import episode_means
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
 
 __all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds"]
@@ -110,7 +111,8 @@ class Evaluator:
                                                  for t in trajs),
                 "eval_trajectories": len(trajs), "eval_quarantined_episodes": quarantined,
                 "eval_policy_version": policy_version,
-                "eval_time_s": time.perf_counter() - t0}
+                "eval_time_s": time.perf_counter() - t0,
+                **{f"eval_{key}": value for key, value in episode_means(trajs).items()}}
 
     def close(self) -> None:
         self.worker.close()

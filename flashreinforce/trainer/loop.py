@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -85,6 +86,9 @@ class Trainer:
         policy = components.load_policy(cfg, self.device)
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.envs = components.load_environments(cfg, policy)
+        # The evaluation rows are read now, so that a bad --eval.dataset stops the run before it starts.
+        evaluates = cfg.eval.steps or cfg.eval.every_min or cfg.eval.eval_at_start
+        self.eval_envs = components.eval_environments(cfg, self.envs, self.tokenizer) if evaluates else self.envs
         self.num_prompts = self.envs.num_prompts
         self.max_steps = components.total_updates(cfg, self.num_prompts)
         settings = components.learner_settings(cfg, self.max_steps)
@@ -147,7 +151,7 @@ class Trainer:
         """Mean reward and success rate of the current policy on the evaluation prompts."""
         if self._evaluator is None:
             cfg = self.cfg
-            envs = components.eval_environments(self.cfg, self.envs, self.tokenizer)
+            envs = self.eval_envs
             if envs is self.envs:
                 seeds = eval_seeds(envs.num_prompts, cfg.eval.num_prompts)
             else:  # every row of the evaluation dataset
@@ -159,6 +163,15 @@ class Trainer:
                 n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.vllm_generate_batch_size,
                 seed=self.cfg.seed + 1)
         return self._evaluator.evaluate(self.learner.version)
+
+    def _evaluate_paused(self) -> dict[str, float]:
+        """:meth:`evaluate` with the rollouts paused (no prompt handed out, workers waiting between engine
+        calls), so that an evaluation neither competes with them nor gives them free time."""
+        self.buffer.pause()
+        try:
+            return self.evaluate()
+        finally:
+            self.buffer.resume()
 
     def _write_eval(self, metrics: dict[str, float]) -> None:
         append_eval_record(self.out / "eval.jsonl", self.step, metrics)
@@ -278,7 +291,7 @@ class Trainer:
         fault_metrics = FaultMetrics(log)  # per-update environment-call timeouts, and their warning
         try:
             if cfg.eval.eval_at_start and self.step == 0:
-                ev = self.evaluate()
+                ev = self.evaluate()  # no rollouts yet: nothing to pause
                 self._write_eval(ev)
                 metrics_log.log_eval(self.step, ev)
                 metrics_log.note(f"eval at start: reward {ev['eval_reward_mean']:.3f}, "
@@ -286,6 +299,11 @@ class Trainer:
             pool = self.pool = self._make_workers()
             pool.start()
             t_run = t_last = time.perf_counter()
+            # Training time: wall time without evaluations and checkpoint saves (earlier sessions included),
+            # the clock of eval.every_min and of train_time_s in metrics.jsonl.
+            train_before, pauses = self.counters.get("train_time_s", 0.0), 0.0
+            every_s = cfg.eval.every_min * 60.0
+            next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
             while self.step < self.max_steps:
                 t_wait = time.perf_counter()
                 batch = self._take_batch(pool)
@@ -312,15 +330,24 @@ class Trainer:
                     worker_stats=worker_stats, timings=UpdateTimings(idle=idle, step=now - t_last, wall=now - t_run),
                     wall_time_before=self.counters["wall_time_s"])
                 record.update(fault_metrics(buffer_stats, worker_stats))
+                train_s = train_before + (now - t_run) - pauses
+                record["train_time_s"] = train_s
                 t_last = now
-                if cfg.eval.steps and self.step % cfg.eval.steps == 0:
-                    ev = self.evaluate()
-                    self._write_eval(ev)
+                by_steps = cfg.eval.steps and self.step % cfg.eval.steps == 0
+                if by_steps or train_s >= next_eval:
+                    ev = self._evaluate_paused()
+                    self._write_eval(dict(ev, train_time_s=train_s))
                     record.update(ev)
+                    while next_eval <= train_s:
+                        next_eval += every_s
                     t_last = time.perf_counter()
+                    pauses += t_last - now
                 metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
                 if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
+                    t_save = time.perf_counter()
                     self._save()
+                    pauses += time.perf_counter() - t_save
+                self.counters["train_time_s"] = train_before + (time.perf_counter() - t_run) - pauses
             self.counters["wall_time_s"] += time.perf_counter() - t_run
         except KeyboardInterrupt:
             status = "aborted"

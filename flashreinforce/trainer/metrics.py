@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from flashreinforce.trainer.diagnostics import ZeroSignalWatch
 from flashreinforce.trainer.loggers import close_sinks, open_sinks
-from flashreinforce.trainer.outcomes import failure_kind
+from flashreinforce.trainer.outcomes import episode_means, failure_kind
 from flashreinforce.trainer.samples import SampleLog, short_sample
 from flashreinforce.trainer.trajectory import Trajectory
 
@@ -130,6 +130,7 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
     for key in _OPTIONAL_LEARNER_KEYS:
         if key in learner:
             out[key] = learner[key]
+    out.update(episode_means(trajs))
     return out
 
 

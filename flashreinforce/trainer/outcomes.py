@@ -3,14 +3,18 @@
 :func:`failure_kind` names why a failed trajectory earned nothing. The ``metrics.jsonl`` record
 counts the kinds over each batch (:mod:`.metrics`), every ``samples.jsonl`` line carries its
 trajectory's kind (:mod:`.samples`), and the zero-reward-variance warning names the most common
-one (:mod:`.diagnostics`).
+one (:mod:`.diagnostics`). :func:`episode_means` averages what the environments report per episode
+(tool calls, turns, ...) for the update records and the evaluations.
 """
 
 from __future__ import annotations
 
 from flashreinforce.trainer.trajectory import Trajectory
 
-__all__ = ["failure_kind"]
+__all__ = ["episode_means", "failure_kind"]
+
+# Keys the rollout worker itself adds to every trajectory's info (reported elsewhere in the records).
+_WORKER_KEYS = frozenset({"action_tokens", "length_finishes"})
 
 
 def failure_kind(t: Trajectory) -> str | None:
@@ -22,3 +26,19 @@ def failure_kind(t: Trajectory) -> str | None:
     if isinstance(kind, str) and kind:
         return kind
     return "truncated" if t.truncated else "unspecified"
+
+
+def episode_means(trajectories) -> dict[str, float]:
+    """``env/KEY``: the mean over ``trajectories`` of each number (or bool, as a share) their
+    environments put in ``info`` (over the trajectories that have the key; text is left out). For
+    the Python tool: ``env/tool_calls`` per trajectory, ``env/tool_errors``, ``env/answer_from_tool``,
+    ``env/turns``, ..."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for t in trajectories:
+        for key, value in t.info.items():
+            if key in _WORKER_KEYS or not isinstance(value, (bool, int, float)):
+                continue
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+    return {f"env/{key}": sums[key] / counts[key] for key in sorted(sums)}

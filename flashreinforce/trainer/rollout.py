@@ -47,6 +47,7 @@ from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.faults import EnvCalls, QuarantinedEpisode, RepeatedProblems, RolloutFailed, StopRequested
 from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.turns import turn_cut, turn_stop
 
 __all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutBackend", "RolloutSettings", "RolloutWorker", "ThreadRolloutPool",
            "episode_seed", "fair_share", "max_token_chars"]
@@ -94,7 +95,7 @@ class RolloutSettings:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     episodes_per_call: int = 1
     seed: int = 0
-    env_timeout_s: float = 120.0
+    env_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call"):
@@ -177,6 +178,7 @@ class _Episode:
         self.info: dict[str, Any] = {}
         self.length_finishes = 0
         self.action_tokens = 0
+        self.turn_ended = False  # the last turn was ended by the environment (turn_end), not a stop token
         self.quarantined: QuarantinedEpisode | None = None
 
     def start(self, prompt_ids: list[int]) -> None:
@@ -232,6 +234,7 @@ class RolloutWorker:
         self._engine_call: tuple[str, float] | None = None  # ("engine.generate", start) during a call
         self.idle_s = 0.0
         self.busy_s = 0.0
+        self.paused_s = 0.0  # waited for the learner's evaluation (part of busy_s)
         self.episodes = 0
         self.errors = 0
         self.quarantined = 0
@@ -318,7 +321,8 @@ class RolloutWorker:
         """One generation per live episode (an exception in place of those the engine failed on)."""
         s = self.settings
         requests = [GenerationRequest(e.tokens, min(s.max_new_tokens, s.max_len - len(e.tokens)),
-                                      episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns))
+                                      episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns),
+                                      stop=turn_stop(e.env, self.tokenizer))
                     for e in live]
         self._engine_call = ("engine.generate", time.monotonic())
         try:
@@ -347,18 +351,23 @@ class RolloutWorker:
             self._engine_call = None
 
     def _record_action(self, e: _Episode, g) -> str:
-        """Append the sampled turn to ``e``; the action's text."""
+        """Append the sampled turn to ``e`` (cut where its environment ends it); the action's text."""
         if not g.token_ids:
             raise _Bad("the engine returned an empty generation", "the engine returned an empty generation")
-        e.tokens.extend(int(t) for t in g.token_ids)
-        e.mask.extend([True] * len(g.token_ids))
-        e.logp.extend(float(x) for x in g.log_probs)
-        e.action_tokens += len(g.token_ids)
-        e.length_finishes += int(g.finish_reason == "length")
+        ids, logps, reason = [int(t) for t in g.token_ids], [float(x) for x in g.log_probs], g.finish_reason
+        cut = turn_cut(e.env, self.tokenizer, ids)
+        e.turn_ended = cut is not None and ids[cut - 1] not in set(self.settings.sampling.stop_token_ids)
+        if cut is not None:
+            ids, logps, reason = ids[:cut], logps[:cut], "stop"
+        e.tokens.extend(ids)
+        e.mask.extend([True] * len(ids))
+        e.logp.extend(logps)
+        e.action_tokens += len(ids)
+        e.length_finishes += int(reason == "length")
         e.vmin = g.policy_version if e.vmin is None else min(e.vmin, g.policy_version)
         e.vmax = g.policy_version if e.vmax is None else max(e.vmax, g.policy_version)
         e.turns += 1
-        return self.tokenizer.decode(g.token_ids)
+        return self.tokenizer.decode(ids)
 
     def _after_step(self, e: _Episode, result: StepResult) -> None:
         s = self.settings
@@ -373,12 +382,15 @@ class RolloutWorker:
         if e.turns >= s.max_turns:
             e.finish(truncated=True)
             return
-        room = s.max_len - len(e.tokens)  # the observation fits when it has fewer tokens than this
+        # A turn the environment ended early is closed with the end-of-turn token, as context: the
+        # observation's wrapping (the chat template's next turn) follows a finished turn.
+        close = [s.sampling.stop_token_ids[0]] if e.turn_ended and s.sampling.stop_token_ids else []
+        room = s.max_len - len(e.tokens) - len(close)  # the observation fits when it has fewer tokens than this
         text = result.observation
         if self._token_chars is not None and len(text) >= room * self._token_chars:
             e.finish(truncated=True)  # too long for the room left: not worth tokenizing
             return
-        obs = self.tokenizer.encode_observation(text) if text else []
+        obs = close + (self.tokenizer.encode_observation(text) if text else [])
         if len(e.tokens) + len(obs) >= s.max_len:
             e.finish(truncated=True)
             return
@@ -404,6 +416,7 @@ class RolloutWorker:
             live = [e for e in live if not e.done]
             if not live:
                 break
+            self._wait_while_paused(stop)
             if self.weights.sync(self.engine):
                 self.weight_loads += 1
             acted: list[tuple[_Episode, str]] = []
@@ -432,6 +445,15 @@ class RolloutWorker:
         for e in episodes:
             by_ticket[e.ticket.prompt_id].append(e.result(self.worker_id))
         return [by_ticket[t.prompt_id] for t in tickets]
+
+    def _wait_while_paused(self, stop: threading.Event | None) -> None:
+        """Between engine calls: wait while the learner has paused the rollouts (an evaluation)."""
+        if self.buffer is None:
+            return
+        t0 = time.perf_counter()
+        while self.buffer.paused and not (stop is not None and stop.is_set()):
+            time.sleep(0.05)
+        self.paused_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event) -> None:

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 MAX_BLOCK_S = 1.0
 
 #: The learner-side calls the buffer actor answers by running them on its RolloutBuffer.
-LEARNER_CALLS = ("take", "update_done", "close", "closed", "in_flight", "state_dict", "load_state_dict")
+LEARNER_CALLS = ("take", "update_done", "close", "closed", "in_flight", "state_dict", "load_state_dict", "pause",
+                 "resume", "paused")
 
 
 class StaleIncarnation(RuntimeError):
@@ -167,12 +168,16 @@ class RemoteBuffer(ActorClient):
     def closed(self) -> bool:
         return self.call("closed")
 
+    @property
+    def paused(self) -> bool:
+        return self.call("paused")
+
 
 class WorkerBufferClient(ActorClient):
     """A rollout worker's side of the buffer actor: ``acquire`` / ``put`` / ``cancel`` as one
     incarnation of worker ``worker_id``. Trajectories go through the object store (``ray.put``)."""
 
-    remote_methods = frozenset(("acquire_many", "put_many", "cancel", "closed"))
+    remote_methods = frozenset(("acquire_many", "put_many", "cancel", "closed", "paused"))
     actor_name = "rollout buffer actor"
 
     def __init__(self, handle, worker_id: int, group_size: int, **kwargs) -> None:
@@ -211,3 +216,7 @@ class WorkerBufferClient(ActorClient):
     @property
     def closed(self) -> bool:
         return self.call("closed")
+
+    @property
+    def paused(self) -> bool:
+        return self.call("paused")
