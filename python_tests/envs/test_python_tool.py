@@ -51,6 +51,7 @@ def test_tool_episode_runs_code_then_grades_the_answer(grader):
     assert first.observation == f"\n<output>\n{a * b}\n</output>\n"
     final = env.step(f"The product is \\boxed{{{a * b}}}.")
     assert (final.reward, final.done, final.failed) == (1.0, True, False)
+    assert final.info.pop("tool_run_s") > 0
     assert final.info == {"tool_calls": 1, "tool_timeouts": 0, "tool_errors": 0, "tool_latency_s": 0.0,
                           "answer_from_tool": True, "turns": 2, "turn_limit": False,
                           "has_boxed": True, "correct": True, "grade_timeout": False, "grade_error": False,
