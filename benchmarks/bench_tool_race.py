@@ -80,8 +80,9 @@ def report(out: Path, runs: dict[str, list[dict]], args) -> dict:
             ("trajectories/s", lambda r: r["trajectories_per_s"], "{:.3f}"),
             ("policy lag", lambda r: r.get("policy_lag_mean"), "{:.2f}")]
     present = [side for side in SIDES if runs.get(side)]
+    seeds = ", ".join(f"{s} {[r['seed'] for r in runs[s]]}" for s in present)
     print(f"\nCPU {summary['cpu']} ({summary['cpus']} CPUs), load average at the end {summary['load_average_end']}; "
-          f"seeds: {', '.join(f'{s} {[r['seed'] for r in runs[s]]}' for s in present)}; mean (min-max)")
+          f"seeds: {seeds}; mean (min-max)")
     print("| metric | " + " | ".join(present) + " |\n|" + " --- |" * (len(present) + 1))
     for name, get, fmt in rows:
         cells = [_fmt(_spread([get(r) for r in runs[s]]), fmt) for s in present]
