@@ -93,7 +93,7 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
             ``torch_threads``, ``tokenizer``, ``env_kwargs``, ``progress``, ``allow_config_change``.
 
     Raises ``ConfigError`` (one line naming the setting) before anything starts, and what the command
-    reports as a failed run (:class:`flashreinforce.trainer.faults.RunFailure`) after.
+    reports as a failed run (:class:`flashreinforce.trainer.errors.RunFailure`) after.
     """
     cfg = load_config(config)
     for key, value in run_options.items():

@@ -30,7 +30,7 @@ def train(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     from flashreinforce.trainer import Trainer
-    from flashreinforce.trainer.faults import RunFailure
+    from flashreinforce.trainer.errors import RunFailure
 
     try:
         summary = Trainer(cfg).run()

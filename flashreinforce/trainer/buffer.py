@@ -23,7 +23,7 @@ counted (``rejected_trajectories``), kept in ``buffer.quarantine`` with its reas
 ``quarantine_size``) and never reaches the learner; training goes on with the valid ones. A group
 with no valid trajectory frees its slot and its prompt is not retried (the problem is in the data).
 
-Failed episodes: a worker hands in a :class:`~flashreinforce.trainer.faults.QuarantinedEpisode` in
+Failed episodes: a worker hands in a :class:`~flashreinforce.trainer.fault_records.QuarantinedEpisode` in
 place of a trajectory it could not finish (counted as ``quarantined_episodes``). A prompt none of
 whose samples could be finished is handed out again (``retried_prompts``), at most
 ``max_prompt_attempts`` times in all, then skipped (``skipped_prompts``). Each kind of problem is
@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from flashreinforce.trainer.faults import QuarantinedEpisode, RepeatedProblems
+from flashreinforce.trainer.fault_records import QuarantinedEpisode, RepeatedProblems
 from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["Batch", "PromptStream", "RolloutBuffer", "Ticket"]

@@ -22,7 +22,7 @@ step's directory went missing, restored) by the next save.
 
 A save that cannot complete (non-finite weights or optimizer moments, state that a load would
 refuse, a full disk) raises :class:`CheckpointSaveError` (one line, a
-:class:`~flashreinforce.trainer.faults.RunFailure`) after removing what it wrote: ``latest`` stays
+:class:`~flashreinforce.trainer.errors.RunFailure`) after removing what it wrote: ``latest`` stays
 where it was. :func:`clean_interrupted_saves` removes the leftovers of interrupted or failed saves
 on resume.
 
@@ -55,7 +55,7 @@ from flashreinforce.config import ConfigError
 from flashreinforce.trainer.checkpoint_rng import check_rng_state, legacy_rng_state, rng_state, set_rng_state
 from flashreinforce.trainer.checkpoint_validation import (CheckpointError, check_optimizer, check_scheduler,
                                                           check_state, first_non_finite, read_weights)
-from flashreinforce.trainer.faults import RunFailure
+from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run_history import trim_history
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "ResumePoint", "RUN_FILES", "clean_interrupted_saves", "clear_run",

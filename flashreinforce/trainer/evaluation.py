@@ -18,7 +18,7 @@ from typing import Any, Callable
 from flashreinforce.engines import SamplingParams, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
 from flashreinforce.trainer.buffer import Ticket
-from flashreinforce.trainer.faults import QuarantinedEpisode
+from flashreinforce.trainer.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.outcomes import episode_means
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
 

@@ -42,11 +42,12 @@ from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
 from flashreinforce.trainer import components
 from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
                                                 learner_state_to_restore, save_checkpoint, trim_history)
-from flashreinforce.trainer.faults import FaultMetrics, Watchdog
+from flashreinforce.trainer.fault_counters import FaultMetrics
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
 from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
 from flashreinforce.trainer.summary import write_run_summary
+from flashreinforce.trainer.watchdog import Watchdog
 from flashreinforce.trainer.rollout import RolloutBackend
 from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
 
@@ -265,7 +266,7 @@ class Trainer:
 
     def _take_batch(self, pool: RolloutBackend):
         """The next batch, or ``None`` once interrupted; checks the workers and the watchdog
-        (:class:`~flashreinforce.trainer.faults.Watchdog`) while waiting."""
+        (:class:`~flashreinforce.trainer.watchdog.Watchdog`) while waiting."""
         batch = None
         self._watchdog.start_wait()
         while batch is None and not self._interrupted.is_set():

@@ -243,7 +243,7 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
 
 @pytest.mark.slow
 def test_ray_workers_report_their_environment_call_timeouts_by_call_kind(ray_instance, tmp_path):
-    from flashreinforce.trainer.faults import FaultMetrics
+    from flashreinforce.trainer.fault_counters import FaultMetrics
 
     env_file = tmp_path / "sometimes_slow_env.py"
     env_file.write_text(SOMETIMES_SLOW_ENV)
@@ -333,7 +333,7 @@ def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instan
     with pytest.raises(ActorGone, match=r"the test actor is gone \(pid\)") as info:
         fresh.call("pid", timeout=60.0)
     # Ends a run like every RunFailure: one line from the CLI, saying how to go on.
-    from flashreinforce.trainer.faults import RunFailure
+    from flashreinforce.trainer.errors import RunFailure
 
     assert isinstance(info.value, RunFailure)
     assert "continue with --resume" in str(info.value)

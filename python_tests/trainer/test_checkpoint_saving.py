@@ -20,7 +20,7 @@ import flashreinforce.trainer.checkpoints as checkpoints
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.checkpoints import (CheckpointSaveError, ResumePoint, clean_interrupted_saves,
                                                 save_checkpoint, trim_history)
-from flashreinforce.trainer.faults import RunFailure
+from flashreinforce.trainer.errors import RunFailure
 from python_tests.trainer.checkpoint_helpers import learner_state, run_state, save, same, tiny_model, weights
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,9 +20,12 @@ from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyEnv
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
-from flashreinforce.trainer.faults import FaultMetrics, QuarantinedEpisode, RunStalled, Watchdog
+from flashreinforce.trainer.errors import RunStalled
+from flashreinforce.trainer.fault_counters import FaultMetrics
+from flashreinforce.trainer.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
 from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.watchdog import Watchdog
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

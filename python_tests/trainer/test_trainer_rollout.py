@@ -10,7 +10,7 @@ from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyChainEnv
-from flashreinforce.trainer.faults import RolloutFailed
+from flashreinforce.trainer.errors import RolloutFailed
 from flashreinforce.trainer.rollout import (MAX_ENGINE_FAILURES_IN_A_ROW, RolloutSettings, RolloutWorker,
                                          ThreadRolloutPool)
 from flashreinforce.models.tokenizers import CharTokenizer

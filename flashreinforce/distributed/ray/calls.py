@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Iterable
 
-from flashreinforce.trainer.faults import RunFailure
+from flashreinforce.trainer.errors import RunFailure
 
 __all__ = ["ActorClient", "ActorGone", "DEFAULT_CALL_TIMEOUT_S", "RESUME_HINT", "delegate", "import_ray"]
 
@@ -39,7 +39,7 @@ def import_ray():
 class ActorGone(RunFailure):
     """An actor of the run cannot be reached any more: its process or node died, or the cluster is gone.
 
-    A :class:`~flashreinforce.trainer.faults.RunFailure`: when it ends a run, ``flashreinforce train``
+    A :class:`~flashreinforce.trainer.errors.RunFailure`: when it ends a run, ``flashreinforce train``
     prints its message on one line (exit status 1). The rollout pool catches it for one worker and
     starts a replacement; only the trainer's own actors (buffer, weights) end the run with it.
     """

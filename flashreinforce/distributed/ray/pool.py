@@ -27,7 +27,7 @@ from flashreinforce.distributed.ray.buffer import RemoteBuffer
 from flashreinforce.distributed.ray.calls import ActorGone, import_ray
 from flashreinforce.distributed.ray.placement import WorkerPlacement, describe_nodes
 from flashreinforce.distributed.ray.workers import RolloutWorkerActor, WorkerRecipe
-from flashreinforce.trainer.faults import RolloutFailed
+from flashreinforce.trainer.errors import RolloutFailed
 from flashreinforce.trainer.rollout import RolloutBackend, fair_share
 
 __all__ = ["RayRolloutBackend"]
