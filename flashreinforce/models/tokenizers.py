@@ -123,9 +123,14 @@ class HFTokenizer:
             raise ValueError("HFTokenizer: the chat template does not render a conversation as a growing "
                              "prefix; multi-turn observations cannot be appended to a trajectory")
         # The assistant turn in `before` ends with the end-of-turn text; the sampled action carries the
-        # eos token itself, so the wrapping starts right after the assistant's content and eos.
+        # eos token itself, so the wrapping starts right after the assistant's content and eos: with
+        # whatever the template writes after the eos (ChatML's newline) before the next turn.
         wrapped = after[len(before):]
         prefix, suffix = wrapped.split(marker)
+        eos_text = self.tok.eos_token if isinstance(self.tok.eos_token, str) else None
+        cut = before.rfind(eos_text) if eos_text else -1
+        if cut >= 0 and before[cut:].startswith(eos_text):
+            prefix = before[cut + len(eos_text):] + prefix
         return prefix, suffix
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -134,7 +139,9 @@ class HFTokenizer:
             return list(self.tok(rendered, add_special_tokens=False)["input_ids"])
         ids = list(self.tok(text, add_special_tokens=False)["input_ids"])
         bos = self.tok.bos_token_id
-        return ([bos] if bos is not None else []) + ids
+        # A prompt the environment rendered with the chat template may already begin with the bos token
+        # (ChatML's <|im_start|>): not twice.
+        return ([bos] if bos is not None and ids[:1] != [bos] else []) + ids
 
     def encode_observation(self, text: str) -> list[int]:
         if self.chat_observations:

@@ -57,6 +57,26 @@ def test_gguf_tokenizer_and_chat_template_come_from_the_file(tiny_gguf):
 
 
 @needs_gguf
+def test_a_conversation_built_turn_by_turn_is_the_chat_templates_rendering(tiny_gguf):
+    """Token in, token out: prompt, sampled turn (ending in eos), observation wrapping, ... give the
+    tokens of the whole conversation rendered by the template (no doubled bos, no lost newline)."""
+    path, _, tokens = tiny_gguf
+    plain = load_tokenizer(str(path))
+    wrapper = HFTokenizer(plain.tok, chat_prompt=False, chat_observations=True)
+    hf = plain.tok
+    eos = tokens.index("<|im_end|>")
+    messages = [{"role": "user", "content": "add 2 and 3"}]
+    rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = wrapper.encode_prompt(rendered)  # an environment that renders its own prompt
+    assert ids[:2] != [tokens.index("<|im_start|>")] * 2
+    for action, observation in (("print(2 + 3)", "<output>5</output>"), ("the answer is 5", "ok")):
+        ids += hf(action, add_special_tokens=False)["input_ids"] + [eos] + wrapper.encode_observation(observation)
+        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": observation}]
+    whole = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ids == hf(whole, add_special_tokens=False)["input_ids"]
+
+
+@needs_gguf
 def test_gguf_model_exports_and_reloads_as_a_hugging_face_folder(tiny_gguf, tmp_path):
     path, ref, _ = tiny_gguf
     model, tok_spec = build_model(str(path), device=torch.device("cpu"))
