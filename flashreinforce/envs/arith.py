@@ -2,7 +2,9 @@ r"""Arithmetic problems generated from a seed, graded with math-verify on the fi
 
 ``ArithEnv`` asks one question per episode (``What is 47 + 8? Answer with just the number.``)
 and gives reward 1.0 when the final answer of the response equals the exact result, else 0.0
-(``failed = not correct``). The *final answer* is the content of the last ``\boxed{}`` when the
+(``failed = not correct``). math-verify evaluates what it is given, so ``\boxed{47 + 8}`` counts as
+55 and ``8.0`` as 8; with ``integer_answers=True`` only an integer written out (digits, an optional
+sign and thousands commas) is graded, anything else is ``not_a_number``. The *final answer* is the content of the last ``\boxed{}`` when the
 response has one, otherwise the last number in it (``"7 + 7 = 14."`` gives ``14``; a response
 cut off in the middle of its explanation usually ends with some other number and is wrong). The
 comparison is math-verify's, run by the project's :class:`~flashreinforce.envs.math_env.MathGrader`
@@ -34,7 +36,7 @@ from fractions import Fraction
 from typing import Any, Sequence
 
 from flashreinforce.envs.base import Environment, StepResult
-from flashreinforce.envs.math_grader import extract_boxed
+from flashreinforce.envs.math_grader import extract_boxed, is_plain_integer
 
 __all__ = ["HELDOUT_SEED_OFFSET", "ArithEnv", "ArithProblem", "ArithSpec", "final_answer", "problem_for_seed"]
 
@@ -233,6 +235,7 @@ class ArithEnv(Environment):
             is applied by the trainer's tokenizer (``data.apply_chat_template``), not here.
         grader: a :class:`~flashreinforce.envs.math_env.MathGrader` (default: the process-wide one).
         timeout_s: grading time limit of the default grader.
+        integer_answers: grade only an integer written out (see the module docstring).
 
     ``info`` of the step: ``correct``, ``has_answer``, ``split`` (``train``/``heldout``).
     """
@@ -241,7 +244,8 @@ class ArithEnv(Environment):
 
     def __init__(self, *, digits: int | Sequence[int] = 1, second_digits: int | Sequence[int] | None = None,
                  operations: str = "+-*", negative: bool = False, heldout_size: int | None = None, problem_seed: int = 0,
-                 template: str = DEFAULT_TEMPLATE, grader: Any = None, timeout_s: float = 5.0) -> None:
+                 template: str = DEFAULT_TEMPLATE, grader: Any = None, timeout_s: float = 5.0,
+                 integer_answers: bool = False) -> None:
         self.spec = ArithSpec(digits=_as_pair(digits), second_digits=_as_pair(second_digits), operations=operations,
                               negative=negative, seed=problem_seed, heldout_size=heldout_size)
         for key in ("{a}", "{op}", "{b}"):
@@ -253,6 +257,7 @@ class ArithEnv(Environment):
 
             grader = shared_grader(timeout_s)
         self.grader = grader
+        self.integer_answers = bool(integer_answers)
         self.problem: ArithProblem | None = None
         self.split: str | None = None
 
@@ -273,8 +278,8 @@ class ArithEnv(Environment):
         if self.problem is None:
             raise RuntimeError("score() called before reset()")
         answer, how = _final_answer(response)
-        if answer is None:
-            return False, None, how
+        if answer is None or (self.integer_answers and not is_plain_integer(answer)):
+            return False, answer, how
         return bool(self.grader.grade(answer, str(self.problem.answer)).correct), answer, how
 
     def step(self, action: str) -> StepResult:
@@ -284,5 +289,6 @@ class ArithEnv(Environment):
         info = {"correct": correct, "has_answer": answer is not None, "split": self.split,
                 "answer_extraction": extraction}
         if not correct:  # why the reward is 0, counted per batch in metrics.jsonl (failure_kinds)
-            info["failure_kind"] = "no_answer" if answer is None else "wrong_answer"
+            info["failure_kind"] = ("no_answer" if answer is None else "not_a_number"
+                                    if self.integer_answers and not is_plain_integer(answer) else "wrong_answer")
         return StepResult(reward=1.0 if correct else 0.0, done=True, failed=not correct, info=info)

@@ -4,7 +4,8 @@ Each episode is one generated problem (two-digit multiplication, three-digit sum
 remainders; ``mix`` sets the share of each) played with :class:`~flashreinforce.envs.python_tool.
 PythonToolEnv`'s protocol: the policy may write a ```` ```python ```` block (the turn ends there), the
 sandbox's output comes back as the next user turn, and a ``\boxed{}`` answer ends the episode,
-graded with math-verify. At most ``max_turns`` policy turns (3: code, then the answer, with one turn
+graded with math-verify once it is an integer written out (a boxed expression such as
+``\boxed{65 * 39}``, which math-verify would evaluate, is ``not_a_number``). At most ``max_turns`` policy turns (3: code, then the answer, with one turn
 to spare). The system prompt states the protocol, and one worked episode on a task that is not
 arithmetic (:data:`DEMONSTRATION`) comes before the problem as earlier turns of the conversation.
 
@@ -123,6 +124,8 @@ class ArithToolEnv(PythonToolEnv):
                  apply_chat_template=None, **kwargs: Any) -> None:
         # max_turns and apply_chat_template are named so that the trainer sees this environment takes
         # them (the turn limit it sets, and the chat template: prompts are rendered here, with the system turn).
+        kwargs.setdefault("integer_answers", True)  # every answer is an integer; a boxed expression is not one
+        kwargs.setdefault("observation_template", "<output>\n{observation}\n</output>")  # as the demonstration
         super().__init__(tasks, system_prompt=system_prompt, max_turns=max_turns,
                          apply_chat_template=apply_chat_template, **kwargs)
         self.spec = ToolArithSpec.build(mix, digits, seed=problem_seed, heldout_size=heldout_size)

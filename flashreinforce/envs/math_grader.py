@@ -109,6 +109,15 @@ def extract_answer(text: str, *, fallback: str | None = None) -> tuple[str | Non
     return None, "none"
 
 
+_PLAIN_INTEGER = re.compile(r"\s*[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)\s*")
+
+
+def is_plain_integer(text: str) -> bool:
+    """Whether ``text`` is an integer written out (digits, optional sign and thousands commas): not an
+    expression. math-verify evaluates expressions, so ``\\boxed{65 * 39}`` would otherwise grade as 2535."""
+    return bool(_PLAIN_INTEGER.fullmatch(text))
+
+
 def first_box_end(text: str) -> int | None:
     r"""The index just after the closing brace of the FIRST complete ``oxed{...}`` (or ``box{...}``)
     of ``text``, or None when none is complete yet (monotone: a longer text keeps the same end)."""

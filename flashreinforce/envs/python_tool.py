@@ -44,7 +44,7 @@ from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_env import (MathGrader, extract_boxed, grade_failure_kind, require_math_verify,
                                           shared_grader)
-from flashreinforce.envs.math_grader import first_box_end
+from flashreinforce.envs.math_grader import first_box_end, is_plain_integer
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
 
 __all__ = ["PythonToolEnv", "extract_code", "format_tool_output",
@@ -138,6 +138,9 @@ class PythonToolEnv(TaskEnvironment):
         end_turns: end each turn after its first complete code block or box (see the protocol).
         tool_latency: an added lognormal delay per tool call, ``{"median_s": S, "sigma": X}``
             (deterministic per task, turn and call).
+        integer_answers: the final answer must be an integer written out (not graded otherwise:
+            ``failure_kind`` ``not_a_number``), for tasks whose answers are integers; math-verify
+            would evaluate a boxed expression such as ``\\boxed{65 * 39}``.
         allow_weak_isolation: run the tool code even where the machine's isolation is below
             the sandbox's ``min_isolation`` (default ``'filesystem'``); without it, building
             the environment raises :class:`~flashreinforce.envs.sandbox.IsolationError` there.
@@ -160,7 +163,7 @@ class PythonToolEnv(TaskEnvironment):
                  observation_template: str = "\n<output>\n{observation}\n</output>\n",
                  apply_chat_template: ChatTemplate | None = None, sandbox_options: dict | None = None,
                  allow_weak_isolation: bool = False, end_turns: bool = True,
-                 tool_latency: dict | None = None) -> None:
+                 tool_latency: dict | None = None, integer_answers: bool = False) -> None:
         super().__init__(tasks, apply_chat_template=apply_chat_template)
         require_math_verify("PythonToolEnv")
         max_turns = resolve_max_turns(self.default_max_turns, max_turns)
@@ -186,6 +189,7 @@ class PythonToolEnv(TaskEnvironment):
         self.system_prompt = system_prompt
         self.observation_template = observation_template
         self.end_turns = bool(end_turns)
+        self.integer_answers = bool(integer_answers)
         self.tool_latency = _latency_options(tool_latency)
         self._reset_counters()
 
@@ -216,6 +220,11 @@ class PythonToolEnv(TaskEnvironment):
 
     def _finish(self, answer: str | None, turn_limit: bool) -> StepResult:
         used = answer is not None and answer.strip() in _PRINTED_NUMBER.findall(self._last_output)
+        if answer is not None and self.integer_answers and not is_plain_integer(answer):
+            info = {**self._counts, "turns": self._turn, "turn_limit": turn_limit, "has_boxed": True,
+                    "answer_from_tool": False, "correct": False, "grade_timeout": False, "grade_error": False,
+                    "answer_extraction": "boxed", "failure_kind": "not_a_number"}
+            return StepResult(reward=0.0, done=True, failed=True, info=info)
         info = {**self._counts, "turns": self._turn, "turn_limit": turn_limit, "has_boxed": answer is not None,
                 "answer_from_tool": used, "correct": False, "grade_timeout": False, "grade_error": False,
                 "answer_extraction": "none" if answer is None else "boxed"}

@@ -83,3 +83,21 @@ def test_a_slow_tool_adds_its_latency_deterministically():
     assert delays[0] == delays[1] > 0
     with pytest.raises(ValueError, match="tool_latency"):
         ArithToolEnv(tool_latency={"median_s": -1})
+
+
+def test_a_boxed_expression_is_not_an_answer():
+    """math-verify evaluates expressions: without the integer rule, boxing the question scores."""
+    from flashreinforce.envs.arith import ArithEnv
+
+    env = ArithToolEnv()
+    env.reset(seed=0)
+    problem, _ = problem_for_seed(env.spec, 0)
+    result = env.step(f"\\boxed{{{problem.a} {problem.op} {problem.b}}}")
+    assert result.reward == 0.0 and result.info["failure_kind"] == "not_a_number"
+    env.reset(seed=0)
+    assert env.step(f"\\boxed{{{problem.answer:,}}}").reward == 1.0  # thousands commas are a number
+    strict = ArithEnv(integer_answers=True)
+    strict.reset(seed=3)
+    p = strict.problem
+    assert strict.step(f"\\boxed{{{p.a} {p.op} {p.b}}}").info["failure_kind"] == "not_a_number"
+    assert ArithEnv().integer_answers is False  # the arith preset's grading is unchanged

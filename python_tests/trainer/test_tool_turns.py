@@ -73,7 +73,7 @@ def test_a_tool_turn_is_cut_closed_and_followed_by_the_tool_output(honor_stop):
     assert ids[len(prompt):end1] == first and all(mask[len(prompt):end1])
     assert logp[len(prompt):end1] == pytest.approx([-0.01 * (i + 1) for i in range(len(first))])
     # then the end-of-turn token and the tool's output, as context, exactly what the engine saw next
-    observation = TOK.encode_observation("\n<output>\n5\n</output>\n")
+    observation = TOK.encode_observation("<output>\n5\n</output>")
     context = engine.requests[1]
     assert context == ids[:len(context)] == ids[:end1] + [EOS] + observation
     assert not any(mask[end1:len(context)]) and all(x == 0.0 for x in logp[end1:len(context)])
