@@ -9,9 +9,16 @@ from python_tests.builders import tiny_causal_lm
 
 
 def requests(generator, prefix_len, suffix_lens, vocab=40, max_new=6):
+    """Prompts of one shared prefix and random suffixes whose first tokens differ (so that the shared
+    part is exactly the prefix, whatever the random draw)."""
     prefix = torch.randint(3, vocab, (prefix_len,), generator=generator).tolist()
-    return [GenerationRequest(prefix + torch.randint(3, vocab, (n,), generator=generator).tolist(), max_new, 100 + i)
-            for i, n in enumerate(suffix_lens)]
+    out = []
+    for i, n in enumerate(suffix_lens):
+        suffix = torch.randint(3, vocab, (n,), generator=generator).tolist()
+        if suffix:
+            suffix[0] = 3 + i
+        out.append(GenerationRequest(prefix + suffix, max_new, 100 + i))
+    return out
 
 
 def run(model, reqs, params, min_shared_prefix):
