@@ -38,7 +38,7 @@ from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, T
                                        chat_template_from_tokenizer, load_tasks)
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "environment_class",
-           "import_failure", "import_module", "make_environment", "num_prompts"]
+           "ImportFileError", "import_failure", "import_file", "import_module", "make_environment", "num_prompts"]
 
 
 class EnvironmentSpecError(ValueError):
@@ -231,26 +231,46 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
         raise
 
 
+class ImportFileError(ImportError):
+    """A Python file given on the command line raised while it was imported (the message is one line)."""
+
+
+def import_file(path: str | Path, prefix: str):
+    """Import the Python file ``path`` once per process, as the module ``PREFIX<hash of its location>``.
+
+    Raises ``FileNotFoundError`` when there is no such file and :class:`ImportFileError` (one line,
+    :func:`import_failure`) when executing it raises; a failed import leaves nothing in ``sys.modules``.
+    """
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise FileNotFoundError(str(path))
+    name = prefix + hashlib.sha1(str(file).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as err:
+        del sys.modules[name]
+        raise ImportFileError(import_failure(str(path), err)) from None
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
 def _load_file(path: str, class_name: str) -> str:
     """Import ``path`` once per process under a name derived from its location; ``module:Class`` of its
     environment (``class_name``, or its only concrete :class:`Environment` subclass)."""
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise EnvironmentSpecError(f"environment file {path} does not exist")
-    name = "flashreinforce_agent_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except (Exception, SystemExit) as err:
-            del sys.modules[name]
-            raise EnvironmentSpecError(import_failure(path, err)) from None
-        except BaseException:
-            del sys.modules[name]
-            raise
-    module = sys.modules[name]
+    try:
+        module = import_file(path, "flashreinforce_agent_")
+    except FileNotFoundError:
+        raise EnvironmentSpecError(f"environment file {path} does not exist") from None
+    except ImportFileError as err:
+        raise EnvironmentSpecError(str(err)) from None
+    name = module.__name__
     if not class_name:
         found = [obj.__name__ for obj in vars(module).values()
                  if isinstance(obj, type) and issubclass(obj, Environment) and obj.__module__ == name

@@ -20,16 +20,12 @@ its episode (counted by kind, the run goes on) with a message naming the functio
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from flashreinforce.envs.base import StepResult
-from flashreinforce.envs.registry import import_failure, import_module
+from flashreinforce.envs.registry import ImportFileError, import_failure, import_file, import_module
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 
 __all__ = ["RewardFunction", "RewardFunctionEnv", "RewardSpecError", "load_reward", "parse_reward_spec"]
@@ -78,21 +74,12 @@ def parse_reward_spec(spec: str) -> tuple[str, str, float]:
 
 def _import(where: str, spec: str):
     if where.endswith(".py"):
-        file = Path(where).resolve()
-        if not file.is_file():
-            raise RewardSpecError(f"--reward {spec}: {where} does not exist")
-        name = "flashreinforce_reward_" + hashlib.sha1(str(file).encode()).hexdigest()[:12]
-        if name in sys.modules:
-            return sys.modules[name]
-        module_spec = importlib.util.spec_from_file_location(name, file)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
         try:
-            module_spec.loader.exec_module(module)
-        except (Exception, SystemExit) as err:
-            del sys.modules[name]
-            raise RewardSpecError(f"--reward {spec}: {import_failure(where, err)}") from None
-        return module
+            return import_file(where, "flashreinforce_reward_")
+        except FileNotFoundError:
+            raise RewardSpecError(f"--reward {spec}: {where} does not exist") from None
+        except ImportFileError as err:
+            raise RewardSpecError(f"--reward {spec}: {err}") from None
     try:
         return import_module(where)  # a module in the current folder is found too
     except ModuleNotFoundError as err:
