@@ -132,20 +132,9 @@ def first_box_end(text: str) -> int | None:
         while j < len(text) and text[j] in " \t":
             j += 1
         if j < len(text) and text[j] == "{":
-            depth = 0
-            while j < len(text):
-                ch = text[j]
-                if ch == "\\":
-                    j += 2
-                    continue
-                if ch == "{":
-                    depth += 1
-                elif ch == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return j + 1
-                j += 1
-            return None  # the first box is still open: nothing after it can end the turn
+            close = _closing_brace(text, j)
+            # None: the first box is still open, so nothing after it can end the turn
+            return None if close is None else close + 1
         start = j
 
 
@@ -160,19 +149,27 @@ def _box_content(text: str, i: int) -> str | None:
         while j < n and not text[j].isspace() and text[j] != "$":
             j += 1
         return text[i:j] or None
-    depth, j = 0, i
+    close = _closing_brace(text, i)
+    if close is None:
+        return None
+    return text[i + 1:close].strip() or None
+
+
+def _closing_brace(text: str, i: int) -> int | None:
+    """The index of the brace closing the ``{`` at ``text[i]``, or None when it is never closed.
+    A backslash escapes the next character (``\\{``, ``\\}``, ``\\\\`` do not count)."""
+    depth, j, n = 0, i, len(text)
     while j < n:
         ch = text[j]
         if ch == "\\":
-            j += 2  # skip the escaped character (``\{``, ``\}``, ``\\``)
+            j += 2
             continue
         if ch == "{":
             depth += 1
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                content = text[i + 1:j].strip()
-                return content or None
+                return j
         j += 1
     return None
 
