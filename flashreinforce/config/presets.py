@@ -41,6 +41,48 @@ _TOY_COMMON: dict[str, Any] = {
     "torch_threads": 1,
 }
 
+# SmolLM2-135M-Instruct on a 2-core CPU (the arith and arith_tool presets): chat template, one sample
+# per prompt, one rollout worker one batch ahead of the learner, greedy held-out evaluation.
+_SMOLLM2_CPU: dict[str, Any] = {
+    "data.apply_chat_template": True,
+    "rollout.batch_size": 32,
+    "train.batch_size": 32,
+    # On arith, at 1.0 this small model's samples are right 14% of the time (greedy: 51%); at 0.7, 27%.
+    "rollout.temperature": 0.7,
+    "rollout.top_p": 1.0,
+    "rollout.num_workers": 1,
+    "rollout.vllm_generate_batch_size": 32,
+    "train.async_queue_size": 1,
+    "train.max_policy_lag": 2,
+    "train.micro_batch_size": 0,
+    "train.max_steps": 2000,
+    "actor.adam.weight_decay": 0.0,
+    "actor.adam.betas": (0.9, 0.99),
+    "actor.lr_scheduler": "constant_with_warmup",
+    "actor.lr_warmup_ratio": 0.0,
+    "actor.max_norm": 1.0,
+    # One update moves this policy by a sequence KL of ~0.01 per token; 0.01 dropped up to half
+    # of the batches' lag-1 trajectories.
+    "actor.flash_gate_delta": 0.05,
+    # bf16 autocast (float32 master weights): the learner step took 95 s instead of 108 s for 32
+    # episodes on the shared AVX512-BF16 development CPU (benchmarks/bench_real_model_cpu.py,
+    # docs/performance.md); on a CPU without native bf16 use --fsdp.param_dtype fp32.
+    "fsdp.param_dtype": "bf16",
+    "ckpt.save_steps": 10,
+    "ckpt.max_ckpt_num": 2,
+    "eval.steps": 10,
+    "eval.eval_at_start": False,
+    "eval.temperature": 0.0,
+    "eval.top_p": 1.0,
+    "eval.num_prompts": 128,
+    "eval.n_samples_per_prompt": 1,
+    "logger.logging_steps": 1,
+    # One intra-op thread each for the learner and the rollout worker: on 2 cores, 6-update runs
+    # took 18.4 and 21.0 s per update against 22.6 and 22.3 s with 2 threads each (oversubscribed);
+    # docs/performance.md.
+    "torch_threads": 1,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Single turn: say the letter named in the prompt ("say k:" -> "k").
     "toy": {
@@ -74,47 +116,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model": "smollm2-135m-instruct",
         "env": "flashreinforce.envs.arith:ArithEnv",
         "env.kwargs": {"digits": 1, "operations": "+-*/", "negative": True, "heldout_size": 128},
-        "data.apply_chat_template": True,
-        "rollout.batch_size": 32,
-        "train.batch_size": 32,
+        **_SMOLLM2_CPU,
         "rollout.max_new_tokens": 24,
         "rollout.max_turns": 1,
         "data.max_len": 96,
-        # At 1.0 this small model's samples are right 14% of the time (greedy: 51%); at 0.7, 27%.
-        "rollout.temperature": 0.7,
-        "rollout.top_p": 1.0,
-        "rollout.num_workers": 1,
-        "rollout.vllm_generate_batch_size": 32,
-        "train.async_queue_size": 1,
-        "train.max_policy_lag": 2,
-        "train.micro_batch_size": 0,
-        "train.max_steps": 2000,
         "actor.adam.lr": 1e-5,
-        "actor.adam.weight_decay": 0.0,
-        "actor.adam.betas": (0.9, 0.99),
-        "actor.lr_scheduler": "constant_with_warmup",
-        "actor.lr_warmup_ratio": 0.0,
-        "actor.max_norm": 1.0,
-        # One update moves this policy by a sequence KL of ~0.01 per token; 0.01 dropped up to half
-        # of the batches' lag-1 trajectories.
-        "actor.flash_gate_delta": 0.05,
-        # bf16 autocast (float32 master weights): the learner step took 95 s instead of 108 s for 32
-        # episodes on the shared AVX512-BF16 development CPU (benchmarks/bench_real_model_cpu.py,
-        # docs/performance.md); on a CPU without native bf16 use --fsdp.param_dtype fp32.
-        "fsdp.param_dtype": "bf16",
-        "ckpt.save_steps": 10,
-        "ckpt.max_ckpt_num": 2,
-        "eval.steps": 10,
-        "eval.eval_at_start": False,
-        "eval.temperature": 0.0,
-        "eval.top_p": 1.0,
-        "eval.num_prompts": 128,
-        "eval.n_samples_per_prompt": 1,
-        "logger.logging_steps": 1,
-        # One intra-op thread each for the learner and the rollout worker: on 2 cores, 6-update runs
-        # took 18.4 and 21.0 s per update against 22.6 and 22.3 s with 2 threads each (oversubscribed);
-        # docs/performance.md.
-        "torch_threads": 1,
     },
     # SmolLM2-135M-Instruct with a sandboxed Python tool (flashreinforce.envs.arith_tool) on problems it
     # cannot do in its head: two-digit products, three-digit sums and differences, remainders. At most 3
@@ -122,42 +128,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # --data.prompt_dataset FILE.jsonl (prompt + reward_model.ground_truth rows) with the same protocol.
     # Measured learning: docs/results.md.
     "arith_tool": {
+        **_SMOLLM2_CPU,
         "model": "smollm2-135m-instruct",
         "env": "flashreinforce.envs.arith_tool:ArithToolEnv",
         "env.kwargs": {"heldout_size": 256, "sandbox_options": {"timeout_s": 5.0}},
-        "data.apply_chat_template": True,
-        "rollout.batch_size": 32,
-        "train.batch_size": 32,
         "rollout.max_new_tokens": 48,
         "rollout.max_turns": 3,
         "data.max_len": 512,
-        "rollout.temperature": 0.7,
-        "rollout.top_p": 1.0,
-        "rollout.num_workers": 1,
-        "rollout.vllm_generate_batch_size": 32,
         "rollout.env_timeout_s": 30.0,
-        "train.async_queue_size": 1,
-        "train.max_policy_lag": 2,
-        "train.micro_batch_size": 0,
-        "train.max_steps": 2000,
         "actor.adam.lr": 2e-5,
-        "actor.adam.weight_decay": 0.0,
-        "actor.adam.betas": (0.9, 0.99),
-        "actor.lr_scheduler": "constant_with_warmup",
-        "actor.lr_warmup_ratio": 0.0,
-        "actor.max_norm": 1.0,
-        "actor.flash_gate_delta": 0.05,
-        "fsdp.param_dtype": "bf16",
-        "ckpt.save_steps": 10,
-        "ckpt.max_ckpt_num": 2,
-        "eval.steps": 10,
-        "eval.eval_at_start": False,
-        "eval.temperature": 0.0,
-        "eval.top_p": 1.0,
-        "eval.num_prompts": 128,
-        "eval.n_samples_per_prompt": 1,
-        "logger.logging_steps": 1,
-        "torch_threads": 1,
     },
     # SmolLM2-135M-Instruct playing TextWorld games generated offline (flashreinforce.envs.textworld_env,
     # pip install -e '.[textworld]'): one room, 3 objects, quests of 1 to 2 commands, 4 turns, in the
