@@ -38,6 +38,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -247,7 +248,10 @@ def main() -> int:
                                       text=True, cwd=str(ROOT))
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                 if proc.returncode != 0 or not lines:
-                    print(f"{shape:<14} {spec:<16} {mode:<7} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                    reason = _failure(proc)
+                    print(f"{shape:<14} {spec:<16} {mode:<7} failed: {reason}", flush=True)
+                    rows.append({**case, "layers": n_layers, "failed": reason})
+                    _write_json(args.json, rows)
                     continue
                 res = json.loads(lines[0][7:])
                 if res.get("skipped"):
@@ -259,9 +263,24 @@ def main() -> int:
                 print(f"{shape:<14} {spec:<16} {mode:<7} {res['tokens']:>7} {res['row_tokens'] if mode == 'shared' else res['tokens']:>7} "
                       f"{res['padded_slots']:>7} {res['time_s']:>8.2f} {ratio:>8} {peak:>9}", flush=True)
                 rows.append({**case, **res, "layers": n_layers})
-    if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": arith_curve.cpu_name(), "rows": rows}, indent=1))
+                _write_json(args.json, rows)
     return 0
+
+
+def _failure(proc: subprocess.CompletedProcess) -> str:
+    """Why a case's subprocess gave no result: the signal that killed it, else its last error line."""
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        hint = " (the kernel's out-of-memory killer, most likely)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    last = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+    return f"exit status {proc.returncode}: {last[0]}"
+
+
+def _write_json(path: str | None, rows: list[dict]) -> None:
+    """The rows so far (after every case, so an interrupted run keeps what it measured)."""
+    if path:
+        Path(path).write_text(json.dumps({"cpu": arith_curve.cpu_name(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
