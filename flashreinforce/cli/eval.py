@@ -40,7 +40,7 @@ __all__ = ["eval_command", "evaluate_model"]
 #: (a training command line with ``eval`` in place of ``train`` evaluates what it trains), just not listed.
 _EVAL_FLAGS = ("actor.model_name_or_path", "train.agent_path", "fsdp.attn_implementation", "rollout.max_new_tokens",
                "rollout.max_turns", "rollout.temperature", "rollout.top_p", "rollout.top_k",
-               "rollout.vllm_generate_batch_size", "rollout.env_timeout_s")
+               "rollout.vllm_generate_batch_size", "rollout.env_timeout_s", "rollout.env_parallel_calls")
 _EVAL_OPTIONS = ("config", "preset", "env", "env.kwargs", "model", "reward", "tokenizer", "output", "seed", "device",
                  "torch_threads")
 

@@ -224,6 +224,9 @@ class RolloutConfig:
     # a hanging call costs its worker's whole engine call this long (docs/trainer.md, fault tolerance).
     env_timeout_s: float = option("float", 30.0, "seconds an environment call (reset, step) may take; its episode "
                                   "is then quarantined and the environment instance abandoned (0: no limit)", minimum=0)
+    env_parallel_calls: int = option("int", 32, "environment calls (reset, step) of a rollout worker's episodes "
+                                     "that run at once, each in its own thread, so that slow tools overlap (1: one "
+                                     "after another)", minimum=1, maximum=4096)
     max_failed_episodes_in_a_row: int = option("int", 256, "stop the run when this many episodes in a row were "
                                                "quarantined or rejected (0: never)", minimum=0)
 

@@ -80,6 +80,10 @@ class ALFWorldEnv(TaskEnvironment):
         data_dir: the game data directory; default ``$ALFWORLD_DATA`` (required).
     """
 
+    #: TextWorld's game interpreters are not known to be thread-safe: a worker calls its instances one
+    #: after another.
+    parallel_calls = False
+
     default_max_turns = 50  # the published ALFWorld setting
 
     def __init__(self, tasks: Sequence[Task] | None = None, *, max_turns: int | None = None,

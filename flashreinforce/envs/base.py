@@ -66,6 +66,11 @@ class Environment(abc.ABC):
     #: Policy turns per episode when neither the run (``rollout.max_turns``) nor ``$MAX_AGENT_TURNS``
     #: sets it (see :func:`resolve_max_turns`).
     default_max_turns: ClassVar[int] = 16
+    #: Whether several instances of this class may run calls at the same time, each in its own thread
+    #: (a rollout worker runs the ``reset`` and ``step`` calls of its episodes concurrently, up to
+    #: ``rollout.env_parallel_calls``). ``False`` for an engine with process-wide state: the worker then
+    #: calls its instances one after another.
+    parallel_calls: ClassVar[bool] = True
 
     @abc.abstractmethod
     def reset(self, *, seed: int) -> str:

@@ -238,7 +238,8 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
     return RolloutSettings(max_new_tokens=cfg.rollout.max_new_tokens, max_len=cfg.data.max_len,
                            max_turns=cfg.rollout.max_turns, sampling=sampling_params(cfg, tokenizer),
                            episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=seed,
-                           env_timeout_s=cfg.rollout.env_timeout_s)
+                           env_timeout_s=cfg.rollout.env_timeout_s,
+                           env_parallel_calls=cfg.rollout.env_parallel_calls)
 
 
 def engine_options(cfg: ResolvedConfig, seed: int) -> dict[str, Any]:

@@ -1,10 +1,16 @@
-"""Environment calls with a timeout: :class:`EnvCalls`.
+"""Environment calls, concurrent and with a timeout: :class:`EnvCalls`.
 
-It runs a worker's environment calls with a per-call timeout. Python cannot stop a thread, so a call
-that does not return in time is abandoned: it keeps running in a daemon thread that owns the
-environment instance; the worker never touches that instance again (it builds a new one) and goes on
-with its other episodes on a fresh thread. When the stuck call returns, its thread closes the
-instance and ends.
+A rollout worker plays several episodes at once, each with its own environment instance. Their
+calls (``reset``, ``step``) are independent, and in an agentic task they are where the time goes
+when a tool is slow (a sandboxed interpreter, a web request, a game engine): run one after another,
+32 tool calls of 0.5 s each would stall the worker 16 s per turn. So each call runs in a thread of
+its own, up to ``max_parallel`` at once, and the worker waits for all of them.
+
+Each call has its own deadline, ``timeout_s`` from its start. Python cannot stop a thread, so a call
+that does not return in time is abandoned: it keeps running in its daemon thread, which owns the
+environment instance; the worker never touches that instance again (it builds a new one) and goes
+on with its other episodes. When the stuck call returns, its thread closes the instance and ends.
+Threads are reused across calls; at most :attr:`EnvCalls.MAX_STUCK` abandoned ones may be alive.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 from flashreinforce.trainer.errors import StopRequested
 
@@ -20,20 +26,18 @@ __all__ = ["EnvCalls"]
 
 
 class _Job:
-    """Calls run in order by one :class:`_Caller` thread; the worker waits on ``cond``."""
+    """One call, run by a :class:`_Caller` thread; ``cond`` is shared by the calls of one :meth:`EnvCalls.run`."""
 
-    def __init__(self, calls: Sequence[tuple[Hashable, Callable[[], Any], Callable[[], None] | None]]) -> None:
-        self.calls = list(calls)
-        self.cond = threading.Condition()
-        self.results: dict[Hashable, tuple[bool, Any]] = {}
-        self.current: Hashable | None = None
-        self.started = 0.0
-        self.done = False
+    def __init__(self, key: Hashable, fn: Callable[[], Any], on_abandon: Callable[[], None] | None,
+                 cond: threading.Condition) -> None:
+        self.key, self.fn, self.on_abandon, self.cond = key, fn, on_abandon, cond
+        self.started: float | None = None  # time.monotonic() when the thread began the call
+        self.outcome: tuple[bool, Any] | None = None  # (returned, value or exception) once it ended
         self.abandoned = False
 
 
 class _Caller:
-    """A daemon thread running :class:`_Job` s one after another."""
+    """A daemon thread running :class:`_Job` s one after another, until an abandoned one or ``None``."""
 
     def __init__(self, name: str) -> None:
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
@@ -48,124 +52,136 @@ class _Caller:
 
     @staticmethod
     def _run(job: _Job) -> bool:
-        """Run the job's calls; False when the job was abandoned (this thread must end)."""
-        for key, fn, on_abandon in job.calls:
-            with job.cond:
-                if job.abandoned:
-                    return False
-                job.current, job.started = key, time.monotonic()
-            try:
-                outcome = (True, fn())
-            except BaseException as err:  # handed to the worker, which quarantines the episode
-                outcome = (False, err)
-            with job.cond:
-                if job.abandoned:
-                    if on_abandon is not None:
-                        try:
-                            on_abandon()
-                        except Exception:  # closing an abandoned environment is best effort
-                            pass
-                    return False
-                job.results[key] = outcome
-                job.current = None
-                job.cond.notify_all()
+        """Run the job's call; False when it was abandoned meanwhile (this thread must then end)."""
         with job.cond:
-            job.done = True
-            job.cond.notify_all()
-        return True
+            if job.abandoned:
+                return False
+            job.started = time.monotonic()
+        try:
+            outcome = (True, job.fn())
+        except BaseException as err:  # handed to the worker, which quarantines the episode
+            outcome = (False, err)
+        with job.cond:
+            if not job.abandoned:
+                job.outcome = outcome
+                job.cond.notify_all()
+                return True
+        if job.on_abandon is not None:
+            try:
+                job.on_abandon()
+            except Exception:  # closing an abandoned environment is best effort
+                pass
+        return False
 
 
 class EnvCalls:
-    """Runs a worker's environment calls with a per-call timeout (see the module docstring).
+    """Runs a worker's environment calls concurrently, each with a timeout (see the module docstring).
 
-    ``timeout_s`` 0 (or ``None``) runs them inline, without a thread and without a timeout.
+    Args:
+        timeout_s: seconds a call may take from its start (0 or ``None``: no limit).
+        name: prefix of the threads' names.
+        max_parallel: calls that run at once at most (1: one after another, still with the timeout).
     """
 
     #: While more abandoned calls than this are still stuck, new ones are refused (RuntimeError):
     #: each holds a thread and an environment instance.
     MAX_STUCK = 64
 
-    def __init__(self, timeout_s: float | None, name: str = "env-calls") -> None:
+    def __init__(self, timeout_s: float | None, name: str = "env-calls", max_parallel: int = 32) -> None:
+        if int(max_parallel) < 1:
+            raise ValueError(f"EnvCalls max_parallel must be >= 1, got {max_parallel}")
         self.timeout_s = float(timeout_s or 0.0)
         self.name = name
-        self._caller: _Caller | None = None
+        self.max_parallel = int(max_parallel)
+        self._idle: list[_Caller] = []
         self._abandoned: list[threading.Thread] = []
+        self._threads_made = 0
         self.timeouts = 0
         self.timeouts_by_call: dict[str, int] = {}  # call description (env.reset, env.step) -> timeouts
-        self.current: tuple[str, float] | None = None  # (call description, start) while waiting, for the watchdog
+        # (call description, start) of the oldest call in progress while waiting, for the watchdog
+        self.current: tuple[str, float] | None = None
 
     def run(self, calls: Sequence[tuple[Hashable, str, Callable[[], Any], Callable[[], None] | None]],
-            stop: threading.Event | None = None) -> dict[Hashable, tuple[str, Any]]:
-        """Run ``calls`` (``(key, description, fn, on_abandon)``) in order; returns ``{key: (status, value)}``
-        with status ``ok`` (value: the result), ``error`` (value: the exception) or ``timeout`` (value:
-        seconds waited). ``on_abandon`` runs in the stuck call's thread if and when that call returns.
-        Raises :class:`StopRequested` when ``stop`` is set while waiting."""
-        if not self.timeout_s:
-            out = {}
-            for key, what, fn, _ in calls:
-                self.current = (what, time.monotonic())
-                try:
-                    out[key] = ("ok", fn())
-                except Exception as err:
-                    out[key] = ("error", err)
-                finally:
-                    self.current = None
-            return out
+            stop: threading.Event | None = None, max_parallel: int | None = None) -> dict[Hashable, tuple[str, Any]]:
+        """Run ``calls`` (``(key, description, fn, on_abandon)``, distinct keys) concurrently, at most
+        ``max_parallel`` at once (default: the instance's); returns
+        ``{key: (status, value)}`` with status ``ok`` (value: the result), ``error`` (value: the exception)
+        or ``timeout`` (value: seconds allowed). ``on_abandon`` runs in the stuck call's thread if and when
+        that call returns. Raises :class:`StopRequested` when ``stop`` is set while waiting (the calls
+        still running are abandoned)."""
         described = {key: what for key, what, _, _ in calls}
-        pending = [(key, fn, on_abandon) for key, _, fn, on_abandon in calls]
+        if len(described) != len(calls):
+            raise ValueError("EnvCalls.run: the calls' keys must be distinct")
+        limit = self.max_parallel if max_parallel is None else max(1, int(max_parallel))
+        cond = threading.Condition()
+        waiting = [_Job(key, fn, on_abandon, cond) for key, _, fn, on_abandon in calls]
+        waiting.reverse()  # popped from the end: calls start in the order given
+        running: dict[Hashable, tuple[_Job, _Caller]] = {}
         out: dict[Hashable, tuple[str, Any]] = {}
-        while pending:
-            job = _Job(pending)
-            self._submit(job)
-            stuck = self._wait(job, described, stop)
-            for key, (ok, value) in job.results.items():
-                out[key] = ("ok", value) if ok else ("error", value)
-            if stuck is None:
-                break
-            out[stuck] = ("timeout", self.timeout_s)
-            self.timeouts += 1
-            self.timeouts_by_call[described[stuck]] = self.timeouts_by_call.get(described[stuck], 0) + 1
-            keys_done = set(out)
-            pending = [c for c in pending if c[0] not in keys_done]
-        return out
+        try:
+            while waiting or running:
+                while waiting and len(running) < limit:
+                    job = waiting.pop()
+                    caller = self._caller()
+                    running[job.key] = (job, caller)
+                    caller.jobs.put(job)
+                with cond:
+                    self._collect(running, out, described)
+                    if not running or (waiting and len(running) < limit):
+                        continue
+                    if stop is not None and stop.is_set():
+                        raise StopRequested()
+                    started = [job.started for job, _ in running.values() if job.started is not None]
+                    oldest = min(started) if started else None
+                    if oldest is not None:
+                        key = next(k for k, (job, _) in running.items() if job.started == oldest)
+                        self.current = (described[key], oldest)
+                    wait = 0.5
+                    if self.timeout_s and oldest is not None:
+                        wait = min(wait, max(oldest + self.timeout_s - time.monotonic(), 0.0))
+                    cond.wait(wait)
+        except StopRequested:
+            with cond:
+                for job, caller in running.values():
+                    self._abandon(job, caller)
+            raise
+        finally:
+            self.current = None
+        return {key: out[key] for key in described}  # in the order given
 
-    def _submit(self, job: _Job) -> None:
-        if self._caller is None:
-            self._abandoned = [t for t in self._abandoned if t.is_alive()]
-            if len(self._abandoned) >= self.MAX_STUCK:
-                raise RuntimeError(f"{len(self._abandoned)} environment calls are still stuck after their timeout; "
-                                   "refusing to start more threads")
-            self._caller = _Caller(f"{self.name}-{len(self._abandoned)}")
-        self._caller.jobs.put(job)
+    def _collect(self, running: dict[Hashable, tuple[_Job, _Caller]], out: dict[Hashable, tuple[str, Any]],
+                 described: dict[Hashable, str]) -> None:
+        """Move ended and timed-out calls from ``running`` to ``out`` (called holding the run's lock)."""
+        now = time.monotonic()
+        for key, (job, caller) in list(running.items()):
+            if job.outcome is not None:
+                returned, value = job.outcome
+                out[key] = ("ok", value) if returned else ("error", value)
+                del running[key]
+                self._idle.append(caller)
+            elif self.timeout_s and job.started is not None and now - job.started >= self.timeout_s:
+                self._abandon(job, caller)
+                out[key] = ("timeout", self.timeout_s)
+                del running[key]
+                self.timeouts += 1
+                self.timeouts_by_call[described[key]] = self.timeouts_by_call.get(described[key], 0) + 1
 
-    def _wait(self, job: _Job, described: Mapping[Hashable, str], stop: threading.Event | None) -> Hashable | None:
-        """Wait for ``job``; the key of the call abandoned after its timeout, or ``None`` when all returned."""
-        with job.cond:
-            while not job.done:
-                now = time.monotonic()
-                if job.current is not None:
-                    self.current = (described[job.current], job.started)
-                    remaining = job.started + self.timeout_s - now
-                    if remaining <= 0:
-                        job.abandoned = True
-                        stuck = job.current
-                        self._abandoned.append(self._caller.thread)
-                        self._caller = None
-                        self.current = None
-                        return stuck
-                else:
-                    remaining = self.timeout_s
-                if stop is not None and stop.is_set():
-                    job.abandoned = True
-                    self._caller = None
-                    self.current = None
-                    raise StopRequested()
-                job.cond.wait(min(remaining, 0.5))
-        self.current = None
-        return None
+    def _abandon(self, job: _Job, caller: _Caller) -> None:
+        job.abandoned = True
+        self._abandoned.append(caller.thread)
+
+    def _caller(self) -> _Caller:
+        if self._idle:
+            return self._idle.pop()
+        self._abandoned = [t for t in self._abandoned if t.is_alive()]
+        if len(self._abandoned) >= self.MAX_STUCK:
+            raise RuntimeError(f"{len(self._abandoned)} environment calls are still stuck after their timeout; "
+                               "refusing to start more threads")
+        self._threads_made += 1
+        return _Caller(f"{self.name}-{self._threads_made}")
 
     def close(self) -> None:
-        """End the caller thread (abandoned ones end when their call returns)."""
-        if self._caller is not None:
-            self._caller.jobs.put(None)
-            self._caller = None
+        """End the idle threads (abandoned ones end when their call returns)."""
+        for caller in self._idle:
+            caller.jobs.put(None)
+        self._idle.clear()

@@ -87,8 +87,9 @@ class RolloutSettings:
     sampling: temperature / top-p / top-k and stop tokens. episodes_per_call: episodes a worker
     runs together (one ``generate`` call samples a turn of each). seed: run seed for sampling.
     env_timeout_s: seconds one environment call (``reset``, ``step``) may take before its episode is
-    quarantined and the environment instance abandoned (0: no limit; the calls then run in the
-    worker's own thread).
+    quarantined and the environment instance abandoned (0: no limit). env_parallel_calls: the calls
+    of a worker's episodes that run at once, each in its own thread (1: one after another; an
+    environment class with ``parallel_calls = False`` is always called one after another).
     """
 
     max_new_tokens: int
@@ -98,9 +99,10 @@ class RolloutSettings:
     episodes_per_call: int = 1
     seed: int = 0
     env_timeout_s: float = 30.0
+    env_parallel_calls: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call"):
+        for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):
@@ -230,7 +232,8 @@ class RolloutWorker:
         self.weights = weights
         self.settings = settings
         self._envs: list[Environment | None] = []
-        self._calls = EnvCalls(settings.env_timeout_s, name=f"rollout-worker-{worker_id}-env")
+        self._calls = EnvCalls(settings.env_timeout_s, name=f"rollout-worker-{worker_id}-env",
+                               max_parallel=settings.env_parallel_calls)
         self._problems = RepeatedProblems(log, f"rollout worker {worker_id}")
         self._token_chars = max_token_chars(tokenizer)
         self._engine_call: tuple[str, float] | None = None  # ("engine.generate", start) during a call
@@ -282,8 +285,10 @@ class RolloutWorker:
 
     def _env_calls(self, calls: list[tuple[_Episode, str, Callable[[], Any]]],
                    stop: threading.Event | None) -> dict[int, tuple[str, Any]]:
+        serial = not all(getattr(e.env, "parallel_calls", True) for e, _, _ in calls)
         try:
-            return self._calls.run([(id(e), what, fn, e.env.close) for e, what, fn in calls], stop)
+            return self._calls.run([(id(e), what, fn, e.env.close) for e, what, fn in calls], stop,
+                                   max_parallel=1 if serial else None)
         except StopRequested:
             raise _Stopped() from None
 

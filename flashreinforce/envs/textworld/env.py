@@ -89,6 +89,10 @@ class TextWorldEnv(Environment):
         max_open_games: started games kept per object (switching to a kept game is a cheap reset).
     """
 
+    #: TextWorld's game interpreters are not known to be thread-safe: a worker calls its instances one
+    #: after another.
+    parallel_calls = False
+
     def __init__(self, *, train_games: int = 64, heldout_games: int = 32, world_size: int = 1, nb_objects: int = 3,
                  quest_length: int | Sequence[int] = (1, 2), theme: str = "house", problem_seed: int = 0,
                  reward: str = "dense", max_turns: int | None = None, max_observation_chars: int = 400,
