@@ -280,6 +280,8 @@ def _failure(proc: subprocess.CompletedProcess) -> str:
 def _write_json(path: str | None, rows: list[dict]) -> None:
     """The rows so far (after every case, so an interrupted run keeps what it measured)."""
     if path:
+        import arith_curve  # scripts/: the CPU name
+
         Path(path).write_text(json.dumps({"cpu": arith_curve.cpu_name(), "rows": rows}, indent=1))
 
 
