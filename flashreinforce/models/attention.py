@@ -185,6 +185,14 @@ class _Bucket:
         self.q_index = torch.tensor(q_rows, dtype=torch.int64, device=device)
         self.k_index = torch.tensor(k_rows, dtype=torch.int64, device=device)
         uniform = len(set(q_lens)) == 1 and len(set(k_lens)) == 1
+        # Equal root segments that lie end to end in the row: the bucket is a view of the row
+        # ([g * L] -> [g, L]), with no gather in forward and no scatter-add in backward.
+        self.span: tuple[int, int] | None = None
+        first = layout.starts[members[0]]
+        if (uniform and lq == lk
+                and all(layout.key_spans[j] == ((layout.starts[j], layout.ends[j]),) for j in members)
+                and all(layout.starts[j] == first + m * lq for m, j in enumerate(members))):
+            self.span = (first, len(members))
         self.valid = None
         if not uniform:
             self.valid = torch.tensor([m * lq + i for m, ql in enumerate(q_lens) for i in range(ql)], dtype=torch.int64,
@@ -245,8 +253,15 @@ def _attend_sdpa(layout: DocumentLayout, q: Tensor, k: Tensor, v: Tensor, scale:
     gqa = heads != k.shape[0]
     outs = []
     for b in plan.buckets:
-        qs = q[:, b.q_index].transpose(0, 1)  # [g, H, Lq, D]
-        ks, vs = k[:, b.k_index].transpose(0, 1), v[:, b.k_index].transpose(0, 1)
+        if b.span is not None:
+            start, g = b.span
+            rows = slice(start, start + g * b.num_queries)
+            qs = q[:, rows].unflatten(1, (g, b.num_queries)).transpose(0, 1)  # [g, H, L, D]
+            ks = k[:, rows].unflatten(1, (g, b.num_queries)).transpose(0, 1)
+            vs = v[:, rows].unflatten(1, (g, b.num_queries)).transpose(0, 1)
+        else:
+            qs = q[:, b.q_index].transpose(0, 1)  # [g, H, Lq, D]
+            ks, vs = k[:, b.k_index].transpose(0, 1), v[:, b.k_index].transpose(0, 1)
         out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask, dropout_p=dropout, is_causal=b.mask is None,
                                              scale=scale, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(-1, heads, dim)  # [g * Lq, H, D]

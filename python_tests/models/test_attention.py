@@ -245,6 +245,29 @@ def test_attend_matches_its_definition_on_a_tree(window, kernel):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
+@pytest.mark.parametrize("window", [None, 3])
+def test_equal_documents_end_to_end_are_views_of_the_row(window):
+    """Equal root documents in row order are one bucket taken as a view (no gather); a tree, or
+    documents out of row order after sorting, are not. Both agree with the definition, gradients too."""
+    # Four documents of 48 tokens, then two of 20: two buckets (padding 20 to 48 costs more than a call).
+    layout = DocumentLayout([0, 48, 96, 144, 192, 212], [48, 96, 144, 192, 212, 232])
+    plan = layout.sdpa_plan(torch.device("cpu"), window)
+    spans = sorted(b.span for b in plan.buckets if b.span is not None)
+    assert spans == [(0, 4), (192, 2)], spans
+    tree = DocumentLayout([0, 6, 9], [6, 9, 12], [-1, 0, 0])
+    assert all(b.span is None for b in tree.sdpa_plan(torch.device("cpu"), window).buckets)
+    torch.manual_seed(1)
+    q = torch.randn(6, 232, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 232, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 232, 8, dtype=torch.float64, requires_grad=True)
+    got = attend(layout, q, k, v, sliding_window=window)
+    want = _reference_attention(q, k, v, _allowed(layout, window))
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+    g = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
 def test_varlen_backend_offsets_and_gathered_keys(monkeypatch):
     """The ``varlen`` backend's device-independent part (offsets, gathered keys, GQA, causal flag),
     checked against a stand-in for PyTorch's varlen kernel that follows its documented contract."""
