@@ -373,5 +373,9 @@ class DatasetEnvironment(Environment):
     def turn_end(self, text: str) -> int | None:
         return self.env.turn_end(text)
 
+    @property
+    def parallel_calls(self) -> bool:  # the wrapped environment's (ALFWorld over a dataset of games: False)
+        return getattr(self.env, "parallel_calls", True)
+
     def close(self) -> None:
         self.env.close()

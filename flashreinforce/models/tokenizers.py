@@ -129,7 +129,7 @@ class HFTokenizer:
         prefix, suffix = wrapped.split(marker)
         eos_text = self.tok.eos_token if isinstance(self.tok.eos_token, str) else None
         cut = before.rfind(eos_text) if eos_text else -1
-        if cut >= 0 and before[cut:].startswith(eos_text):
+        if cut >= 0:
             prefix = before[cut + len(eos_text):] + prefix
         return prefix, suffix
 

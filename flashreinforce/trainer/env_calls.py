@@ -18,6 +18,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Callable, Hashable, Sequence
 
 from flashreinforce.trainer.errors import StopRequested
@@ -114,14 +115,13 @@ class EnvCalls:
             raise ValueError("EnvCalls.run: the calls' keys must be distinct")
         limit = self.max_parallel if max_parallel is None else max(1, int(max_parallel))
         cond = threading.Condition()
-        waiting = [_Job(key, fn, on_abandon, cond) for key, _, fn, on_abandon in calls]
-        waiting.reverse()  # popped from the end: calls start in the order given
+        waiting = deque(_Job(key, fn, on_abandon, cond) for key, _, fn, on_abandon in calls)  # in the order given
         running: dict[Hashable, tuple[_Job, _Caller]] = {}
         out: dict[Hashable, tuple[str, Any]] = {}
         try:
             while waiting or running:
                 while waiting and len(running) < limit:
-                    job = waiting.pop()
+                    job = waiting.popleft()
                     caller = self._caller()
                     running[job.key] = (job, caller)
                     caller.jobs.put(job)
@@ -131,14 +131,13 @@ class EnvCalls:
                         continue
                     if stop is not None and stop.is_set():
                         raise StopRequested()
-                    started = [job.started for job, _ in running.values() if job.started is not None]
-                    oldest = min(started) if started else None
-                    if oldest is not None:
-                        key = next(k for k, (job, _) in running.items() if job.started == oldest)
-                        self.current = (described[key], oldest)
+                    oldest = min(((job.started, key) for key, (job, _) in running.items() if job.started is not None),
+                                 key=lambda started_key: started_key[0], default=None)
                     wait = 0.5
-                    if self.timeout_s and oldest is not None:
-                        wait = min(wait, max(oldest + self.timeout_s - time.monotonic(), 0.0))
+                    if oldest is not None:
+                        self.current = (described[oldest[1]], oldest[0])
+                        if self.timeout_s:
+                            wait = min(wait, max(oldest[0] + self.timeout_s - time.monotonic(), 0.0))
                     cond.wait(wait)
         except StopRequested:
             with cond:

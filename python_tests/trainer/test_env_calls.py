@@ -10,21 +10,12 @@ import time
 import pytest
 
 from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.envs.tasks import DatasetEnvironment, Task
 from flashreinforce.trainer.buffer import Ticket
 from flashreinforce.trainer.env_calls import EnvCalls
 from flashreinforce.trainer.errors import StopRequested
 from flashreinforce.trainer.trajectory import Trajectory
 from python_tests.trainer.test_fault_tolerance import _worker
-
-RELEASE = threading.Event()  # set at the end of the module: lets the deliberately stuck calls return
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_stuck_calls():
-    RELEASE.clear()
-    yield
-    RELEASE.set()
-
 
 class _Concurrency:
     """Counts the calls in progress; ``peak`` is the most seen at once."""
@@ -96,10 +87,13 @@ def test_a_stop_request_abandons_the_calls_in_progress():
     stop = threading.Event()
     closed = threading.Event()
     calls = EnvCalls(timeout_s=0, max_parallel=2)  # no timeout: only the stop ends the wait
+    release = threading.Event()
     threading.Timer(0.3, stop.set).start()
     with pytest.raises(StopRequested):
-        calls.run([("stuck", "env.step", lambda: RELEASE.wait(60), closed.set)], stop)
+        calls.run([("stuck", "env.step", lambda: release.wait(60), closed.set)], stop)
     assert calls.current is None
+    release.set()  # the abandoned call returns: its thread closes the instance
+    assert closed.wait(10)
 
 
 def test_distinct_keys_and_a_positive_limit_are_required():
@@ -142,6 +136,16 @@ def test_an_environment_that_is_not_thread_safe_is_called_one_call_at_a_time():
     groups = worker.run_tickets([Ticket(i, 10 + i, 1) for i in range(8)])
     assert all(isinstance(g[0], Trajectory) and g[0].reward == 1.0 for g in groups)
     assert _SerialEnv.seen.peak == 1
+
+
+def test_a_dataset_wrapper_keeps_the_wrapped_environments_choice():
+    class SerialTaskEnv(_SerialEnv):
+        def set_task(self, task):
+            self.task = task
+
+    assert DatasetEnvironment(SerialTaskEnv(), [Task(prompt="p", ground_truth="g")]).parallel_calls is False
+    assert DatasetEnvironment(type("ParallelTaskEnv", (SerialTaskEnv,), {"parallel_calls": True})(),
+                              [Task(prompt="p", ground_truth="g")]).parallel_calls is True
 
 
 def test_env_parallel_calls_bounds_the_worker():
