@@ -84,13 +84,71 @@ def heldout_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed: int
     return evaluator, store
 
 
+def train_trl_on_budget(trainer, evaluate, *, budget_s: float, eval_every_s: float) -> dict:
+    """Run ``trainer.train()`` (a TRL GRPOTrainer) for ``budget_s`` seconds of training time.
+
+    ``evaluate(step, train_s)`` is called for the base model before training, then after the first
+    optimizer step at or past each multiple of ``eval_every_s`` training seconds (one evaluation
+    however many multiples a long step passed) and at the end of the budget. Its time is not
+    training time. The time TRL spends in ``_generate_and_score_completions`` (sampling, the
+    rollout and scoring) is recorded apart; the rest of a step is learning (TRL is synchronous, so
+    there is no overlap and no idle time). Returns ``train_s``, ``updates``, ``generation_s``,
+    ``generations`` and ``rewards`` (the mean training reward TRL logs per step).
+    """
+    import transformers
+
+    timing = {"generation_s": 0.0, "generations": 0}
+    inner = trainer._generate_and_score_completions
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            timing["generation_s"] += time.perf_counter() - t0
+            timing["generations"] += 1
+
+    trainer._generate_and_score_completions = timed_generate
+    state = {"t0": None, "eval_s": 0.0, "next_eval": eval_every_s, "rewards": []}
+
+    def timed_evaluate(step: int, train_s: float) -> None:
+        t0 = time.perf_counter()
+        evaluate(step, train_s)
+        state["eval_s"] += time.perf_counter() - t0
+
+    class Clock(transformers.TrainerCallback):
+        def on_train_begin(self, *_, **__):
+            state["t0"] = time.perf_counter()
+
+        def on_log(self, _args, st, control, logs=None, **__):
+            if logs and "reward" in logs:
+                state["rewards"].append({"step": st.global_step, "reward": float(logs["reward"])})
+
+        def on_step_end(self, _args, st, control, **__):
+            train_s = time.perf_counter() - state["t0"] - state["eval_s"]
+            if train_s >= state["next_eval"] or train_s >= budget_s:
+                timed_evaluate(st.global_step, train_s)
+                while state["next_eval"] <= train_s:
+                    state["next_eval"] += eval_every_s
+            if train_s >= budget_s:
+                state["train_s"], state["updates"] = train_s, st.global_step
+                control.should_training_stop = True
+
+    trainer.add_callback(Clock())
+    evaluate(0, 0.0)  # the base model, before the clock starts
+    trainer.train()
+    train_s = state.get("train_s", time.perf_counter() - state["t0"] - state["eval_s"])
+    return {"train_s": train_s, "updates": state.get("updates", trainer.state.global_step),
+            "generation_s": timing["generation_s"], "generations": timing["generations"],
+            "rewards": state["rewards"]}
+
+
 # ---------------------------------------------------------------------------- TRL side
 def run_trl(args, flags: dict, out: Path) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
     import datasets
-    import transformers
     from trl import GRPOConfig, GRPOTrainer
 
     from flashreinforce.envs.arith import ArithEnv
@@ -138,66 +196,30 @@ def run_trl(args, flags: dict, out: Path) -> dict:
     trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config, train_dataset=dataset,
                           processing_class=hf_tok)
 
-    # Time split: TRL generates (and scores) in _generate_and_score_completions; the rest of a step
-    # is learning. It is synchronous, so there is no overlap and no idle time by construction.
-    timing = {"generation_s": 0.0, "generations": 0}
-    inner = trainer._generate_and_score_completions
-
-    def timed_generate(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            timing["generation_s"] += time.perf_counter() - t0
-            timing["generations"] += 1
-
-    trainer._generate_and_score_completions = timed_generate
     evaluator, store = heldout_evaluator(model, chat_tok, flags, args.eval_prompts, args.seed)
-    budget = args.budget_min * 60
-    state = {"t0": None, "eval_s": 0.0, "next_eval": args.eval_every_min * 60, "curve": [], "rewards": []}
+    curve = []
 
     def evaluate(step: int, train_s: float) -> None:
-        t0 = time.perf_counter()
         store.publish(trainer.model.state_dict(), step + 1)
         result = evaluator.evaluate(step)
-        state["eval_s"] += time.perf_counter() - t0
-        state["curve"].append({"step": step, "train_min": train_s / 60, "accuracy": result["eval_success_rate"]})
+        curve.append({"step": step, "train_min": train_s / 60, "accuracy": result["eval_success_rate"]})
         print(f"[trl] update {step}: {train_s / 60:.2f} training min, held-out greedy accuracy "
               f"{result['eval_success_rate']:.3f}", flush=True)
 
-    class Clock(transformers.TrainerCallback):
-        def on_train_begin(self, *_, **__):
-            state["t0"] = time.perf_counter()
-
-        def on_log(self, _args, st, control, logs=None, **__):
-            if logs and "reward" in logs:
-                state["rewards"].append({"step": st.global_step, "reward": float(logs["reward"])})
-
-        def on_step_end(self, _args, st, control, **__):
-            train_s = time.perf_counter() - state["t0"] - state["eval_s"]
-            if train_s >= state["next_eval"] or train_s >= budget:
-                evaluate(st.global_step, train_s)
-                state["next_eval"] += args.eval_every_min * 60
-            if train_s >= budget:
-                state["train_s"] = train_s
-                state["updates"] = st.global_step
-                control.should_training_stop = True
-
-    trainer.add_callback(Clock())
     setup_s = time.perf_counter() - t_setup
-    evaluate(0, 0.0)  # the base model, like our side's first point
-    state["eval_s"] = 0.0
-    trainer.train()
-    evaluator.close()
-    train_s = state.get("train_s", time.perf_counter() - state["t0"] - state["eval_s"])
-    updates = state.get("updates", trainer.state.global_step)
+    try:
+        run = train_trl_on_budget(trainer, evaluate, budget_s=args.budget_min * 60,
+                                  eval_every_s=args.eval_every_min * 60)
+    finally:
+        evaluator.close()
+    train_s, updates = run["train_s"], run["updates"]
     trajectories = updates * batch
     result = {
         "side": "trl", "trl_version": __import__("trl").__version__, "setup_s": setup_s, "train_s": train_s,
         "updates": updates, "trajectories": trajectories, "trajectories_per_s": trajectories / train_s,
-        "updates_per_s": updates / train_s, "generation_share": timing["generation_s"] / train_s,
-        "learning_share": max(0.0, 1 - timing["generation_s"] / train_s), "idle_share": 0.0,
-        "curve": state["curve"], "rewards": state["rewards"],
+        "updates_per_s": updates / train_s, "generation_share": run["generation_s"] / train_s,
+        "learning_share": max(0.0, 1 - run["generation_s"] / train_s), "idle_share": 0.0,
+        "curve": curve, "rewards": run["rewards"],
         "settings": {"num_generations": args.trl_group_size, "per_device_train_batch_size": batch,
                      "gradient_accumulation_steps": 1, "loss_type": config.loss_type,
                      "scale_rewards": config.scale_rewards, "beta": config.beta, "num_iterations": 1,

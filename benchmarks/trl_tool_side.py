@@ -54,6 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_trl import train_trl_on_budget  # noqa: E402  (the budget clock shared with the arith race)
+
 PRESET = "arith_tool"
 RESULT_FILE = "trl_tool.json"
 
@@ -292,7 +295,6 @@ def run_trl_tool(*, model: str, seed: int, budget_min: float, eval_every_min: fl
 
     torch.set_num_threads(threads)
     import datasets
-    import transformers
     from trl import GRPOConfig, GRPOTrainer
 
     from flashreinforce.envs.registry import EnvSpec
@@ -334,80 +336,44 @@ def run_trl_tool(*, model: str, seed: int, budget_min: float, eval_every_min: fl
     trainer = GRPOTrainer(model=policy, reward_funcs=arith_tool_reward, args=config, train_dataset=dataset,
                           processing_class=hf_tok, rollout_func=rollout)
 
-    # Time split: TRL plays the episodes (generation and tool) and scores them in
-    # _generate_and_score_completions; the rest of a step is learning. No overlap, no idle time.
-    timing = {"generation_s": 0.0}
-    inner = trainer._generate_and_score_completions
-
-    def timed_generate(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            timing["generation_s"] += time.perf_counter() - t0
-
-    trainer._generate_and_score_completions = timed_generate
     evaluator, store = heldout_tool_evaluator(policy, tokenizer, flags, eval_prompts, seed)
-    budget = budget_min * 60
-    state = {"t0": None, "eval_s": 0.0, "next_eval": eval_every_min * 60, "curve": [], "rewards": [], "last": {}}
+    curve, last = [], {}
 
     def evaluate(step: int, train_s: float) -> None:
-        t0 = time.perf_counter()
         store.publish(trainer.model.state_dict(), step + 1)
         result = evaluator.evaluate(step)
-        state["eval_s"] += time.perf_counter() - t0
-        state["last"] = result
-        # With the tool statistics (eval_env/tool_calls, eval_env/answer_from_tool, eval_env/turns, ...): an
+        last.clear()
+        last.update(result)
+        # With the tool statistics (tool_calls, answer_from_tool, turns, ... as in our side's curve): an
         # accuracy reached without the tool shows there.
-        state["curve"].append({"step": step, "train_min": train_s / 60, "accuracy": result["eval_success_rate"],
-                               **{k: v for k, v in result.items() if k.startswith("eval_env/")}})
+        curve.append({"step": step, "train_min": train_s / 60, "accuracy": result["eval_success_rate"],
+                      **{k[len("eval_env/"):]: v for k, v in result.items() if k.startswith("eval_env/")}})
         print(f"[trl-tool] update {step}: {train_s / 60:.2f} training min, held-out greedy accuracy "
               f"{result['eval_success_rate']:.3f}, tool calls per episode {result.get('eval_env/tool_calls', 0):.2f}",
               flush=True)
 
-    class Clock(transformers.TrainerCallback):
-        def on_train_begin(self, *_, **__):
-            state["t0"] = time.perf_counter()
-
-        def on_log(self, _args, st, control, logs=None, **__):
-            if logs and "reward" in logs:
-                state["rewards"].append({"step": st.global_step, "reward": float(logs["reward"])})
-
-        def on_step_end(self, _args, st, control, **__):
-            train_s = time.perf_counter() - state["t0"] - state["eval_s"]
-            if train_s >= state["next_eval"] or train_s >= budget:
-                evaluate(st.global_step, train_s)
-                while state["next_eval"] <= train_s:
-                    state["next_eval"] += eval_every_min * 60
-            if train_s >= budget:
-                state["train_s"], state["updates"] = train_s, st.global_step
-                control.should_training_stop = True
-
-    trainer.add_callback(Clock())
     setup_s = time.perf_counter() - t_setup
-    evaluate(0, 0.0)  # the base model, like our side's first point
-    state["eval_s"] = 0.0
     try:
-        trainer.train()
+        # TRL plays the episodes (sampling and the tool) and scores them in _generate_and_score_completions:
+        # that is the generation share; the rest of a step is learning.
+        run = train_trl_on_budget(trainer, evaluate, budget_s=budget_min * 60, eval_every_s=eval_every_min * 60)
     finally:
         evaluator.close()
         rollout.close()
-    train_s = state.get("train_s", time.perf_counter() - state["t0"] - state["eval_s"])
-    updates = state.get("updates", trainer.state.global_step)
+    train_s, updates = run["train_s"], run["updates"]
     trajectories = updates * trajectories_per_update
     rs = rollout.stats
     n = max(1, rs["trajectories"])
-    last = state["last"]
     return {
         "side": "trl", "task": PRESET, "trl_version": __import__("trl").__version__, "setup_s": setup_s,
         "train_s": train_s, "updates": updates, "trajectories": trajectories,
         "trajectories_per_s": trajectories / train_s, "updates_per_s": updates / train_s,
         "prompts_per_update": trajectories_per_update // group_size,
-        "generation_share": timing["generation_s"] / train_s,
-        "learning_share": max(0.0, 1 - timing["generation_s"] / train_s), "idle_share": 0.0,
+        "generation_share": run["generation_s"] / train_s,
+        "learning_share": max(0.0, 1 - run["generation_s"] / train_s), "idle_share": 0.0,
         # Within the generation share: sampling turns and running the tool (environment steps).
         "sampling_share": rs["generate_s"] / train_s, "tool_share": rs["tool_s"] / train_s,
-        "curve": state["curve"], "rewards": state["rewards"],
+        "curve": curve, "rewards": run["rewards"],
         "eval_env/tool_calls": last.get("eval_env/tool_calls"),
         "eval_env/answer_from_tool": last.get("eval_env/answer_from_tool"), "final_eval": last,
         "train_episodes": {"trajectories": rs["trajectories"], "reward_mean": rs["reward"] / n,
