@@ -10,8 +10,10 @@ inside it, on the same model weights and the same batch:
   package's pure-PyTorch reference (:mod:`flashreinforce.ops.reference`) instead of the op.
 
 For each it prints the median step time, the time of the loss alone (forward + backward on the
-step's first micro-batch, outside the step), the loss's share of the step, and the first step's
-loss and gradient norm (the two implementations must agree: same weights, same batch).
+step's first micro-batch, outside the step), the loss's share of the step, the model TFLOP/s and
+MFU of the step (the learner's ``model_flops`` over the median step time; MFU where the GPU's peak
+is known, :mod:`flashreinforce.trainer.flops`), and the first step's loss and gradient norm (the
+two implementations must agree: same weights, same batch).
 
 Model shapes (random weights from a config: nothing is downloaded):
 
@@ -159,7 +161,8 @@ def run(impl: str, args, trajectories, device: torch.device) -> dict:
         sync(device)
         loss_times.append(time.perf_counter() - t0)
     result = dict(step_s=statistics.median(times), loss_s=statistics.median(loss_times), loss=first["loss"],
-                  grad_norm=first["grad_norm"], acceptance=first["acceptance_rate"], mb_tokens=mb.log_probs.numel())
+                  grad_norm=first["grad_norm"], acceptance=first["acceptance_rate"], mb_tokens=mb.log_probs.numel(),
+                  flops=first["model_flops"], peak=learner.peak_flops)
     del learner, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -190,11 +193,15 @@ def main() -> None:
     fused, eager = results["bench_fused"], results["bench_eager"]
     rows = []
     for label, r in (("fused op", fused), ("eager PyTorch (reference)", eager)):
+        rate = r["flops"] / r["step_s"]
+        mfu = f"{rate / r['peak']:.1%}" if r["peak"] else "-"
         rows.append([label, f"{r['step_s'] * 1e3:.1f}", f"{r['loss_s'] * 1e3:.3f}", f"{r['loss_s'] / r['step_s']:.2%}",
-                     f"{r['step_s'] / fused['step_s']:.3f}x", f"{r['loss']:.6g}", f"{r['grad_norm']:.6g}"])
+                     f"{r['step_s'] / fused['step_s']:.3f}x", f"{rate / 1e12:.3g}", mfu, f"{r['loss']:.6g}",
+                     f"{r['grad_norm']:.6g}"])
     print_table(f"learner step (median of {args.steps}); loss alone: forward + backward on the first micro-batch "
                 f"({fused['mb_tokens']:,} tokens)",
-                ["loss", "step ms", "loss ms", "loss share", "step vs fused", "first loss", "first grad norm"], rows)
+                ["loss", "step ms", "loss ms", "loss share", "step vs fused", "model TFLOP/s", "MFU", "first loss",
+                 "first grad norm"], rows)
     rel = abs(fused["grad_norm"] - eager["grad_norm"]) / max(1e-30, abs(eager["grad_norm"]))
     print(f"first step: |loss fused - eager| = {abs(fused['loss'] - eager['loss']):.2e}, grad norm relative "
           f"difference {rel:.2e}, acceptance {fused['acceptance']:.3f} / {eager['acceptance']:.3f}; "

@@ -268,6 +268,9 @@ class TrainConfig:
     share_prefixes: bool = option("bool", True, "packed forward: compute once a token prefix that several "
                                   "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, "
                                   "found from the token ids")
+    peak_tflops: float = option("float", 0.0, "dense peak TFLOP/s of one learner device at the learner's precision, "
+                                "for the mfu metric (0: known GPUs at bf16/fp16 from a table; none elsewhere)",
+                                minimum=0, maximum=1e6)
     max_epochs: int = option("int", 1, "optimizer passes over each batch; must be 1")
     num_episodes: int = option("int", 1, "passes over a finite prompt set (sets the number of updates)", minimum=1)
     max_steps: int = option("int", 0, "optimizer updates (0: num_episodes passes over the prompt set)", minimum=0,

@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flashreinforce.trainer.flops import utilization
 from flashreinforce.trainer.learner import BatchTotals, GradientParts, Learner, LearnerSettings, summarize_parts
 from flashreinforce.trainer.scoring import PolicyLogProbs
 from flashreinforce.trainer.trajectory import Trajectory
@@ -274,6 +275,8 @@ class DataParallelLearner:
         metrics = self._step(mine)
         metrics.update(learner_compute_s=time.perf_counter() - t0, rank_tokens_max=max(rank_tokens),
                        rank_tokens_min=min(rank_tokens))
+        metrics.update(utilization(metrics["model_flops"], metrics["learner_compute_s"], self.learner.peak_flops,
+                                   self.ctx.world_size))
         return metrics
 
     def policy_state(self) -> dict[str, Tensor]:

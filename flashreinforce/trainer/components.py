@@ -223,7 +223,8 @@ def learner_settings(cfg: ResolvedConfig, total_steps: int) -> LearnerSettings:
         total_steps=total_steps, max_norm=a.max_norm, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
         micro_batch_trajectories=cfg.train.micro_batch_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
         packed_forward=cfg.fsdp.packing_samples, share_prefixes=cfg.train.share_prefixes,
-        param_dtype=cfg.fsdp.param_dtype, gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"))
+        param_dtype=cfg.fsdp.param_dtype, gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
+        peak_tflops=cfg.train.peak_tflops)
 
 
 def sampling_params(cfg: ResolvedConfig, tokenizer, *, evaluation: bool = False) -> SamplingParams:

@@ -11,6 +11,9 @@ For a batch of B trajectories (FlashREINFORCE: one per prompt; GRPO: groups of s
 3. gradient-norm clipping, one AdamW step, one scheduler step (:mod:`.schedule`); the policy
    version goes up by one.
 
+Each update also reports the model FLOPs of its forward and backward passes, the TFLOP/s they ran
+at and, where the device's peak is known, the model FLOPs utilization (:mod:`.flops`).
+
 :class:`PolicyLearner` is the interface the training loop uses; :class:`Learner` (one process)
 and :class:`flashreinforce.distributed.data_parallel.DataParallelLearner` (torchrun ranks)
 implement it.
@@ -31,6 +34,8 @@ from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.models.attention import use_document_attention
 from flashreinforce.objective import LossOptions
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
+from flashreinforce.trainer.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
+from flashreinforce.trainer.forward_row import forward_row
 from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
 from flashreinforce.trainer.schedule import SCHEDULERS, make_scheduler
 from flashreinforce.trainer.scoring import PolicyLogProbs
@@ -57,7 +62,9 @@ class LearnerSettings:
     packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
     padded rows); share_prefixes [train.share_prefixes] (the packed forward computes a prefix that
     several trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype;
-    master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint].
+    master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint]; peak_tflops
+    [train.peak_tflops]: dense peak TFLOP/s of one learner device for ``mfu`` (0: the device table of
+    :func:`flashreinforce.trainer.flops.peak_flops_per_device`).
     """
 
     loss_mode: str = "flash_reinforce"
@@ -78,6 +85,7 @@ class LearnerSettings:
     share_prefixes: bool = True
     param_dtype: str = "fp32"
     gradient_checkpointing: bool = False
+    peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         get_loss_mode(self.loss_mode)  # raises ValueError naming the known modes
@@ -98,6 +106,9 @@ class LearnerSettings:
             raise ValueError(f"actor.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise ValueError(f"the learner's temperature must be positive and finite, got {self.temperature}")
+        if not (self.peak_tflops >= 0 and math.isfinite(self.peak_tflops)):
+            raise ValueError(f"train.peak_tflops must be a finite number >= 0 (0: look the device up), got "
+                             f"{self.peak_tflops}")
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -149,6 +160,7 @@ class GradientParts:
     """What :meth:`Learner.accumulate_gradient_parts` measured on its part of a batch (all detached, CPU).
 
     rows: batch rows of the part's trajectories. loss, entropy_sum: sums over the part.
+    flops: model FLOPs of the part's forward and backward passes (:mod:`.flops`).
     per_trajectory: the loss mode's per-trajectory statistics, float64 in ``rows`` order.
     sums: the loss mode's additive counts. error: the loss error met with ``collective_forwards``
     (the passes went on with zero loss).
@@ -157,6 +169,7 @@ class GradientParts:
     rows: list[int]
     loss: float = 0.0
     entropy_sum: float = 0.0
+    flops: float = 0.0
     per_trajectory: dict[str, Tensor] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=dict)
     error: BaseException | None = None
@@ -181,7 +194,8 @@ def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, setting
     if not bool((seen == 1).all()):
         raise ValueError(f"summarize_parts: the parts do not cover rows 0..{b - 1} exactly once")
     tokens = totals.policy_tokens
-    metrics = {"loss": sum(p.loss for p in parts), "reward_baseline": totals.reward_baseline, "policy_tokens": tokens}
+    metrics = {"loss": sum(p.loss for p in parts), "reward_baseline": totals.reward_baseline, "policy_tokens": tokens,
+               "model_flops": sum(p.flops for p in parts)}
     metrics.update(mode.summarize(per_trajectory, sums, totals.context()))
     # Per-trajectory statistics by batch row (``sequence_kl``, ``admitted``, ...), for the run's samples.
     metrics["per_trajectory"] = {name: values.tolist() for name, values in per_trajectory.items()}
@@ -272,6 +286,9 @@ class Learner:
                                            betas=settings.betas, weight_decay=settings.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, settings)
         self.loss_mode: LossMode = get_loss_mode(settings.loss_mode)
+        self.flops = ModelFlops.of(model)  # before any sharding: the full shapes
+        #: Peak FLOP/s of this learner's device at its precision (None: no MFU).
+        self.peak_flops = peak_flops_per_device(self.device, settings.autocast_dtype, settings.peak_tflops)
         self.loss_impl = "fused" if settings.loss_mode == "flash_reinforce" else settings.loss_mode
         if settings.loss_mode == "flash_reinforce":
             import flashreinforce.ops.fused  # noqa: F401  (the compiled extension: fail now, not at the first step)
@@ -292,6 +309,7 @@ class Learner:
         metrics = self.accumulate_gradients(trajectories, group_ids)
         metrics.update(self.apply_gradients())
         metrics["learner_compute_s"] = time.perf_counter() - t0
+        metrics.update(utilization(metrics["model_flops"], metrics["learner_compute_s"], self.peak_flops))
         return metrics
 
     def apply_gradients(self) -> dict[str, float]:
@@ -354,7 +372,9 @@ class Learner:
         mbs = micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
                             max_trajectories=s.micro_batch_trajectories or None) if trajectories else []
         for mb in mbs:
-            logp, ent = self.scorer(mb, **self._scoring_options(need_entropy))
+            row, flops = self._plan(mb)
+            out.flops += flops
+            logp, ent = self.scorer(mb, row=row, **self._scoring_options(need_entropy))
             if out.error is not None:
                 _zero_backward(logp, ent)
                 continue
@@ -372,6 +392,16 @@ class Learner:
             logp, ent = self.scorer(_placeholder_micro_batch(), **self._scoring_options(need_entropy))
             _zero_backward(logp, ent)
         return out
+
+    def _plan(self, mb: PackedBatch):
+        """The packed row of ``mb`` (``None`` for the padded forward) and its model FLOPs."""
+        s = self.settings
+        scored = int(mb.action_mask.sum())
+        if s.packed_forward:
+            row = forward_row(mb, share_prefixes=s.share_prefixes)
+            return row, self.flops.training(row.num_tokens, causal_pairs(row.layout), scored)
+        lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()
+        return None, self.flops.training(mb.num_tokens, sum(n * (n + 1) // 2 for n in lengths), scored)
 
     def _scoring_options(self, with_entropy: bool) -> dict:
         """The keyword arguments of :func:`flashreinforce.trainer.scoring.token_log_probs` for this learner."""

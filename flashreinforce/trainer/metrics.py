@@ -27,7 +27,8 @@ __all__ = ["MetricsLog", "UpdateTimings", "failure_kinds", "mean", "no_answer_fr
 
 #: Learner statistics copied into the record when the loss mode or the learner reports them.
 _OPTIONAL_LEARNER_KEYS = ("sequence_kl_max", "retained_token_fraction", "entropy_mean", "clip_fraction",
-                          "advantage_abs_mean", "rank_tokens_max", "rank_tokens_min")
+                          "advantage_abs_mean", "rank_tokens_max", "rank_tokens_min", "model_flops", "learner_tflops",
+                          "mfu")
 
 
 def mean(xs) -> float:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from flashreinforce.models.attention import ATTENTION_NAME, use_document_attention
 from flashreinforce.ops.logprobs import sampled_token_logprobs
-from flashreinforce.trainer.forward_row import DEFAULT_MIN_SHARED_TOKENS, forward_row
+from flashreinforce.trainer.forward_row import DEFAULT_MIN_SHARED_TOKENS, ForwardRow, forward_row
 from flashreinforce.trainer.packing import PackedBatch, to_padded
 
 __all__ = ["PolicyLogProbs", "token_log_probs"]
@@ -37,13 +37,15 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
                     with_entropy: bool = False, packed_forward: bool = True, pad_token_id: int = 0,
                     autocast_dtype: torch.dtype | None = None, share_prefixes: bool = True,
                     min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
-                    attention_backend: str = "auto") -> tuple[Tensor, Tensor | None]:
+                    attention_backend: str = "auto", row: ForwardRow | None = None) -> tuple[Tensor, Tensor | None]:
     """Current log-probabilities (and entropies) ``[N]`` float32 of ``batch``'s action tokens.
 
     Non-action slots hold 0 (the loss ignores them). Token t is scored from the hidden state at t-1
     of the same trajectory, at ``temperature``. Gradients flow to the model's parameters.
     ``share_prefixes``, ``min_shared_tokens`` and ``attention_backend`` shape the packed forward
     (:func:`flashreinforce.trainer.forward_row.forward_row`); the padded forward ignores them.
+    ``row``: the packed row of ``batch`` already planned (the learner counts its FLOPs first); it
+    replaces those three options.
     """
     device = next(model.parameters()).device
     body = _body(model)
@@ -54,8 +56,9 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
         if packed_forward:
             if getattr(model.config, "_attn_implementation", None) != ATTENTION_NAME:
                 use_document_attention(model)  # ValueError naming the model class when it cannot
-            row = forward_row(batch, share_prefixes=share_prefixes, min_shared_tokens=min_shared_tokens,
-                              backend=attention_backend)
+            if row is None:
+                row = forward_row(batch, share_prefixes=share_prefixes, min_shared_tokens=min_shared_tokens,
+                                  backend=attention_backend)
             # A 2-D all-ones mask: transformers then neither derives a packed [S, S] mask from the
             # positions nor builds a causal one (SDPA's mask function skips it); the layout is the mask.
             ones = torch.ones(1, row.num_tokens, dtype=torch.long, device=device)
