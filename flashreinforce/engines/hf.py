@@ -1,10 +1,13 @@
 """A local rollout engine on a Hugging Face causal LM (CPU or GPU), with a KV cache.
 
 Requests of one :meth:`HFEngine.generate` call are sampled together (one forward per new token).
-Each request has its own random generator seeded by ``request.seed``, so a continuation does not
-depend on which other requests share its batch (up to float rounding). The recorded log-probability
-of a sampled token is taken from the processed distribution it was drawn from (see
-:func:`sampling_log_probs`), never recomputed.
+Sampling stays on the model's device (:func:`sample_tokens`: inverse CDF of the processed
+distribution); the only per-step transfer to the host is each request's token and its
+log-probability. The uniform numbers it inverts come from each request's own generator, seeded by
+``request.seed`` and drawn once per call (``max_new_tokens`` of them), so a continuation does not
+depend on which other requests share its batch (up to float rounding), on a CPU or a GPU alike. The
+recorded log-probability of a sampled token is taken from the processed distribution it was drawn
+from (see :func:`sampling_log_probs`), never recomputed.
 
 Shared prompt prefix: requests of one call usually start with the same tokens (a chat template's
 system prompt and instruction; for a group of samples, the whole prompt). The longest common
@@ -25,7 +28,7 @@ from torch import Tensor
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
 
-__all__ = ["HFEngine", "sampling_log_probs"]
+__all__ = ["HFEngine", "sample_tokens", "sampling_log_probs"]
 
 
 def sampling_log_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -54,6 +57,21 @@ def sampling_log_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return torch.log_softmax(scores, dim=-1)
+
+
+def sample_tokens(log_probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row ``[b]`` (int64) drawn from ``log_probs [b, V]`` by inverting its CDF at
+    ``uniforms [b]`` (float64 in [0, 1), on the same device).
+
+    The CDF is accumulated in float64. A token of probability 0 is never drawn: the chosen index is
+    the first whose cumulative mass exceeds ``u`` times the row's total, kept strictly below the total.
+    """
+    probs = log_probs.double().exp()
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1]
+    x = torch.minimum(uniforms.double() * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, x[:, None].contiguous(), right=True)[:, 0]
+    return index.clamp_(max=log_probs.shape[-1] - 1)
 
 
 def _make_cache(model):
@@ -151,12 +169,22 @@ class HFEngine(RolloutEngine):
         ids, mask = ids.to(self.device), mask.to(self.device)
         # Positions count real tokens only, so padding between the prefix and a suffix is invisible.
         pos = ((mask.cumsum(-1) - 1).clamp(min=0))[:, shared:]
-        gens = [torch.Generator().manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF) for r in requests]
         limits = [r.max_new_tokens for r in requests]
+        steps = max(limits)
+        # Each request's uniforms, from its own generator: independent of the batch it shares.
+        uniforms = torch.zeros((b, steps), dtype=torch.float64)
+        for i, r in enumerate(requests):
+            gen = torch.Generator().manual_seed(int(r.seed) & 0xFFFF_FFFF_FFFF_FFFF)
+            uniforms[i, :limits[i]] = torch.rand(limits[i], generator=gen, dtype=torch.float64)
+        uniforms = uniforms.to(self.device)
         stop = set(int(s) for s in params.stop_token_ids)
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lp: list[list[float]] = [[] for _ in requests]
         reasons: list[str | None] = [None] * b
+        # The attention mask of every step, allocated once: step t attends to the first context + t columns.
+        context = shared + width
+        full_mask = torch.ones((b, context + steps), dtype=torch.long, device=self.device)
+        full_mask[:, :context] = mask
 
         cache = _make_cache(self.model)
         if shared:
@@ -165,16 +193,19 @@ class HFEngine(RolloutEngine):
             self._forward(prefix, one, (one.cumsum(-1) - 1), cache)
             cache.batch_repeat_interleave(b)
         logits = self._forward(ids, mask, pos, cache)
-        for step in range(max(limits)):
-            logp = sampling_log_probs(logits, params).cpu()
-            probs = logp.exp()
+        for step in range(steps):
+            logp = sampling_log_probs(logits, params)
+            tokens = sample_tokens(logp, uniforms[:, step])
+            chosen = logp.gather(1, tokens[:, None])[:, 0]
+            # One transfer per step: the tokens (exact in float64) and their log-probabilities.
+            host_tokens, host_lp = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()
             next_tokens = torch.full((b,), self.pad_token_id, dtype=torch.long)
             for i in range(b):
                 if reasons[i] is not None:
                     continue
-                tok = int(torch.multinomial(probs[i], 1, generator=gens[i]))
+                tok = int(host_tokens[i])
                 out_ids[i].append(tok)
-                out_lp[i].append(float(logp[i, tok]))
+                out_lp[i].append(host_lp[i])
                 next_tokens[i] = tok
                 if tok in stop or (requests[i].stop is not None and requests[i].stop(out_ids[i])):
                     reasons[i] = "stop"
@@ -182,7 +213,7 @@ class HFEngine(RolloutEngine):
                     reasons[i] = "length"
             if all(r is not None for r in reasons):
                 break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=torch.long, device=self.device)], dim=1)
             pos = pos[:, -1:] + 1
-            logits = self._forward(next_tokens.view(b, 1).to(self.device), mask, pos, cache)
+            logits = self._forward(next_tokens.view(b, 1).to(self.device), full_mask[:, :context + step + 1], pos,
+                                   cache)
         return [Generation(out_ids[i], out_lp[i], reasons[i] or "length", self.version) for i in range(b)]

@@ -122,3 +122,18 @@ def test_sampling_params_are_validated():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1.0)
+
+
+def test_inverse_cdf_sampling_never_draws_a_removed_token():
+    from flashreinforce.engines.hf import sample_tokens
+
+    inf = float("inf")
+    logp = torch.log_softmax(torch.tensor([[-inf, 0.0, 1.0, -inf], [2.0, -inf, -inf, -inf]]), -1)
+    below_one = 1.0 - 2.0 ** -53
+    for u, expected in ((0.0, [1, 0]), (below_one, [2, 0]), (0.2, [1, 0]), (0.5, [2, 0])):
+        got = sample_tokens(logp, torch.tensor([u, u], dtype=torch.float64)).tolist()
+        assert got == expected, (u, got)
+    # the boundary between tokens 1 and 2 lies at p1 = 1 / (1 + e) (up to the float32 log-probabilities)
+    p1 = 1 / (1 + math.e)
+    assert sample_tokens(logp[:1], torch.tensor([p1 - 1e-6], dtype=torch.float64)).item() == 1
+    assert sample_tokens(logp[:1], torch.tensor([p1 + 1e-6], dtype=torch.float64)).item() == 2
