@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# GPU check, for one short session on a lent GPU machine (about 6 minutes on one H200):
+# GPU check, for one short session on a lent GPU machine. The build always runs; then the stage
+# groups named in GPU_CHECK_STAGES (default: all, about 10 minutes on one H200; the 2026-11-30 run of
+# kernel, toy, learner and cpu took 281 s):
 #
-#   1. build flashreinforce._C with the CUDA path;
-#   2. the CUDA tests (python_tests/ops/test_fused_cuda.py, the chunked log-probs on CUDA);
-#   3. the CUDA benchmark of the fused loss (benchmarks/bench_loss_cuda.py);
-#   4. a GPU training smoke run: `train --preset toy --device cuda --train.max_steps 100` next to the
-#      same run on the CPU, compared on the training reward (it must rise on both);
-#   5. the learner step with the fused loss against the eager PyTorch loss
-#      (benchmarks/bench_learner_step.py), for the toy model and a Qwen2.5-0.5B-shaped one;
-#   6. per-document attention on CUDA: its tests (varlen flash backend against SDPA and float64, packed
-#      against padded) and the packed / padded / shared-prefix learner forward
-#      (benchmarks/bench_packed_forward.py --device cuda);
-#   7. last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
+#   kernel    the CUDA tests (python_tests/ops/test_fused_cuda.py, the chunked log-probs on CUDA) and
+#             the CUDA benchmark of the fused loss (benchmarks/bench_loss_cuda.py);
+#   toy       a GPU training smoke run: `train --preset toy --device cuda --train.max_steps 100` next to
+#             the same run on the CPU, compared on the training reward (it must rise on both);
+#   learner   the learner step with the fused loss against the eager PyTorch loss, with its model
+#             TFLOP/s and MFU (benchmarks/bench_learner_step.py), toy model and Qwen2.5-0.5B shape;
+#   attention per-document attention on CUDA: its tests (varlen flash backend against SDPA and float64,
+#             packed against padded) and the packed / padded / shared-prefix learner forward
+#             (benchmarks/bench_packed_forward.py --device cuda);
+#   engine    the hf engine's decode rate against its memory roofline, Qwen2.5-0.5B shape, bf16 and
+#             float32 weights (benchmarks/bench_engine_decode.py);
+#   train     `flashreinforce train --device cuda` on a Qwen2.5-0.5B-shaped model, 50 updates: tokens/s,
+#             MFU, learner and worker shares (benchmarks/bench_train_throughput.py);
+#   cpu       last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
 #
-#   bash scripts/gpu_check.sh            # from the repository root
-#   GPU_CHECK_KERNEL_ONLY=1 bash scripts/gpu_check.sh   # stages 1-3 only (after a kernel change)
+#   bash scripts/gpu_check.sh                                   # from the repository root: everything
+#   GPU_CHECK_STAGES="attention engine train" bash scripts/gpu_check.sh   # what has never run on a GPU
+#   GPU_CHECK_KERNEL_ONLY=1 bash scripts/gpu_check.sh           # = GPU_CHECK_STAGES=kernel (after a kernel change)
 #
 # Each stage has its own time limit, and a failing stage does not stop the later ones; the exit
 # status is that of the first failure. The GPU machine has no network: nothing is installed; the
@@ -33,6 +39,10 @@ BUILD=build/gpu-check
 mkdir -p build
 start=$(date +%s)
 status=0
+STAGES=" ${GPU_CHECK_STAGES:-all} "
+[ -n "${GPU_CHECK_KERNEL_ONLY:-}" ] && STAGES=" kernel "
+# want GROUP: whether the stage group runs.
+want() { [[ "$STAGES" == *" all "* || "$STAGES" == *" $1 "* ]]; }
 elapsed() { echo "$(( $(date +%s) - start )) s"; }
 # stage NAME LIMIT_S COMMAND...: run one stage under a time limit, remember the first failure.
 stage() {
@@ -63,16 +73,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c "import flashreinforce._C as C; assert C.has_cuda(), 'CUDA path missing'; print('has_cuda', C.has_cuda(), 'cpu isa', C.cpu_isa())" || exit 1
 echo "build done after $(elapsed)"
 
+echo "stage groups:$STAGES"
+
+if want kernel; then
 stage "CUDA tests" 150 "$PY" -m pytest -q -p no:cacheprovider -rs python_tests/ops/test_fused_cuda.py
 stage "chunked log-probs on CUDA" 60 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_logprobs.py -k cuda
-
 stage "CUDA benchmark of the fused loss" 200 "$PY" benchmarks/bench_loss_cuda.py ${BENCH_ARGS:-}
-
-if [ -n "${GPU_CHECK_KERNEL_ONLY:-}" ]; then  # a rerun after a kernel change: stages 1-3 only
-  echo; echo "== gpu_check finished after $(elapsed) (exit $status; GPU_CHECK_KERNEL_ONLY: stages 4-6 skipped)"
-  exit $status
 fi
 
+if want toy; then
 # GPU training smoke run, next to the same run on the CPU (same seed, same preset).
 TOY=build/gpu-check-toy
 rm -rf "$TOY"
@@ -103,20 +112,40 @@ sys.exit(0 if ok else 1)
 EOF
 cp "$TOY/cuda/summary.json" "$LOG_DIR/toy_cuda_summary.json" 2>/dev/null || true
 cp "$TOY/cuda/metrics.jsonl" "$LOG_DIR/toy_cuda_metrics.jsonl" 2>/dev/null || true
+fi
 
+if want learner; then
 stage "learner step, toy model" 90 "$PY" benchmarks/bench_learner_step.py --device cuda --shape tiny \
   --batch 128 --mean-len 24 --steps 20
 stage "learner step, Qwen2.5-0.5B shape" 180 "$PY" benchmarks/bench_learner_step.py --device cuda \
   --shape qwen2.5-0.5b --batch 64 --mean-len 1024 --steps 5
+fi
 
+if want attention; then
 stage "per-document attention on CUDA" 90 "$PY" -m pytest -q -p no:cacheprovider -rs python_tests/models/test_attention_cuda.py
 stage "packed forward on CUDA" 240 "$PY" benchmarks/bench_packed_forward.py --device cuda --threads 4 \
   --shapes qwen2.5-0.5b --layers 24 --batches equal:16384 lognormal:16384 agentic:16384 lognormal:65536 \
   --modes padded dense packed shared --max-dense-tokens 16384 --repeats 3
+fi
 
+if want engine; then
+stage "hf engine decode, bf16" 150 "$PY" benchmarks/bench_engine_decode.py --device cuda --shape qwen2.5-0.5b \
+  --dtype bf16 --batch 64 256 --prompt-len 128 --new-tokens 128 --repeats 2
+stage "hf engine decode, float32" 90 "$PY" benchmarks/bench_engine_decode.py --device cuda --shape qwen2.5-0.5b \
+  --dtype fp32 --batch 256 --prompt-len 128 --new-tokens 128 --repeats 2
+fi
+
+if want train; then
+stage "train on cuda, Qwen2.5-0.5B shape" 300 "$PY" benchmarks/bench_train_throughput.py \
+  --output build/gpu-check-train --device cuda --shape qwen2.5-0.5b --updates 50 --batch 128 --new-tokens 128
+cp build/gpu-check-train/metrics.jsonl "$LOG_DIR/train_cuda_metrics.jsonl" 2>/dev/null || true
+fi
+
+if want cpu; then
 stage "CPU loss tests (same build)" 150 "$PY" -m pytest -q -p no:cacheprovider python_tests/ops/test_fused_loss.py \
   python_tests/ops/test_fused_errors.py python_tests/ops/test_edge_cases.py python_tests/ops/test_contract.py \
   -k "not each_cpu_instruction_set"
+fi
 
 echo; echo "== gpu_check finished after $(elapsed) (exit $status)"
 exit $status
