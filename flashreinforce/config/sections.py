@@ -220,6 +220,8 @@ class RolloutConfig:
                           "actors; see --ray.*)", choices=("local", "ray"))
     engine: str = option("str", "hf", "rollout engine: hf (a Hugging Face model in the worker's process) or vllm "
                          "(optional extra flashreinforce[vllm], needs CUDA)", choices=("hf", "vllm"))
+    engine_dtype: str = option("str", "auto", "weights of the hf engine: auto (fsdp.param_dtype on a CUDA device, "
+                               "float32 elsewhere), fp32, bf16 or fp16", choices=("auto", *PARAM_DTYPES))
     # 30 s: three times the longest call a shipped environment makes (python_tool's 10 s sandbox limit);
     # a hanging call costs its worker's whole engine call this long (docs/trainer.md, fault tolerance).
     env_timeout_s: float = option("float", 30.0, "seconds an environment call (reset, step) may take; its episode "

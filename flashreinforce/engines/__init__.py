@@ -22,7 +22,8 @@ def create_engine(kind: str, model, *, pad_token_id: int, version: int = -1,
                   options: Mapping[str, Any] | None = None) -> RolloutEngine:
     """An engine of ``kind``.
 
-    ``hf``: ``model`` is the engine's own copy of the policy (a ``transformers`` causal LM).
+    ``hf``: ``model`` is the engine's own copy of the policy (a ``transformers`` causal LM);
+    ``options``: ``dtype`` and ``auto_dtype`` of :class:`HFEngine`.
     ``vllm``: ``model`` is a Hugging Face checkpoint directory, a ``transformers`` config, or a
     causal LM (its config; and its weights when ``version >= 0``); ``options`` are
     :class:`~flashreinforce.engines.vllm.VLLMEngine` keyword arguments. vLLM is imported here,
@@ -30,9 +31,10 @@ def create_engine(kind: str, model, *, pad_token_id: int, version: int = -1,
     """
     options = dict(options or {})
     if kind == "hf":
-        if options:
-            raise ValueError(f"the hf engine takes no options, got {sorted(options)}")
-        return HFEngine(model, pad_token_id=pad_token_id, version=version)
+        unknown = set(options) - {"dtype", "auto_dtype"}
+        if unknown:
+            raise ValueError(f"the hf engine takes the options dtype and auto_dtype, got {sorted(unknown)}")
+        return HFEngine(model, pad_token_id=pad_token_id, version=version, **options)
     if kind == "vllm":
         from flashreinforce.engines.vllm import VLLMEngine
 

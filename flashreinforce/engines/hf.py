@@ -1,6 +1,8 @@
 """A local rollout engine on a Hugging Face causal LM (CPU or GPU), with a KV cache.
 
-Requests of one :meth:`HFEngine.generate` call are sampled together (one forward per new token).
+Requests of one :meth:`HFEngine.generate` call are sampled together (one forward per new token);
+a request that has finished (a stop token, its stop rule or its token limit) leaves the batch and
+its rows of the KV cache, so the others' steps do not compute it any longer.
 Sampling stays on the model's device (:func:`sample_tokens`: inverse CDF of the processed
 distribution); the only per-step transfer to the host is each request's token and its
 log-probability. The uniform numbers it inverts come from each request's own generator, seeded by
@@ -59,6 +61,9 @@ def sampling_log_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return torch.log_softmax(scores, dim=-1)
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def sample_tokens(log_probs: Tensor, uniforms: Tensor) -> Tensor:
     """One token per row ``[b]`` (int64) drawn from ``log_probs [b, V]`` by inverting its CDF at
     ``uniforms [b]`` (float64 in [0, 1), on the same device).
@@ -92,11 +97,20 @@ class HFEngine(RolloutEngine):
         version: the version of the weights ``model`` holds now.
         min_shared_prefix: run a common prompt prefix of at least this many tokens once per call
             (0: never; see the module docstring).
+        dtype: the engine's weights: ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``"auto"``
+            (``auto_dtype`` when ``model`` is on a CUDA device, float32 elsewhere); ``None`` keeps
+            ``model`` as it is. Loaded weights are cast to it.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1,
-                 min_shared_prefix: int = 8) -> None:
+                 min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32") -> None:
         self.min_shared_prefix = int(min_shared_prefix)
+        device = next(model.parameters()).device
+        if dtype is not None:
+            name = (auto_dtype if device.type == "cuda" else "float32") if dtype == "auto" else dtype
+            if name not in _DTYPES:
+                raise ValueError(f"HFEngine: dtype must be one of {sorted(_DTYPES)} or 'auto', got {name!r}")
+            model = model.to(_DTYPES[name])
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -193,27 +207,31 @@ class HFEngine(RolloutEngine):
             self._forward(prefix, one, (one.cumsum(-1) - 1), cache)
             cache.batch_repeat_interleave(b)
         logits = self._forward(ids, mask, pos, cache)
+        live = list(range(b))  # the request of each row of the running batch
         for step in range(steps):
             logp = sampling_log_probs(logits, params)
             tokens = sample_tokens(logp, uniforms[:, step])
             chosen = logp.gather(1, tokens[:, None])[:, 0]
             # One transfer per step: the tokens (exact in float64) and their log-probabilities.
             host_tokens, host_lp = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()
-            next_tokens = torch.full((b,), self.pad_token_id, dtype=torch.long)
-            for i in range(b):
-                if reasons[i] is not None:
-                    continue
-                tok = int(host_tokens[i])
+            for row, i in enumerate(live):
+                tok = int(host_tokens[row])
                 out_ids[i].append(tok)
-                out_lp[i].append(host_lp[i])
-                next_tokens[i] = tok
+                out_lp[i].append(host_lp[row])
                 if tok in stop or (requests[i].stop is not None and requests[i].stop(out_ids[i])):
                     reasons[i] = "stop"
                 elif len(out_ids[i]) >= limits[i]:
                     reasons[i] = "length"
-            if all(r is not None for r in reasons):
+            keep = [row for row, i in enumerate(live) if reasons[i] is None]
+            if not keep:
                 break
+            if len(keep) < len(live):  # finished requests leave the batch (and its KV cache)
+                index = torch.tensor(keep, dtype=torch.long, device=self.device)
+                cache.batch_select_indices(index)
+                full_mask, pos, uniforms = full_mask[index], pos[index], uniforms[index]
+                live = [live[row] for row in keep]
+            next_tokens = torch.tensor([out_ids[i][-1] for i in live], dtype=torch.long)
             pos = pos[:, -1:] + 1
-            logits = self._forward(next_tokens.view(b, 1).to(self.device), full_mask[:, :context + step + 1], pos,
-                                   cache)
+            logits = self._forward(next_tokens.view(len(live), 1).to(self.device),
+                                   full_mask[:, :context + step + 1], pos, cache)
         return [Generation(out_ids[i], out_lp[i], reasons[i] or "length", self.version) for i in range(b)]

@@ -305,7 +305,7 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                            bias: torch.Tensor | None = None, temperature: float = 1.0,
                            chunk_size: int | None = None, with_entropy: bool = False,
                            vocab_chunk_size: int | None = None,
-                           chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES):
+                           chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES, check_targets: bool = True):
     """Log-probability of each target token, and optionally the full entropy, from hidden states.
 
     Computes ``log_softmax((hidden @ weight.T + bias) / temperature)[i, targets[i]]`` and
@@ -328,6 +328,8 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
             blocking), the whole vocabulary on other devices.
         chunk_budget_bytes: byte budget of the tile work buffers when ``chunk_size`` is None
             (see :func:`chunk_rows`).
+        check_targets: check that every target lies in ``[0, V)`` (a read back from the device);
+            ``False`` when the caller has checked them already (the learner does, on the host copy).
 
     Returns:
         ``(logp, entropy)``: ``[N]`` tensors in float32 (float64 for float64 inputs), in nats;
@@ -396,7 +398,7 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     else:
         rows = chunk_size
-    if n_tokens > 0:
+    if check_targets and n_tokens > 0:
         lo, hi = torch.aminmax(targets)
         if int(lo) < 0 or int(hi) >= vocab:
             raise ValueError(f"targets must lie in [0, V) = [0, {vocab}), got values in "

@@ -244,10 +244,11 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
 
 
 def engine_options(cfg: ResolvedConfig, seed: int) -> dict[str, Any]:
-    """The vLLM engine's options (empty for the local engine)."""
-    if cfg.rollout.engine != "vllm":
-        return {}
+    """The rollout engine's options: the hf engine's weight dtype (``rollout.engine_dtype``), or vLLM's."""
     dtype = PARAM_DTYPES[cfg.fsdp.param_dtype]
+    if cfg.rollout.engine != "vllm":
+        choice = cfg.rollout.engine_dtype
+        return {"dtype": choice if choice == "auto" else PARAM_DTYPES[choice], "auto_dtype": dtype}
     return {"tensor_parallel_size": cfg.vllm.tensor_parallel_size,
             "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
             "dtype": "auto" if dtype == "float32" else dtype, "seed": seed, "max_model_len": cfg.data.max_len}

@@ -204,6 +204,34 @@ def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, setting
     return metrics
 
 
+@dataclass
+class _PendingStats:
+    """A part's statistics while its passes are queued: device tensors (and floats), read back at once."""
+
+    losses: list[Tensor] = field(default_factory=list)
+    entropy_sums: list[Tensor] = field(default_factory=list)
+    per_trajectory: list[tuple[Tensor, dict[str, Tensor]]] = field(default_factory=list)  # (part rows, values)
+    sums: dict[str, list] = field(default_factory=dict)
+
+    def read_into(self, out: GradientParts) -> None:
+        """Adds the statistics to ``out`` (CPU floats and float64 tensors): one transfer per kind."""
+        if self.losses:
+            out.loss += float(torch.stack([x.double() for x in self.losses]).sum())
+        if self.entropy_sums:
+            out.entropy_sum += float(torch.stack([x.double() for x in self.entropy_sums]).sum())
+        if self.per_trajectory:
+            local = torch.cat([rows for rows, _ in self.per_trajectory])
+            for name in out.per_trajectory:
+                values = torch.cat([v[name].double() for _, v in self.per_trajectory]).cpu()
+                out.per_trajectory[name][local] = values
+        for name, values in self.sums.items():
+            tensors = [v for v in values if isinstance(v, Tensor)]
+            total = sum(v for v in values if not isinstance(v, Tensor))
+            if tensors:
+                total += float(torch.stack([v.double() for v in tensors]).sum())
+            out.sums[name] = out.sums.get(name, 0.0) + total
+
+
 def _zero_backward(logp: Tensor, ent: Tensor | None) -> None:
     """A backward pass that adds exactly zero to every gradient (it still runs FSDP's reductions)."""
     zero = logp.sum() * 0.0
@@ -371,6 +399,9 @@ class Learner:
         out.per_trajectory = {name: torch.zeros(n, dtype=torch.float64) for name in self.loss_mode.per_trajectory_stats}
         mbs = micro_batches(trajectories, max_tokens=s.micro_batch_tokens or None,
                             max_trajectories=s.micro_batch_trajectories or None) if trajectories else []
+        # The statistics stay on the device until every pass has been queued: one read back per part,
+        # not one per micro-batch (each read waits for the device to finish what was queued).
+        pending = _PendingStats()
         for mb in mbs:
             row, flops = self._plan(mb)
             out.flops += flops
@@ -379,7 +410,7 @@ class Learner:
                 _zero_backward(logp, ent)
                 continue
             try:
-                loss = self._part_loss(mb, logp, ent, rows, totals, out)
+                loss = self._part_loss(mb, logp, ent, rows, totals, pending)
             except (FloatingPointError, ValueError) as err:
                 if not collective_forwards:
                     raise
@@ -387,10 +418,11 @@ class Learner:
                 _zero_backward(logp, ent)
                 continue
             loss.backward()
-            out.loss += float(loss.detach())
+            pending.losses.append(loss.detach())
         for _ in range(len(mbs), num_micro_batches or 0):
             logp, ent = self.scorer(_placeholder_micro_batch(), **self._scoring_options(need_entropy))
             _zero_backward(logp, ent)
+        pending.read_into(out)
         return out
 
     def _plan(self, mb: PackedBatch):
@@ -411,8 +443,8 @@ class Learner:
                 "share_prefixes": s.share_prefixes}
 
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
-                   out: GradientParts) -> Tensor:
-        """The loss of micro-batch ``mb`` as a summand of the whole batch's; records its statistics in ``out``."""
+                   pending: "_PendingStats") -> Tensor:
+        """The loss of micro-batch ``mb`` as a summand of the whole batch's; its statistics go to ``pending``."""
         s = self.settings
         dev = logp.device
         local = torch.tensor(mb.rows)  # indices into this part
@@ -420,13 +452,12 @@ class Learner:
                            cu_seqlens=mb.cu_seqlens.to(dev), action_mask=mb.action_mask.to(dev),
                            failures=mb.failures.to(dev), rows=torch.tensor([rows[i] for i in mb.rows]), entropies=ent)
         loss, per_trajectory, sums = self.loss_mode.loss(batch, totals.context(), s.loss)
-        for name, values in per_trajectory.items():
-            out.per_trajectory[name][local] = values.detach().double().cpu()
+        pending.per_trajectory.append((local, {name: values.detach() for name, values in per_trajectory.items()}))
         for name, value in sums.items():
-            out.sums[name] = out.sums.get(name, 0.0) + float(value)
+            pending.sums.setdefault(name, []).append(value.detach() if isinstance(value, Tensor) else float(value))
         if ent is not None:
             ent_sum = ent[batch.action_mask].sum()
-            out.entropy_sum += float(ent_sum.detach())
+            pending.entropy_sums.append(ent_sum.detach())
             if s.entropy_coef != 0.0:
                 loss = loss - s.entropy_coef * ent_sum / totals.policy_tokens
         return loss

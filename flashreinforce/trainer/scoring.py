@@ -51,6 +51,11 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     body = _body(model)
     head = model.get_output_embeddings()
     token_index = None
+    vocab = head.weight.shape[0]
+    host_ids = batch.input_ids  # the host copy: checking it costs no device synchronization
+    if batch.num_tokens and (int(host_ids.min()) < 0 or int(host_ids.max()) >= vocab):
+        raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
+                         f"[{int(host_ids.min())}, {int(host_ids.max())}]")
     with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
                         enabled=autocast_dtype is not None):
         if packed_forward:
@@ -75,13 +80,14 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
             out = body(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=pos.to(device),
                        use_cache=False)
             hidden = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])[index.to(device)]
-    positions = torch.nonzero(batch.action_mask, as_tuple=True)[0].to(device)
+    positions = torch.nonzero(batch.action_mask, as_tuple=True)[0]
     weight = head.weight
+    targets = batch.input_ids[positions]  # checked on the host above, not read back from the device
+    positions = positions.to(device)
     before = positions - 1 if token_index is None else token_index[positions - 1]
     rows = hidden[before].to(weight.dtype)
-    logp, ent = sampled_token_logprobs(rows, weight, batch.input_ids.to(device)[positions],
-                                       bias=getattr(head, "bias", None), temperature=temperature,
-                                       with_entropy=with_entropy)
+    logp, ent = sampled_token_logprobs(rows, weight, targets.to(device), bias=getattr(head, "bias", None),
+                                       temperature=temperature, with_entropy=with_entropy, check_targets=False)
     n = batch.num_tokens
     full_logp = torch.zeros(n, dtype=torch.float32, device=device).index_put((positions,), logp.float())
     full_ent = None

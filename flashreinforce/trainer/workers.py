@@ -63,7 +63,7 @@ class RolloutSide:
                                        options=engine_options)
             else:
                 engine = create_engine("hf", learner.full_model(device), pad_token_id=tokenizer.pad_token_id,
-                                       version=learner.version)
+                                       version=learner.version, options=engine_options)
             workers.append(RolloutWorker(i, engine, env_factory, tokenizer, self.buffer, self.weights, settings))
         return ThreadRolloutPool(workers)
 

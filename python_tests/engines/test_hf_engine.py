@@ -137,3 +137,42 @@ def test_inverse_cdf_sampling_never_draws_a_removed_token():
     p1 = 1 / (1 + math.e)
     assert sample_tokens(logp[:1], torch.tensor([p1 - 1e-6], dtype=torch.float64)).item() == 1
     assert sample_tokens(logp[:1], torch.tensor([p1 + 1e-6], dtype=torch.float64)).item() == 2
+
+
+def test_finished_requests_leave_the_batch():
+    model = tiny_model(seed=6)
+    sizes = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    engine = HFEngine(model, pad_token_id=0)
+    params = SamplingParams(1.0, 1.0)
+    reqs = [GenerationRequest([1, 2, 3], 2, seed=1), GenerationRequest([4, 5], 5, seed=2),
+            GenerationRequest([6], 3, seed=3)]
+    gens = engine.generate(reqs, params)
+    assert [len(g.token_ids) for g in gens] == [2, 5, 3]
+    # prefill, then one forward per step with the requests still running: 3, 2, 1, 1
+    assert sizes == [3, 3, 2, 1, 1]
+    alone = [HFEngine(tiny_model(seed=6), pad_token_id=0).generate([r], params)[0] for r in reqs]
+    for g, a in zip(gens, alone):
+        assert g.token_ids == a.token_ids
+        assert g.log_probs == pytest.approx(a.log_probs, abs=1e-5)
+
+
+def test_engine_dtype_casts_the_weights_and_what_it_loads():
+    from flashreinforce.engines import create_engine
+
+    model = tiny_model(seed=7)
+    engine = create_engine("hf", copy.deepcopy(model), pad_token_id=0,
+                           options={"dtype": "bfloat16", "auto_dtype": "float32"})
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
+    engine.load_weights(tiny_model(seed=8).state_dict(), 1)  # float32 weights from the learner
+    assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16} and engine.version == 1
+    gen = engine.generate([GenerationRequest([1, 2, 3], 4, seed=1)], SamplingParams(1.0))[0]
+    assert len(gen.token_ids) == 4 and all(lp <= 0.0 for lp in gen.log_probs)
+    # auto follows the learner's dtype on CUDA devices only
+    auto = create_engine("hf", copy.deepcopy(model), pad_token_id=0, options={"dtype": "auto", "auto_dtype": "bfloat16"})
+    assert {p.dtype for p in auto.model.parameters()} == {torch.float32}
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        create_engine("hf", copy.deepcopy(model), pad_token_id=0, options={"dtype": "int8"})
+    with pytest.raises(ValueError, match="takes the options dtype and auto_dtype"):
+        create_engine("hf", copy.deepcopy(model), pad_token_id=0, options={"seed": 1})

@@ -201,3 +201,11 @@ def test_non_finite_gradient_skips_the_step():
     for k, v in model.state_dict().items():
         if k != "lm_head.weight":
             assert torch.equal(v, before[k])
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_forward():
+    model = tiny_model()
+    bad = Trajectory([1, 2, VOCAB + 3, 4], [False, True, True, True], [0.0, -1.0, -1.0, -1.0], reward=1.0,
+                     failed=False)
+    with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {VOCAB}\)"):
+        token_log_probs(model, pack([bad]))
