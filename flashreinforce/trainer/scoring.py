@@ -33,6 +33,21 @@ def _body(model: torch.nn.Module) -> torch.nn.Module:
     return body
 
 
+def _vocabulary_size(model: torch.nn.Module, head: torch.nn.Module | None) -> int | None:
+    """Rows of the output projection, else of the input embedding; ``None`` when neither is found
+    (a model whose body is not a ``transformers`` one; its forward then reports what is wrong)."""
+    modules = [head]
+    try:
+        modules.append(model.get_input_embeddings())
+    except (AttributeError, NotImplementedError):
+        pass
+    for module in modules:
+        weight = getattr(module, "weight", None)
+        if weight is not None:
+            return int(weight.shape[0])
+    return None
+
+
 def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0,
                     with_entropy: bool = False, packed_forward: bool = True, pad_token_id: int = 0,
                     autocast_dtype: torch.dtype | None = None, share_prefixes: bool = True,
@@ -51,9 +66,9 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     body = _body(model)
     head = model.get_output_embeddings()
     token_index = None
-    vocab = head.weight.shape[0]
+    vocab = _vocabulary_size(model, head)
     host_ids = batch.input_ids  # the host copy: checking it costs no device synchronization
-    if batch.num_tokens and (int(host_ids.min()) < 0 or int(host_ids.max()) >= vocab):
+    if vocab is not None and batch.num_tokens and (int(host_ids.min()) < 0 or int(host_ids.max()) >= vocab):
         raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
                          f"[{int(host_ids.min())}, {int(host_ids.max())}]")
     with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
