@@ -23,6 +23,11 @@ Model shapes (random weights from a config: nothing is downloaded):
 
     python benchmarks/bench_learner_step.py --device cuda --shape qwen2.5-0.5b
     python benchmarks/bench_learner_step.py --device cpu --shape tiny --batch 32 --mean-len 64
+    python benchmarks/bench_learner_step.py --device cuda --shape qwen2.5-0.5b --profile   # where the time goes
+
+``--profile`` runs one more fused step under ``torch.profiler`` (:mod:`step_profile`) and prints
+its device time by category (matrix products, attention, fused loss, elementwise, copies,
+optimizer), the share of the step the device was busy, and the heaviest kernels.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from flashreinforce.trainer.trajectory import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_loss_cpu import print_table  # noqa: E402
+from step_profile import profile_breakdown  # noqa: E402
 
 SHAPES = {
     "tiny": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -130,7 +136,7 @@ def run(impl: str, args, trajectories, device: torch.device) -> dict:
     model = build_model(args, device)
     settings = LearnerSettings(loss_mode=impl, loss=LossOptions(delta=args.delta), lr=1e-6, temperature=1.0,
                                micro_batch_tokens=args.micro_batch_tokens, total_steps=args.steps + 2,
-                               param_dtype=args.param_dtype)
+                               param_dtype=args.param_dtype, head_operand_dtype=args.head_operand_dtype)
     learner = Learner(model, settings)
     mode = type(get_loss_mode(impl))
     mode.seen = None
@@ -143,6 +149,9 @@ def run(impl: str, args, trajectories, device: torch.device) -> dict:
         learner.step(trajectories)
         sync(device)
         times.append(time.perf_counter() - t0)
+    profile = None
+    if args.profile and impl == "bench_fused":
+        profile = profile_breakdown(lambda: learner.step(trajectories), device)
     mb, batch, options = mode.seen
     loss_mode = get_loss_mode(impl)
 
@@ -162,7 +171,7 @@ def run(impl: str, args, trajectories, device: torch.device) -> dict:
         loss_times.append(time.perf_counter() - t0)
     result = dict(step_s=statistics.median(times), loss_s=statistics.median(loss_times), loss=first["loss"],
                   grad_norm=first["grad_norm"], acceptance=first["acceptance_rate"], mb_tokens=mb.log_probs.numel(),
-                  flops=first["model_flops"], peak=learner.peak_flops)
+                  flops=first["model_flops"], peak=learner.peak_flops, profile=profile)
     del learner, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -181,6 +190,12 @@ def main() -> None:
     p.add_argument("--behavior-noise", type=float, default=0.05,
                    help="std of the noise added to the model's own log-probs to make behavior ones (default 0.05)")
     p.add_argument("--param-dtype", default=None, help="autocast dtype: fp32 or bf16 (default bf16 on CUDA)")
+    p.add_argument("--head-operand-dtype", default="float32",
+                   help="operands of the output projection's GEMMs: float32 (default), bf16, fp16 or auto "
+                        "(train.head_operand_dtype)")
+    p.add_argument("--skip-eager", action="store_true", help="time the fused loss only (no eager reference)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one more fused step: device time by category, busy share, heaviest kernels")
     args = p.parse_args()
     device = torch.device(args.device)
     args.param_dtype = args.param_dtype or ("bf16" if device.type == "cuda" else "fp32")
@@ -188,11 +203,15 @@ def main() -> None:
     tokens = sum(t.num_tokens for t in trajectories)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench_learner_step: {where}, torch {torch.__version__}; shape {args.shape}, B = {args.batch}, "
-          f"{tokens:,} tokens, micro-batches of <= {args.micro_batch_tokens:,} tokens, {args.param_dtype}")
-    results = {impl: run(impl, args, trajectories, device) for impl in ("bench_fused", "bench_eager")}
-    fused, eager = results["bench_fused"], results["bench_eager"]
+          f"{tokens:,} tokens, micro-batches of <= {args.micro_batch_tokens:,} tokens, {args.param_dtype}, "
+          f"output-projection operands {args.head_operand_dtype}")
+    impls = ("bench_fused",) if args.skip_eager else ("bench_fused", "bench_eager")
+    results = {impl: run(impl, args, trajectories, device) for impl in impls}
+    fused, eager = results["bench_fused"], results.get("bench_eager")
     rows = []
     for label, r in (("fused op", fused), ("eager PyTorch (reference)", eager)):
+        if r is None:
+            continue
         rate = r["flops"] / r["step_s"]
         mfu = f"{rate / r['peak']:.1%}" if r["peak"] else "-"
         rows.append([label, f"{r['step_s'] * 1e3:.1f}", f"{r['loss_s'] * 1e3:.3f}", f"{r['loss_s'] / r['step_s']:.2%}",
@@ -202,10 +221,30 @@ def main() -> None:
                 f"({fused['mb_tokens']:,} tokens)",
                 ["loss", "step ms", "loss ms", "loss share", "step vs fused", "model TFLOP/s", "MFU", "first loss",
                  "first grad norm"], rows)
+    if eager is not None:
+        print_agreement(fused, eager)
+    if fused["profile"]:
+        print_profile(fused["profile"], device)
+
+
+def print_agreement(fused: dict, eager: dict) -> None:
+    """The two implementations' first steps (same weights, same batch) and the loss-alone speed-up."""
     rel = abs(fused["grad_norm"] - eager["grad_norm"]) / max(1e-30, abs(eager["grad_norm"]))
     print(f"first step: |loss fused - eager| = {abs(fused['loss'] - eager['loss']):.2e}, grad norm relative "
           f"difference {rel:.2e}, acceptance {fused['acceptance']:.3f} / {eager['acceptance']:.3f}; "
           f"loss alone: fused {eager['loss_s'] / fused['loss_s']:.1f}x faster than eager")
+
+
+def print_profile(prof: dict, device: torch.device) -> None:
+    """The profiled step as two tables: time by category, then the heaviest kernels / operators."""
+    what = "kernel time on the GPU" if device.type == "cuda" else "operator self time (CPU threads summed)"
+    print_table(f"one fused step profiled: {prof['wall_ms']:.1f} ms wall, {prof['busy_ms']:.1f} ms {what} "
+                f"(busy {prof['busy_share']:.1%} of the wall time)",
+                ["category", "ms", "share"],
+                [[name, f"{ms:.1f}", f"{share:.1%}"] for name, ms, share in prof["categories"]])
+    print_table("heaviest " + ("kernels" if device.type == "cuda" else "operators"), ["name", "calls", "ms"],
+                [[name if len(name) <= 90 else name[:87] + "...", str(calls), f"{ms:.1f}"]
+                 for name, calls, ms in prof["top"]])
 
 
 if __name__ == "__main__":

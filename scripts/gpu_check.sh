@@ -8,7 +8,9 @@
 #   toy       a GPU training smoke run: `train --preset toy --device cuda --train.max_steps 100` next to
 #             the same run on the CPU, compared on the training reward (it must rise on both);
 #   learner   the learner step with the fused loss against the eager PyTorch loss, with its model
-#             TFLOP/s and MFU (benchmarks/bench_learner_step.py), toy model and Qwen2.5-0.5B shape;
+#             TFLOP/s and MFU (benchmarks/bench_learner_step.py), toy model and Qwen2.5-0.5B shape, the
+#             latter with one step profiled (GPU time by category, busy share, heaviest kernels), then
+#             again with bf16 operands for the output projection (train.head_operand_dtype bf16);
 #   attention per-document attention on CUDA: its tests (varlen flash backend against SDPA and float64,
 #             packed against padded) and the packed / padded / shared-prefix learner forward
 #             (benchmarks/bench_packed_forward.py --device cuda);
@@ -118,7 +120,9 @@ if want learner; then
 stage "learner step, toy model" 90 "$PY" benchmarks/bench_learner_step.py --device cuda --shape tiny \
   --batch 128 --mean-len 24 --steps 20
 stage "learner step, Qwen2.5-0.5B shape" 180 "$PY" benchmarks/bench_learner_step.py --device cuda \
-  --shape qwen2.5-0.5b --batch 64 --mean-len 1024 --steps 5
+  --shape qwen2.5-0.5b --batch 64 --mean-len 1024 --steps 5 --profile
+stage "learner step, Qwen2.5-0.5B shape, bf16 output-projection operands" 120 "$PY" benchmarks/bench_learner_step.py \
+  --device cuda --shape qwen2.5-0.5b --batch 64 --mean-len 1024 --steps 5 --skip-eager --head-operand-dtype bf16 --profile
 fi
 
 if want attention; then

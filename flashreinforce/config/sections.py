@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from flashreinforce.config.schema import option, section
+from flashreinforce.dtypes import DTYPE_NAMES
 from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
@@ -20,8 +21,7 @@ __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "Algo
            "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig", "WandbConfig"]
 
 #: Learner compute dtypes by the names ``fsdp.param_dtype`` takes (aliases map to the canonical name).
-PARAM_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
-                "fp16": "float16", "float16": "float16"}
+PARAM_DTYPES = DTYPE_NAMES
 
 _ONE_DEVICE = "the native learner runs on one device per process; only 1 is supported"
 
@@ -270,6 +270,10 @@ class TrainConfig:
     share_prefixes: bool = option("bool", True, "packed forward: compute once a token prefix that several "
                                   "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, "
                                   "found from the token ids")
+    head_operand_dtype: str = option("str", "float32", "operands of the learner's output-projection GEMMs: float32, "
+                                     "bf16 or fp16 (operands rounded; float32 accumulation, logits and gradients, "
+                                     "tensor-core speed on CUDA), or auto (the autocast dtype on CUDA where torch has "
+                                     "that GEMM, float32 elsewhere)", choices=("auto", *PARAM_DTYPES))
     peak_tflops: float = option("float", 0.0, "dense peak TFLOP/s of one learner device at the learner's precision, "
                                 "for the mfu metric (0: known GPUs at bf16/fp16 from a table; none elsewhere)",
                                 minimum=0, maximum=1e6)

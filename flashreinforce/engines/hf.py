@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
+from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
 
 __all__ = ["HFEngine", "sample_tokens", "sampling_log_probs"]
 
@@ -59,9 +60,6 @@ def sampling_log_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
         scores = scores.masked_fill(remove, float("-inf"))
     return torch.log_softmax(scores, dim=-1)
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def sample_tokens(log_probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -108,9 +106,9 @@ class HFEngine(RolloutEngine):
         device = next(model.parameters()).device
         if dtype is not None:
             name = (auto_dtype if device.type == "cuda" else "float32") if dtype == "auto" else dtype
-            if name not in _DTYPES:
-                raise ValueError(f"HFEngine: dtype must be one of {sorted(_DTYPES)} or 'auto', got {name!r}")
-            model = model.to(_DTYPES[name])
+            if name not in DTYPE_NAMES:
+                raise ValueError(f"HFEngine: dtype must be one of {sorted(DTYPE_NAMES)} or 'auto', got {name!r}")
+            model = model.to(torch_dtype(name))
         self.model = model.eval()
         for p in self.model.parameters():
             p.requires_grad_(False)

@@ -34,7 +34,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["CPU_TILE", "DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logprobs"]
+__all__ = ["CPU_TILE", "DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logprobs", "wide_gemm_available"]
 
 #: Default budget, in bytes, for the tile-sized work buffers that exist at any one time (forward
 #: or backward). On GPUs a tile spans the whole vocabulary, so 256 MiB is 441 rows at
@@ -50,6 +50,28 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20
 CPU_TILE = (2048, 32768)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+# Device type -> whether torch runs a GEMM of low-precision operands with a float32 result there.
+_WIDE_GEMM: dict[str, bool] = {}
+
+
+def wide_gemm_available(device: torch.device | str) -> bool:
+    """Whether ``torch.mm`` / ``torch.addmm`` take bfloat16 operands with ``out_dtype=torch.float32``
+    (float32 accumulation and result, written into and accumulated onto a float32 ``out``) on this
+    device type: tried once per device type on 2 x 2 matrices, values checked. PyTorch has that
+    GEMM on CUDA (recent releases); where it is missing, low-precision operands are emulated."""
+    device = torch.device(device)
+    if device.type not in _WIDE_GEMM:
+        try:
+            a = torch.full((2, 2), 1.5, dtype=torch.bfloat16, device=device)
+            out = torch.empty(2, 2, dtype=torch.float32, device=device)
+            torch.mm(a, a, out_dtype=torch.float32, out=out)
+            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            ok = bool((out == 9.0).all())
+        except (RuntimeError, NotImplementedError, TypeError):
+            ok = False
+        _WIDE_GEMM[device.type] = ok
+    return _WIDE_GEMM[device.type]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -70,7 +92,8 @@ def _element_bytes(dtype: torch.dtype, with_entropy: bool) -> int:
 def chunk_rows(vocab_size: int, dtype: torch.dtype = torch.float32,
                budget_bytes: int = DEFAULT_CHUNK_BYTES, *, with_entropy: bool = False) -> int:
     """Number of token rows per tile so that tiles spanning ``vocab_size`` columns fit their
-    work buffers in ``budget_bytes`` (at least one row). ``dtype``: dtype of ``hidden``;
+    work buffers in ``budget_bytes`` (at least one row). ``dtype``: dtype of ``hidden`` (the
+    ``operand_dtype`` when float32 inputs have low-precision operands);
     ``with_entropy``: entropies are computed (one more buffer)."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -79,35 +102,87 @@ def chunk_rows(vocab_size: int, dtype: torch.dtype = torch.float32,
     return max(1, budget_bytes // (vocab_size * _element_bytes(dtype, bool(with_entropy))))
 
 
-def _tile_logits(h, weight, bias, temperature, out, low_out):
+def _tile_logits(tiles, h, weight, bias, temperature, out, low_out):
     """Write the tile's logits ``(h W^T + b) / temperature`` into ``out`` (compute dtype).
 
     The GEMM runs in the input dtype, as the model's own lm_head would; low-precision results
-    land in ``low_out`` first and are upcast, so everything after the GEMM is float32.
+    land in ``low_out`` first and are upcast, so everything after the GEMM is float32. With
+    low-precision operands of float32 inputs (``tiles.wide``) the GEMM's result is float32 itself.
     """
-    target = out if low_out is None else low_out
-    if bias is None:
-        torch.mm(h, weight.t(), out=target)
+    if tiles.wide:
+        tiles.accumulate(out, h, weight.t(), first=True)
+        if bias is not None:
+            out.add_(bias)
     else:
-        torch.addmm(bias, h, weight.t(), out=target)
-    if low_out is not None:
-        out.copy_(low_out)
+        target = out if low_out is None else low_out
+        if bias is None:
+            torch.mm(h, weight.t(), out=target)
+        else:
+            torch.addmm(bias, h, weight.t(), out=target)
+        if low_out is not None:
+            out.copy_(low_out)
     if temperature != 1.0:
         out.div_(temperature)
     return out
 
 
 class _Tiles:
-    """Tile geometry and the reusable flat work buffers of one forward or backward call."""
+    """Tile geometry, the GEMM precision and the reusable flat work buffers of one forward or
+    backward call.
 
-    def __init__(self, hidden, vocab, rows, cols, n_buffers):
+    Three GEMM precisions: the inputs' own dtype (float32 / float64: ``low`` and ``wide`` false);
+    low-precision inputs (``low``: products in their dtype, upcast after); float32 inputs with
+    low-precision operands (``wide``: operands rounded to ``operand_dtype``, products and sums in
+    float32). ``cast_grad``: the logit gradient is cast to the operand dtype for the gradient GEMMs
+    (into ``low_buf``; backward only for ``wide``).
+    """
+
+    def __init__(self, hidden, vocab, rows, cols, n_buffers, operand_dtype=None, backward=False):
         self.rows, self.cols, self.vocab = rows, cols, vocab
         self.cdt = _compute_dtype(hidden.dtype)
         self.low = hidden.dtype in _LOW_PRECISION
+        self.operand_dtype = operand_dtype
+        self.wide = operand_dtype is not None
+        self.native_wide = self.wide and wide_gemm_available(hidden.device)
+        self.cast_grad = self.low or self.wide
         size = rows * cols
         dev = hidden.device
         self.bufs = [torch.empty(size, dtype=self.cdt, device=dev) for _ in range(n_buffers)]
-        self.low_buf = torch.empty(size, dtype=hidden.dtype, device=dev) if self.low else None
+        low_dtype = hidden.dtype if self.low else (operand_dtype if self.wide and backward else None)
+        self.low_buf = None if low_dtype is None else torch.empty(size, dtype=low_dtype, device=dev)
+
+    def operands(self, hidden, weight):
+        """``hidden`` and ``weight`` as GEMM operands: rounded to the operand dtype when ``wide``."""
+        if not self.wide:
+            return hidden, weight
+        return hidden.to(self.operand_dtype), weight.to(self.operand_dtype)
+
+    def accumulate(self, acc, a, b, *, first):
+        """``acc (=|+=) a @ b``; ``acc`` in the compute dtype, ``a`` / ``b`` operands.
+
+        Low-precision inputs: the product is computed in their dtype, then added in the compute
+        dtype. Wide: a float32-result GEMM of the low-precision operands where the device has one
+        (:func:`wide_gemm_available`), else the same math on the operands widened to float32 (every
+        low-precision value is exact in float32): same numbers up to summation order, no speed-up.
+        """
+        if self.wide:
+            if self.native_wide:
+                if first:
+                    torch.mm(a, b, out_dtype=acc.dtype, out=acc)
+                else:
+                    torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+                return
+            a, b = a.to(acc.dtype), b.to(acc.dtype)
+        if self.low:
+            prod = torch.mm(a, b)
+            if first:
+                acc.copy_(prod)
+            else:
+                acc.add_(prod)
+        elif first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
 
     def view(self, buf, n, vb):
         """A contiguous ``[n, vb]`` view of a flat buffer (slicing a 2-D buffer would leave a
@@ -128,44 +203,30 @@ def _target_slots(targets, cols):
     return targets // cols, (targets % cols)[:, None]
 
 
-def _accumulate_mm(acc, a, b, *, first, low):
-    """``acc (=|+=) a @ b``; ``acc`` in the compute dtype, ``a``/``b`` in the GEMM dtype (a
-    low-precision product is computed in its dtype, then added in the compute dtype)."""
-    if low:
-        prod = torch.mm(a, b)
-        if first:
-            acc.copy_(prod)
-        else:
-            acc.add_(prod)
-    elif first:
-        torch.mm(a, b, out=acc)
-    else:
-        acc.addmm_(a, b)
-
-
 class _SampledTokenLogprobs(torch.autograd.Function):
     """Tiled forward with an online log-sum-exp; backward recomputes each tile's logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, rows, cols, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, rows, cols, with_entropy, operand_dtype):
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         rows, cols = max(1, min(rows, n_tokens)), min(cols, vocab)
-        tiles = _Tiles(hidden, vocab, rows, cols, 2 if with_entropy else 1)
+        tiles = _Tiles(hidden, vocab, rows, cols, 2 if with_entropy else 1, operand_dtype)
         cdt, dev = tiles.cdt, hidden.device
+        hidden_op, weight_op = tiles.operands(hidden, weight)
         logp = torch.empty(n_tokens, dtype=cdt, device=dev)
         lse = torch.empty(n_tokens, dtype=cdt, device=dev)
         entropy = torch.empty(n_tokens if with_entropy else 0, dtype=cdt, device=dev)
 
         for r0, r1 in tiles.blocks(n_tokens):
             n = r1 - r0
-            h = hidden[r0:r1]
+            h = hidden_op[r0:r1]
             y_block, y_col = _target_slots(targets[r0:r1], cols)
             # Running per-row statistics relative to the running max m: s = sum exp(z - m),
             # a = sum exp(z - m) (z - m) (entropy only), and the target logit z_y.
             m = s = a = z_y = None
             for b, v0, v1 in tiles.vocab_blocks():
                 vb = v1 - v0
-                z = _tile_logits(h, weight[v0:v1], None if bias is None else bias[v0:v1], temperature,
+                z = _tile_logits(tiles, h, weight_op[v0:v1], None if bias is None else bias[v0:v1], temperature,
                                  tiles.view(tiles.bufs[0], n, vb),
                                  None if tiles.low_buf is None else tiles.view(tiles.low_buf, n, vb))
                 zy_here = z.gather(1, y_col.clamp(max=vb - 1)).squeeze(1)
@@ -202,6 +263,7 @@ class _SampledTokenLogprobs(torch.autograd.Function):
         else:
             ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.temperature, ctx.rows, ctx.cols, ctx.with_entropy = temperature, rows, cols, with_entropy
+        ctx.operand_dtype = operand_dtype
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -214,15 +276,16 @@ class _SampledTokenLogprobs(torch.autograd.Function):
             hidden, weight, bias, targets, lse = ctx.saved_tensors
             entropy, grad_entropy = None, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        nothing = (None,) * 8
+        nothing = (None,) * 9
         if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
             return nothing
 
         n_tokens, vocab = hidden.shape[0], weight.shape[0]
         temperature, cols = ctx.temperature, ctx.cols
         use_entropy = grad_entropy is not None
-        tiles = _Tiles(hidden, vocab, ctx.rows, cols, 2 if use_entropy else 1)
-        cdt, low, dev = tiles.cdt, tiles.low, hidden.device
+        tiles = _Tiles(hidden, vocab, ctx.rows, cols, 2 if use_entropy else 1, ctx.operand_dtype, backward=True)
+        cdt, cast_grad, dev = tiles.cdt, tiles.cast_grad, hidden.device
+        hidden_op, weight_op = tiles.operands(hidden, weight)
 
         # The 1/temperature of the chain rule is folded into the per-row upstream gradients,
         # since the logit gradient is linear in them.
@@ -242,7 +305,7 @@ class _SampledTokenLogprobs(torch.autograd.Function):
 
         for r0, r1 in tiles.blocks(n_tokens):
             n = r1 - r0
-            h = hidden[r0:r1]
+            h = hidden_op[r0:r1]
             y_block, y_col = _target_slots(targets[r0:r1], cols)
             lse_r = lse[r0:r1, None]
             if use_entropy:
@@ -255,11 +318,11 @@ class _SampledTokenLogprobs(torch.autograd.Function):
                 # logp only: logit gradient = -g (p - onehot). The per-row factor -g is applied
                 # to the small [n, H] operands, not to the tile: one pass over each tile saved.
                 row_scale = -g[r0:r1, None]
-                h_op = h if low else h * row_scale
+                h_op = h if cast_grad else h * row_scale
             for b, v0, v1 in tiles.vocab_blocks():
                 vb = v1 - v0
-                w_b = weight[v0:v1]
-                z = _tile_logits(h, w_b, None if bias is None else bias[v0:v1], temperature,
+                w_b = weight_op[v0:v1]
+                z = _tile_logits(tiles, h, w_b, None if bias is None else bias[v0:v1], temperature,
                                  tiles.view(tiles.bufs[0], n, vb),
                                  None if tiles.low_buf is None else tiles.view(tiles.low_buf, n, vb))
                 col = y_col.clamp(max=vb - 1)
@@ -275,37 +338,38 @@ class _SampledTokenLogprobs(torch.autograd.Function):
                         # deterministic on every backend (one target per row).
                         at_col = grad_z.gather(1, col)
                         grad_z.scatter_(1, col, torch.where(here, at_col + g_r, at_col))
-                    gz = tiles.view(tiles.low_buf, n, vb).copy_(grad_z) if low else grad_z
+                    gz = tiles.view(tiles.low_buf, n, vb).copy_(grad_z) if cast_grad else grad_z
                 else:
                     d = z.sub_(lse_r).exp_()  # p
                     d.scatter_(1, col, d.gather(1, col) - here.to(cdt))  # p - onehot
                     grad_z = d
                     # The cast to the GEMM dtype is a pass anyway: scale while casting.
-                    gz = torch.mul(d, row_scale, out=tiles.view(tiles.low_buf, n, vb)) if low else d
+                    gz = torch.mul(d, row_scale, out=tiles.view(tiles.low_buf, n, vb)) if cast_grad else d
                 if need_h:
-                    _accumulate_mm(grad_h[r0:r1], gz, w_b, first=b == 0, low=low)
+                    tiles.accumulate(grad_h[r0:r1], gz, w_b, first=b == 0)
                 if need_w:
-                    _accumulate_mm(grad_w[v0:v1], gz.t(), h_op, first=r0 == 0, low=low)
+                    tiles.accumulate(grad_w[v0:v1], gz.t(), h_op, first=r0 == 0)
                 if need_b:
                     # From the compute-dtype values, not the low-precision GEMM operand.
                     if row_scale is None:
                         grad_b[v0:v1].add_(grad_z.sum(0))
                     else:
                         grad_b[v0:v1].addmv_(grad_z.t(), row_scale.squeeze(1))
-            if need_h and row_scale is not None and not low:
+            if need_h and row_scale is not None and not cast_grad:
                 grad_h[r0:r1].mul_(row_scale)
 
         return (None if grad_h is None else grad_h.to(hidden.dtype),
                 None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                            bias: torch.Tensor | None = None, temperature: float = 1.0,
                            chunk_size: int | None = None, with_entropy: bool = False,
                            vocab_chunk_size: int | None = None,
-                           chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES, check_targets: bool = True):
+                           chunk_budget_bytes: int = DEFAULT_CHUNK_BYTES, check_targets: bool = True,
+                           operand_dtype: torch.dtype | None = None):
     """Log-probability of each target token, and optionally the full entropy, from hidden states.
 
     Computes ``log_softmax((hidden @ weight.T + bias) / temperature)[i, targets[i]]`` and
@@ -330,6 +394,13 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
             (see :func:`chunk_rows`).
         check_targets: check that every target lies in ``[0, V)`` (a read back from the device);
             ``False`` when the caller has checked them already (the learner does, on the host copy).
+        operand_dtype: ``None`` (GEMMs in the inputs' dtype), or ``torch.bfloat16`` /
+            ``torch.float16`` with float32 inputs: the GEMM operands (hidden states, weight, and in
+            backward the logit gradient) are rounded to it while products, sums, logits and
+            gradients stay float32, as a tensor-core GEMM with float32 accumulation and output
+            computes them (:func:`wide_gemm_available`; elsewhere the same numbers are computed by
+            float32 GEMMs of the rounded operands, without a speed-up). Unlike a GEMM in bfloat16,
+            the logits themselves are never rounded to 8 bits.
 
     Returns:
         ``(logp, entropy)``: ``[N]`` tensors in float32 (float64 for float64 inputs), in nats;
@@ -354,6 +425,12 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         raise ValueError(f"hidden must be float64, float32, bfloat16 or float16, got {hidden.dtype}")
     if weight.dtype != hidden.dtype:
         raise ValueError(f"weight dtype {weight.dtype} must match hidden dtype {hidden.dtype}")
+    if operand_dtype is not None:
+        if operand_dtype not in _LOW_PRECISION:
+            raise ValueError(f"operand_dtype must be None, torch.bfloat16 or torch.float16, got {operand_dtype!r}")
+        if hidden.dtype != torch.float32:
+            raise ValueError(f"operand_dtype applies to float32 hidden and weight, got {hidden.dtype} "
+                             "(low-precision inputs are GEMM operands already)")
     if targets.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"targets must be int64 or int32 token ids, got {targets.dtype}")
     n_tokens, hidden_size = hidden.shape
@@ -391,7 +468,7 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     else:
         cols = min(vocab, vocab_chunk_size)
     if chunk_size is None:
-        rows = chunk_rows(cols, hidden.dtype, chunk_budget_bytes, with_entropy=with_entropy)
+        rows = chunk_rows(cols, operand_dtype or hidden.dtype, chunk_budget_bytes, with_entropy=with_entropy)
         if on_cpu:
             rows = min(rows, CPU_TILE[0])
     elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -406,5 +483,5 @@ def sampled_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
     targets = targets.to(torch.int64)
 
     logp, entropy = _SampledTokenLogprobs.apply(hidden, weight, bias, targets, temperature, rows, cols,
-                                                bool(with_entropy))
+                                                bool(with_entropy), operand_dtype)
     return logp, (entropy if with_entropy else None)

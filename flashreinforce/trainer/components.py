@@ -224,7 +224,7 @@ def learner_settings(cfg: ResolvedConfig, total_steps: int) -> LearnerSettings:
         micro_batch_trajectories=cfg.train.micro_batch_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
         packed_forward=cfg.fsdp.packing_samples, share_prefixes=cfg.train.share_prefixes,
         param_dtype=cfg.fsdp.param_dtype, gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
-        peak_tflops=cfg.train.peak_tflops)
+        peak_tflops=cfg.train.peak_tflops, head_operand_dtype=cfg.train.head_operand_dtype)
 
 
 def sampling_params(cfg: ResolvedConfig, tokenizer, *, evaluation: bool = False) -> SamplingParams:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from flashreinforce.models.attention import DocumentLayout
+from flashreinforce.trainer.scoring import model_body
 
 __all__ = ["PEAK_TFLOPS_BF16", "ModelFlops", "causal_pairs", "peak_flops_per_device", "utilization"]
 
@@ -65,7 +66,10 @@ class ModelFlops:
         """The coefficients of a ``transformers`` causal LM (its config and its body's parameters)."""
         cfg = model.config
         text_cfg = getattr(cfg, "text_config", None) or cfg
-        body = getattr(model, getattr(model, "base_model_prefix", "model"), None) or model
+        try:
+            body = model_body(model)
+        except ValueError:  # no separate body: count the whole model's matrices
+            body = model
         embedding_params = {id(m.weight) for m in body.modules() if isinstance(m, torch.nn.Embedding)}
         experts = getattr(text_cfg, "num_experts", None) or getattr(text_cfg, "num_local_experts", None)
         per_token = getattr(text_cfg, "num_experts_per_tok", None)

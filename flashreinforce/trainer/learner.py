@@ -31,8 +31,10 @@ import torch
 from torch import Tensor
 
 from flashreinforce.config.sections import PARAM_DTYPES
+from flashreinforce.dtypes import torch_dtype
 from flashreinforce.models.attention import use_document_attention
 from flashreinforce.objective import LossOptions
+from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
 from flashreinforce.trainer.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
 from flashreinforce.trainer.forward_row import forward_row
@@ -42,10 +44,6 @@ from flashreinforce.trainer.scoring import PolicyLogProbs
 from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["BatchTotals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
-
-#: Learner compute dtypes: the canonical names of ``fsdp.param_dtype`` -> the autocast dtype (None: float32).
-_AUTOCAST = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class LearnerSettings:
@@ -64,7 +62,10 @@ class LearnerSettings:
     several trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype;
     master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint]; peak_tflops
     [train.peak_tflops]: dense peak TFLOP/s of one learner device for ``mfu`` (0: the device table of
-    :func:`flashreinforce.trainer.flops.peak_flops_per_device`).
+    :func:`flashreinforce.trainer.flops.peak_flops_per_device`); head_operand_dtype
+    [train.head_operand_dtype]: operands of the output projection's GEMMs (``float32``; ``bf16`` /
+    ``fp16``: rounded operands, float32 accumulation and logits; ``auto``: see
+    :meth:`head_operands`).
     """
 
     loss_mode: str = "flash_reinforce"
@@ -86,6 +87,7 @@ class LearnerSettings:
     param_dtype: str = "fp32"
     gradient_checkpointing: bool = False
     peak_tflops: float = 0.0
+    head_operand_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         get_loss_mode(self.loss_mode)  # raises ValueError naming the known modes
@@ -96,6 +98,9 @@ class LearnerSettings:
             raise ValueError(f"actor.lr_scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}")
         if self.param_dtype not in PARAM_DTYPES:
             raise ValueError(f"fsdp.param_dtype must be one of {sorted(PARAM_DTYPES)}, got {self.param_dtype!r}")
+        if self.head_operand_dtype != "auto" and self.head_operand_dtype not in PARAM_DTYPES:
+            raise ValueError(f"train.head_operand_dtype must be 'auto' or one of {sorted(PARAM_DTYPES)}, got "
+                             f"{self.head_operand_dtype!r}")
         if not (self.lr >= 0 and math.isfinite(self.lr)):
             raise ValueError(f"actor.adam.lr must be a finite number >= 0, got {self.lr}")
         if self.total_steps <= 0:
@@ -110,10 +115,24 @@ class LearnerSettings:
             raise ValueError(f"train.peak_tflops must be a finite number >= 0 (0: look the device up), got "
                              f"{self.peak_tflops}")
 
+    def head_operands(self, device: torch.device) -> torch.dtype | None:
+        """Operand dtype of the output projection's GEMMs on ``device`` (``None``: float32).
+
+        ``auto``: the autocast dtype on CUDA when it is bf16 / fp16 and torch has the GEMM with
+        float32 results there (:func:`flashreinforce.ops.logprobs.wide_gemm_available`); float32
+        elsewhere (on the CPU the rounded operands would be emulated by float32 GEMMs: no gain)."""
+        if self.head_operand_dtype == "auto":
+            if device.type == "cuda" and self.autocast_dtype is not None and wide_gemm_available(device):
+                return self.autocast_dtype
+            return None
+        dtype = torch_dtype(self.head_operand_dtype, what="train.head_operand_dtype")
+        return None if dtype == torch.float32 else dtype
+
     @property
     def autocast_dtype(self) -> torch.dtype | None:
         """The learner's autocast dtype (``None``: float32, no autocast)."""
-        return _AUTOCAST[PARAM_DTYPES[self.param_dtype]]
+        dtype = torch_dtype(self.param_dtype, what="fsdp.param_dtype")
+        return None if dtype == torch.float32 else dtype
 
     @property
     def needs_entropy(self) -> bool:
@@ -317,6 +336,7 @@ class Learner:
         self.flops = ModelFlops.of(model)  # before any sharding: the full shapes
         #: Peak FLOP/s of this learner's device at its precision (None: no MFU).
         self.peak_flops = peak_flops_per_device(self.device, settings.autocast_dtype, settings.peak_tflops)
+        self.head_operand_dtype = settings.head_operands(self.device)
         self.loss_impl = "fused" if settings.loss_mode == "flash_reinforce" else settings.loss_mode
         if settings.loss_mode == "flash_reinforce":
             import flashreinforce.ops.fused  # noqa: F401  (the compiled extension: fail now, not at the first step)
@@ -440,7 +460,7 @@ class Learner:
         s = self.settings
         return {"temperature": s.temperature, "with_entropy": with_entropy, "packed_forward": s.packed_forward,
                 "pad_token_id": self.pad_token_id, "autocast_dtype": s.autocast_dtype,
-                "share_prefixes": s.share_prefixes}
+                "share_prefixes": s.share_prefixes, "head_operand_dtype": self.head_operand_dtype}
 
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
                    pending: "_PendingStats") -> Tensor:

@@ -23,10 +23,12 @@ from flashreinforce.ops.logprobs import sampled_token_logprobs
 from flashreinforce.trainer.forward_row import DEFAULT_MIN_SHARED_TOKENS, ForwardRow, forward_row
 from flashreinforce.trainer.packing import PackedBatch, to_padded
 
-__all__ = ["PolicyLogProbs", "token_log_probs"]
+__all__ = ["PolicyLogProbs", "model_body", "token_log_probs"]
 
 
-def _body(model: torch.nn.Module) -> torch.nn.Module:
+def model_body(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder body of a ``transformers`` causal LM (its ``base_model_prefix`` attribute: the
+    module that returns hidden states); ``ValueError`` naming the model class when there is none."""
     body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     if body is None or body is model:
         raise ValueError(f"{type(model).__name__}: cannot find the model body (base_model_prefix)")
@@ -52,7 +54,8 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
                     with_entropy: bool = False, packed_forward: bool = True, pad_token_id: int = 0,
                     autocast_dtype: torch.dtype | None = None, share_prefixes: bool = True,
                     min_shared_tokens: int = DEFAULT_MIN_SHARED_TOKENS,
-                    attention_backend: str = "auto", row: ForwardRow | None = None) -> tuple[Tensor, Tensor | None]:
+                    attention_backend: str = "auto", row: ForwardRow | None = None,
+                    head_operand_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None]:
     """Current log-probabilities (and entropies) ``[N]`` float32 of ``batch``'s action tokens.
 
     Non-action slots hold 0 (the loss ignores them). Token t is scored from the hidden state at t-1
@@ -60,10 +63,12 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     ``share_prefixes``, ``min_shared_tokens`` and ``attention_backend`` shape the packed forward
     (:func:`flashreinforce.trainer.forward_row.forward_row`); the padded forward ignores them.
     ``row``: the packed row of ``batch`` already planned (the learner counts its FLOPs first); it
-    replaces those three options.
+    replaces those three options. ``head_operand_dtype``: bf16 / fp16 operands for the output
+    projection's GEMMs when its weight is float32 (float32 accumulation and logits;
+    :func:`flashreinforce.ops.logprobs.sampled_token_logprobs`); ignored for a low-precision weight.
     """
     device = next(model.parameters()).device
-    body = _body(model)
+    body = model_body(model)
     head = model.get_output_embeddings()
     token_index = None
     vocab = _vocabulary_size(model, head)
@@ -101,8 +106,10 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     positions = positions.to(device)
     before = positions - 1 if token_index is None else token_index[positions - 1]
     rows = hidden[before].to(weight.dtype)
+    operands = head_operand_dtype if weight.dtype == torch.float32 else None
     logp, ent = sampled_token_logprobs(rows, weight, targets.to(device), bias=getattr(head, "bias", None),
-                                       temperature=temperature, with_entropy=with_entropy, check_targets=False)
+                                       temperature=temperature, with_entropy=with_entropy, check_targets=False,
+                                       operand_dtype=operands)
     n = batch.num_tokens
     full_logp = torch.zeros(n, dtype=torch.float32, device=device).index_put((positions,), logp.float())
     full_ent = None

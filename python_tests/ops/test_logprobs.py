@@ -10,7 +10,8 @@ import zlib
 import pytest
 import torch
 
-from flashreinforce.ops.logprobs import DEFAULT_CHUNK_BYTES, chunk_rows, sampled_token_logprobs
+from flashreinforce.ops.logprobs import (DEFAULT_CHUNK_BYTES, chunk_rows, sampled_token_logprobs,
+                                         wide_gemm_available)
 
 
 def _reference(hidden, weight, targets, bias=None, temperature=1.0):
@@ -273,6 +274,10 @@ def test_int32_targets_and_noncontiguous_hidden():
     (dict(vocab_chunk_size=0), "vocab_chunk_size"),
     (dict(vocab_chunk_size=True), "vocab_chunk_size"),
     (dict(chunk_budget_bytes=0), "chunk_budget_bytes"),
+    (dict(operand_dtype=torch.float64), "operand_dtype must be"),
+    (dict(operand_dtype=torch.float32), "operand_dtype must be"),
+    (dict(hidden=torch.zeros(3, 4, dtype=torch.bfloat16), weight=torch.zeros(5, 4, dtype=torch.bfloat16),
+          operand_dtype=torch.bfloat16), "operand_dtype applies to float32"),
 ])
 def test_validation_names_the_argument(kwargs, match):
     args = dict(hidden=torch.zeros(3, 4), weight=torch.zeros(5, 4), targets=torch.tensor([0, 4, 1]))
@@ -309,3 +314,73 @@ def test_cuda_matches_cpu_float64(dtype):
     for got, want in zip(g, g_ref):
         assert got.dtype == dtype and got.is_cuda
         torch.testing.assert_close(got.double().cpu(), want, rtol=5 * tol, atol=5 * tol * want.abs().max().item())
+
+
+def _rounded_operand_reference(hidden, weight, bias, targets, temperature, operand_dtype, c1, c2):
+    """What low-precision GEMM operands with float32 results compute, in float64: logits from the
+    rounded hidden states and weight (bias not rounded); gradients from the float64 logit
+    gradient rounded to the operand dtype, times the rounded operands."""
+    h_r = hidden.to(operand_dtype).double()
+    w_r = weight.to(operand_dtype).double()
+    logits = (h_r @ w_r.T + bias.double()).requires_grad_()
+    logsm = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logsm.gather(1, targets[:, None]).squeeze(1)
+    ent = -(logsm.exp() * logsm).sum(-1)
+    obj = (logp * c1.double()).sum() + (0.0 if c2 is None else (ent * c2.double()).sum())
+    (g_logits,) = torch.autograd.grad(obj, [logits])
+    g_r = g_logits.to(torch.float32).to(operand_dtype).double()
+    return logp.detach(), ent.detach(), (g_r @ w_r, g_r.T @ h_r, g_logits.sum(0))
+
+
+@pytest.mark.parametrize("operand_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_low_precision_operands_round_the_operands_not_the_logits(operand_dtype, with_entropy):
+    n, h, v = 70, 48, 1031
+    hidden, weight, bias, targets = _inputs(n, h, v, torch.float32, bias=True, seed=71, scale=4.0)
+    gen = torch.Generator().manual_seed(72)
+    c1 = torch.randn(n, generator=gen)
+    c2 = torch.randn(n, generator=gen) if with_entropy else None
+
+    def chunked(hd, w, b, od=operand_dtype):
+        return sampled_token_logprobs(hd, w, targets, bias=b, temperature=0.9, chunk_size=16,
+                                      vocab_chunk_size=300, with_entropy=True, operand_dtype=od)
+
+    (lp, ent), g = _grads(chunked, hidden, weight, bias, c1, c2)
+    lp_ref, ent_ref, g_ref = _rounded_operand_reference(hidden, weight, bias, targets, 0.9, operand_dtype, c1, c2)
+    assert lp.dtype == ent.dtype == torch.float32
+    # The logits are float32 sums of exact products: float32 accuracy, not 8-bit.
+    torch.testing.assert_close(lp.double(), lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ent_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(g, g_ref):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4 * want.abs().max().item())
+    # And the operands really are rounded: the float32 path gives measurably different numbers.
+    (lp32, _), _ = _grads(lambda hd, w, b: chunked(hd, w, b, None), hidden, weight, bias, c1, c2)
+    assert (lp32 - lp).abs().max() > 1e-4
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_cuda_bf16_operands_with_float32_results(with_entropy):
+    # On CUDA the operands go to a bf16 GEMM with float32 accumulation and output where torch has
+    # one (wide_gemm_available), else they are emulated; the numbers are the same either way.
+    n, h, v = 300, 64, 5003
+    hidden, weight, bias, targets = _inputs(n, h, v, torch.float32, bias=True, seed=81, scale=4.0)
+    gen = torch.Generator().manual_seed(82)
+    c1 = torch.randn(n, generator=gen)
+    c2 = torch.randn(n, generator=gen) if with_entropy else None
+    print(f"wide GEMM on cuda: {wide_gemm_available('cuda')}")
+
+    def chunked(hd, w, b):
+        return sampled_token_logprobs(hd, w, targets.cuda(), bias=b, temperature=0.9, chunk_size=128,
+                                      with_entropy=True, operand_dtype=torch.bfloat16)
+
+    (lp, ent), g = _grads(chunked, hidden.cuda(), weight.cuda(), bias.cuda(), c1.cuda(),
+                          None if c2 is None else c2.cuda())
+    lp_ref, ent_ref, g_ref = _rounded_operand_reference(hidden, weight, bias, targets, 0.9, torch.bfloat16, c1, c2)
+    torch.testing.assert_close(lp.double().cpu(), lp_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double().cpu(), ent_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(g, g_ref):
+        assert got.dtype == torch.float32 and got.is_cuda
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-3, atol=1e-4 * want.abs().max().item())

@@ -209,3 +209,31 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_forward():
                      failed=False)
     with pytest.raises(ValueError, match=rf"token ids must lie in \[0, {VOCAB}\)"):
         token_log_probs(model, pack([bad]))
+
+
+def test_head_operand_dtype_resolution_and_validation():
+    cpu = torch.device("cpu")
+    assert LearnerSettings().head_operands(cpu) is None  # float32 by default
+    assert LearnerSettings(head_operand_dtype="bf16").head_operands(cpu) == torch.bfloat16
+    assert LearnerSettings(head_operand_dtype="fp16").head_operands(cpu) == torch.float16
+    assert LearnerSettings(head_operand_dtype="fp32").head_operands(cpu) is None
+    # auto: never on a CPU (rounded operands would be emulated by float32 GEMMs there)
+    assert LearnerSettings(head_operand_dtype="auto", param_dtype="bf16").head_operands(cpu) is None
+    with pytest.raises(ValueError, match="train.head_operand_dtype"):
+        LearnerSettings(head_operand_dtype="int8")
+
+
+def test_bf16_head_operands_change_the_log_probs_by_rounding_only():
+    model = tiny_model(seed=3)
+    batch = pack(random_batch(5, model))
+    lp32, _ = token_log_probs(model, batch)
+    lp16, _ = token_log_probs(model, batch, head_operand_dtype=torch.bfloat16)
+    diff = (lp16 - lp32).abs().max().item()
+    assert 0 < diff < 0.05  # rounded operands, float32 logits (no 8-bit logits); exactness: test_logprobs.py
+    assert torch.equal(lp16 == 0, lp32 == 0)  # the same action slots
+    learner = Learner(copy.deepcopy(model), LearnerSettings(lr=1e-3, head_operand_dtype="bf16"))
+    reference = Learner(copy.deepcopy(model), LearnerSettings(lr=1e-3))
+    trajs = random_batch(6, model)
+    m16, m32 = learner.step(trajs), reference.step(trajs)
+    assert math.isfinite(m16["loss"]) and math.isfinite(m16["grad_norm"])
+    assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)
