@@ -29,6 +29,8 @@ Every (case, mode) runs in a fresh subprocess: one warm-up pass, then ``--repeat
 held before them (``VmHWM`` after a reset of the high-water mark; see ``bench_learner_memory.py``),
 or with ``--device cuda`` the CUDA allocator's peak above the memory held before them.
 The machine is shared: compare the rows of one run; the header gives the CPU and the load.
+``--profile`` runs each case's last timed pass under ``torch.profiler`` (``step_profile.py``) and
+prints where its time went (operator self time by category, and the heaviest operators).
 """
 
 from __future__ import annotations
@@ -184,8 +186,14 @@ def run_case(case: dict) -> dict:
     else:
         before = _status_mib("VmRSS")
         exact = _reset_peak()
-    times = []
-    for _ in range(case["repeats"]):
+    times, profile = [], None
+    for i in range(case["repeats"]):
+        if case.get("profile") and i == case["repeats"] - 1:  # the last timed pass, under the profiler
+            from step_profile import profile_breakdown
+
+            profile = profile_breakdown(once, device, top=8)
+            times.append(profile["wall_ms"] / 1e3)
+            continue
         t0 = time.perf_counter()
         once()
         times.append(time.perf_counter() - t0)
@@ -196,7 +204,7 @@ def run_case(case: dict) -> dict:
     lengths = [t.num_tokens for t in trajs]
     return {"time_s": statistics.median(times), "times": times, "peak_mib": None if peak is None else peak - before,
             "tokens": batch.num_tokens, "trajectories": len(trajs), "padded_slots": len(lengths) * max(lengths),
-            "row_tokens": row.num_tokens, "action_tokens": batch.num_action_tokens}
+            "row_tokens": row.num_tokens, "action_tokens": batch.num_action_tokens, "profile": profile}
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -217,6 +225,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (times synchronized; peak from the CUDA allocator)")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--profile", action="store_true",
+                   help="run the last timed pass of each case under torch.profiler and print its time by category "
+                        "(the profiler adds a little to that pass)")
     p.add_argument("--case", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.case:
@@ -243,7 +254,8 @@ def main() -> int:
                 if mode == "dense" and int(tokens) > args.max_dense_tokens:
                     continue
                 case = dict(shape=shape, layers=n_layers, batch=kind, tokens=int(tokens), mode=mode,
-                            repeats=args.repeats, threads=args.threads, dtype=args.dtype, device=args.device)
+                            repeats=args.repeats, threads=args.threads, dtype=args.dtype, device=args.device,
+                            profile=args.profile)
                 proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
                                       text=True, cwd=str(ROOT))
                 lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -264,6 +276,12 @@ def main() -> int:
                       f"{res['padded_slots']:>7} {res['time_s']:>8.2f} {ratio:>8} {peak:>9}", flush=True)
                 rows.append({**case, **res, "layers": n_layers})
                 _write_json(args.json, rows)
+                if res.get("profile"):
+                    prof = res["profile"]
+                    print("    profiled pass: " + ", ".join(f"{name} {ms / 1e3:.2f} s ({share:.0%})"
+                                                           for name, ms, share in prof["categories"]), flush=True)
+                    print("    heaviest: " + ", ".join(f"{name} {ms / 1e3:.2f} s" for name, _, ms in prof["top"]),
+                          flush=True)
     return 0
 
 
