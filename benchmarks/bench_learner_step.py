@@ -45,6 +45,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from flashreinforce.objective import LossOptions
+from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops import reference
 from flashreinforce.ops.loss_modes import FlashReinforceLoss, get_loss_mode, register_loss_mode
 from flashreinforce.trainer.learner import Learner, LearnerSettings
@@ -204,7 +205,9 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# bench_learner_step: {where}, torch {torch.__version__}; shape {args.shape}, B = {args.batch}, "
           f"{tokens:,} tokens, micro-batches of <= {args.micro_batch_tokens:,} tokens, {args.param_dtype}, "
-          f"output-projection operands {args.head_operand_dtype}")
+          f"output-projection operands {args.head_operand_dtype}"
+          + ("" if args.head_operand_dtype in ("float32", "fp32") else
+             f" (float32-result low-precision GEMM on this device: {wide_gemm_available(device)})"))
     impls = ("bench_fused",) if args.skip_eager else ("bench_fused", "bench_eager")
     results = {impl: run(impl, args, trajectories, device) for impl in impls}
     fused, eager = results["bench_fused"], results.get("bench_eager")

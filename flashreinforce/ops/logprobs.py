@@ -51,27 +51,40 @@ CPU_TILE = (2048, 32768)
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# Device type -> whether torch runs a GEMM of low-precision operands with a float32 result there.
-_WIDE_GEMM: dict[str, bool] = {}
+# Device type -> which float32-result GEMMs of low-precision operands torch runs there:
+# {"mm": torch.mm(..., out_dtype), "mm_out": the same into out=, "addmm_out": torch.addmm(acc, ..., out_dtype, out=acc)}.
+_WIDE_GEMM: dict[str, dict[str, bool]] = {}
+
+
+def _wide_gemm_support(device: torch.device) -> dict[str, bool]:
+    """Tried once per device type on 2 x 2 bfloat16 matrices, values checked."""
+    if device.type not in _WIDE_GEMM:
+        a = torch.full((2, 2), 1.5, dtype=torch.bfloat16, device=device)
+        support = {}
+        for name in ("mm", "mm_out", "addmm_out"):
+            try:
+                out = torch.full((2, 2), 1.0, dtype=torch.float32, device=device)
+                if name == "mm":
+                    out = torch.mm(a, a, out_dtype=torch.float32)
+                    want = 4.5
+                elif name == "mm_out":
+                    torch.mm(a, a, out_dtype=torch.float32, out=out)
+                    want = 4.5
+                else:
+                    torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+                    want = 5.5
+                support[name] = out.dtype == torch.float32 and bool((out == want).all())
+            except (RuntimeError, NotImplementedError, TypeError):
+                support[name] = False
+        _WIDE_GEMM[device.type] = support
+    return _WIDE_GEMM[device.type]
 
 
 def wide_gemm_available(device: torch.device | str) -> bool:
-    """Whether ``torch.mm`` / ``torch.addmm`` take bfloat16 operands with ``out_dtype=torch.float32``
-    (float32 accumulation and result, written into and accumulated onto a float32 ``out``) on this
-    device type: tried once per device type on 2 x 2 matrices, values checked. PyTorch has that
-    GEMM on CUDA (recent releases); where it is missing, low-precision operands are emulated."""
-    device = torch.device(device)
-    if device.type not in _WIDE_GEMM:
-        try:
-            a = torch.full((2, 2), 1.5, dtype=torch.bfloat16, device=device)
-            out = torch.empty(2, 2, dtype=torch.float32, device=device)
-            torch.mm(a, a, out_dtype=torch.float32, out=out)
-            torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
-            ok = bool((out == 9.0).all())
-        except (RuntimeError, NotImplementedError, TypeError):
-            ok = False
-        _WIDE_GEMM[device.type] = ok
-    return _WIDE_GEMM[device.type]
+    """Whether ``torch.mm`` takes bfloat16 / float16 operands with ``out_dtype=torch.float32``
+    (float32 accumulation and result) on this device type. PyTorch has that GEMM on CUDA (recent
+    releases); where it is missing, low-precision operands are emulated by float32 GEMMs."""
+    return _wide_gemm_support(torch.device(device))["mm"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -163,14 +176,19 @@ class _Tiles:
         Low-precision inputs: the product is computed in their dtype, then added in the compute
         dtype. Wide: a float32-result GEMM of the low-precision operands where the device has one
         (:func:`wide_gemm_available`), else the same math on the operands widened to float32 (every
-        low-precision value is exact in float32): same numbers up to summation order, no speed-up.
+        low-precision value is exact in float32): same numbers up to summation order, slower than plain float32.
         """
         if self.wide:
             if self.native_wide:
-                if first:
+                support = _wide_gemm_support(acc.device)
+                if first and support["mm_out"]:
                     torch.mm(a, b, out_dtype=acc.dtype, out=acc)
-                else:
+                elif not first and support["addmm_out"]:
                     torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+                elif first:
+                    acc.copy_(torch.mm(a, b, out_dtype=acc.dtype))
+                else:
+                    acc.add_(torch.mm(a, b, out_dtype=acc.dtype))
                 return
             a, b = a.to(acc.dtype), b.to(acc.dtype)
         if self.low:
