@@ -20,6 +20,12 @@
 #             MFU, learner and worker shares (benchmarks/bench_train_throughput.py);
 #   cpu       last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
 #
+# One device command may run 10 minutes and a session has 15 minutes of device time, start-up
+# included, so "all" does not fit in one call. What has never run on a GPU comes first; a plan that
+# fits (each call builds again, about 1-2 minutes for one architecture):
+#   call 1: GPU_CHECK_STAGES="attention learner" (per-document attention, the profiled Qwen2.5 steps)
+#   call 2: GPU_CHECK_STAGES="engine train"      (decode roofline, train --device cuda)
+#
 #   bash scripts/gpu_check.sh                                   # from the repository root: everything
 #   GPU_CHECK_STAGES="attention engine train" bash scripts/gpu_check.sh   # what has never run on a GPU
 #   GPU_CHECK_KERNEL_ONLY=1 bash scripts/gpu_check.sh           # = GPU_CHECK_STAGES=kernel (after a kernel change)
