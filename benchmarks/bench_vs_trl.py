@@ -17,7 +17,9 @@ sampling temperature, the learning rate and Adam settings, the trajectories per 
 the cores (2: TRL's one training thread with 2 torch threads; our learner and rollout worker with
 one each, the arith preset's split), the training-time budget, and the evaluation schedule: the
 same :class:`~flashreinforce.trainer.evaluation.Evaluator` (greedy, same held-out prompts) before
-training and every ``--eval-every-min`` minutes of *training* time on both sides. Evaluations are
+training and every ``--eval-every-min`` minutes of *training* time on both sides, each after the
+first update at or past the mark; a run ends after the update that passes the budget and, when the
+budget is a multiple of the period, the evaluation that follows it. Evaluations are
 not training time on either side, and nothing trains during one: TRL is synchronous, and our
 trainer pauses its rollouts while it evaluates (``eval.every_min``). No checkpoint is written during
 the budget on either side (``--ckpt.save_steps 0`` on ours, ``save_strategy="no"`` on TRL's).
@@ -254,9 +256,8 @@ def run_ours(args, flags: dict, out: Path, extra: list[str], seed: int, name: st
             stopped = False
             while proc.poll() is None:
                 time.sleep(1.0)
-                times = arith_curve.training_times(arith_curve.read_jsonl(metrics_path),
-                                                   arith_curve.read_jsonl(eval_path))
-                if not stopped and times and max(times.values()) >= budget:
+                if not stopped and budget_done(arith_curve.read_jsonl(metrics_path), arith_curve.read_jsonl(eval_path),
+                                               budget, args.eval_every_min * 60):
                     proc.send_signal(signal.SIGINT)
                     stopped = True
         if proc.returncode not in (0, 130):
@@ -264,13 +265,15 @@ def run_ours(args, flags: dict, out: Path, extra: list[str], seed: int, name: st
     metrics = arith_curve.read_jsonl(metrics_path)
     evals = arith_curve.read_jsonl(eval_path)
     times = arith_curve.training_times(metrics, evals)
-    # Updates within the budget only (the last one may end just past it).
-    kept = [m for m in metrics if times[int(m["step"])] <= budget + 1e-9] or metrics[:1]
+    # As on TRL's side: the updates up to the first one at or past the budget, and the evaluations
+    # up to the one after that update.
+    last = next((i for i, m in enumerate(metrics) if times[int(m["step"])] >= budget - 1e-9), len(metrics) - 1)
+    kept = metrics[:last + 1]
     train_s = times[int(kept[-1]["step"])]
     curve = []
     for e in evals:
         at = 0.0 if int(e["step"]) == 0 else float(e.get("train_time_s", times.get(int(e["step"]), math.inf)))
-        if at <= budget + 1e-9:
+        if at <= train_s + 1e-9:
             curve.append({"step": int(e["step"]), "train_min": at / 60, "accuracy": e["eval_success_rate"],
                           **{k[len("eval_env/"):]: v for k, v in e.items() if k.startswith("eval_env/")}})
     learner_s = sum(float(m["learner_compute_s"]) for m in kept)
@@ -295,6 +298,19 @@ def run_ours(args, flags: dict, out: Path, extra: list[str], seed: int, name: st
                                               "actor.loss_mode", "rollout.num_workers", "train.async_queue_size",
                                               "train.max_policy_lag", "actor.flash_gate_delta")},
     }
+
+
+def budget_done(metrics: list[dict], evals: list[dict], budget_s: float, eval_every_s: float) -> bool:
+    """Whether our run may be stopped: its training time has reached the budget and, when an
+    evaluation falls due at the budget (the budget is a multiple of the evaluation period), that
+    evaluation has been recorded, so that both sides end with an evaluation after the update that
+    passes the budget. Two evaluation periods past the budget it stops regardless."""
+    times = arith_curve.training_times(metrics, evals)
+    if not times or max(times.values()) < budget_s:
+        return False
+    due = eval_every_s > 0 and abs(budget_s / eval_every_s - round(budget_s / eval_every_s)) < 1e-9
+    evaluated = any(int(e["step"]) > 0 and times.get(int(e["step"]), 0.0) >= budget_s - 1e-9 for e in evals)
+    return not due or evaluated or max(times.values()) >= budget_s + 2 * eval_every_s
 
 
 # ---------------------------------------------------------------------------- report
