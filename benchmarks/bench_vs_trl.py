@@ -37,6 +37,10 @@ accuracy, as a fraction of TRL's time. Each run's result is its own file (``OUTP
 ``OUTPUT/ours_seedS.json``; our run directory ``OUTPUT/ours_seedS/``): a rerun skips the runs whose
 results exist, so the race can be completed over several sittings (delete a file to redo its run).
 The summary is ``OUTPUT/results.json`` and ``OUTPUT/vs_trl.png`` (with matplotlib).
+``--final-checkpoint-evals`` evaluates, for runs of ours made before our side waited for the
+evaluation at the end of its budget, the checkpoint saved when the run was stopped
+(``OUTPUT/ours_final_eval_seedS.json``, with ``flashreinforce eval``); the report adds it as the run's
+last point.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -313,6 +318,45 @@ def budget_done(metrics: list[dict], evals: list[dict], budget_s: float, eval_ev
     return not due or evaluated or max(times.values()) >= budget_s + 2 * eval_every_s
 
 
+def _run_files(out: Path, side: str) -> list[Path]:
+    """``OUTPUT/SIDE_seedS.json`` (not the other JSON files beside them), by seed."""
+    found = [p for p in out.glob(f"{side}_seed*.json") if re.fullmatch(rf"{side}_seed\d+\.json", p.name)]
+    return sorted(found, key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
+
+
+def _final_eval_path(out: Path, seed: int) -> Path:
+    return out / f"ours_final_eval_seed{seed}.json"
+
+
+def evaluate_final_checkpoint(out: Path, run: dict, args) -> None:
+    """``flashreinforce eval`` (greedy, the same held-out prompts) of the checkpoint our run saved when it
+    was stopped, for runs whose last evaluation lies before the end of their budget (runs made before
+    the stopping rule waited for it); skipped when its file exists."""
+    path = _final_eval_path(out, run["seed"])
+    if path.is_file() or run["curve"][-1]["train_min"] >= run["train_s"] / 60 - 1e-9:
+        return
+    run_dir = out / f"ours_seed{run['seed']}"
+    cmd = arith_curve.cli("eval", "--preset", args.preset, "--model", str(run_dir), "--eval.num_prompts",
+                          str(args.eval_prompts), "--no_sampled", "--output", str(path))
+    print(f"[ours seed {run['seed']}] evaluating the final checkpoint: {' '.join(cmd[2:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def add_final_checkpoint_point(out: Path, run: dict) -> None:
+    """Append the final checkpoint's evaluation (``evaluate_final_checkpoint``) to ``run``'s curve, at the
+    training time of the checkpoint's update, marked ``from_checkpoint``."""
+    path = _final_eval_path(out, run["seed"])
+    if not path.is_file() or run["curve"][-1].get("from_checkpoint"):
+        return
+    result = json.loads(path.read_text())
+    run_dir = out / f"ours_seed{run['seed']}"
+    times = arith_curve.training_times(arith_curve.read_jsonl(run_dir / "metrics.jsonl"),
+                                       arith_curve.read_jsonl(run_dir / "eval.jsonl"))
+    step = int(result["step"])
+    run["curve"].append({"step": step, "train_min": times.get(step, run["train_s"]) / 60,
+                         "accuracy": float(result["accuracy"]), "from_checkpoint": True})
+
+
 # ---------------------------------------------------------------------------- report
 def time_to_reach(curve: list[dict], target: float) -> float | None:
     for point in curve:
@@ -371,7 +415,9 @@ def report(out: Path, trls: list[dict], ours: list[dict], args) -> dict:
           f"{_fmt(summary['final_accuracy']['ours'], '{:.3f}')} |")
     for side, runs in sides.items():
         for r in runs:
-            pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f}" for p in r["curve"])
+            pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f}"
+                            + (" (saved checkpoint, evaluated afterwards)" if p.get("from_checkpoint") else "")
+                            for p in r["curve"])
             print(f"held-out greedy accuracy, {side} seed {r['seed']}: {pts}")
     if not gain:
         print("TRL did not improve on the base model on average: no time-to-accuracy ratio")
@@ -421,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and the rollout worker one each, 2 cores in all)")
     p.add_argument("--trl-fp32", action="store_true", help="TRL in float32 even when our preset uses bf16 autocast")
     p.add_argument("--only", choices=("trl", "ours"), help="run one side only (the other's saved results are used)")
+    p.add_argument("--final-checkpoint-evals", action="store_true",
+                   help="evaluate the checkpoint each of our runs saved when stopped, where its last evaluation "
+                        "lies before the end of its budget (runs made before the stopping rule waited for it)")
     p.add_argument("--trl-child", type=int, metavar="SEED", help=argparse.SUPPRESS)
     return p
 
@@ -453,8 +502,12 @@ def main(argv=None) -> int:
                 print(f"[ours seed {seed}] {ours_path.name} exists; kept", flush=True)
             else:
                 ours_path.write_text(json.dumps(run_ours(args, flags, out, extra, seed), indent=1))
-    trls = [json.loads(p.read_text()) for p in sorted(out.glob("trl_seed*.json"))]
-    ours = [json.loads(p.read_text()) for p in sorted(out.glob("ours_seed*.json"))]
+    trls = [json.loads(p.read_text()) for p in _run_files(out, "trl")]
+    ours = [json.loads(p.read_text()) for p in _run_files(out, "ours")]
+    for run in ours:
+        if args.final_checkpoint_evals:
+            evaluate_final_checkpoint(out, run, args)
+        add_final_checkpoint_point(out, run)
     if trls and ours:
         report(out, trls, ours, args)
     return 0
