@@ -352,7 +352,7 @@ def add_final_checkpoint_point(out: Path, run: dict) -> None:
     run_dir = out / f"ours_seed{run['seed']}"
     times = arith_curve.training_times(arith_curve.read_jsonl(run_dir / "metrics.jsonl"),
                                        arith_curve.read_jsonl(run_dir / "eval.jsonl"))
-    step = int(result["step"])
+    step = int(result["checkpoint_step"])
     run["curve"].append({"step": step, "train_min": times.get(step, run["train_s"]) / 60,
                          "accuracy": float(result["accuracy"]), "from_checkpoint": True})
 
