@@ -165,18 +165,21 @@ class _Tiles:
         self.low_buf = None if low_dtype is None else torch.empty(size, dtype=low_dtype, device=dev)
 
     def operands(self, hidden, weight):
-        """``hidden`` and ``weight`` as GEMM operands: rounded to the operand dtype when ``wide``."""
+        """``hidden`` and ``weight`` as GEMM operands: rounded to the operand dtype when ``wide``
+        (and, where the emulation runs, widened back to float32 once per call, not per tile)."""
         if not self.wide:
             return hidden, weight
-        return hidden.to(self.operand_dtype), weight.to(self.operand_dtype)
+        ops = hidden.to(self.operand_dtype), weight.to(self.operand_dtype)
+        return ops if self.native_wide else tuple(t.to(self.cdt) for t in ops)
 
     def accumulate(self, acc, a, b, *, first):
         """``acc (=|+=) a @ b``; ``acc`` in the compute dtype, ``a`` / ``b`` operands.
 
         Low-precision inputs: the product is computed in their dtype, then added in the compute
         dtype. Wide: a float32-result GEMM of the low-precision operands where the device has one
-        (:func:`wide_gemm_available`), else the same math on the operands widened to float32 (every
-        low-precision value is exact in float32): same numbers up to summation order, slower than plain float32.
+        (:func:`wide_gemm_available`), else the same math in float32 (every low-precision value is
+        exact in float32; :meth:`operands` has widened the rounded inputs already, the logit
+        gradient is widened here): same numbers up to summation order, slower than plain float32.
         """
         if self.wide:
             if self.native_wide:

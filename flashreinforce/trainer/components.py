@@ -245,10 +245,9 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
 
 def engine_options(cfg: ResolvedConfig, seed: int) -> dict[str, Any]:
     """The rollout engine's options: the hf engine's weight dtype (``rollout.engine_dtype``), or vLLM's."""
+    if cfg.rollout.engine != "vllm":  # the engine reads the names (aliases included) itself
+        return {"dtype": cfg.rollout.engine_dtype, "auto_dtype": cfg.fsdp.param_dtype}
     dtype = PARAM_DTYPES[cfg.fsdp.param_dtype]
-    if cfg.rollout.engine != "vllm":
-        choice = cfg.rollout.engine_dtype
-        return {"dtype": choice if choice == "auto" else PARAM_DTYPES[choice], "auto_dtype": dtype}
     return {"tensor_parallel_size": cfg.vllm.tensor_parallel_size,
             "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
             "dtype": "auto" if dtype == "float32" else dtype, "seed": seed, "max_model_len": cfg.data.max_len}

@@ -72,10 +72,10 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     head = model.get_output_embeddings()
     token_index = None
     vocab = _vocabulary_size(model, head)
-    host_ids = batch.input_ids  # the host copy: checking it costs no device synchronization
-    if vocab is not None and batch.num_tokens and (int(host_ids.min()) < 0 or int(host_ids.max()) >= vocab):
-        raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocabulary), got "
-                         f"[{int(host_ids.min())}, {int(host_ids.max())}]")
+    if vocab is not None and batch.num_tokens:
+        lo, hi = (int(x) for x in torch.aminmax(batch.input_ids))  # the host copy: no device synchronization
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"token ids must lie in [0, {vocab}) (the model's vocabulary), got [{lo}, {hi}]")
     with torch.autocast(device_type=device.type, dtype=autocast_dtype or torch.float32,
                         enabled=autocast_dtype is not None):
         if packed_forward:
