@@ -11,8 +11,8 @@
 ``import flashreinforce.ops`` loads the compiled extension (for the fused entry points below).
 """
 
-from flashreinforce.ops.fused import (fused_loss_capturable, flashreinforce_loss, flashreinforce_loss_packed,
-                                      has_cuda, raise_for_error)
+from flashreinforce.ops.fused import (PendingErrors, fused_loss_capturable, fused_loss_deferred, flashreinforce_loss,
+                                      flashreinforce_loss_packed, has_cuda, raise_for_error)
 
-__all__ = ["flashreinforce_loss_packed", "flashreinforce_loss", "fused_loss_capturable", "raise_for_error",
-           "has_cuda"]
+__all__ = ["flashreinforce_loss_packed", "flashreinforce_loss", "fused_loss_capturable", "fused_loss_deferred",
+           "PendingErrors", "raise_for_error", "has_cuda"]

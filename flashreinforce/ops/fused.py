@@ -31,6 +31,8 @@ __all__ = [
     "flashreinforce_loss_packed",
     "flashreinforce_loss",
     "fused_loss_capturable",
+    "fused_loss_deferred",
+    "PendingErrors",
     "raise_for_error",
     "has_cuda",
 ]
@@ -391,3 +393,51 @@ def raise_for_error(error: Tensor, num_tokens: int, batch: int) -> None:
     code, index = (int(v) for v in error.tolist())
     if code != 0:
         raise error_for(code, index, num_tokens=int(num_tokens), batch=int(batch))
+
+
+class PendingErrors:
+    """The error records of fused-loss calls made without a host read-back (:func:`fused_loss_deferred`).
+
+    :meth:`check` reads every record back in one device-to-host transfer and raises the first
+    recorded error (in call order) with the message the immediate call would have raised: each
+    record keeps its call's checked arguments (which reference the inputs) until it is checked.
+    """
+
+    def __init__(self) -> None:
+        self._records: list[tuple[Tensor, Arguments]] = []
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def add(self, error: Tensor, args: Arguments) -> None:
+        self._records.append((error, args))
+
+    def check(self) -> None:
+        """Raise the first recorded error, if any (the records are dropped either way)."""
+        records, self._records = self._records, []
+        if not records:
+            return
+        codes = torch.stack([error for error, _ in records]).cpu().tolist()  # the one read-back
+        for (code, index), (_, args) in zip(codes, records):
+            if code != 0:
+                raise error_for(int(code), int(index), args)
+
+
+def fused_loss_deferred(pending: PendingErrors, log_probs, behavior_log_probs, rewards, cu_seqlens,
+                        action_mask=None, **options):
+    """:func:`flashreinforce_loss_packed` without the host read-back of its error record.
+
+    Same arguments (keywords as there) and the same ``(loss, stats)``; the error record goes to
+    ``pending``, and a value error of this call is raised by ``pending.check()``, with the same
+    message. Argument errors (shapes, dtypes, options) are still raised at once. Until the check,
+    the outputs of a call that recorded an error are undefined: check before using them for an
+    optimizer step. A learner queues every micro-batch of a step this way and checks once.
+    """
+    unknown = set(options) - set(KEYWORDS)
+    if unknown:
+        raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
+    keywords = {name: options.get(name, getattr(DEFAULTS, name)) for name in KEYWORDS}
+    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, **keywords)
+    out = _run(args, raise_errors=False)
+    pending.add(out[len(OUTPUTS)], args)
+    return out[0], _stats(out)

@@ -19,10 +19,11 @@ tensors only: it imports neither the trainer nor ``transformers``.
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -56,6 +57,10 @@ class MicroBatch:
     log_probs ``[N]`` (carries autograd), behavior_log_probs ``[N]``, action_mask ``[N]`` bool,
     entropies ``[N]`` or ``None``; rewards ``[b]``, failures ``[b]`` bool, rows ``[b]`` int64 (each
     trajectory's row in the whole batch); cu_seqlens ``[b+1]``.
+
+    pending_errors: a :class:`flashreinforce.ops.fused.PendingErrors` when the learner checks the
+    loss's value errors once per step instead of once per micro-batch (a mode that records none
+    ignores it); ``None``: raise them at once.
     """
 
     log_probs: Tensor
@@ -66,6 +71,7 @@ class MicroBatch:
     failures: Tensor
     rows: Tensor
     entropies: Tensor | None = None
+    pending_errors: Any = None
 
     @property
     def num_policy_tokens(self) -> int:
@@ -154,7 +160,13 @@ class FlashReinforceLoss(LossMode):
 
     def loss(self, mb, batch, options):
         use_filter = options.entropy_filter
-        loss, stats = self.implementation()(
+        function = self.implementation()
+        if mb.pending_errors is not None:  # the fused op can leave its value errors to a later check
+            from flashreinforce.ops import fused
+
+            if function is fused.flashreinforce_loss_packed:
+                function = functools.partial(fused.fused_loss_deferred, mb.pending_errors)
+        loss, stats = function(
             mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask,
             entropies=mb.entropies if use_filter else None, failures=mb.failures if use_filter else None,
             reward_baseline=batch.reward_baseline, num_trajectories=batch.num_trajectories,

@@ -338,6 +338,10 @@ class Learner:
         self.peak_flops = peak_flops_per_device(self.device, settings.autocast_dtype, settings.peak_tflops)
         self.head_operand_dtype = settings.head_operands(self.device)
         self.loss_impl = "fused" if settings.loss_mode == "flash_reinforce" else settings.loss_mode
+        #: Whether the fused loss's value errors are read back once per step rather than once per
+        #: micro-batch (each read-back waits for the device): on CUDA devices, where that wait
+        #: stalls the queueing of the next micro-batch; on a CPU the check costs nothing.
+        self.defer_loss_errors = self.device.type == "cuda"
         if settings.loss_mode == "flash_reinforce":
             import flashreinforce.ops.fused  # noqa: F401  (the compiled extension: fail now, not at the first step)
 
@@ -422,6 +426,11 @@ class Learner:
         # The statistics stay on the device until every pass has been queued: one read back per part,
         # not one per micro-batch (each read waits for the device to finish what was queued).
         pending = _PendingStats()
+        errors = None
+        if self.defer_loss_errors and self.loss_impl == "fused":
+            from flashreinforce.ops.fused import PendingErrors
+
+            errors = PendingErrors()
         for mb in mbs:
             row, flops = self._plan(mb)
             out.flops += flops
@@ -430,7 +439,7 @@ class Learner:
                 _zero_backward(logp, ent)
                 continue
             try:
-                loss = self._part_loss(mb, logp, ent, rows, totals, pending)
+                loss = self._part_loss(mb, logp, ent, rows, totals, pending, errors)
             except (FloatingPointError, ValueError) as err:
                 if not collective_forwards:
                     raise
@@ -442,6 +451,13 @@ class Learner:
         for _ in range(len(mbs), num_micro_batches or 0):
             logp, ent = self.scorer(_placeholder_micro_batch(), **self._scoring_options(need_entropy))
             _zero_backward(logp, ent)
+        if errors is not None:  # the deferred loss errors: one read-back for every pass of the part
+            try:
+                errors.check()
+            except (FloatingPointError, ValueError) as err:
+                if not collective_forwards:
+                    raise
+                out.error = out.error or err
         pending.read_into(out)
         return out
 
@@ -463,14 +479,17 @@ class Learner:
                 "share_prefixes": s.share_prefixes, "head_operand_dtype": self.head_operand_dtype}
 
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
-                   pending: "_PendingStats") -> Tensor:
-        """The loss of micro-batch ``mb`` as a summand of the whole batch's; its statistics go to ``pending``."""
+                   pending: "_PendingStats", errors=None) -> Tensor:
+        """The loss of micro-batch ``mb`` as a summand of the whole batch's; its statistics go to
+        ``pending``, the loss's unchecked error records to ``errors`` (a ``PendingErrors``; ``None``:
+        raised at once)."""
         s = self.settings
         dev = logp.device
         local = torch.tensor(mb.rows)  # indices into this part
         batch = MicroBatch(log_probs=logp, behavior_log_probs=mb.behavior_log_probs.to(dev), rewards=mb.rewards.to(dev),
                            cu_seqlens=mb.cu_seqlens.to(dev), action_mask=mb.action_mask.to(dev),
-                           failures=mb.failures.to(dev), rows=torch.tensor([rows[i] for i in mb.rows]), entropies=ent)
+                           failures=mb.failures.to(dev), rows=torch.tensor([rows[i] for i in mb.rows]), entropies=ent,
+                           pending_errors=errors)
         loss, per_trajectory, sums = self.loss_mode.loss(batch, totals.context(), s.loss)
         pending.per_trajectory.append((local, {name: values.detach() for name, values in per_trajectory.items()}))
         for name, value in sums.items():

@@ -282,3 +282,28 @@ def test_cuda_error_record_matches_cpu(generator, case):
                                           b.action_mask, **opts)
     assert gpu_error.device.type == "cuda"
     assert gpu_error.tolist() == cpu_error.tolist(), case
+
+
+def test_cuda_deferred_error_check_matches_the_immediate_call(generator):
+    """The learner's path on CUDA: outputs equal to the immediate call's, errors raised by one later check."""
+    from flashreinforce.ops import PendingErrors, fused_loss_deferred
+
+    b = to_cuda(random_batch(generator, dtype=torch.float32, batch=6))
+    loss, grad, stats = run(b)
+    pending = PendingErrors()
+    lp = b.log_probs.clone().requires_grad_()
+    deferred, deferred_stats = fused_loss_deferred(pending, lp, b.behavior_log_probs, b.rewards, b.cu_seqlens,
+                                                   b.action_mask, **b.options)
+    deferred.backward()
+    pending.check()
+    assert torch.equal(deferred.detach(), loss) and torch.equal(lp.grad, grad)
+    for name in stats:
+        assert torch.equal(stats[name], deferred_stats[name]), name
+    bad = b.behavior_log_probs.clone()
+    bad[int(torch.nonzero(b.action_mask)[0])] = 0.5
+    with pytest.raises(ValueError) as immediate:
+        fr.flashreinforce_loss_packed(b.log_probs, bad, b.rewards, b.cu_seqlens, b.action_mask, **b.options)
+    fused_loss_deferred(pending, b.log_probs, bad, b.rewards, b.cu_seqlens, b.action_mask, **b.options)
+    with pytest.raises(ValueError) as later:
+        pending.check()
+    assert str(later.value) == str(immediate.value)

@@ -237,3 +237,59 @@ def test_bf16_head_operands_change_the_log_probs_by_rounding_only():
     m16, m32 = learner.step(trajs), reference.step(trajs)
     assert math.isfinite(m16["loss"]) and math.isfinite(m16["grad_norm"])
     assert m16["grad_norm"] == pytest.approx(m32["grad_norm"], rel=0.05)
+
+
+def test_deferred_loss_errors_give_the_same_update_and_the_same_error():
+    """On CUDA the learner reads the fused loss's error records once per step; forced here on the CPU."""
+    base = tiny_model(8)
+    trajs = random_batch(4, base, n=6)
+    settings = LearnerSettings(lr=1e-2, loss=LossOptions(delta=0.5), micro_batch_trajectories=2, packed_forward=True)
+    results = []
+    for defer in (False, True):
+        learner = Learner(copy.deepcopy(base), settings)
+        learner.defer_loss_errors = defer
+        metrics = learner.step(trajs)
+        results.append((metrics, learner.model.state_dict()))
+    (m0, w0), (m1, w1) = results
+    assert m0["loss"] == m1["loss"] and m0["acceptance_rate"] == m1["acceptance_rate"]
+    for name in w0:
+        assert torch.equal(w0[name], w1[name]), name
+    # a bad behavior log-probability in the second micro-batch
+    bad = list(trajs)
+    t = bad[3]
+    k = next(i for i, m in enumerate(t.action_mask) if m)
+    logp = list(t.behavior_log_probs)
+    logp[k] = 0.25
+    bad[3] = Trajectory(t.token_ids, t.action_mask, logp, reward=t.reward, failed=t.failed)
+    messages = []
+    for defer in (False, True):
+        learner = Learner(copy.deepcopy(base), settings)
+        learner.defer_loss_errors = defer
+        passes = []
+        learner.scorer.register_forward_hook(lambda *args: passes.append(1))
+        with pytest.raises(ValueError) as err:
+            learner.step(bad)
+        messages.append(str(err.value))
+        assert learner.version == 0
+        for name, value in learner.model.state_dict().items():
+            assert torch.equal(value, base.state_dict()[name]), name
+        # immediate: stops at the second of three micro-batches; deferred: all three queued, then the check
+        assert len(passes) == (3 if defer else 2)
+    assert messages[0] == messages[1] and "log probability 0.25" in messages[0]
+
+
+def test_deferred_loss_errors_with_collective_forwards_are_kept_not_raised():
+    """A data-parallel rank must finish its passes: the deferred error lands in ``error``."""
+    from flashreinforce.trainer.learner import BatchTotals
+
+    base = tiny_model(9)
+    trajs = random_batch(5, base, n=4)
+    t = trajs[1]
+    logp = list(t.behavior_log_probs)
+    logp[next(i for i, m in enumerate(t.action_mask) if m)] = 0.5
+    trajs[1] = Trajectory(t.token_ids, t.action_mask, logp, reward=t.reward, failed=t.failed)
+    settings = LearnerSettings(loss=LossOptions(delta=0.5), micro_batch_trajectories=1)
+    learner = Learner(copy.deepcopy(base), settings)
+    learner.defer_loss_errors = True
+    parts = learner.accumulate_gradient_parts(trajs, BatchTotals.of(trajs, None, settings), collective_forwards=True)
+    assert isinstance(parts.error, ValueError) and "log probability 0.5" in str(parts.error)
