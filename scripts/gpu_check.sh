@@ -15,7 +15,8 @@
 #             packed against padded) and the packed / padded / shared-prefix learner forward
 #             (benchmarks/bench_packed_forward.py --device cuda);
 #   engine    the hf engine's decode rate against its memory roofline, Qwen2.5-0.5B shape, bf16 and
-#             float32 weights (benchmarks/bench_engine_decode.py);
+#             float32 weights, the bf16 one with and without the preallocated KV cache and the
+#             grouped decode attention (benchmarks/bench_engine_decode.py);
 #   train     `flashreinforce train --device cuda` on a Qwen2.5-0.5B-shaped model, 50 updates: tokens/s,
 #             MFU, learner and worker shares (benchmarks/bench_train_throughput.py);
 #   cpu       last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
@@ -139,10 +140,14 @@ stage "packed forward on CUDA" 240 "$PY" benchmarks/bench_packed_forward.py --de
 fi
 
 if want engine; then
+# Batch 256, prompts of 96-128 tokens (padded, so attention gets a mask, as in rollouts): the
+# preallocated KV cache and the grouped decode attention against transformers' DynamicCache and SDPA
+# attention (four rows, the last is the engine before both changes).
 stage "hf engine decode, bf16" 150 "$PY" benchmarks/bench_engine_decode.py --device cuda --shape qwen2.5-0.5b \
-  --dtype bf16 --batch 64 256 --prompt-len 128 --new-tokens 128 --repeats 2
-stage "hf engine decode, float32" 90 "$PY" benchmarks/bench_engine_decode.py --device cuda --shape qwen2.5-0.5b \
-  --dtype fp32 --batch 256 --prompt-len 128 --new-tokens 128 --repeats 2
+  --dtype bf16 --batch 256 --prompt-len 128 --prompt-spread 32 --new-tokens 128 --repeats 2 \
+  --kv-cache preallocated dynamic --decode-attention on off
+stage "hf engine decode, float32" 60 "$PY" benchmarks/bench_engine_decode.py --device cuda --shape qwen2.5-0.5b \
+  --dtype fp32 --batch 256 --prompt-len 128 --prompt-spread 32 --new-tokens 128 --repeats 2 --kv-cache preallocated
 fi
 
 if want train; then

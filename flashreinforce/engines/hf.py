@@ -18,6 +18,16 @@ cache repeated for every request; the rest of each prompt follows with padding b
 suffix (masked, positions counted without it). On a CPU, where the prefill is compute-bound, this
 removes most of the prompt work: for the arith preset (prompts of ~47 tokens, 35 shared) the
 prefill of 32 requests does about a third of the work.
+
+KV cache: by default (``kv_cache="preallocated"``) every full-attention layer's keys and values live
+in buffers sized once per call for its longest request (:mod:`flashreinforce.engines.kv_cache`), so
+a decode step writes its own token instead of copying the cache so far, as transformers'
+``DynamicCache`` does by concatenation; ``"dynamic"`` keeps transformers' cache.
+
+Decode attention: a model on SDPA attention is switched to
+:func:`flashreinforce.engines.decode_attention.decode_attention` (``decode_attention=True``, the
+default), which computes a decode step of grouped-query heads on the key/value heads themselves
+instead of repeating the cache per query head first.
 """
 
 from __future__ import annotations
@@ -30,8 +40,13 @@ from torch import Tensor
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
 from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
+from flashreinforce.engines.decode_attention import use_decode_attention
+from flashreinforce.engines.kv_cache import preallocated_cache
 
-__all__ = ["HFEngine", "sample_tokens", "sampling_log_probs"]
+__all__ = ["KV_CACHES", "HFEngine", "sample_tokens", "sampling_log_probs"]
+
+#: The KV caches :class:`HFEngine` can use (see the module docstring).
+KV_CACHES = ("preallocated", "dynamic")
 
 
 def sampling_log_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -98,10 +113,22 @@ class HFEngine(RolloutEngine):
         dtype: the engine's weights: ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``"auto"``
             (``auto_dtype`` when ``model`` is on a CUDA device, float32 elsewhere); ``None`` keeps
             ``model`` as it is. Loaded weights are cast to it.
+        kv_cache: ``"preallocated"`` (buffers sized once per call) or ``"dynamic"`` (transformers'
+            ``DynamicCache``, grown by concatenation); see the module docstring. Where the installed
+            transformers cannot take the preallocated layers, the dynamic cache is used and
+            ``kv_cache_in_use`` says so.
+        decode_attention: switch a model on SDPA attention to the grouped decode attention (see the
+            module docstring); ``decode_attention_in_use`` says whether it was.
     """
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1,
-                 min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32") -> None:
+                 min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32",
+                 kv_cache: str = "preallocated", decode_attention: bool = True) -> None:
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"HFEngine: kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
+        self.kv_cache = kv_cache
+        #: The cache the last generate call used (``"dynamic"`` where preallocation was unavailable).
+        self.kv_cache_in_use: str | None = None
         self.min_shared_prefix = int(min_shared_prefix)
         device = next(model.parameters()).device
         if dtype is not None:
@@ -110,6 +137,7 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"HFEngine: dtype must be one of {sorted(DTYPE_NAMES)} or 'auto', got {name!r}")
             model = model.to(torch_dtype(name))
         self.model = model.eval()
+        self.decode_attention_in_use = bool(decode_attention) and use_decode_attention(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.pad_token_id = int(pad_token_id)
@@ -198,7 +226,10 @@ class HFEngine(RolloutEngine):
         full_mask = torch.ones((b, context + steps), dtype=torch.long, device=self.device)
         full_mask[:, :context] = mask
 
-        cache = _make_cache(self.model)
+        cache = preallocated_cache(self.model, context + steps) if self.kv_cache == "preallocated" else None
+        self.kv_cache_in_use = "dynamic" if cache is None else "preallocated"
+        if cache is None:
+            cache = _make_cache(self.model)
         if shared:
             prefix = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=self.device).view(1, shared)
             one = torch.ones((1, shared), dtype=torch.long, device=self.device)
@@ -228,8 +259,8 @@ class HFEngine(RolloutEngine):
                 cache.batch_select_indices(index)
                 full_mask, pos, uniforms = full_mask[index], pos[index], uniforms[index]
                 live = [live[row] for row in keep]
-            next_tokens = torch.tensor([out_ids[i][-1] for i in live], dtype=torch.long)
+                tokens = tokens[index]
             pos = pos[:, -1:] + 1
-            logits = self._forward(next_tokens.view(len(live), 1).to(self.device),
-                                   full_mask[:, :context + step + 1], pos, cache)
+            # The sampled tokens are fed back from the device (no host-to-device copy per step).
+            logits = self._forward(tokens.view(len(live), 1), full_mask[:, :context + step + 1], pos, cache)
         return [Generation(out_ids[i], out_lp[i], reasons[i] or "length", self.version) for i in range(b)]
