@@ -37,6 +37,8 @@ Strategies:
 
 from __future__ import annotations
 
+import copy
+
 import logging
 import os
 import time
@@ -295,7 +297,9 @@ class DataParallelLearner:
         import transformers
 
         state = self.policy_state()
-        model = transformers.AutoModelForCausalLM.from_config(self.model.config).to(dtype=torch.float32)
+        # A config of its own: from_config keeps the object it is given, and an engine may switch its
+        # copy's attention implementation, which must not switch the learner's.
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(self.model.config)).to(dtype=torch.float32)
         missing, unexpected = model.load_state_dict(state, strict=False)
         tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
         if [k for k in missing if k not in tied] or unexpected:

@@ -105,7 +105,8 @@ class HFEngine(RolloutEngine):
     """Rollout engine around ``model`` (a ``transformers`` causal LM), used in inference mode.
 
     Args:
-        model: the engine's own copy of the policy (weights are replaced by :meth:`load_weights`).
+        model: the engine's own copy of the policy (weights are replaced by :meth:`load_weights`),
+            with a config object of its own: the engine may switch its attention implementation.
         pad_token_id: id used for padding (never attended to).
         version: the version of the weights ``model`` holds now.
         min_shared_prefix: run a common prompt prefix of at least this many tokens once per call

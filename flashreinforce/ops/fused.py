@@ -379,13 +379,18 @@ def fused_loss_capturable(log_probs, behavior_log_probs, rewards, cu_seqlens, ac
     after a graph replay). Argument errors (shapes, dtypes, options) are still raised at launch
     time. When an error is recorded the outputs are undefined.
     """
+    out, _ = _run_unchecked(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, options)
+    return out[0], _stats(out), out[len(OUTPUTS)]
+
+
+def _run_unchecked(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, options: dict):
+    """The packed op without the error read-back: ``(outputs with the error record last, arguments)``."""
     unknown = set(options) - set(KEYWORDS)
     if unknown:
         raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
     keywords = {name: options.get(name, getattr(DEFAULTS, name)) for name in KEYWORDS}
     args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, **keywords)
-    out = _run(args, raise_errors=False)
-    return out[0], _stats(out), out[len(OUTPUTS)]
+    return _run(args, raise_errors=False), args
 
 
 def raise_for_error(error: Tensor, num_tokens: int, batch: int) -> None:
@@ -433,11 +438,6 @@ def fused_loss_deferred(pending: PendingErrors, log_probs, behavior_log_probs, r
     the outputs of a call that recorded an error are undefined: check before using them for an
     optimizer step. A learner queues every micro-batch of a step this way and checks once.
     """
-    unknown = set(options) - set(KEYWORDS)
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
-    keywords = {name: options.get(name, getattr(DEFAULTS, name)) for name in KEYWORDS}
-    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, **keywords)
-    out = _run(args, raise_errors=False)
+    out, args = _run_unchecked(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, options)
     pending.add(out[len(OUTPUTS)], args)
     return out[0], _stats(out)
