@@ -21,18 +21,22 @@ per-layer cache (before 4.56), and the engine then uses a plain ``DynamicCache``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
 __all__ = ["PreallocatedLayer", "preallocated_cache"]
 
-try:  # transformers >= 4.56: caches are lists of layers
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-except ImportError:  # pragma: no cover - older transformers
-    DynamicCache = DynamicLayer = None
 
-
-if DynamicLayer is not None:
+@functools.lru_cache(maxsize=None)
+def _layer_class():
+    """The :class:`PreallocatedLayer` class, built on transformers' ``DynamicLayer`` at first use
+    (transformers is imported lazily); ``None`` where transformers has no per-layer cache."""
+    try:  # transformers >= 4.56: caches are lists of layers
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # pragma: no cover - older transformers
+        return None
 
     class PreallocatedLayer(DynamicLayer):
         """One layer's keys and values in buffers of ``capacity`` positions, allocated at the first
@@ -136,16 +140,24 @@ if DynamicLayer is not None:
         def prefetch(self) -> None:
             return None
 
-else:  # pragma: no cover - older transformers
-    PreallocatedLayer = None
+    return PreallocatedLayer
+
+
+def __getattr__(name: str):
+    if name == "PreallocatedLayer":
+        return _layer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def preallocated_cache(model: torch.nn.Module, capacity: int):
     """A ``DynamicCache`` for ``model`` whose full-attention layers hold ``capacity`` positions in
     buffers allocated once (see the module docstring), or ``None`` where that is not available
     (transformers before 4.56, or a model whose cache has no plain full-attention layer)."""
-    if DynamicCache is None:
+    layer_class = _layer_class()
+    if layer_class is None:
         return None
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
     try:
         cache = DynamicCache(config=model.config)
     except TypeError:  # pragma: no cover - a transformers whose DynamicCache takes no config
@@ -156,6 +168,6 @@ def preallocated_cache(model: torch.nn.Module, capacity: int):
     replaced = 0
     for i, layer in enumerate(layers):
         if type(layer) is DynamicLayer:
-            layers[i] = PreallocatedLayer(capacity)
+            layers[i] = layer_class(capacity)
             replaced += 1
     return cache if replaced else None

@@ -96,3 +96,12 @@ def test_preallocated_cache_replaces_only_plain_layers_and_engine_validates_its_
         HFEngine(model(), kv_cache="static")
     with pytest.raises(ValueError, match="capacity must be positive"):
         PreallocatedLayer(0)
+
+
+def test_importing_the_engines_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, flashreinforce.engines; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
