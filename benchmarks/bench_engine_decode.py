@@ -181,25 +181,27 @@ def main(argv=None) -> int:
                                           generator=gen).tolist() for c in cut]
         full = [GenerationRequest(pr, args.new_tokens, seed=i) for i, pr in enumerate(prompts)]
         samples = {v: ([], [], [], []) for v in variants}  # calls, prefills, steps, per-round step medians
+        caches_used = {}  # the cache each variant really ran (the engine falls back to the dynamic one)
         for round_index in range(args.rounds):  # the variants interleaved, round after round
             for kv_cache, attention in variants:
                 engine.kv_cache = kv_cache
                 engine.model.set_attn_implementation(ATTENTION_NAME if attention == "on" else "sdpa")
                 calls, prefills, steps = timed_generate(engine, full, params, device, args.repeats,
                                                         warm_up=round_index == 0)
+                caches_used[(kv_cache, attention)] = engine.kv_cache_in_use
                 got = samples[(kv_cache, attention)]
                 got[0].extend(calls)
                 got[1].extend(prefills)
                 got[2].extend(steps)
                 got[3].append(median(steps))
-        mean_context = args.prompt_len + args.new_tokens / 2
+        mean_context = args.prompt_len - args.prompt_spread / 2 + args.new_tokens / 2
         step_bytes = weight_bytes + batch * mean_context * kv_per_token
         roofline = batch * bandwidth / step_bytes
         for (kv_cache, attention), (calls, prefills, steps, per_round) in samples.items():
             t_step = median(steps)
             rate = batch / t_step
             spread = f"{min(per_round) * 1e3:,.1f}-{max(per_round) * 1e3:,.1f}" if len(per_round) > 1 else "-"
-            rows.append([str(batch), kv_cache, ATTENTION_NAME if attention == "on" else "sdpa",
+            rows.append([str(batch), caches_used[(kv_cache, attention)], ATTENTION_NAME if attention == "on" else "sdpa",
                          f"{median(prefills) * 1e3:,.1f}", f"{median(calls):,.2f}", f"{t_step * 1e3:,.2f}", spread,
                          f"{rate:,.0f}", f"{roofline:,.0f}", f"{rate / roofline:.1%}"])
         del full

@@ -38,7 +38,6 @@ Strategies:
 from __future__ import annotations
 
 import copy
-
 import logging
 import os
 import time

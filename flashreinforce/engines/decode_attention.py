@@ -23,6 +23,7 @@ soft-capping, attention sinks, position biases) goes to transformers' own SDPA a
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -65,19 +66,14 @@ def decode_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value:
     return out.reshape(b, heads, 1, head_dim).transpose(1, 2).contiguous(), None
 
 
-_registered = False
-
-
+@functools.lru_cache(maxsize=None)
 def _register() -> None:
-    global _registered
-    if _registered:
-        return
+    """Registers :func:`decode_attention` with transformers (once; a failed import is retried)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     AttentionInterface.register(ATTENTION_NAME, decode_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    _registered = True
 
 
 def use_decode_attention(model: torch.nn.Module) -> bool:

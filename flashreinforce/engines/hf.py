@@ -41,7 +41,7 @@ from torch import Tensor
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
 from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
 from flashreinforce.engines.decode_attention import use_decode_attention
-from flashreinforce.engines.kv_cache import preallocated_cache
+from flashreinforce.engines.kv_cache import dynamic_cache, preallocated_cache
 
 __all__ = ["KV_CACHES", "HFEngine", "sample_tokens", "sampling_log_probs"]
 
@@ -90,15 +90,6 @@ def sample_tokens(log_probs: Tensor, uniforms: Tensor) -> Tensor:
     x = torch.minimum(uniforms.double() * total, torch.nextafter(total, torch.zeros_like(total)))
     index = torch.searchsorted(cdf, x[:, None].contiguous(), right=True)[:, 0]
     return index.clamp_(max=log_probs.shape[-1] - 1)
-
-
-def _make_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
 
 
 class HFEngine(RolloutEngine):
@@ -230,7 +221,7 @@ class HFEngine(RolloutEngine):
         cache = preallocated_cache(self.model, context + steps) if self.kv_cache == "preallocated" else None
         self.kv_cache_in_use = "dynamic" if cache is None else "preallocated"
         if cache is None:
-            cache = _make_cache(self.model)
+            cache = dynamic_cache(self.model)
         if shared:
             prefix = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=self.device).view(1, shared)
             one = torch.ones((1, shared), dtype=torch.long, device=self.device)

@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["PreallocatedLayer", "preallocated_cache"]
+__all__ = ["PreallocatedLayer", "dynamic_cache", "preallocated_cache"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,7 +59,6 @@ def _layer_class():
         def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
             b, heads, _, head_dim = key_states.shape
             self.device = key_states.device
-            self.dtype = key_states.dtype
             self._key_buffer = key_states.new_empty((b, heads, self.capacity, head_dim))
             self._value_buffer = value_states.new_empty((b, value_states.shape[1], self.capacity,
                                                          value_states.shape[-1]))
@@ -149,20 +148,29 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def dynamic_cache(model: torch.nn.Module):
+    """transformers' ``DynamicCache`` for ``model`` (its layer types from the config, where the
+    installed transformers takes one)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers
+        return DynamicCache()
+
+
 def preallocated_cache(model: torch.nn.Module, capacity: int):
     """A ``DynamicCache`` for ``model`` whose full-attention layers hold ``capacity`` positions in
     buffers allocated once (see the module docstring), or ``None`` where that is not available
-    (transformers before 4.56, or a model whose cache has no plain full-attention layer)."""
+    (transformers before 4.56, a cache without layers built from the config, or a model whose cache
+    has no plain full-attention layer)."""
     layer_class = _layer_class()
     if layer_class is None:
         return None
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicLayer
 
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:  # pragma: no cover - a transformers whose DynamicCache takes no config
-        return None
-    layers = getattr(cache, "layers", None)
+    cache = dynamic_cache(model)
+    layers = getattr(cache, "layers", None)  # empty where the layers would only be made lazily
     if not layers or getattr(cache, "offloading", False):
         return None
     replaced = 0
