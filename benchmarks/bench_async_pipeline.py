@@ -2,7 +2,7 @@
 
 What is real: :class:`~flashreinforce.trainer.buffer.RolloutBuffer` (staleness bound, lag drops),
 :class:`~flashreinforce.trainer.rollout.RolloutWorker` threads in a
-:class:`~flashreinforce.trainer.rollout.ThreadRolloutPool`, the episode loop, the environment interface,
+:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`, the episode loop, the environment interface,
 :class:`~flashreinforce.engines.LocalWeightStore` weight publication by version, and the learner
 loop's take / update / publish / release sequence. What is simulated: the engine (each trajectory
 takes a lognormal time, median ``--median-ms``, sigma ``--sigma``: about 1% of trajectories take 20x
@@ -33,7 +33,8 @@ import torch
 from flashreinforce.trainer.buffer import RolloutBuffer
 from flashreinforce.engines import Generation, GenerationRequest, LocalWeightStore, RolloutEngine, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
+from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout_pool import ThreadRolloutPool
 from flashreinforce.models.tokenizers import CharTokenizer
 
 

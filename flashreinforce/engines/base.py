@@ -13,7 +13,7 @@ import abc
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -58,8 +58,9 @@ class GenerationRequest:
 @dataclass
 class Generation:
     """A sampled continuation: ``token_ids [k]``, their sampling ``log_probs [k]`` (nats, <= 0),
-    ``finish_reason`` ``"stop"`` (a stop token, included) or ``"length"``, and the engine's weight
-    ``policy_version`` that sampled it."""
+    ``finish_reason`` ``"stop"`` (a stop token, included), ``"length"``, or ``"paused"`` (the engine
+    stopped early because newer weights are waiting: the caller loads them and continues the request,
+    see :meth:`RolloutEngine.generate`), and the engine's weight ``policy_version`` that sampled it."""
 
     token_ids: list[int]
     log_probs: list[float]
@@ -68,17 +69,33 @@ class Generation:
 
 
 class RolloutEngine(abc.ABC):
-    """Samples continuations with a policy whose weights are replaced by version, without restart."""
+    """Samples continuations with a policy whose weights are replaced by version, without restart.
+
+    ``can_pause``: the engine's :meth:`generate` takes ``should_pause`` (in-flight weight updates).
+    ``last_load``: ``(seconds, bytes)`` of the last :meth:`load_weights`, for the run's metrics.
+    """
 
     version: int = -1
+    can_pause: bool = False
+    last_load: tuple[float, int] = (0.0, 0)
 
     @abc.abstractmethod
-    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per request (in order), all with the current weights."""
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams, *,
+                 should_pause: Callable[[], bool] | None = None) -> list[Generation]:
+        """Sample one continuation per request (in order), all with the current weights.
+
+        ``should_pause`` (engines with :attr:`can_pause`): asked between chunks of the decoding; once
+        it returns True the engine ends every unfinished request with finish reason ``"paused"``
+        (each with at least one token), so that the caller can load newer weights and continue them.
+        """
 
     @abc.abstractmethod
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Replace the policy weights by ``state_dict`` and set :attr:`version`."""
+        """Replace the policy weights by ``state_dict`` and set :attr:`version`.
+
+        ``state_dict`` may hold a subset of the weights (those that changed since the version the
+        engine holds); the others keep their values.
+        """
 
     def close(self) -> None:
         """Release the engine's resources."""
@@ -88,8 +105,10 @@ class WeightStore(abc.ABC):
     """Where the learner publishes policy weights and engines pick them up, by version."""
 
     @abc.abstractmethod
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Make ``state_dict`` the weights of ``version`` (versions only grow)."""
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                frozen: Iterable[str] = ()) -> None:
+        """Make ``state_dict`` the weights of ``version`` (versions only grow). ``frozen``: names of
+        tensors that never change (the store may keep its earlier copy of them)."""
 
     @abc.abstractmethod
     def latest_version(self) -> int:
@@ -114,7 +133,9 @@ class LocalWeightStore(WeightStore):
     device of the published tensors (engines on another device copy from it when they load).
 
     The learner keeps training its own parameters; the copy taken at :meth:`publish` is immutable,
-    so an engine can load it at any time without a lock on the learner.
+    so an engine can load it at any time without a lock on the learner. A ``frozen`` tensor is copied
+    at its first publication only: later versions hold the same tensor object, which tells an engine
+    that it has not changed (an engine that already holds it need not load it again).
     """
 
     def __init__(self) -> None:
@@ -122,10 +143,14 @@ class LocalWeightStore(WeightStore):
         self._version = -1
         self._state: dict[str, torch.Tensor] = {}
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int,
+                frozen: Iterable[str] = ()) -> None:
         if version <= self._version:
             raise ValueError(f"publish: version {version} is not newer than {self._version}")
-        copy = {k: v.detach().clone() for k, v in state_dict.items()}
+        keep = set(frozen)
+        old = self._state
+        copy = {k: old[k] if k in keep and k in old and old[k].shape == v.shape else v.detach().clone()
+                for k, v in state_dict.items()}
         with self._lock:
             self._state, self._version = copy, int(version)
 

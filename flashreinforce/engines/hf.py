@@ -33,7 +33,8 @@ instead of repeating the cache per query head first.
 from __future__ import annotations
 
 import inspect
-from typing import Mapping, Sequence
+import time
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -42,8 +43,9 @@ from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEn
 from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
 from flashreinforce.engines.decode_attention import use_decode_attention
 from flashreinforce.engines.kv_cache import dynamic_cache, preallocated_cache
+from flashreinforce.engines.registry import EngineKind
 
-__all__ = ["KV_CACHES", "HFEngine", "sample_tokens", "sampling_log_probs"]
+__all__ = ["HF_ENGINE", "KV_CACHES", "HFEngine", "HFEngineKind", "sample_tokens", "sampling_log_probs"]
 
 #: The KV caches :class:`HFEngine` can use (see the module docstring).
 KV_CACHES = ("preallocated", "dynamic")
@@ -113,6 +115,10 @@ class HFEngine(RolloutEngine):
             module docstring); ``decode_attention_in_use`` says whether it was.
     """
 
+    can_pause = True
+    #: Decode steps between two questions to ``should_pause`` (a cheap call, but not free).
+    pause_check_steps = 8
+
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1,
                  min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32",
                  kv_cache: str = "preallocated", decode_attention: bool = True) -> None:
@@ -140,6 +146,7 @@ class HFEngine(RolloutEngine):
         self.device = next(model.parameters()).device
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        t0 = time.perf_counter()
         with torch.no_grad():
             missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
         # Tied output embeddings may be absent from a state dict; anything else is an error.
@@ -147,6 +154,8 @@ class HFEngine(RolloutEngine):
         if missing or unexpected:
             raise ValueError(f"load_weights: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
         self.version = int(version)
+        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.last_load = (time.perf_counter() - t0, int(nbytes))
 
     def _tied_keys(self) -> set[str]:
         if getattr(self.model.config, "tie_word_embeddings", False):
@@ -179,7 +188,8 @@ class HFEngine(RolloutEngine):
         return self.model(input_ids=ids, **kwargs).logits[:, -1, :]
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams, *,
+                 should_pause: Callable[[], bool] | None = None) -> list[Generation]:
         if not requests:
             return []
         for i, r in enumerate(requests):
@@ -246,6 +256,10 @@ class HFEngine(RolloutEngine):
             keep = [row for row, i in enumerate(live) if reasons[i] is None]
             if not keep:
                 break
+            if should_pause is not None and (step + 1) % self.pause_check_steps == 0 and should_pause():
+                for row in keep:
+                    reasons[live[row]] = "paused"
+                break
             if len(keep) < len(live):  # finished requests leave the batch (and its KV cache)
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
                 cache.batch_select_indices(index)
@@ -256,3 +270,22 @@ class HFEngine(RolloutEngine):
             # The sampled tokens are fed back from the device (no host-to-device copy per step).
             logits = self._forward(tokens.view(len(live), 1), full_mask[:, :context + step + 1], pos, cache)
         return [Generation(out_ids[i], out_lp[i], reasons[i] or "length", self.version) for i in range(b)]
+
+
+class HFEngineKind(EngineKind):
+    """``--rollout.engine hf``: an :class:`HFEngine` on a copy of the policy, in the worker's process.
+
+    Options: ``dtype`` (the engines' weight dtype) and ``auto_dtype`` (see :class:`HFEngine`)."""
+
+    name = "hf"
+    takes_policy_copy = True
+    options_accepted = frozenset({"dtype", "auto_dtype"})
+
+    def options(self, cfg, seed: int, dtype: str) -> dict:
+        return {"dtype": dtype}
+
+    def create(self, model, *, pad_token_id: int, version: int, options) -> HFEngine:
+        return HFEngine(model, pad_token_id=pad_token_id, version=version, **options)
+
+
+HF_ENGINE = HFEngineKind()

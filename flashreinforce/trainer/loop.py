@@ -48,7 +48,7 @@ from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
 from flashreinforce.trainer.summary import write_run_summary
 from flashreinforce.trainer.watchdog import Watchdog
-from flashreinforce.trainer.rollout import RolloutBackend
+from flashreinforce.trainer.rollout_pool import RolloutBackend
 from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
 
 __all__ = ["Trainer"]
@@ -92,7 +92,7 @@ class Trainer:
         self.eval_envs = components.eval_environments(cfg, self.envs, self.tokenizer) if evaluates else self.envs
         self.num_prompts = self.envs.num_prompts
         self.max_steps = components.total_updates(cfg, self.num_prompts)
-        settings = components.learner_settings(cfg, self.max_steps)
+        settings = components.learner_settings(cfg, self.max_steps, self.device)
         if cfg.resume:  # the weights go in before any sharding of the model, on every rank
             self._resume_point = ResumePoint.load(self.ckpt_dir, cfg.resume, self.model)
         if self.dist is not None:
@@ -144,7 +144,7 @@ class Trainer:
         return self.rollout.make_workers(
             self.cfg, learner=self.learner, model_config=self.model.config, tokenizer=self.tokenizer,
             env_spec=self.envs.spec, env_factory=self.envs.factory, settings=self.rollout_settings,
-            engine_options=components.engine_options(self.cfg, self.cfg.seed), device=self.device,
+            engine_options=components.engine_options(self.cfg, self.cfg.seed, self.device), device=self.device,
             torch_threads=self.cfg.torch_threads)
 
     # ------------------------------------------------------------------ evaluation
@@ -281,6 +281,8 @@ class Trainer:
         self._write_config()
         for w in cfg.warnings:
             log.warning(w)
+        for note in components.dtype_notes(cfg, self.device):
+            log.info(note)
         self.weights.publish(self.learner.policy_state(), self.learner.version)
         main_thread = threading.current_thread() is threading.main_thread()
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if main_thread else None

@@ -87,6 +87,9 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
     """
     trajs = list(trajectories)
     lags = [t.policy_lag(version_before) for t in trajs]
+    token_lags = [[version_before - v for v in t.action_versions()] for t in trajs]
+    admitted = learner.get("per_trajectory", {}).get("admitted")
+    admitted_lags = [x for lag, a in zip(token_lags, admitted or []) if a for x in lag]
     tokens = sum(t.num_tokens for t in trajs)
     unanswered = no_answer_fraction(trajs)
     idle_frac = [w["idle_s"] / max(1e-9, w["idle_s"] + w["busy_s"]) for w in worker_stats]
@@ -103,6 +106,12 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
         "policy_lag_mean": mean(lags),
         "policy_lag_max": max(lags),
         "policy_lag_min": min(lags),
+        # Per action token: the learner's version minus the version that sampled the token (with
+        # in-flight weight updates a trajectory's later tokens are fresher than its first ones).
+        "token_lag_mean": mean(x for lag in token_lags for x in lag),
+        "token_lag_max": max((x for lag in token_lags for x in lag), default=0),
+        **({} if admitted is None else {"admitted_token_lag_mean": mean(admitted_lags) if admitted_lags else
+                                        float("nan")}),
         "trajectories": len(trajs),
         "tokens": tokens,
         "action_tokens": learner["policy_tokens"],
@@ -126,6 +135,10 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
         "buffer_in_flight": buffer_stats["in_flight"],
         "worker_idle_fraction": mean(idle_frac),
         "worker_errors": sum(w["errors"] for w in worker_stats),
+        # The last weight load of each worker: seconds, and bytes its engine received.
+        "weight_sync_s": mean(w.get("last_weight_sync_s", 0.0) for w in worker_stats),
+        "weight_sync_bytes": mean(w.get("last_weight_sync_bytes", 0) for w in worker_stats),
+        "inflight_pauses": sum(int(w.get("inflight_pauses", 0)) for w in worker_stats),
         "wall_time_s": wall_time_before + timings.wall,
     }
     for key in _OPTIONAL_LEARNER_KEYS:

@@ -22,36 +22,33 @@ episode of the call. An engine call that fails on each of its requests is retrie
 time; a worker whose engine failed on every request of ``MAX_ENGINE_FAILURES_IN_A_ROW`` calls in a
 row stops (the trainer stops when no worker is left).
 
-Workers run as threads (:class:`ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
+Workers run as threads (:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
 the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray`).
 """
 
 from __future__ import annotations
 
-import abc
 import functools
 import logging
 import math
-import numbers
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
-
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.engines.base import GenerationRequest, RolloutEngine, SamplingParams, WeightStore
+from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, WeightStore
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
+from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
 from flashreinforce.trainer.env_calls import EnvCalls
-from flashreinforce.trainer.errors import RolloutFailed, StopRequested
+from flashreinforce.trainer.episode import Episode, EpisodeFault, check_step_result
+from flashreinforce.trainer.errors import StopRequested
 from flashreinforce.trainer.fault_records import QuarantinedEpisode, RepeatedProblems
 from flashreinforce.trainer.trajectory import Trajectory
 from flashreinforce.trainer.turns import turn_cut, turn_stop
 
-__all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutBackend", "RolloutSettings", "RolloutWorker", "ThreadRolloutPool",
+__all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutSettings", "RolloutWorker", "TurnSample",
            "episode_seed", "fair_share", "max_token_chars"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +87,9 @@ class RolloutSettings:
     quarantined and the environment instance abandoned (0: no limit). env_parallel_calls: the calls
     of a worker's episodes that run at once, each in its own thread (1: one after another; an
     environment class with ``parallel_calls = False`` is always called one after another).
+    inflight_weight_updates: when newer weights are published while a turn is being sampled, an
+    engine that can pause (``RolloutEngine.can_pause``) stops the turn, the worker loads the weights
+    and the engine continues the turn under them; every token keeps the version that sampled it.
     """
 
     max_new_tokens: int
@@ -100,6 +100,7 @@ class RolloutSettings:
     seed: int = 0
     env_timeout_s: float = 30.0
     env_parallel_calls: int = 32
+    inflight_weight_updates: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
@@ -107,6 +108,35 @@ class RolloutSettings:
                 raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")
         if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):
             raise ValueError(f"RolloutSettings.env_timeout_s must be a finite number >= 0, got {self.env_timeout_s}")
+
+
+@dataclass
+class TurnSample:
+    """One turn as sampled, possibly in several engine calls (in-flight weight updates): ``token_ids``,
+    ``log_probs`` (nats), the weight version of every token, and the finish reason of the last call."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    versions: list[int]
+    finish_reason: str
+
+    @staticmethod
+    def of(g: Generation) -> "TurnSample":
+        n = len(g.token_ids)
+        return TurnSample(list(g.token_ids), list(g.log_probs), [int(g.policy_version)] * n, g.finish_reason)
+
+    def extend(self, g: Generation) -> None:
+        self.token_ids.extend(g.token_ids)
+        self.log_probs.extend(g.log_probs)
+        self.versions.extend([int(g.policy_version)] * len(g.token_ids))
+        self.finish_reason = g.finish_reason
+
+
+def _continued_stop(stop: Callable[[Sequence[int]], bool] | None, before: list[int]):
+    """The stop rule of a continuation: asked on the whole turn, ``before`` included."""
+    if stop is None:
+        return None
+    return lambda new_ids: stop(before + list(new_ids))
 
 
 def max_token_chars(tokenizer) -> int | None:
@@ -129,83 +159,6 @@ def max_token_chars(tokenizer) -> int | None:
         except (TypeError, ValueError):
             return None
     return None
-
-
-class _Bad(Exception):
-    """An environment or engine answer of the wrong form (quarantines the episode; no traceback)."""
-
-    def __init__(self, kind: str, reason: str, retry: bool = True) -> None:
-        super().__init__(reason)
-        self.kind, self.reason, self.retry = kind, reason, retry
-
-
-def _is_bool(x: Any) -> bool:
-    return isinstance(x, (bool, np.bool_))
-
-
-def _check_step_result(result: Any, env_name: str) -> StepResult:
-    """``result`` if it is a well-formed :class:`StepResult`; else :class:`_Bad` naming what is wrong."""
-    kind = "env.step returned a wrong type"
-    if not isinstance(result, StepResult):
-        raise _Bad(kind, f"{env_name}.step returned {type(result).__name__}, expected StepResult")
-    if not isinstance(result.observation, str):
-        raise _Bad(kind, f"{env_name}.step: StepResult.observation is {type(result.observation).__name__}, "
-                         "expected str")
-    if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, (bool, np.bool_)):
-        raise _Bad(kind, f"{env_name}.step: StepResult.reward is {type(result.reward).__name__}, expected a number")
-    if not (_is_bool(result.done) or (isinstance(result.done, int) and result.done in (0, 1))):
-        raise _Bad(kind, f"{env_name}.step: StepResult.done is {type(result.done).__name__}, expected bool")
-    if result.failed is not None and not _is_bool(result.failed):
-        raise _Bad(kind, f"{env_name}.step: StepResult.failed is {type(result.failed).__name__}, "
-                         "expected bool or None")
-    if result.info is not None and not isinstance(result.info, Mapping):
-        raise _Bad(kind, f"{env_name}.step: StepResult.info is {type(result.info).__name__}, expected a dict")
-    return result
-
-
-class _Episode:
-    def __init__(self, ticket: Ticket, sample_index: int, slot: int) -> None:
-        self.ticket = ticket
-        self.sample_index = sample_index
-        self.slot = slot  # index of its environment instance in the worker's pool
-        self.env: Environment | None = None
-        self.tokens: list[int] = []
-        self.mask: list[bool] = []
-        self.logp: list[float] = []
-        self.reward = 0.0
-        self.turns = 0
-        self.vmin: int | None = None
-        self.vmax: int | None = None
-        self.done = False
-        self.truncated = False
-        self.failed_label: bool | None = None
-        self.info: dict[str, Any] = {}
-        self.length_finishes = 0
-        self.action_tokens = 0
-        self.turn_ended = False  # the last turn was ended by the environment (turn_end), not a stop token
-        self.quarantined: QuarantinedEpisode | None = None
-
-    def start(self, prompt_ids: list[int]) -> None:
-        self.tokens = list(prompt_ids)
-        self.mask = [False] * len(prompt_ids)
-        self.logp = [0.0] * len(prompt_ids)
-
-    def finish(self, truncated: bool = False) -> None:
-        self.done = True
-        self.truncated = truncated
-
-    def result(self, worker_id: int) -> Trajectory | QuarantinedEpisode:
-        return self.quarantined if self.quarantined is not None else self.trajectory(worker_id)
-
-    def trajectory(self, worker_id: int) -> Trajectory:
-        failed = self.failed_label if self.failed_label is not None else self.reward <= 0
-        info = dict(self.info)
-        info.update(action_tokens=self.action_tokens, length_finishes=self.length_finishes)
-        return Trajectory(
-            token_ids=self.tokens, action_mask=self.mask, behavior_log_probs=self.logp, reward=float(self.reward),
-            failed=bool(failed), truncated=self.truncated, policy_version_min=int(self.vmin if self.vmin is not None else -1),
-            policy_version_max=int(self.vmax if self.vmax is not None else -1), prompt_id=self.ticket.prompt_id,
-            seed=self.ticket.seed, sample_index=self.sample_index, num_turns=self.turns, worker_id=worker_id, info=info)
 
 
 class RolloutWorker:
@@ -236,7 +189,8 @@ class RolloutWorker:
                                max_parallel=settings.env_parallel_calls)
         self._problems = RepeatedProblems(log, f"rollout worker {worker_id}")
         self._token_chars = max_token_chars(tokenizer)
-        self._engine_call: tuple[str, float] | None = None  # ("engine.generate", start) during a call
+        self._engine_call_since: tuple[str, float] | None = None  # ("engine.generate", start) during a call
+        self._last_version_check = 0.0
         self.idle_s = 0.0
         self.busy_s = 0.0
         self.paused_s = 0.0  # waited for the learner's evaluation (part of busy_s)
@@ -244,6 +198,9 @@ class RolloutWorker:
         self.errors = 0
         self.quarantined = 0
         self.weight_loads = 0
+        self.weight_sync_s = 0.0  # seconds spent loading weights, all loads
+        self.last_weight_sync: tuple[float, int] = (0.0, 0)  # seconds and bytes of the last load
+        self.inflight_pauses = 0  # engine calls continued after loading newer weights mid-turn
         self.engine_failures_in_a_row = 0
         self.last_error: str | None = None
         # Set by the pool (fair_share): with a large episodes_per_call one worker would otherwise take
@@ -258,32 +215,32 @@ class RolloutWorker:
             self._envs[k] = self.env_factory()
         return self._envs[k]
 
-    def _quarantine(self, e: _Episode, kind: str, reason: str, err: BaseException | None = None,
+    def _quarantine(self, e: Episode, kind: str, reason: str, err: BaseException | None = None,
                     retry: bool = True) -> None:
         """Take ``e`` out of the call: it is handed in as a :class:`QuarantinedEpisode`."""
         e.done = True
         e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry)
         self.quarantined += 1
         self.errors += 1
-        detail = "".join(traceback.format_exception(err)) if err is not None and not isinstance(err, _Bad) else ""
+        detail = "".join(traceback.format_exception(err)) if err is not None and not isinstance(err, EpisodeFault) else ""
         self.last_error = f"{reason}\n{detail}" if detail else reason
         self._problems.report(kind, "worker %d: episode of prompt %d (environment seed %d) quarantined: %s%s",
                               self.worker_id, e.ticket.prompt_id, e.ticket.seed, reason,
                               f"\n{detail}" if detail else "")
 
-    def _failed_call(self, e: _Episode, what: str, status: str, value: Any) -> None:
+    def _failed_call(self, e: Episode, what: str, status: str, value: Any) -> None:
         if status == "timeout":
             # The call still runs in an abandoned thread that owns this instance: never use it again.
             self._envs[e.slot] = None
             self._quarantine(e, f"{what} timed out", f"{what} timed out: no return within {value:g} s "
                              "(--rollout.env_timeout_s); the environment instance was abandoned")
-        elif isinstance(value, _Bad):
+        elif isinstance(value, EpisodeFault):
             self._quarantine(e, value.kind, value.reason, value, value.retry)
         else:
             self._quarantine(e, f"{what} raised {type(value).__name__}", f"{what} raised {type(value).__name__}: "
                              f"{value}", value)
 
-    def _env_calls(self, calls: list[tuple[_Episode, str, Callable[[], Any]]],
+    def _env_calls(self, calls: list[tuple[Episode, str, Callable[[], Any]]],
                    stop: threading.Event | None) -> dict[int, tuple[str, Any]]:
         serial = not all(getattr(e.env, "parallel_calls", True) for e, _, _ in calls)
         try:
@@ -292,7 +249,7 @@ class RolloutWorker:
         except StopRequested:
             raise _Stopped() from None
 
-    def _begin(self, episodes: list[_Episode], stop: threading.Event | None) -> None:
+    def _begin(self, episodes: list[Episode], stop: threading.Event | None) -> None:
         """Build each episode's environment, reset it and encode its prompt."""
         s = self.settings
         for e in episodes:
@@ -310,31 +267,29 @@ class RolloutWorker:
                 continue
             try:
                 if not isinstance(value, str):
-                    raise _Bad("env.reset returned a wrong type",
+                    raise EpisodeFault("env.reset returned a wrong type",
                                f"{type(e.env).__name__}.reset returned {type(value).__name__}, expected str")
                 if self._token_chars is not None and len(value) > s.max_len * self._token_chars:
-                    raise _Bad("prompt longer than data.max_len", f"the prompt of {len(value)} characters cannot fit "
+                    raise EpisodeFault("prompt longer than data.max_len", f"the prompt of {len(value)} characters cannot fit "
                                f"in data.max_len {s.max_len} tokens", retry=False)
                 ids = self.tokenizer.encode_prompt(value)
                 if len(ids) >= s.max_len:
-                    raise _Bad("prompt longer than data.max_len", f"the prompt of {len(ids)} tokens leaves no room for "
+                    raise EpisodeFault("prompt longer than data.max_len", f"the prompt of {len(ids)} tokens leaves no room for "
                                f"an action in data.max_len {s.max_len}", retry=False)
             except Exception as err:
                 self._failed_call(e, "encoding the prompt", "error", err)
                 continue
             e.start(ids)
 
-    def _generate(self, live: list[_Episode]) -> list[Any]:
-        """One generation per live episode (an exception in place of those the engine failed on)."""
+    def _engine_call(self, requests: list[GenerationRequest], should_pause) -> list[Any]:
+        """One ``generate`` call; where it fails as a whole, its requests one at a time (an exception
+        in place of each request the engine failed on)."""
         s = self.settings
-        requests = [GenerationRequest(e.tokens, min(s.max_new_tokens, s.max_len - len(e.tokens)),
-                                      episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns),
-                                      stop=turn_stop(e.env, self.tokenizer))
-                    for e in live]
-        self._engine_call = ("engine.generate", time.monotonic())
+        kwargs = {} if should_pause is None else {"should_pause": should_pause}
+        self._engine_call_since = ("engine.generate", time.monotonic())
         try:
             try:
-                gens = list(self.engine.generate(requests, s.sampling))
+                gens = list(self.engine.generate(requests, s.sampling, **kwargs))
                 if len(gens) != len(requests):
                     raise RuntimeError(f"the engine returned {len(gens)} generations for {len(requests)} requests")
                 self.engine_failures_in_a_row = 0
@@ -346,7 +301,7 @@ class RolloutWorker:
                 out = []
                 for r in requests:
                     try:
-                        out.append(self.engine.generate([r], s.sampling)[0])
+                        out.append(self.engine.generate([r], s.sampling, **kwargs)[0])
                     except Exception as err:
                         out.append(err)
             if all(isinstance(g, BaseException) for g in out):
@@ -355,28 +310,69 @@ class RolloutWorker:
                 self.engine_failures_in_a_row = 0
             return out
         finally:
-            self._engine_call = None
+            self._engine_call_since = None
 
-    def _record_action(self, e: _Episode, g) -> str:
+    def _newer_weights_waiting(self) -> bool:
+        """Whether a version newer than the engine's is published (asked at most every 50 ms)."""
+        now = time.monotonic()
+        if now - self._last_version_check < 0.05:
+            return False
+        self._last_version_check = now
+        return self.weights.latest_version() > self.engine.version
+
+    def _sync_weights(self) -> None:
+        """Load the newest published weights into the engine if it is behind (timed, for the metrics)."""
+        t0 = time.perf_counter()
+        if self.weights.sync(self.engine):
+            self.weight_loads += 1
+            seconds = time.perf_counter() - t0
+            self.last_weight_sync = (seconds, int(getattr(self.engine, "last_load", (0.0, 0))[1]))
+            self.weight_sync_s += seconds
+
+    def _generate(self, live: list[Episode]) -> list[Any]:
+        """One :class:`TurnSample` per live episode (an exception in place of those the engine failed
+        on). With in-flight weight updates, a turn the engine paused for newer weights is continued
+        under them after they are loaded, until it ends."""
+        s = self.settings
+        requests = [GenerationRequest(e.tokens, min(s.max_new_tokens, s.max_len - len(e.tokens)),
+                                      episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns),
+                                      stop=turn_stop(e.env, self.tokenizer))
+                    for e in live]
+        pause = self._newer_weights_waiting if s.inflight_weight_updates and self.engine.can_pause else None
+        out: list[Any] = [g if isinstance(g, BaseException) else TurnSample.of(g)
+                          for g in self._engine_call(requests, pause)]
+        paused = [k for k, t in enumerate(out) if isinstance(t, TurnSample) and t.finish_reason == "paused"]
+        while paused:
+            self._sync_weights()
+            self.inflight_pauses += 1
+            more = [GenerationRequest(list(requests[k].token_ids) + out[k].token_ids,
+                                      requests[k].max_new_tokens - len(out[k].token_ids),
+                                      requests[k].seed + len(out[k].token_ids),
+                                      stop=_continued_stop(requests[k].stop, out[k].token_ids)) for k in paused]
+            for k, g in zip(paused, self._engine_call(more, pause)):
+                if isinstance(g, BaseException):
+                    out[k] = g
+                else:
+                    out[k].extend(g)
+            paused = [k for k in paused if isinstance(out[k], TurnSample) and out[k].finish_reason == "paused"]
+        return out
+
+    def _record_action(self, e: Episode, t: TurnSample) -> str:
         """Append the sampled turn to ``e`` (cut where its environment ends it); the action's text."""
-        if not g.token_ids:
-            raise _Bad("the engine returned an empty generation", "the engine returned an empty generation")
-        ids, logps, reason = [int(t) for t in g.token_ids], [float(x) for x in g.log_probs], g.finish_reason
+        if not t.token_ids:
+            raise EpisodeFault("the engine returned an empty generation", "the engine returned an empty generation")
+        ids, logps, versions, reason = ([int(x) for x in t.token_ids], [float(x) for x in t.log_probs],
+                                        [int(v) for v in t.versions], t.finish_reason)
         cut = turn_cut(e.env, self.tokenizer, ids)
         e.turn_ended = cut is not None and ids[cut - 1] not in set(self.settings.sampling.stop_token_ids)
         if cut is not None:
-            ids, logps, reason = ids[:cut], logps[:cut], "stop"
-        e.tokens.extend(ids)
-        e.mask.extend([True] * len(ids))
-        e.logp.extend(logps)
-        e.action_tokens += len(ids)
+            ids, logps, versions, reason = ids[:cut], logps[:cut], versions[:cut], "stop"
+        e.add_action(ids, logps, versions)
         e.length_finishes += int(reason == "length")
-        e.vmin = g.policy_version if e.vmin is None else min(e.vmin, g.policy_version)
-        e.vmax = g.policy_version if e.vmax is None else max(e.vmax, g.policy_version)
         e.turns += 1
         return self.tokenizer.decode(ids)
 
-    def _after_step(self, e: _Episode, result: StepResult) -> None:
+    def _after_step(self, e: Episode, result: StepResult) -> None:
         s = self.settings
         e.reward += float(result.reward)
         if result.failed is not None:
@@ -401,16 +397,14 @@ class RolloutWorker:
         if len(e.tokens) + len(obs) >= s.max_len:
             e.finish(truncated=True)
             return
-        e.tokens.extend(obs)
-        e.mask.extend([False] * len(obs))
-        e.logp.extend([0.0] * len(obs))
+        e.add_context(obs)
 
     def run_tickets(self, tickets: Sequence[Ticket],
                     stop: threading.Event | None = None) -> list[list[Trajectory | QuarantinedEpisode]]:
         """Run every sample of ``tickets`` to the end; returns, per ticket, its trajectories (a
         :class:`QuarantinedEpisode` for each sample that could not be finished)."""
         s = self.settings
-        episodes = [_Episode(ticket, j, slot) for slot, (ticket, j) in
+        episodes = [Episode(ticket, j, slot) for slot, (ticket, j) in
                     enumerate((t, j) for t in tickets for j in range(t.group_size))]
         self._begin(episodes, stop)
         while True:
@@ -424,9 +418,8 @@ class RolloutWorker:
             if not live:
                 break
             self._wait_while_paused(stop)
-            if self.weights.sync(self.engine):
-                self.weight_loads += 1
-            acted: list[tuple[_Episode, str]] = []
+            self._sync_weights()
+            acted: list[tuple[Episode, str]] = []
             for e, g in zip(live, self._generate(live)):
                 if isinstance(g, BaseException):
                     self._failed_call(e, "engine.generate", "error", g)
@@ -443,8 +436,8 @@ class RolloutWorker:
                     self._failed_call(e, what, status, value)
                     continue
                 try:
-                    self._after_step(e, _check_step_result(value, type(e.env).__name__))
-                except _Bad as err:
+                    self._after_step(e, check_step_result(value, type(e.env).__name__))
+                except EpisodeFault as err:
                     self._failed_call(e, what, "error", err)
                 except Exception as err:  # the tokenizer on the observation text
                     self._failed_call(e, "encoding the observation", "error", err)
@@ -521,9 +514,11 @@ class RolloutWorker:
 
     def stats(self) -> dict[str, Any]:
         """Counters (numbers), and the call the worker is inside now (``current_call``, ``current_call_s``)."""
-        call = self._calls.current or self._engine_call
+        call = self._calls.current or self._engine_call_since
         return {"idle_s": self.idle_s, "busy_s": self.busy_s, "episodes": self.episodes, "errors": self.errors,
-                "weight_loads": self.weight_loads, "quarantined_episodes": self.quarantined,
+                "weight_loads": self.weight_loads, "weight_sync_s_total": self.weight_sync_s,
+                "last_weight_sync_s": self.last_weight_sync[0], "last_weight_sync_bytes": self.last_weight_sync[1],
+                "inflight_pauses": self.inflight_pauses, "quarantined_episodes": self.quarantined,
                 "env_timeouts": self._calls.timeouts, "env_timeouts_by_call": dict(self._calls.timeouts_by_call),
                 "current_call": call[0] if call else "",
                 "current_call_s": time.monotonic() - call[1] if call else 0.0}
@@ -531,67 +526,3 @@ class RolloutWorker:
 
 class _Stopped(Exception):
     pass
-
-
-class RolloutBackend(abc.ABC):
-    """A set of rollout workers running concurrently with the learner."""
-
-    @abc.abstractmethod
-    def start(self) -> None: ...
-
-    @abc.abstractmethod
-    def stop(self, timeout: float = 30.0) -> None: ...
-
-    @abc.abstractmethod
-    def check(self) -> None:
-        """Raise ``RuntimeError`` if no worker is alive any more (with the last worker error)."""
-
-    @abc.abstractmethod
-    def stats(self) -> list[dict[str, float]]: ...
-
-
-class ThreadRolloutPool(RolloutBackend):
-    """The ``local`` backend: each :class:`RolloutWorker` in a thread of this process."""
-
-    def __init__(self, workers: Sequence[RolloutWorker]) -> None:
-        if not workers:
-            raise ValueError("ThreadRolloutPool needs at least one worker")
-        self.workers = list(workers)
-        for w in self.workers:
-            if w.max_prompts_per_call is None and isinstance(w.buffer, RolloutBuffer):
-                w.max_prompts_per_call = fair_share(w.buffer.batch_groups, w.buffer.async_queue_size,
-                                                    len(self.workers))
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-        self._failures: dict[int, BaseException] = {}
-
-    def _run(self, worker: RolloutWorker) -> None:
-        try:
-            worker.run(self._stop)
-        except BaseException as err:  # recorded; the trainer reports it when no worker is left
-            self._failures[worker.worker_id] = err
-        finally:
-            worker.close()
-
-    def start(self) -> None:
-        for w in self.workers:
-            t = threading.Thread(target=self._run, args=(w,), name=f"rollout-worker-{w.worker_id}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def stop(self, timeout: float = 30.0) -> None:
-        self._stop.set()
-        for w in self.workers:
-            w.buffer.close()
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-
-    def check(self) -> None:
-        if self._threads and not any(t.is_alive() for t in self._threads):
-            last = next(iter(self._failures.values()), None)
-            detail = "" if last is None else f": {last!r}\n" + (self.workers[0].last_error or "")
-            raise RolloutFailed(f"every rollout worker has stopped{detail}")
-
-    def stats(self) -> list[dict[str, float]]:
-        return [w.stats() for w in self.workers]

@@ -32,10 +32,14 @@ class Trajectory:
     failed: explicit failure label (the environment's, or ``reward <= 0`` when it gave none).
     truncated: the episode hit the turn or context limit before the environment said ``done``.
     policy_version_min / policy_version_max: oldest and newest weight version that sampled any of
-        its tokens (they differ when weights changed between turns).
+        its tokens (they differ when weights changed between turns, or within a turn with in-flight
+        weight updates).
     prompt_id: index of the prompt in the trainer's prompt stream; seed: the environment seed.
     sample_index: which of the ``n_samples_per_prompt`` samples of that prompt this is.
     info: per-trajectory metrics (numbers) from the environment and the worker.
+    token_versions: ``[L]`` ints or ``None``: the weight version that sampled each action token (-1
+        elsewhere); ``None`` (a record made without them): every action token counts as sampled by
+        ``policy_version_min``.
     """
 
     token_ids: list[int]
@@ -52,6 +56,7 @@ class Trajectory:
     num_turns: int = 1
     worker_id: int = -1
     info: dict[str, Any] = field(default_factory=dict)
+    token_versions: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +69,12 @@ class Trajectory:
     def policy_lag(self, learner_version: int) -> int:
         """Learner version at the update minus the oldest version that generated this trajectory."""
         return int(learner_version) - int(self.policy_version_min)
+
+    def action_versions(self) -> list[int]:
+        """The version that sampled each action token, in order (see ``token_versions``)."""
+        if self.token_versions is None:
+            return [int(self.policy_version_min)] * self.num_action_tokens
+        return [int(v) for v, m in zip(self.token_versions, self.action_mask) if m]
 
     def problem(self, vocab_size: int | None = None) -> str | None:
         """Why this trajectory cannot be trained on, or ``None`` when it is valid (see :meth:`diagnose`)."""
@@ -106,4 +117,11 @@ class Trajectory:
         if self.policy_version_min > self.policy_version_max:
             return "policy versions out of order", (f"policy_version_min {self.policy_version_min} > "
                                                     f"policy_version_max {self.policy_version_max}")
+        if self.token_versions is not None:
+            if len(self.token_versions) != n:
+                return "lengths disagree", f"lengths disagree: token_ids {n}, token_versions {len(self.token_versions)}"
+            for t, (m, v) in enumerate(zip(self.action_mask, self.token_versions)):
+                if m and not (isinstance(v, int) and self.policy_version_min <= v <= self.policy_version_max):
+                    return "policy versions out of order", (f"token_versions[{t}] = {v!r} on an action token is not "
+                                                            f"in [policy_version_min, policy_version_max]")
         return None

@@ -1,7 +1,7 @@
 """The rollout side of a run: the buffer, the weight store and the rollout workers, local or on Ray.
 
 ``rollout.backend local``: the buffer and the weight store live in this process and the workers are
-threads of it (:class:`~flashreinforce.trainer.rollout.ThreadRolloutPool`), each with its own engine
+threads of it (:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`), each with its own engine
 copy of the policy. ``rollout.backend ray``: the buffer is a Ray actor, weights travel through Ray's
 object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`).
 """
@@ -14,12 +14,13 @@ from typing import Any, Callable
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
-from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine
+from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine, engine_kind
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
 from flashreinforce.trainer.learner import PolicyLearner
-from flashreinforce.trainer.rollout import RolloutBackend, RolloutSettings, RolloutWorker, ThreadRolloutPool
+from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout_pool import RolloutBackend, ThreadRolloutPool
 
 __all__ = ["RolloutSide", "start_rollout_side"]
 
@@ -40,30 +41,30 @@ class RolloutSide:
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
                      engine_options: dict[str, Any], device: torch.device,
                      torch_threads: int | None) -> RolloutBackend:
-        """The rollout workers (not started): ``rollout.num_workers`` (``vllm.num_engines`` with vLLM)."""
-        engine_kind = cfg.rollout.engine
-        num_workers = cfg.vllm.num_engines if engine_kind == "vllm" else cfg.rollout.num_workers
+        """The rollout workers (not started), as many as the engine kind says (``rollout.num_workers``;
+        ``vllm.num_engines`` with vLLM), each with its own engine."""
+        kind = engine_kind(cfg.rollout.engine)
+        num_workers = kind.num_workers(cfg)
         if self.ray is not None:
             from flashreinforce.distributed.ray import WorkerRecipe
 
-            recipe = WorkerRecipe(model_config=model_config, engine=engine_kind, tokenizer=tokenizer, env=env_spec,
+            recipe = WorkerRecipe(model_config=model_config, engine=kind.name, tokenizer=tokenizer, env=env_spec,
                                   settings=settings, group_size=cfg.rollout.n_samples_per_prompt,
                                   engine_options=engine_options, torch_threads=torch_threads)
             gpus = cfg.ray.num_gpus_per_worker
             if gpus is None:
-                gpus = cfg.vllm.tensor_parallel_size if engine_kind == "vllm" else 0.0
+                gpus = kind.gpus_per_worker(cfg)
             return self.ray.backend(recipe, num_workers, num_cpus=cfg.ray.num_cpus_per_worker, num_gpus=gpus,
                                     max_restarts=cfg.ray.max_restarts, resources=cfg.ray.worker_resources,
                                     strategy=cfg.ray.scheduling_strategy)
         workers = []
         for i in range(num_workers):
-            if engine_kind == "vllm":
-                # No weights yet (version -1): the first sync before generating loads the newest ones.
-                engine = create_engine("vllm", model_config, pad_token_id=tokenizer.pad_token_id,
-                                       options=engine_options)
-            else:
-                engine = create_engine("hf", learner.full_model(device), pad_token_id=tokenizer.pad_token_id,
+            if kind.takes_policy_copy:
+                engine = create_engine(kind.name, learner.full_model(device), pad_token_id=tokenizer.pad_token_id,
                                        version=learner.version, options=engine_options)
+            else:  # no weights yet (version -1): the first sync before generating loads the newest ones
+                engine = create_engine(kind.name, model_config, pad_token_id=tokenizer.pad_token_id,
+                                       options=engine_options)
             workers.append(RolloutWorker(i, engine, env_factory, tokenizer, self.buffer, self.weights, settings))
         return ThreadRolloutPool(workers)
 
@@ -83,13 +84,10 @@ def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_si
                          async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed)
-    if cfg.rollout.engine == "vllm":
-        from flashreinforce.engines.vllm import import_vllm
-
-        try:
-            import_vllm()
-        except ImportError as err:
-            raise ConfigError(f"--rollout.engine vllm: {err}") from None
+    try:
+        engine_kind(cfg.rollout.engine).check_installed()
+    except ImportError as err:
+        raise ConfigError(f"--rollout.engine {cfg.rollout.engine}: {err}") from None
     if cfg.rollout.backend == "ray":
         from flashreinforce.distributed.ray import RayRollout, import_ray
 

@@ -23,7 +23,8 @@ from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
 from flashreinforce.trainer.errors import RunStalled
 from flashreinforce.trainer.fault_counters import FaultMetrics
 from flashreinforce.trainer.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker, ThreadRolloutPool
+from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout_pool import ThreadRolloutPool
 from flashreinforce.trainer.trajectory import Trajectory
 from flashreinforce.trainer.watchdog import Watchdog
 from python_tests.builders import tiny_causal_lm

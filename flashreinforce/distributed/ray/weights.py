@@ -11,7 +11,7 @@ the node's workers). :meth:`RayWeightStore.locations` tells which nodes hold a c
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -95,7 +95,8 @@ class RayWeightStore(WeightStore):
         self._client = _Registry(registry, **kwargs)
         self._ref = None
 
-    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    def publish(self, state_dict: Mapping[str, torch.Tensor], version: int, frozen: Iterable[str] = ()) -> None:
+        # Every version travels whole: workers on other nodes may not hold the frozen tensors.
         ref = import_ray().put(to_arrays(state_dict))
         self._client.publish(int(version), [ref])  # in a list: passed as a reference, not resolved
         self._ref = ref

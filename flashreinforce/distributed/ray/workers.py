@@ -67,7 +67,7 @@ class RolloutWorkerActor:
     def __init__(self, worker_id: int, recipe_ref: list, buffer_handle, registry_handle) -> None:
         import transformers
 
-        from flashreinforce.engines import create_engine
+        from flashreinforce.engines import create_engine, engine_kind
         from flashreinforce.trainer.rollout import RolloutWorker
 
         ray = import_ray()
@@ -83,7 +83,7 @@ class RolloutWorkerActor:
             raise RuntimeError(f"rollout worker {worker_id} on Ray node {node} ({ray.util.get_node_ip_address()}) "
                                f"cannot load --env {recipe.env.spec!r}: {type(err).__name__}: {err} (--env must be "
                                "importable on every node that runs rollout workers)") from err
-        if recipe.engine == "hf":
+        if engine_kind(recipe.engine).takes_policy_copy:  # weights arrive with the first sync
             model = transformers.AutoModelForCausalLM.from_config(engine_model_config(recipe.model_config))
             model = model.to(device=device, dtype=torch.float32)
         else:

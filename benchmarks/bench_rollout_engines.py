@@ -1,0 +1,174 @@
+#!/usr/bin/env python
+"""Rollout throughput of the rollout engines side by side, against this machine's decode floor.
+
+    python benchmarks/bench_rollout_engines.py                                  # hf and vLLM, SmolLM2, CPU
+    python benchmarks/bench_rollout_engines.py --engines hf --requests 32 --new-tokens 128
+    python benchmarks/bench_rollout_engines.py --device cuda --model /path/to/Qwen2.5-0.5B --dtype bf16
+
+For each engine (``--engines``, run one after the other in this process; vLLM's own processes
+start inside it), on the policy ``--model`` (default SmolLM2-135M-Instruct, real weights):
+
+* **start**: seconds to build the engine (vLLM: its processes, model and KV cache);
+* **weight sync**: seconds and bytes of :meth:`load_weights` of a full version that differs from
+  the engine's (every tensor changed), the way the trainer publishes one after each update: the
+  first load and the median of ``--sync-repeats`` more;
+* **tokens/s** for every ``--requests`` x ``--new-tokens`` pair: each call samples ``new tokens``
+  for each of ``requests`` distinct chat-templated prompts (temperature 1, no stop token, so every
+  request runs to the limit); the median of ``--repeats`` calls after a warm-up call.
+
+Beside each rate: this machine's **floor** for that batch, the fastest a decode step could be, and
+the rate as a fraction of it. A step must read every weight once and each request's keys and values
+so far (at the measured copy bandwidth) and compute 2 FLOPs per weight per request (at the measured
+GEMM peak of the engine's dtype); the floor is the larger of the two times, and the rate at the
+floor is ``requests`` tokens per floor step (prefill excluded, which only lowers the measured rate).
+The copy bandwidth and GEMM peak are measured here first (``benchmarks/common.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import copy_bandwidth, gemm_peak, machine_line, print_table  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+QUESTIONS = ["What is {a} plus {b}? Answer with just the number.",
+             "Compute {a} times {b} and give only the result.",
+             "If you have {a} apples and eat {b}, how many are left?"]
+
+
+def build_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` distinct chat-templated prompts (token ids)."""
+    out = []
+    for i in range(n):
+        text = QUESTIONS[i % len(QUESTIONS)].format(a=17 + 7 * i, b=3 + i)
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        out.append([int(t) for t in ids])
+    return out
+
+
+def decode_floor(num_params: int, weight_bytes: int, kv_per_token: int, requests: int, mean_context: float,
+                 bandwidth: float, peak: float) -> float:
+    """Seconds of the fastest decode step for ``requests`` requests (see the module docstring)."""
+    memory = (weight_bytes + requests * mean_context * kv_per_token) / bandwidth
+    compute = requests * 2 * num_params / peak
+    return max(memory, compute)
+
+
+def perturbed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    """A new version of every tensor (as an optimizer step makes one)."""
+    g = torch.Generator().manual_seed(step)
+    return {k: v + 1e-4 * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype) for k, v in state.items()}
+
+
+def make_engine(kind: str, args, model, checkpoint: Path, max_requests: int, max_len: int, device):
+    from flashreinforce.engines import create_engine
+
+    if kind == "hf":
+        return create_engine("hf", model, pad_token_id=0, version=0, options={"dtype": args.dtype_name})
+    options = dict(dtype=args.dtype_name, max_model_len=max_len, max_num_seqs=max_requests,
+                   enforce_eager=args.enforce_eager)
+    if device.type == "cuda":
+        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return create_engine("vllm", str(checkpoint), pad_token_id=0, version=0, options=options)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", nargs="+", default=["hf", "vllm"])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--requests", type=int, nargs="+", default=[8, 32, 64])
+    p.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sync-repeats", type=int, default=3)
+    p.add_argument("--enforce-eager", action="store_true", help="vLLM: no compilation (faster start)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--threads", type=int, default=None, help="torch threads of this process")
+    args = p.parse_args()
+    args.dtype_name = {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+
+    import transformers
+
+    from flashreinforce.models.loading import build_model, checkpoint_directory
+
+    checkpoint = checkpoint_directory(args.model)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+    model, _ = build_model(str(checkpoint), device=device)
+    num_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    weight_bytes = num_params * DTYPES[args.dtype].itemsize
+    from flashreinforce.engines.vllm import kv_bytes_per_token
+
+    kv_per_token = kv_bytes_per_token(model.config, DTYPES[args.dtype])
+    bandwidth = copy_bandwidth(device)
+    peak = gemm_peak(device, DTYPES[args.dtype])
+    print(f"machine: {machine_line(device)}")
+    print(f"model: {args.model} ({num_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB in {args.dtype}); "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {args.dtype} GEMM peak {peak / 1e9:.0f} GFLOP/s (measured)")
+    prompts_all = build_prompts(tokenizer, max(args.requests))
+    max_len = max(len(x) for x in prompts_all) + max(args.new_tokens) + 8
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    from flashreinforce.engines import GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=())
+    starts, syncs, rows = [], [], []
+    for kind in args.engines:
+        t0 = time.perf_counter()
+        engine = make_engine(kind, args, model if kind != "hf" else type(model)(model.config).to(device).eval(),
+                             checkpoint, max(args.requests), max_len, device)
+        start = time.perf_counter() - t0
+        try:
+            t_sync = []
+            for r in range(1 + args.sync_repeats):
+                new = perturbed(state, r)
+                t1 = time.perf_counter()
+                engine.load_weights(new, r + 1)
+                t_sync.append(time.perf_counter() - t1)
+            sync_bytes = engine.last_load[1] or sum(v.numel() * DTYPES[args.dtype].itemsize for v in state.values())
+            engine.load_weights(state, 10_000)  # the real weights for sampling
+            starts.append([kind, f"{start:.1f}"])
+            syncs.append([kind, f"{t_sync[0]:.3f}", f"{statistics.median(t_sync[1:]):.3f}", f"{sync_bytes / 2**20:.0f}"])
+            for n in args.requests:
+                for new_tokens in args.new_tokens:
+                    reqs = [GenerationRequest(prompts_all[i], new_tokens, seed=i) for i in range(n)]
+                    engine.generate(reqs[: min(n, 4)], params)  # warm-up
+                    times = []
+                    for _ in range(args.repeats):
+                        t1 = time.perf_counter()
+                        gens = engine.generate(reqs, params)
+                        times.append(time.perf_counter() - t1)
+                        made = sum(len(g.token_ids) for g in gens)
+                    rate = made / statistics.median(times)
+                    ctx = statistics.mean(len(x) for x in prompts_all[:n]) + new_tokens / 2
+                    floor = n / decode_floor(num_params, weight_bytes, kv_per_token, n, ctx, bandwidth, peak)
+                    rows.append([kind, str(n), str(new_tokens), f"{rate:.0f}", f"{floor:.0f}", f"{rate / floor:.2f}"])
+                    print(f"  {kind}: {n} requests x {new_tokens} tokens: {rate:.0f} tokens/s "
+                          f"(floor {floor:.0f}, {rate / floor:.2f})", flush=True)
+        finally:
+            engine.close()
+    print_table("Engine start", ["engine", "start s"], starts)
+    print_table("Weight sync (a full version, every tensor changed)",
+                ["engine", "first s", "median s", "MiB sent"], syncs)
+    print_table(f"Rollout throughput ({args.dtype}, temperature 1, no stop token)",
+                ["engine", "requests", "new tokens", "tokens/s", "floor tokens/s", "of floor"], rows)
+
+
+if __name__ == "__main__":
+    main()

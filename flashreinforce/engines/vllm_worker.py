@@ -1,0 +1,99 @@
+"""What runs inside vLLM's worker process: loading a weight version in place.
+
+:class:`WeightUpdateExtension` is given to vLLM as ``worker_extension_cls`` (vLLM's public hook for
+methods called on its workers through ``LLM.collective_rpc``). Each method takes plain values only
+(vLLM serializes RPC arguments itself; a tensor would not survive it), so weights never travel
+through the RPC: the call carries a manifest and the worker reads the tensors from memory both
+processes share.
+
+* CPU (:meth:`flashreinforce_load_shared`): a shared-memory file written by the trainer
+  (:mod:`flashreinforce.engines.shared_weights`), mapped once and read as views.
+* CUDA (:meth:`flashreinforce_load_cuda_ipc`): one device buffer of the trainer's, opened through a
+  CUDA IPC handle (``torch.multiprocessing``'s reduction of a CUDA tensor, keyed by the GPU's UUID so
+  that a different ``CUDA_VISIBLE_DEVICES`` numbering in the worker finds the same device), opened
+  once and read as views: a device-to-device copy, no host round trip.
+
+Either way vLLM's own in-place reload (Hugging Face names; vLLM fuses projections and re-runs each
+layer's weight processing itself) copies the views into the model. This module imports no vLLM and runs in the trainer's
+process only for tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import pickle
+from typing import Any
+
+import torch
+
+from flashreinforce.engines.shared_weights import read_manifest, views_of
+
+__all__ = ["WeightUpdateExtension", "load_named", "open_cuda_buffer"]
+
+_CUDA_BUFFERS: dict[str, torch.Tensor] = {}
+
+
+def open_cuda_buffer(key: str, handles_b64: str) -> torch.Tensor:
+    """The trainer's CUDA buffer behind ``handles_b64`` (base64 of a pickled ``{gpu uuid: reduction
+    args}``), opened once per ``key`` on this process's device with that UUID."""
+    buf = _CUDA_BUFFERS.get(key)
+    if buf is not None:
+        return buf
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    handles = pickle.loads(base64.b64decode(handles_b64))
+    for index in range(torch.cuda.device_count()):
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        if uuid in handles:
+            args = list(handles[uuid])
+            args[6] = index  # the device index of torch's CUDA reduction, renumbered for this process
+            _CUDA_BUFFERS.clear()
+            buf = rebuild_cuda_tensor(*args)
+            _CUDA_BUFFERS[key] = buf
+            return buf
+    raise RuntimeError(f"CUDA IPC weight buffer: none of the GPUs {sorted(handles)} is visible to this vLLM worker")
+
+
+def load_named(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+    """Load ``weights`` (Hugging Face names) into the model of vLLM ``worker``, in place.
+
+    Through the worker's ``reload_weights`` where it has one: vLLM re-runs each layer's weight
+    processing after loading (its CPU build repacks linear weights for its GEMM kernels, so copying
+    into the parameters alone would not reach the kernels); else the model's ``load_weights``.
+    """
+    dev = getattr(worker, "device", None)
+    dev = torch.device(dev) if dev is not None else None
+    if dev is not None:
+        weights = [(n, t if t.device == dev else t.to(dev, non_blocking=True)) for n, t in weights]
+    reload = getattr(worker, "reload_weights", None)
+    if callable(reload):
+        # Its layer-by-layer reload warns once per update about every layer that has no weights of its
+        # own to load (rotary embeddings): expected here, so only errors are shown.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        reload(weights_iterator=iter(weights), is_checkpoint_format=True)
+    else:
+        worker.model_runner.model.load_weights(weights=weights)
+    if dev is not None and dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return len(weights)
+
+
+class WeightUpdateExtension:
+    """Methods vLLM mixes into its worker (``worker_extension_cls``); called through ``collective_rpc``.
+
+    ``self.model_runner`` and ``self.device`` are the vLLM worker's own attributes.
+    """
+
+    def flashreinforce_load_shared(self, manifest: dict) -> int:
+        """Load the tensors a shared-memory manifest lists; returns how many were loaded."""
+        return load_named(self, read_manifest(manifest))
+
+    def flashreinforce_load_cuda_ipc(self, key: str, handles_b64: str, entries: list) -> int:
+        """Load the tensors ``entries`` lists from the trainer's CUDA buffer (opened once per ``key``)."""
+        buf = open_cuda_buffer(key, handles_b64)
+        return load_named(self, views_of(buf, entries))
+
+    def flashreinforce_parameter_sum(self) -> float:
+        """Sum of every parameter (float64), to check from outside that new weights arrived."""
+        return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
