@@ -191,6 +191,7 @@ class RolloutWorker:
         self._token_chars = max_token_chars(tokenizer)
         self._engine_call_since: tuple[str, float] | None = None  # ("engine.generate", start) during a call
         self._last_version_check = 0.0
+        self._newest_seen = -1
         self.idle_s = 0.0
         self.busy_s = 0.0
         self.paused_s = 0.0  # waited for the learner's evaluation (part of busy_s)
@@ -313,12 +314,16 @@ class RolloutWorker:
             self._engine_call_since = None
 
     def _newer_weights_waiting(self) -> bool:
-        """Whether a version newer than the engine's is published (asked at most every 50 ms)."""
+        """Whether a version newer than the engine's is published (the store is asked at most every
+        50 ms; a newer version once seen stays seen until the engine has loaded it)."""
+        if self._newest_seen > self.engine.version:
+            return True
         now = time.monotonic()
         if now - self._last_version_check < 0.05:
             return False
         self._last_version_check = now
-        return self.weights.latest_version() > self.engine.version
+        self._newest_seen = self.weights.latest_version()
+        return self._newest_seen > self.engine.version
 
     def _sync_weights(self) -> None:
         """Load the newest published weights into the engine if it is behind (timed, for the metrics)."""

@@ -36,7 +36,10 @@ __all__ = ["RayRolloutBackend"]
 log = logging.getLogger(__name__)
 
 #: Counters of a worker's statistics that add up over its incarnations.
-_STAT_KEYS = ("idle_s", "busy_s", "episodes", "errors", "weight_loads", "quarantined_episodes", "env_timeouts")
+_STAT_KEYS = ("idle_s", "busy_s", "episodes", "errors", "weight_loads", "quarantined_episodes", "env_timeouts",
+              "weight_sync_s_total", "inflight_pauses")
+#: Per-worker values that describe its latest event (not summed over incarnations).
+_LAST_KEYS = ("last_weight_sync_s", "last_weight_sync_bytes")
 
 #: A worker not back this long after its death gets a log line saying what it waits for (seconds),
 #: repeated every :data:`REVIVE_REPORT_EVERY_S`.
@@ -398,6 +401,7 @@ class RayRolloutBackend(RolloutBackend):
             s: dict[str, Any] = {k: self._base_stats[i][k] + float(last.get(k, 0.0)) for k in _STAT_KEYS}
             s["env_timeouts_by_call"] = _add_counts(self._base_timeouts[i], last.get("env_timeouts_by_call"))
             s["restarts"] = self.restarts[i]
+            s.update({k: float(last.get(k, 0.0)) for k in _LAST_KEYS})
             running = i < len(self._runs) and self._runs[i] is not None
             s["current_call"] = last.get("current_call", "") if running else ""
             s["current_call_s"] = float(last.get("current_call_s", 0.0)) if running else 0.0

@@ -1,0 +1,87 @@
+"""Weights through shared memory: what the trainer writes is what another process maps, tensor by
+tensor, with slots kept across versions and no tensor pickled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashreinforce.engines.shared_weights import ALIGNMENT, SharedWeightWriter, read_manifest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(3, 5, generator=g), "b.bias": torch.randn(7, generator=g).to(torch.bfloat16),
+            "c.scale": torch.randn(2, 2, 2, generator=g, dtype=torch.float64)}
+
+
+def test_a_version_round_trips_exactly_with_aligned_slots():
+    writer = SharedWeightWriter()
+    try:
+        state = _tensors(0)
+        manifest = writer.write(state.items())
+        assert os.path.dirname(manifest.path) in ("/dev/shm", os.path.dirname(manifest.path))
+        assert all(offset % ALIGNMENT == 0 for _, _, _, offset in manifest.entries)
+        got = dict(read_manifest(manifest.as_plain()))
+        assert set(got) == set(state)
+        for name, t in state.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t)
+    finally:
+        writer.close()
+    assert not os.path.exists(manifest.path)
+
+
+def test_a_subset_keeps_its_slots_and_the_others_keep_their_values():
+    writer = SharedWeightWriter()
+    try:
+        first = writer.write(_tensors(0).items())
+        new_b = torch.full((7,), 2.5, dtype=torch.bfloat16)
+        second = writer.write([("b.bias", new_b)])
+        assert second.path == first.path and [e[0] for e in second.entries] == ["b.bias"]
+        assert second.entries[0][3] == next(e[3] for e in first.entries if e[0] == "b.bias")
+        got = dict(read_manifest(first))  # every slot, as the file holds them now
+        assert torch.equal(got["b.bias"], new_b) and torch.equal(got["a.weight"], _tensors(0)["a.weight"])
+        # A shape the layout has no slot for starts a new buffer (and removes the old file).
+        third = writer.write([("a.weight", torch.zeros(4, 5))])
+        assert third.path != first.path and not os.path.exists(first.path)
+    finally:
+        writer.close()
+
+
+def test_a_cast_on_the_way_and_an_empty_version_refused():
+    writer = SharedWeightWriter()
+    try:
+        manifest = writer.write(_tensors(1).items(), dtype=torch.float16)
+        assert {e[1] for e in manifest.entries} == {"float16"}
+        got = dict(read_manifest(manifest))
+        assert torch.equal(got["a.weight"], _tensors(1)["a.weight"].half())
+        with pytest.raises(ValueError, match="no tensors"):
+            writer.write([])
+    finally:
+        writer.close()
+
+
+def test_another_process_reads_the_same_memory(tmp_path):
+    writer = SharedWeightWriter()
+    try:
+        state = _tensors(2)
+        manifest = writer.write(state.items())
+        code = ("import json, sys, torch; from flashreinforce.engines.shared_weights import read_manifest; "
+                "m = json.loads(sys.argv[1]); print(json.dumps({n: float(t.double().sum()) for n, t in read_manifest(m)}))")
+        import json
+
+        proc = subprocess.run([sys.executable, "-c", code, json.dumps(manifest.as_plain())], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        sums = json.loads(proc.stdout)
+        for name, t in state.items():
+            assert sums[name] == pytest.approx(float(t.double().sum()), rel=1e-12)
+    finally:
+        writer.close()
