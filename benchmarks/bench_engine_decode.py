@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_loss_cpu import print_table  # noqa: E402
-from bench_packed_forward import SHAPES  # noqa: E402
+from common import SHAPES  # noqa: E402
 from flashreinforce.engines.decode_attention import ATTENTION_NAME  # noqa: E402
 from flashreinforce.engines.hf import KV_CACHES  # noqa: E402
 

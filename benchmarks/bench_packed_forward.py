@@ -51,14 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-SHAPES = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
-                         num_key_value_heads=3, num_hidden_layers=30, rope_theta=100000.0, tie_word_embeddings=True,
-                         max_position_embeddings=8192, model_type="llama"),
-    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                         num_key_value_heads=2, num_hidden_layers=24, rope_theta=1000000.0, tie_word_embeddings=True,
-                         max_position_embeddings=32768, model_type="qwen2"),
-}
+from common import SHAPES  # noqa: E402
+
 MODES = ("padded", "dense", "packed", "shared")
 
 

@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import copy_bandwidth, gemm_peak, machine_line, print_table  # noqa: E402
+from common import SHAPES, copy_bandwidth, gemm_peak, machine_line, print_table  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -82,13 +82,16 @@ def make_engine(kind: str, args, model, checkpoint: Path, max_requests: int, max
                    enforce_eager=args.enforce_eager)
     if device.type == "cuda":
         options["gpu_memory_utilization"] = args.gpu_memory_utilization
-    return create_engine("vllm", str(checkpoint), pad_token_id=0, version=0, options=options)
+    source = checkpoint if not isinstance(checkpoint, Path) else str(checkpoint)  # a config: dummy weights
+    return create_engine("vllm", source, pad_token_id=0, version=-1, options=options)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", nargs="+", default=["hf", "vllm"])
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a model shape with random weights instead of --model (random prompts; nothing to read)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--requests", type=int, nargs="+", default=[8, 32, 64])
@@ -108,9 +111,17 @@ def main() -> None:
 
     from flashreinforce.models.loading import build_model, checkpoint_directory
 
-    checkpoint = checkpoint_directory(args.model)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
-    model, _ = build_model(str(checkpoint), device=device)
+    if args.shape:  # random weights from a config, random prompts: no file needed (a GPU machine)
+        cfg = dict(SHAPES[args.shape])
+        model_type = cfg.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **cfg)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.float32).eval()
+        checkpoint, tokenizer = config, None
+    else:
+        checkpoint = checkpoint_directory(args.model)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+        model, _ = build_model(str(checkpoint), device=device)
     num_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     weight_bytes = num_params * DTYPES[args.dtype].itemsize
     from flashreinforce.engines.vllm import kv_bytes_per_token
@@ -121,7 +132,12 @@ def main() -> None:
     print(f"machine: {machine_line(device)}")
     print(f"model: {args.model} ({num_params / 1e6:.1f}M parameters, {weight_bytes / 2**20:.0f} MiB in {args.dtype}); "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; {args.dtype} GEMM peak {peak / 1e9:.0f} GFLOP/s (measured)")
-    prompts_all = build_prompts(tokenizer, max(args.requests))
+    if tokenizer is None:
+        g = torch.Generator().manual_seed(1)
+        prompts_all = [torch.randint(100, model.config.vocab_size, (40 + i % 20,), generator=g).tolist()
+                       for i in range(max(args.requests))]
+    else:
+        prompts_all = build_prompts(tokenizer, max(args.requests))
     max_len = max(len(x) for x in prompts_all) + max(args.new_tokens) + 8
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -129,7 +145,14 @@ def main() -> None:
 
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=())
     starts, syncs, rows = [], [], []
+    from flashreinforce.engines import engine_kind
+
     for kind in args.engines:
+        try:
+            engine_kind(kind).check_installed()
+        except ImportError as err:
+            print(f"  {kind}: skipped ({err})")
+            continue
         t0 = time.perf_counter()
         engine = make_engine(kind, args, model if kind != "hf" else type(model)(model.config).to(device).eval(),
                              checkpoint, max(args.requests), max_len, device)

@@ -14,7 +14,19 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["copy_bandwidth", "cpu_name", "gemm_peak", "machine_line", "median_time", "print_table"]
+__all__ = ["SHAPES", "copy_bandwidth", "cpu_name", "gemm_peak", "machine_line", "median_time", "print_table"]
+
+#: Model shapes the benchmarks build from a config (random weights, nothing downloaded): the
+#: ``transformers`` config keyword arguments, ``model_type`` included.
+SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                         num_key_value_heads=3, num_hidden_layers=30, rope_theta=100000.0, tie_word_embeddings=True,
+                         max_position_embeddings=8192, model_type="llama"),
+    "qwen2.5-0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
+                         num_key_value_heads=2, num_hidden_layers=24, rope_theta=1000000.0, tie_word_embeddings=True,
+                         max_position_embeddings=32768, model_type="qwen2"),
+}
+
 
 
 def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

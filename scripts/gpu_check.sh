@@ -148,6 +148,10 @@ stage "hf engine decode, bf16" 150 "$PY" benchmarks/bench_engine_decode.py --dev
   --kv-cache preallocated dynamic --decode-attention on off
 stage "hf engine decode, float32" 60 "$PY" benchmarks/bench_engine_decode.py --device cuda --shape qwen2.5-0.5b \
   --dtype fp32 --batch 256 --prompt-len 128 --prompt-spread 32 --new-tokens 128 --repeats 2 --kv-cache preallocated
+# Rollout throughput against the decode floor, start and weight-sync times, per engine (vLLM is skipped,
+# with the reason, where it is not installed: the lent machine has no vLLM).
+stage "rollout engines" 200 "$PY" benchmarks/bench_rollout_engines.py --device cuda --shape qwen2.5-0.5b --dtype bf16 \
+  --requests 32 256 --new-tokens 128 --repeats 2 --sync-repeats 2
 fi
 
 if want train; then

@@ -1,0 +1,47 @@
+"""``auto`` dtypes are chosen by the machine: bf16 only where it is native and measurably faster."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashreinforce import dtypes
+from flashreinforce.config import TrainerConfig
+from flashreinforce.trainer import components
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choice(monkeypatch):
+    monkeypatch.setattr(dtypes, "_AUTO_CHOICE", {})
+
+
+def test_a_cpu_without_native_bf16_gets_float32_without_a_probe(monkeypatch):
+    monkeypatch.setattr(dtypes, "cpu_computes_bf16", lambda: False)
+    monkeypatch.setattr(dtypes, "_bf16_probe_speedup", lambda: pytest.fail("no probe without native bf16"))
+    name, why = dtypes.resolve_auto_dtype("cpu")
+    assert name == "float32" and "no native bf16" in why
+
+
+@pytest.mark.parametrize("speedup, want", [(3.0, "bfloat16"), (1.02, "float32")])
+def test_a_cpu_with_native_bf16_follows_the_probe(monkeypatch, speedup, want):
+    monkeypatch.setattr(dtypes, "cpu_computes_bf16", lambda: True)
+    calls = []
+    monkeypatch.setattr(dtypes, "_bf16_probe_speedup", lambda: calls.append(1) or speedup)
+    assert dtypes.resolve_auto_dtype("cpu")[0] == want
+    assert dtypes.resolve_auto_dtype("cpu")[0] == want and len(calls) == 1  # decided once per process
+
+
+def test_the_probe_measures_a_real_gemm():
+    assert dtypes._bf16_probe_speedup() > 0
+
+
+def test_explicit_names_pass_through_and_auto_follows_the_learner_for_the_engines(monkeypatch):
+    monkeypatch.setattr(dtypes, "cpu_computes_bf16", lambda: False)
+    assert dtypes.resolve_dtype("bf16", "cpu") == "bfloat16"
+    cfg = TrainerConfig.from_preset("arith")
+    assert cfg.fsdp.param_dtype == "auto" and cfg.rollout.engine_dtype == "auto"
+    assert components.engine_dtype(cfg, "cpu") == "float32"
+    assert components.learner_settings(cfg, 10, "cpu").param_dtype == "float32"
+    notes = components.dtype_notes(cfg, "cpu")
+    assert len(notes) == 1 and "fsdp.param_dtype and rollout.engine_dtype auto: float32" in notes[0]
+    cfg.rollout.engine_dtype = "bf16"
+    assert components.engine_dtype(cfg, "cpu") == "bfloat16"
