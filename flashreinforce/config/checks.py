@@ -120,6 +120,7 @@ def _check(cfg, errors: list[str]) -> None:
             inactive[n] = f"dropped: actor.loss_mode is {mode}"
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
+    cfg.lora.check_selected(cfg, errors, inactive)
     engine = v["rollout.engine"]
     for name, section_name in ENGINE_SECTIONS.items():
         section = getattr(cfg, section_name)

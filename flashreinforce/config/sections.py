@@ -17,7 +17,7 @@ from flashreinforce.dtypes import DTYPE_NAMES
 from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
-           "EvalConfig", "FsdpConfig", "KLConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
+           "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
            "ENGINE_REGISTRY", "ENGINE_SECTIONS", "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig",
            "WandbConfig", "engine_names"]
 
@@ -354,7 +354,39 @@ def engine_names() -> tuple[str, ...]:
     return tuple(ENGINE_REGISTRY)
 
 
+@dataclass
+class LoraConfig:
+    rank: int = option("int", 0, "LoRA adapter rank (0: full fine-tuning); with a rank, only adapters train "
+                       "(PEFT, extra flashreinforce[lora]) and only adapters reach the rollout engines",
+                       minimum=0, maximum=4096)
+    alpha: float = option("float", 32.0, "LoRA scale numerator: a targeted projection computes W + (alpha / rank) B A",
+                          minimum=0, above=True)
+    dropout: float = option("float", 0.0, "dropout on the adapters' input while training", minimum=0, maximum=0.99)
+    target_modules: str = option("str", "default", "layers that get adapters: default (the attention and MLP "
+                                 "projections q/k/v/o/gate/up/down), all-linear (every linear layer but the output "
+                                 "projection), or comma-separated module names")
+    base_dtype: str = option("str", "fp32", "the frozen base weights: fp32, or bf16 (half their memory; needs a bf16 "
+                             "fsdp.param_dtype)", choices=("fp32", "bf16"))
+
+    def validate(self, errors: list[str]) -> None:
+        names = [t.strip() for t in str(self.target_modules).split(",")]
+        if not all(names) or (len(names) > 1 and {"default", "all-linear"} & set(names)):
+            errors.append(f"--lora.target_modules {self.target_modules!r}: give default, all-linear, or comma-separated "
+                          "module names")
+
+    def check_selected(self, cfg, errors: list[str], inactive: dict[str, str]) -> None:
+        """Cross-section checks; every lora flag but rank is inactive without a rank."""
+        if self.rank == 0:
+            for name in ("alpha", "dropout", "target_modules", "base_dtype"):
+                inactive[f"lora.{name}"] = "lora.rank is 0 (full fine-tuning)"
+            return
+        if self.base_dtype == "bf16" and cfg.fsdp.param_dtype not in ("bf16", "bfloat16", "auto"):
+            errors.append(f"--lora.base_dtype bf16 needs a bf16 learner (--fsdp.param_dtype bf16 or auto), got "
+                          f"--fsdp.param_dtype {cfg.fsdp.param_dtype}")
+
+
 #: The sections in flag order: (name, class).
 SECTIONS = (("actor", ActorConfig), ("ref", RefConfig), ("algo", AlgoConfig), ("ckpt", CkptConfig),
             ("data", DataConfig), ("eval", EvalConfig), ("fsdp", FsdpConfig), ("logger", LoggerConfig),
-            ("rollout", RolloutConfig), ("ray", RayConfig), ("train", TrainConfig), ("vllm", VllmConfig))
+            ("rollout", RolloutConfig), ("ray", RayConfig), ("train", TrainConfig), ("vllm", VllmConfig),
+            ("lora", LoraConfig))

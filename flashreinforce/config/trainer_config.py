@@ -23,8 +23,8 @@ from typing import Any, Mapping
 from flashreinforce.config.checks import raise_errors, validate
 from flashreinforce.config.schema import ConfigError, check_value, flag_table, get_path, section, set_path
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
-                                            LoggerConfig, RayConfig, RefConfig, RolloutConfig, TrainConfig,
-                                            VllmConfig)
+                                            LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
+                                            TrainConfig, VllmConfig)
 from flashreinforce.objective import OPTION_FLAGS, LossOptions
 
 __all__ = ["RUN_OPTIONS", "TrainerConfig"]
@@ -58,7 +58,7 @@ class TrainerConfig:
     """A run's configuration.
 
     Sections (``actor``, ``algo``, ``ckpt``, ``data``, ``eval``, ``fsdp``, ``logger``, ``ray``,
-    ``ref``, ``rollout``, ``train``, ``vllm``): every flag, as typed fields. Run options: ``preset``,
+    ``ref``, ``rollout``, ``train``, ``vllm``, ``lora``): every flag, as typed fields. Run options: ``preset``,
     ``env_kwargs``, ``rewards`` (reward-function specs), ``tokenizer``, ``output``, ``resume``, ``seed``,
     ``device``, ``torch_threads``, ``progress``, ``overwrite``, ``allow_config_change``. Set by the
     resolution: ``inactive`` (flag -> why it has no effect here), ``warnings``, ``explicit`` (flags
@@ -77,6 +77,7 @@ class TrainerConfig:
     ray: RayConfig = section(RayConfig)
     train: TrainConfig = section(TrainConfig)
     vllm: VllmConfig = section(VllmConfig)
+    lora: LoraConfig = section(LoraConfig)
     preset: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     rewards: list[str] = field(default_factory=list)

@@ -210,6 +210,23 @@ def build_model(spec: str, *, device: torch.device, attn_implementation: str | N
     return model.to(device=device, dtype=torch.float32), tok
 
 
+def _build_adapter(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
+    """A PEFT LoRA adapter folder: its base model (``base_model_name_or_path``, any ``--model`` form)
+    with the adapter merged in; the tokenizer of the folder when it has one, else the base's."""
+    from flashreinforce.models.lora import load_adapter_dir
+
+    base_spec = str(_read_json(path / "adapter_config.json").get("base_model_name_or_path") or "")
+    if not base_spec:
+        raise ConfigError(f"--model {spec}: adapter_config.json names no base model (base_model_name_or_path)")
+    try:
+        base, base_tok = _build(base_spec, Path(resolve_model_spec(base_spec)), kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"--model {spec}: the adapter's base model {base_spec!r} cannot be loaded: {err}") from None
+    has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                              "char_tokenizer.json"))
+    return load_adapter_dir(path, base), str(path) if has_tokenizer else base_tok
+
+
 def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
     import transformers
 
@@ -225,6 +242,8 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
         model, tok = transformers.AutoModelForCausalLM.from_config(config, **kwargs), "char"
     elif path.is_file() and path.suffix == ".gguf":
         model, tok = load_gguf_model(path, **kwargs), str(path)
+    elif path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        model, tok = _build_adapter(spec, path, kwargs)
     elif path.is_dir() and (path / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
                                                                   **{_dtype_kwarg(): torch.float32}, **kwargs)
@@ -232,7 +251,8 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
     else:
         raise ConfigError(f"--model {spec!r}: expected one of {sorted(TINY_MODELS)}, an alias "
                           f"({', '.join(sorted(MODEL_ALIASES))}), a .gguf file, a model config .json, a local "
-                          "checkpoint directory with config.json, or a run directory (models are never downloaded)")
+                          "checkpoint directory with config.json, a PEFT adapter directory, or a run directory "
+                          "(models are never downloaded)")
     return model, tok
 
 

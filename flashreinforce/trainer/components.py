@@ -22,12 +22,14 @@ from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts
                                           num_prompts)
 from flashreinforce.models.attention import document_attention_unsupported
 from flashreinforce.models.loading import build_model
+from flashreinforce.models.lora import LoraSettings, apply_lora
 from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 from flashreinforce.trainer.learner import LearnerSettings
 from flashreinforce.trainer.rollout import RolloutSettings
 
-__all__ = ["Policy", "RunEnvironments", "device_of", "engine_options", "eval_environments", "learner_settings",
-           "episode_turn_limit", "load_environments", "load_policy", "rollout_settings", "sampling_params", "total_updates"]
+__all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
+           "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",
+           "lora_settings", "rollout_settings", "sampling_params", "total_updates"]
 
 
 def device_of(name: str) -> torch.device:
@@ -91,7 +93,16 @@ def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
         if problem is not None:
             raise ConfigError(f"--fsdp.packing_samples (the default): {problem}; give --fsdp.packing_samples false "
                               "for the padded learner forward")
+    if cfg.lora.rank > 0:
+        apply_lora(model, lora_settings(cfg))
     return Policy(model, tokenizer, env_renders)
+
+
+def lora_settings(cfg: ResolvedConfig) -> LoraSettings:
+    """The ``lora`` section as :class:`~flashreinforce.models.lora.LoraSettings` (rank 0: no LoRA)."""
+    targets = tuple(t.strip() for t in str(cfg.lora.target_modules).split(","))
+    return LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, target_modules=targets,
+                        base_dtype=canonical_dtype(cfg.lora.base_dtype, what="lora.base_dtype"))
 
 
 @dataclass
@@ -255,8 +266,18 @@ def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str
 
 
 def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The rollout engine's options from the configuration (the engine kind's own reading of it)."""
-    return engine_kind(cfg.rollout.engine).options(cfg, seed, engine_dtype(cfg, device))
+    """The rollout engine's options from the configuration (the engine kind's own reading of it), with
+    the policy's LoRA settings (``lora``) when it trains adapters."""
+    kind = engine_kind(cfg.rollout.engine)
+    options = kind.options(cfg, seed, engine_dtype(cfg, device))
+    if cfg.lora.rank > 0:
+        if "lora" not in kind.options_accepted:
+            raise ConfigError(f"--lora.rank: the {kind.name} rollout engine cannot serve LoRA adapters; use "
+                              "--rollout.engine hf or vllm")
+        settings = lora_settings(cfg)
+        options["lora"] = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
+                           "target_modules": settings.target_modules}
+    return options
 
 
 def dtype_notes(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> list[str]:

@@ -284,6 +284,9 @@ class PolicyLearner(Protocol):
     def policy_state(self) -> dict[str, Tensor]:
         """The current full weights (Hugging Face names), for publication to the rollout engines."""
 
+    def frozen_names(self) -> set[str]:
+        """Names of :meth:`policy_state` that never change (a weight store may publish them once)."""
+
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """An unsharded copy of the current policy (float32 on ``device``), for engines and exports."""
 
@@ -513,6 +516,11 @@ class Learner:
     def policy_state(self) -> dict[str, Tensor]:
         """The current weights, for publication to the rollout engines (tensors alias the model's)."""
         return self.model.state_dict()
+
+    def frozen_names(self) -> set[str]:
+        """Names of :meth:`policy_state` that never change (parameters that do not train, such as the
+        base weights under LoRA): a weight store may publish them once."""
+        return {n for n, p in self.model.named_parameters() if not p.requires_grad}
 
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """A copy of the current policy on ``device`` (for an engine or an export), with the model's

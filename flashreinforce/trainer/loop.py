@@ -48,6 +48,7 @@ from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
 from flashreinforce.trainer.summary import write_run_summary
 from flashreinforce.trainer.watchdog import Watchdog
+from flashreinforce.models.lora import has_lora, merged_model, save_adapter
 from flashreinforce.trainer.rollout_pool import RolloutBackend
 from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
 
@@ -139,6 +140,18 @@ class Trainer:
         model = self.learner.full_model() if self.learner.sharded else self.model
         return save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
                                state=state, tokenizer=self.tokenizer, max_keep=self.cfg.ckpt.max_ckpt_num)
+
+    def _export(self) -> None:
+        """The final policy in Hugging Face format in ``hf/``; with LoRA, the adapters merged in, and the
+        adapters alone in PEFT's format in ``hf/adapter`` (``peft.PeftModel.from_pretrained(base, ...)``)."""
+        self.hf_dir.mkdir(parents=True, exist_ok=True)
+        model = self.learner.full_model() if self.learner.sharded else self.model
+        if has_lora(model):
+            save_adapter(model, self.hf_dir / "adapter", base_model=str(self.cfg.actor.model_name_or_path))
+            self.tokenizer.save_pretrained(self.hf_dir / "adapter")
+            model = merged_model(model)
+        model.save_pretrained(str(self.hf_dir))
+        self.tokenizer.save_pretrained(self.hf_dir)
 
     def _make_workers(self) -> RolloutBackend:
         return self.rollout.make_workers(
@@ -283,7 +296,8 @@ class Trainer:
             log.warning(w)
         for note in components.dtype_notes(cfg, self.device):
             log.info(note)
-        self.weights.publish(self.learner.policy_state(), self.learner.version)
+        self.weights.publish(self.learner.policy_state(), self.learner.version,
+                             frozen=self.learner.frozen_names())
         main_thread = threading.current_thread() is threading.main_thread()
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if main_thread else None
         metrics_log = open_metrics_log(cfg, self.out, tokenizer=self.tokenizer, total=self.max_steps,
@@ -322,7 +336,8 @@ class Trainer:
                     self.counters["skipped_updates"] += 1
                     self.buffer.update_done()
                     continue
-                self.weights.publish(self.learner.policy_state(), self.learner.version)
+                self.weights.publish(self.learner.policy_state(), self.learner.version,
+                                     frozen=self.learner.frozen_names())
                 self.buffer.update_done()
                 self.step += 1
                 now = time.perf_counter()
@@ -377,9 +392,7 @@ class Trainer:
                     log.error("no checkpoint could be written after the failure (%s: %s); the last one written "
                               "before it is the one to resume from", type(err).__name__, str(err)[:300])
         if status == "completed":
-            self.hf_dir.mkdir(parents=True, exist_ok=True)
-            (self.learner.full_model() if self.learner.sharded else self.model).save_pretrained(str(self.hf_dir))
-            self.tokenizer.save_pretrained(self.hf_dir)
+            self._export()
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
         summary.update(run_summary(metrics_log.history))
