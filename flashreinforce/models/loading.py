@@ -227,6 +227,40 @@ def _build_adapter(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch
     return load_adapter_dir(path, base), str(path) if has_tokenizer else base_tok
 
 
+def _lora_checkpoint(path: Path) -> dict | None:
+    """The ``lora`` record of a training checkpoint that holds LoRA adapters only, else ``None``."""
+    try:
+        record = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    lora = record.get("lora") if isinstance(record, dict) else None
+    return lora if isinstance(lora, dict) and lora.get("base_model") else None
+
+
+def _build_lora_checkpoint(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
+    """A training checkpoint of a LoRA run: its base model (as the run named it) with the checkpoint's
+    adapters merged in; the checkpoint's tokenizer."""
+    from safetensors.torch import load_file
+
+    from flashreinforce.models.lora import LoraSettings, apply_lora, merged_model
+
+    lora = _lora_checkpoint(path)
+    base_spec = str(lora["base_model"])
+    try:
+        base, base_tok = _build(base_spec, Path(resolve_model_spec(base_spec)), kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"--model {spec}: the LoRA run's base model {base_spec!r} cannot be loaded: {err}") from None
+    settings = LoraSettings(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0)),
+                            target_modules=tuple(lora.get("target_modules") or ("default",)))
+    apply_lora(base, settings)
+    missing, unexpected = base.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    if unexpected or any(".lora_" in k for k in missing):
+        raise ConfigError(f"--model {spec}: the adapters do not fit the base model {base_spec!r} "
+                          f"(unexpected {list(unexpected)[:3]})")
+    has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "char_tokenizer.json"))
+    return merged_model(base), str(path) if has_tokenizer else base_tok
+
+
 def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
     import transformers
 
@@ -244,6 +278,8 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
         model, tok = load_gguf_model(path, **kwargs), str(path)
     elif path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         model, tok = _build_adapter(spec, path, kwargs)
+    elif path.is_dir() and _lora_checkpoint(path) is not None:
+        model, tok = _build_lora_checkpoint(spec, path, kwargs)
     elif path.is_dir() and (path / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
                                                                   **{_dtype_kwarg(): torch.float32}, **kwargs)

@@ -138,6 +138,11 @@ class Trainer:
         if learner_state.get("optimizer_format"):
             state["optimizer_format"] = learner_state["optimizer_format"]
         model = self.learner.full_model() if self.learner.sharded else self.model
+        if has_lora(model):  # what rebuilds the policy from this adapters-only checkpoint
+            lora = components.lora_settings(self.cfg)
+            state["lora"] = {"base_model": str(self.cfg.actor.model_name_or_path), "rank": lora.rank,
+                             "alpha": lora.alpha, "dropout": lora.dropout,
+                             "target_modules": list(lora.target_modules)}
         return save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
                                state=state, tokenizer=self.tokenizer, max_keep=self.cfg.ckpt.max_ckpt_num)
 

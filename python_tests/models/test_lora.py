@@ -169,5 +169,7 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_exports_both_for
 
     a, _ = build_model(str(out / "hf" / "adapter"), device=torch.device("cpu"))
     b, _ = build_model(str(out / "hf"), device=torch.device("cpu"))
+    c, _ = build_model(str(out), device=torch.device("cpu"))  # the run directory: its newest (adapters-only) checkpoint
     x = torch.randint(0, 90, (1, 8))
     torch.testing.assert_close(a(x).logits, b(x).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c(x).logits, b(x).logits, rtol=1e-5, atol=1e-5)
