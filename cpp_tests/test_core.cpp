@@ -483,13 +483,20 @@ int main() {
     for (int k = 0; k < 200000; ++k) {
       const float x = static_cast<float>(-8.0 * u(rng) * u(rng));
       const float y = std::min(0.0f, static_cast<float>(x + std::exp(-12.0 * u(rng)) * (u(rng) - 0.5)));
-      const double got = math::bernoulli_kl<float>(y, x);
+      const double got = math::bernoulli_kl(y, x);
       const double want = kl_exact(y, x, true);
       if (want > 0) worst = std::max(worst, std::fabs(got - want) / want);
       const float e = math::exp_fast(x - y);
       CHECK(std::fabs(e - std::exp((double)x - (double)y)) <= 4e-7 * std::exp((double)x - (double)y));
     }
     std::printf("float32 bernoulli_kl worst relative error %.3g\n", worst);
+    // exp_fast at its edges: the largest float whose exp is finite, the next one (inf), NaN, +-inf.
+    const float kInf = std::numeric_limits<float>::infinity();
+    CHECK(std::isfinite(math::exp_fast(88.72283172607421875f)));
+    CHECK(math::exp_fast(88.72283935546875f) == kInf);
+    CHECK(math::exp_fast(kInf) == kInf && math::exp_fast(-kInf) == 0.0f);
+    CHECK(std::isnan(math::exp_fast(std::numeric_limits<float>::quiet_NaN())));
+    CHECK(math::exp_fast(0.0f) == 1.0f && math::exp_fast(-100.0f) == 0.0f);
     CHECK(worst < 3e-5);  // observed ~5e-6 (about 40 ulp) over 200k random pairs
     for (float h : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1e-5f, 5.96e-8f, 1e-3f, 3.14159f}) {
       const uint16_t bits = math::float_to_half(h);
