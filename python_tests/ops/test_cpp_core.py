@@ -8,6 +8,7 @@ error a CPU-only build gives for CUDA tensors and the structural checks of the r
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -130,3 +131,41 @@ def test_binding_names_match_the_contract():
     views = _C.view_names()
     assert views[-len(contract.OUTPUT_NAMES):] == contract.OUTPUT_NAMES
     assert [c.name.lower() for c in contract.ErrorCode] == list(_C.error_code_names())
+
+
+# The instruction-set files of the CPU path (csrc/cpu/main_pass_*.cpp) and their namespaces.
+_ISA_OBJECTS = {"generic": "isa_generic", "avx2": "isa_avx2", "avx512": "isa_avx512"}
+
+
+def _isa_objects(build_dir: Path) -> dict:
+    found = {name: build_dir / "CMakeFiles" / "fr_core.dir" / "csrc" / "cpu" / f"main_pass_{name}.cpp.o"
+             for name in _ISA_OBJECTS}
+    found = {name: path for name, path in found.items() if path.exists()}
+    assert "generic" in found, f"no object files of the CPU path under {build_dir / 'CMakeFiles'}"
+    return found
+
+
+def test_instruction_set_files_share_no_code(build_dir):
+    """An instruction-set file defines nothing outside its own namespace that is global or weak: an
+    inline function or template instance that several files emit is kept once by the linker, maybe
+    from the AVX-512 file, and then runs in the generic code on any CPU. Nor does it run anything at
+    load time (a static initializer would run before the CPU check)."""
+    nm, objdump = shutil.which("nm"), shutil.which("objdump")
+    if nm is None or objdump is None:
+        pytest.skip("nm / objdump (binutils) not found")
+    objects = _isa_objects(build_dir)
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert set(objects) == set(_ISA_OBJECTS), f"x86-64 builds compile every instruction set: {objects}"
+    problems = []
+    for name, path in objects.items():
+        listing = subprocess.run([nm, "--defined-only", "-C", str(path)], capture_output=True, text=True, check=True)
+        namespace = f"flashreinforce::cpu::{_ISA_OBJECTS[name]}::"
+        for line in listing.stdout.splitlines():
+            _, kind, symbol = line.split(" ", 2)
+            external = kind.isupper() or kind in "uvw"  # global, weak or unique
+            # The personality pointer of C++ exception handling: data, the same in every object.
+            if external and namespace not in symbol and symbol != "DW.ref.__gxx_personality_v0":
+                problems.append(f"{path.name}: {kind} {symbol}")
+        sections = subprocess.run([objdump, "-h", str(path)], capture_output=True, text=True, check=True).stdout
+        problems += [f"{path.name}: static initializers ({s})" for s in (".init_array", ".ctors") if s in sections]
+    assert not problems, "\n".join(problems)
