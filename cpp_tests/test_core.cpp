@@ -1,10 +1,11 @@
 // C++ tests of the framework-agnostic core (CPU path) against a double-precision computation
 // written here from docs/semantics.md, on random segments and edge cases. Run through CTest
-// (python_tests/ops/test_cpp_core.py builds and runs it).
+// (python_tests/ops/test_cpp_core.py builds and runs it). `test_core SEED` replays a run.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -292,10 +293,22 @@ static void check_case(const std::string& name, const Problem& P) {
   if (e.code == ErrorCode::kOk) compare(P, got, sizeof(T) == 4);
 }
 
-int main() {
-  std::mt19937_64 rng(std::random_device{}());
-  const uint64_t seed = rng();
-  rng.seed(seed);
+// test_core [SEED]: the random cases come from SEED (a fresh one when absent; printed either way, so
+// that a failure can be replayed).
+int main(int argc, char** argv) {
+  uint64_t seed = 0;
+  if (argc > 1) {
+    char* end = nullptr;
+    seed = std::strtoull(argv[1], &end, 10);
+    if (end == argv[1] || *end != '\0') {
+      std::fprintf(stderr, "usage: %s [SEED]\n", argv[0]);
+      return 2;
+    }
+  } else {
+    std::mt19937_64 fresh(std::random_device{}());
+    seed = fresh();
+  }
+  std::mt19937_64 rng(seed);
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
 
   // Random segments: 1 token to thousands, with and without the filter, gate on and off.
@@ -509,7 +522,8 @@ int main() {
   }
 
   if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed (seed %llu)\n", g_failures, static_cast<unsigned long long>(seed));
+    std::fprintf(stderr, "%d check(s) failed (seed %llu; replay: %s %llu)\n", g_failures,
+                 static_cast<unsigned long long>(seed), argv[0], static_cast<unsigned long long>(seed));
     return 1;
   }
   std::printf("all core checks passed\n");
