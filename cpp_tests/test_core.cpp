@@ -246,9 +246,10 @@ static void compare(const Problem& P, const Result& got, bool f32) {
 }
 
 // Random problem: lengths from `lengths`, 75% policy tokens (first token of each trajectory is
-// a prompt token unless it is the only one), masked slots hold NaN / inf garbage.
+// a prompt token unless it is the only one), masked slots hold NaN / inf garbage; log-probs down
+// to -depth.
 static Problem random_problem(std::mt19937_64& rng, const std::vector<int64_t>& lengths, double spread, double q,
-                              bool ties) {
+                              bool ties, double depth = 6.0) {
   Problem P;
   std::uniform_real_distribution<double> u(0, 1);
   std::normal_distribution<double> nrm(0, 1);
@@ -270,7 +271,7 @@ static Problem random_problem(std::mt19937_64& rng, const std::vector<int64_t>& 
   }
   for (int64_t t = 0; t < n; ++t) {
     // Round to float so the float32 run sees exactly these values.
-    const double x = (double)(float)(-6.0 * u(rng) * u(rng));
+    const double x = (double)(float)(-depth * u(rng) * u(rng));
     const double y = (double)(float)std::min(0.0, x + spread * nrm(rng));
     P.lp[t] = P.mask[t] ? x : NAN;
     P.blp[t] = P.mask[t] ? y : INFINITY;
@@ -330,6 +331,15 @@ int main(int argc, char** argv) {
       P.lsf = 4096;
       check_case<float>("random sum-norm", P);
     }
+  }
+  // Log-probs far below the clamp ln(1e-6) and far apart: the KL's clamped branches, and ratios that
+  // the CPU main pass computes with exp of their own (a block with such a token).
+  for (double spread : {0.5, 8.0}) {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 30; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % (i % 7 == 6 ? 3000 : 80)));
+    Problem P = random_problem(rng, lengths, spread, 1.0, false, 40.0);
+    check_case<double>("deep log-probs", P);
+    check_case<float>("deep log-probs", P);
   }
   // Single-token trajectories only.
   {

@@ -45,6 +45,7 @@ struct KlScratch {
   alignas(64) float P[kBlock];
   alignas(64) float near[kBlock];
   alignas(64) float far[kBlock];
+  alignas(64) float exp_delta[kBlock];
 };
 
 // Stage 1 over [a, b) (b - a <= kBlock): kl[t - a] = the token's KL term (0 where the behavior
@@ -58,7 +59,9 @@ struct KlScratch {
 // dependency chain (the core overlaps too few iterations of a long body), and a loop that reads the
 // byte mask is vectorized 32 tokens per iteration (the width of its narrowest type), which spills
 // most registers and packs every flag to bytes. So: a light loop turns the mask into floats, then
-// the validation with the first half of the KL, then its second half with the ratio.
+// the validation with the first half of the KL, then its second half with the ratio, which comes
+// from the KL's e^delta (math::ratio_from_kl) unless a log-prob of the block is below ln 1e-6: then
+// a fourth loop computes the block's ratios with exp.
 template <class LP, class BLP, bool kMask, bool kNoIs>
 static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
                               int64_t a, int64_t b, typename math::ComputeOf<LP>::type* __restrict kl,
@@ -103,6 +106,7 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
     float* __restrict P = scratch.P;
     float* __restrict near = scratch.near;
     float* __restrict far = scratch.far;
+    float* __restrict exp_delta = scratch.exp_delta;
     if (kMask) {
 #pragma omp simd
       for (int64_t u = 0; u < len; ++u) pol[u] = mask[u] != 0 ? 1.0f : 0.0f;
@@ -119,8 +123,10 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
       P[u] = k.P;
       near[u] = k.near;
       far[u] = k.far;
+      exp_delta[u] = k.exp_delta;
     }
-#pragma omp simd reduction(max : max_rho)
+    int inexact = 0;
+#pragma omp simd reduction(max : max_rho) reduction(| : inexact)
     for (int64_t u = 0; u < len; ++u) {
       const bool policy = kMask ? pol[u] != 0.0f : true;
       math::KlPartial k;
@@ -131,10 +137,25 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
       const float d = math::kl_finish(k);
       kl[u] = policy ? d : 0.0f;
       const float x = math::to_compute(lp[u], float());
-      const float r = policy ? math::exp_c(x - math::to_compute(blp[u], float())) : 0.0f;
+      const float y = math::to_compute(blp[u], float());
+      float ratio;
+      const bool exact = math::ratio_from_kl(y, x, exp_delta[u], &ratio);
+      inexact |= static_cast<int>(policy & !exact);
+      const float r = policy ? ratio : 0.0f;
       rho[u] = r;
       xs[u] = policy ? x : 0.0f;
       max_rho = r > max_rho ? r : max_rho;
+    }
+    if (inexact) {  // rare: a log-prob below ln 1e-6, whose ratio needs an exp of its own
+      max_rho = 0.0f;
+#pragma omp simd reduction(max : max_rho)
+      for (int64_t u = 0; u < len; ++u) {
+        const bool policy = kMask ? pol[u] != 0.0f : true;
+        const float ratio = math::exp_c(math::to_compute(lp[u], float()) - math::to_compute(blp[u], float()));
+        const float r = policy ? ratio : 0.0f;  // computed for every token: a conditional exp stays a branch (SSE2)
+        rho[u] = r;
+        max_rho = r > max_rho ? r : max_rho;
+      }
     }
   }
   BlockFlags<C> f;

@@ -268,10 +268,11 @@ FR_HD float clamp_log_prob(float x) {
 // (bernoulli_kl runs both). The CPU main pass runs them in two loops: each loop's dependency chain
 // is short enough for the core to overlap several vector iterations.
 struct KlPartial {
-  float z;     // q expm1(delta) / (1 - q)
-  float P;     // 1 - p
-  float near;  // q g(delta) + q z expm1(delta): the stable form without its -(1-p) h(z)
-  float far;   // p delta: the direct form's first term
+  float z;          // q expm1(delta) / (1 - q)
+  float P;          // 1 - p
+  float near;       // q g(delta) + q z expm1(delta): the stable form without its -(1-p) h(z)
+  float far;        // p delta: the direct form's first term
+  float exp_delta;  // e^delta = p / q (ratio_from_kl)
 };
 
 FR_HD KlPartial kl_partial(float behavior, float current) {
@@ -297,6 +298,7 @@ FR_HD KlPartial kl_partial(float behavior, float current) {
   k.P = Q - qem;
   k.near = q * (delta * em - excess) + k.z * qem;
   k.far = (q + qem) * delta;
+  k.exp_delta = scale_d * sd + scale_d;
   return k;
 }
 
@@ -324,6 +326,19 @@ FR_HD float kl_finish(const KlPartial& k) {
 }
 
 FR_HD float bernoulli_kl(float behavior, float current) { return kl_finish(kl_partial(behavior, current)); }
+
+// The importance ratio exp(current - behavior) from the KL's e^delta, without an exp of its own:
+// exp(current - behavior) = exp(c) / e^delta, where c = (current - log_q) - (behavior - log_p) is
+// the difference of the two clamping corrections. c is 0 when neither log-prob was clamped and
+// below 2.1e-6 in magnitude when only the upper bound clamped them; exp(c) is then 1 + c to float32
+// precision, and the ratio is within about 2 ulp. Returns false when |c| >= 2^-14 (a log-prob below
+// ln 1e-6, or an invalid one): the ratio is then exp_fast(current - behavior).
+FR_HD bool ratio_from_kl(float behavior, float current, float exp_delta, float* ratio) {
+  const float c = (current - clamp_log_prob(current)) - (behavior - clamp_log_prob(behavior));
+  const float inv = 1.0f / exp_delta;
+  *ratio = c * inv + inv;
+  return (c < 6.103515625e-05f) & (c > -6.103515625e-05f);
+}
 
 // Float64: the same two forms from the C library (the double path is for accuracy, not speed);
 // h from the atanh series, w = -z / (2 - z), log(1 - z) = 2 (w + w^3/3 + ...) and
