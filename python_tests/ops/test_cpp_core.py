@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -21,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build" / "cpp-tests"
 
 
+def _tool(name: str) -> str | None:
+    """A command of this interpreter's environment (the test extra's cmake), else from PATH: a suite run
+    as `venv/bin/python -m pytest` without an activated environment has the former not on its PATH."""
+    return shutil.which(name, path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]))
+
+
 def _cmake_build() -> Path:
-    cmake = shutil.which("cmake")
+    cmake = _tool("cmake")
     if cmake is None:
         pytest.fail("cmake is required to build the C++ tests (pip install cmake)")
     import pybind11
@@ -30,7 +37,7 @@ def _cmake_build() -> Path:
     args = [cmake, "-S", str(ROOT), "-B", str(BUILD), "-DFLASHREINFORCE_CUDA=OFF", "-DFLASHREINFORCE_BUILD_TESTS=ON",
             "-DFLASHREINFORCE_BUILD_PYTHON=ON", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
-    if shutil.which("ninja") and not (BUILD / "CMakeCache.txt").exists():
+    if _tool("ninja") and not (BUILD / "CMakeCache.txt").exists():
         args += ["-G", "Ninja"]
     subprocess.run(args, check=True, capture_output=True, text=True)
     jobs = str(max(1, min(2, os.cpu_count() or 1)))
@@ -45,8 +52,8 @@ def build_dir() -> Path:
 
 
 def test_ctest_core(build_dir):
-    ctest = shutil.which("ctest")
-    assert ctest, "ctest not found next to cmake"
+    ctest = _tool("ctest")
+    assert ctest, "ctest not found (it comes with cmake)"
     done = subprocess.run([ctest, "--output-on-failure"], cwd=build_dir, capture_output=True, text=True, timeout=600)
     print(done.stdout[-3000:])
     assert done.returncode == 0, f"ctest failed:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
