@@ -1,6 +1,7 @@
 // C++ tests of the framework-agnostic core (CPU path) against a double-precision computation
 // written here from docs/semantics.md, on random segments and edge cases. Run through CTest
-// (python_tests/ops/test_cpp_core.py builds and runs it). `test_core SEED` replays a run.
+// (python_tests/ops/test_cpp_core.py builds and runs it). `test_core SEED` (or FR_TEST_SEED=SEED) replays a
+// run.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -294,15 +295,17 @@ static void check_case(const std::string& name, const Problem& P) {
   if (e.code == ErrorCode::kOk) compare(P, got, sizeof(T) == 4);
 }
 
-// test_core [SEED]: the random cases come from SEED (a fresh one when absent; printed either way, so
-// that a failure can be replayed).
+// test_core [SEED]: the random cases come from SEED, else from the environment variable FR_TEST_SEED
+// (as in the Python tests), else from a fresh seed; it is printed either way, so that a failure can
+// be replayed.
 int main(int argc, char** argv) {
   uint64_t seed = 0;
-  if (argc > 1) {
+  const char* given = argc > 1 ? argv[1] : std::getenv("FR_TEST_SEED");
+  if (given != nullptr) {
     char* end = nullptr;
-    seed = std::strtoull(argv[1], &end, 10);
-    if (end == argv[1] || *end != '\0') {
-      std::fprintf(stderr, "usage: %s [SEED]\n", argv[0]);
+    seed = std::strtoull(given, &end, 10);
+    if (end == given || *end != '\0') {
+      std::fprintf(stderr, "usage: %s [SEED] (or FR_TEST_SEED=SEED), got '%s'\n", argv[0], given);
       return 2;
     }
   } else {
