@@ -43,8 +43,13 @@ template <class E>
 static void block_keys(const E* __restrict e, const uint8_t* __restrict mask, int64_t a, int64_t len,
                 KeyOf<E>* __restrict keys) {
   if (mask) {
+    // The key of every token, then the select: a load under the condition would need masked loads
+    // to vectorize (AVX2 has them; SSE2 and NEON do not).
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) keys[j] = mask[a + j] ? key_at(e, a + j) : KeyOf<E>(0);
+    for (int64_t j = 0; j < len; ++j) {
+      const KeyOf<E> key = key_at(e, a + j);
+      keys[j] = mask[a + j] ? key : KeyOf<E>(0);
+    }
   } else {
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) keys[j] = key_at(e, a + j);
