@@ -122,3 +122,36 @@ def test_eval_ignores_a_presets_training_thread_split_unless_told(monkeypatch, c
     assert eval_cli.eval_command(["--preset", "arith", "--model", "m", "--torch_threads", "3"]) == 0
     assert seen == [None, 3]
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"ok": 1}
+
+
+def says_the_letter(prompt, completion, target, **row):
+    return float(completion[:1] == target)
+
+
+def test_eval_of_a_run_plays_its_heldout_rows_says_what_it_does_and_records_the_result(tmp_path, capsys):
+    import flashreinforce as fr
+    from flashreinforce.analysis import load_run
+    from flashreinforce.cli.eval import eval_command
+    from flashreinforce.trainer.heldout import read_split
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))
+    config = fr.TrainerConfig.from_preset("toy", output=str(tmp_path / "run"), progress=False)
+    config.rollout.batch_size = config.train.batch_size = 8
+    config.train.max_steps, config.eval.num_prompts, config.eval.eval_at_start = 2, 6, False
+    fr.train(config, rewards=[says_the_letter], dataset=str(rows))
+    split = read_split(tmp_path / "run")
+    assert split is not None and len(split.rows) == 6
+    capsys.readouterr()
+    args = ["--preset", "toy", "--model", str(tmp_path / "run"), "--reward", f"{__name__}:says_the_letter",
+            "--data.prompt_dataset", str(rows), "--eval.num_prompts", "3", "--no_sampled"]
+    assert eval_command(args) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.splitlines()[-1])
+    assert result["num_prompts"] == 6 and result["heldout"] == {"rows": 6, "of": 40, "recorded_by_run": True}
+    assert result["checkpoint_step"] == 2 and result["run_dir"] == str(tmp_path / "run")
+    assert "flashreinforce eval: loading the model" in err and "model loaded in" in err
+    assert "greedy accuracy on 6 held-out rows of the prompt set" in err and "greedy: 6/6 prompts" in err
+    recorded = [json.loads(x) for x in (tmp_path / "run" / "eval_command.jsonl").read_text().splitlines()]
+    assert len(recorded) == 1 and recorded[0]["step"] == 2 and recorded[0]["accuracy"] == result["accuracy"]
+    assert load_run(tmp_path / "run").command_evals == recorded
