@@ -191,12 +191,13 @@ class MetricsLog:
         self.history.append(dict(record))
         step = int(record["step"])
         self._to_sinks(step, record)
-        self.bar.update(1)
         # "success" is the share of rewarded episodes; "admitted" the share of trajectories the trust gate
-        # kept (acceptance_rate), which is not an accuracy.
+        # kept (acceptance_rate), which is not an accuracy. The numbers are set before the count moves, so
+        # that the redraw update() makes shows this update's numbers beside its count.
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", success=f"{record.get('success_rate', 0.0):.2f}",
                              admitted=f"{record['acceptance_rate']:.2f}", lag=f"{record['policy_lag_mean']:.1f}",
                              refresh=False)
+        self.bar.update(1)
         if not self.progress and record["step"] % self.logging_steps == 0:
             print(f"step {record['step']}: reward {record['reward_mean']:.3f} success "
                   f"{record.get('success_rate', 0.0):.2f} gate-admitted {record['acceptance_rate']:.2f} lag "
