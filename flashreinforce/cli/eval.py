@@ -64,7 +64,10 @@ def _shown(name: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     from flashreinforce.config.command_line import build_parser
 
-    p = build_parser(prog="flashreinforce eval", shown=_shown, description=(
+    p = build_parser(prog="flashreinforce eval", shown=_shown, usage=(
+        "flashreinforce eval [--preset NAME | --config FILE] --model M [--env SPEC | --reward FILE.py:FUNC\n"
+        "         --data.prompt_dataset PATH] [--output FILE] [--samples FILE] [--no_sampled] [--FLAG VALUE ...]"),
+        description=(
         "Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) on the "
         "evaluation prompts: greedy accuracy and sampled pass@1; prints one JSON object. --output FILE also "
         "writes it there. Training flags are accepted too (not listed)."))
