@@ -19,7 +19,9 @@ runs in one thread with torch's default thread count unless ``--torch_threads`` 
 With a finite prompt set and no ``eval.dataset``, the prompts are the held-out rows of that set
 (:mod:`flashreinforce.trainer.heldout`): for a run's model, the rows the run recorded in its
 ``heldout.json`` and never trained on; for any other model, the rows a run with the same ``--seed``
-and prompt set holds out.
+and prompt set holds out, so that a base model and the trained one are scored on the same rows (a
+set of fewer than 5 rows, which no run can split, is played whole). ``--eval.dataset FILE`` plays
+every row of FILE instead.
 
 Progress goes to stderr (the model's loading, then a line every 10 s of each evaluation). It prints
 one JSON object on stdout (``accuracy``, ``pass@1``, ``num_prompts``, ``model``, the checkpoint's
@@ -111,7 +113,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     from flashreinforce.models.loading import resolve_model_spec
     from flashreinforce.trainer import components
     from flashreinforce.trainer.evaluation import Evaluator, eval_seeds, progress_lines
-    from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
+    from flashreinforce.trainer.heldout import HELDOUT_FILE, MAX_HELDOUT_SHARE, run_split
     from flashreinforce.trainer.prechecks import check_before_model
 
     if cfg.torch_threads:
@@ -136,7 +138,8 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     # The training loop's evaluation seeds: every row of eval.dataset; else the held-out rows of a finite
     # prompt set (the run's own split when the model is a run's); else eval.num_prompts seeds.
     run_dir = _run_directory(spec, resolved)
-    split = run_split(cfg, rows, run_dir)
+    too_small = rows is not None and rows < MAX_HELDOUT_SHARE and run_dir is None  # nothing to hold out: every row
+    split = None if too_small else run_split(cfg, rows, run_dir)
     if split is not None:
         seeds = list(split.rows)
     else:

@@ -155,3 +155,22 @@ def test_eval_of_a_run_plays_its_heldout_rows_says_what_it_does_and_records_the_
     recorded = [json.loads(x) for x in (tmp_path / "run" / "eval_command.jsonl").read_text().splitlines()]
     assert len(recorded) == 1 and recorded[0]["step"] == 2 and recorded[0]["accuracy"] == result["accuracy"]
     assert load_run(tmp_path / "run").command_evals == recorded
+
+
+def test_eval_of_a_base_model_plays_the_rows_a_run_holds_out_and_a_tiny_set_whole(tmp_path, capsys):
+    from flashreinforce.cli.eval import eval_command
+    from flashreinforce.trainer.heldout import heldout_rows
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))
+    base = ["--preset", "toy", "--reward", f"{__name__}:says_the_letter", "--no_sampled", "--eval.num_prompts", "6"]
+    assert eval_command(base + ["--data.prompt_dataset", str(rows)]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    held = heldout_rows(40, 6, seed=0)
+    assert result["num_prompts"] == 6 and result["seeds"] == [held[0], held[-1]]
+    assert result["heldout"] == {"rows": 6, "of": 40, "recorded_by_run": False}
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcd"))
+    assert eval_command(base + ["--data.prompt_dataset", str(tiny)]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["num_prompts"] == 4 and result["heldout"] is None
