@@ -102,7 +102,7 @@ def exit_past_running_calls(code: int) -> None:
     if not left:
         return
     names = ", ".join(t.name for t in left[:4]) + (", ..." if len(left) > 4 else "")
-    print(f"flashreinforce: not waiting for {len(left)} thread(s) still inside a call ({names}); exiting with "
+    print(f"flashreinforce: not waiting for {len(left)} rollout thread(s) still running ({names}); exiting with "
           f"status {code}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:

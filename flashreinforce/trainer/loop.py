@@ -233,6 +233,8 @@ class Trainer:
         """Close the rollout side (Ray actors; only a Ray instance this run started is stopped);
         leave the torch.distributed job."""
         try:
+            if self._evaluator is not None:  # its environment-call threads end with it
+                self._evaluator.close()
             if self.rollout is not None:
                 self.rollout.close()
         finally:

@@ -88,3 +88,11 @@ def test_a_run_stopped_by_the_watchdog_exits_1_while_an_environment_call_still_r
     assert done.returncode == 1, done.stderr[-3000:]
     assert "episodes in a row could not be trained on" in done.stderr
     assert "not waiting for" in done.stderr and "rollout-worker-" in done.stderr
+
+
+def test_a_completed_run_leaves_no_rollout_thread_behind(tmp_path):
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--train.max_steps", "3",
+           "--rollout.batch_size", "8", "--train.batch_size", "8", "--no_progress", "--output", str(tmp_path / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "not waiting for" not in done.stderr  # workers and the evaluator's threads ended with the run
