@@ -141,8 +141,9 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    dataset: str | None = option("str", None, "evaluation prompt dataset (default: the environment's own eval "
-                                 "seeds); the forms of data.prompt_dataset", objects=True)
+    dataset: str | None = option("str", None, "evaluation prompt dataset (default: rows held out of a finite prompt "
+                                 "set and never trained on, else the environment's own eval seeds); the forms of "
+                                 "data.prompt_dataset", objects=True)
     steps: int = option("int", 0, "evaluate every this many updates (0: never)", minimum=0)
     every_min: float = option("float", 0.0, "also evaluate every this many minutes of training time (evaluations and "
                               "checkpoints excluded; 0: never); rollouts pause during evaluations", minimum=0)
@@ -150,8 +151,8 @@ class EvalConfig:
     n_samples_per_prompt: int = option("int", 1, "samples per evaluation prompt", minimum=1)
     temperature: float = option("float", 0.7, "evaluation sampling temperature (0: greedy)", minimum=0)
     top_p: float = option("float", 0.7, "evaluation top-p", minimum=0, maximum=1, above=True)
-    num_prompts: int = option("int", 64, "evaluation prompts of an environment without a finite prompt set",
-                              minimum=1)
+    num_prompts: int = option("int", 64, "evaluation prompts: rows held out of a finite prompt set (at most one in "
+                              "five), or seeds of an environment without one", minimum=1)
 
     def validate(self, errors: list[str]) -> None:
         if not math.isfinite(self.temperature) or not math.isfinite(self.every_min):
@@ -290,6 +291,9 @@ class TrainConfig:
     num_episodes: int = option("int", 1, "passes over a finite prompt set (sets the number of updates)", minimum=1)
     max_steps: int = option("int", 0, "optimizer updates (0: num_episodes passes over the prompt set)", minimum=0,
                             maximum=10**9)
+    max_minutes: float = option("float", 0.0, "stop after this many minutes of training in this session (evaluations "
+                                "and checkpoint saves excluded; checked after each update), then save and export as "
+                                "at the end, exit status 0; --resume continues (0: no limit)", minimum=0)
     async_queue_size: int = option("int", 1, "batches that may be in flight ahead of the learner (0: synchronous)",
                                    minimum=0)
     max_policy_lag: int | None = option("int", None, "drop trajectories more than this many versions old (none: "
@@ -305,6 +309,9 @@ class TrainConfig:
         if not math.isfinite(self.stall_timeout_s):
             errors.append(f"--train.stall_timeout_s must be a finite number of seconds >= 0 (0: no limit), "
                           f"got {self.stall_timeout_s}")
+        if not math.isfinite(self.max_minutes):
+            errors.append(f"--train.max_minutes must be a finite number of minutes >= 0 (0: no limit), "
+                          f"got {self.max_minutes}")
 
 
 @dataclass

@@ -31,8 +31,9 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "build_model", "checkpoint_directory",
-           "load_gguf_model", "require_gguf", "resolve_model_spec", "run_checkpoint"]
+__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "adopt_model", "build_model",
+           "checkpoint_directory", "describe_object", "load_gguf_model", "require_gguf", "resolve_model_spec",
+           "run_checkpoint"]
 
 #: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
 #: with random weights. Sized for the character tokenizer (vocabulary 100); head size 32, the smallest
@@ -259,6 +260,41 @@ def _build_lora_checkpoint(spec: str, path: Path, kwargs: dict[str, Any]) -> tup
                           f"(unexpected {list(unexpected)[:3]})")
     has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "char_tokenizer.json"))
     return merged_model(base), str(path) if has_tokenizer else base_tok
+
+
+def describe_object(obj: Any) -> str:
+    """How a model or tokenizer object given in Python is recorded in the run's configuration: its
+    local folder (``name_or_path``) when it has one, else ``<Class given in Python>``."""
+    where = getattr(obj, "name_or_path", None)
+    if isinstance(where, str) and where and Path(where).is_dir():
+        return where
+    return f"<{type(obj).__name__} given in Python>"
+
+
+def adopt_model(model: Any, *, device: torch.device, attn_implementation: str | None = None
+                ) -> tuple[torch.nn.Module, str | None]:
+    """A ``transformers`` causal language model object as the run's policy (trained in place: moved to
+    ``device`` in float32, the learner's master weights), and its tokenizer spec (its local folder, or
+    None when it has none).
+
+    Raises ``ConfigError`` for a PEFT-wrapped model (the trainer adds its own adapters: the message names
+    ``merge_and_unload()`` and ``lora.rank``) and for anything that is not a ``transformers`` model with a language-model head.
+    """
+    kind = type(model).__name__
+    if getattr(model, "peft_config", None) is not None or type(model).__module__.split(".")[0] == "peft":
+        raise ConfigError(f"model: a PEFT-wrapped model ({kind}) is not taken as it is; pass the base model "
+                          "with config.lora.rank set (the trainer adds and trains its own LoRA adapters), or "
+                          "model.merge_and_unload() to train every weight of the merged model")
+    if isinstance(model, (str, os.PathLike)):
+        raise ConfigError("model: a path belongs in --model (config.actor.model_name_or_path), not here")
+    head = getattr(model, "get_output_embeddings", None)
+    if not (isinstance(model, torch.nn.Module) and callable(head) and head() is not None
+            and callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "config")):
+        raise ConfigError(f"model: expected a transformers causal language model (AutoModelForCausalLM), got {kind}")
+    if attn_implementation and callable(getattr(model, "set_attn_implementation", None)):
+        model.set_attn_implementation(attn_implementation)
+    where = describe_object(model)
+    return model.to(device=device, dtype=torch.float32), None if where.startswith("<") else where
 
 
 def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:

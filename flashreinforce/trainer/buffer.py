@@ -82,14 +82,24 @@ class PromptStream:
 
     With ``num_prompts`` (a finite prompt set, e.g. a dataset), each pass is a fresh seeded
     permutation of ``range(num_prompts)`` (one pass = one episode in Molt's ``train.num_episodes``);
-    without it, seeds are ``seed_offset + prompt_id`` (every prompt new). Prompts given back with
-    :meth:`requeue` come out first, in the order given.
+    without it, seeds are ``seed_offset + prompt_id`` (every prompt new). ``exclude``: rows of the
+    finite set never handed out (the held-out split, :mod:`.heldout`); a pass is then a permutation of
+    the other rows. Prompts given back with :meth:`requeue` come out first, in the order given.
     """
 
     def __init__(self, *, num_prompts: int | None = None, seed: int = 0, seed_offset: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, exclude: Iterable[int] = ()) -> None:
         if num_prompts is not None and num_prompts <= 0:
             raise ValueError(f"num_prompts must be positive or None, got {num_prompts}")
+        excluded = set(int(r) for r in exclude)
+        self._rows = None
+        if excluded:
+            if num_prompts is None:
+                raise ValueError("exclude needs a finite prompt set (num_prompts)")
+            self._rows = [r for r in range(num_prompts) if r not in excluded]
+            if not self._rows:
+                raise ValueError(f"exclude leaves no row of the {num_prompts} to hand out")
+            num_prompts = len(self._rows)
         self.num_prompts = num_prompts
         self.seed = seed
         self.seed_offset = seed_offset
@@ -104,7 +114,7 @@ class PromptStream:
             return self.seed_offset + prompt_id
         epoch, pos = divmod(prompt_id, self.num_prompts)
         if epoch != self._perm_epoch:
-            self._perm = list(range(self.num_prompts))
+            self._perm = list(range(self.num_prompts)) if self._rows is None else list(self._rows)
             if self.shuffle:
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
             self._perm_epoch = epoch

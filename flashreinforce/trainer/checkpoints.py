@@ -71,7 +71,8 @@ LATEST = "latest"
 #: Files of a checkpoint directory that loading needs (the model's config.json and tokenizer are extras).
 REQUIRED_FILES = ("state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt")
 #: The records a run writes into its output directory (cleared by ``--overwrite``).
-RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json", "heldout.json",
+             "eval_command.jsonl")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Hidden leftovers of a save: ".step_00000010.tmp-<id>" (being written), ".step_00000010.old-<id>" (set aside).
 _LEFTOVER = re.compile(r"^\.(step_\d+)\.(tmp|old|trash)-[0-9a-f]+$")

@@ -21,9 +21,9 @@ from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
                                           num_prompts)
 from flashreinforce.models.attention import document_attention_unsupported
-from flashreinforce.models.loading import build_model
+from flashreinforce.models.loading import adopt_model, build_model
 from flashreinforce.models.lora import LoraSettings, apply_lora
-from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
+from flashreinforce.models.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
 from flashreinforce.trainer.learner import LearnerSettings
 from flashreinforce.trainer.rollout import RolloutSettings
 
@@ -63,15 +63,25 @@ class Policy:
     env_renders_prompt: bool = False
 
 
-def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
+def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None, tokenizer: Any = None) -> Policy:
     """Build the model named by ``actor.model_name_or_path`` and the tokenizer that goes with it
-    (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``."""
-    if cfg.actor.model_name_or_path is None:
+    (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``.
+    ``model`` / ``tokenizer``: objects given in Python (``flashreinforce.train``) used instead."""
+    if model is not None:
+        model, tok_spec = adopt_model(model, device=device, attn_implementation=cfg.fsdp.attn_implementation)
+    elif cfg.actor.model_name_or_path is None:
         raise ConfigError("no model: give --model (or --actor.model_name_or_path, or a --preset)")
-    model, tok_spec = build_model(cfg.actor.model_name_or_path, device=device,
-                                  attn_implementation=cfg.fsdp.attn_implementation, seed=cfg.seed)
+    else:
+        model, tok_spec = build_model(cfg.actor.model_name_or_path, device=device,
+                                      attn_implementation=cfg.fsdp.attn_implementation, seed=cfg.seed)
+    if tokenizer is None and tok_spec is None and cfg.tokenizer is None:
+        raise ConfigError("model: the model object has no local folder to read its tokenizer from; pass "
+                          "tokenizer=... (a transformers tokenizer object or a folder) beside it")
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
+        if tokenizer is not None:
+            tokenizer = tokenizer if isinstance(tokenizer, (CharTokenizer, HFTokenizer)) else HFTokenizer(tokenizer)
+        else:
+            tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
     except (OSError, ValueError) as err:
         flag = f"--tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"--model {cfg.actor.model_name_or_path}"
         first = (str(err).strip().splitlines() or [""])[0][:300]

@@ -112,15 +112,28 @@ def sample_record(t: Trajectory, tokenizer, *, step: int, row: int, learner_vers
 
 
 def short_sample(record: Mapping[str, Any], width: int = 160) -> str:
-    """One console line for a sample: prompt, the actions (observations elided), reward."""
+    """One console line for a sample: prompt, the actions (observations elided), reward.
+
+    When it must be cut, the prompt keeps its end (a chat template puts the system text first and the
+    user's question last, right before the answer) and the actions keep their head and tail; the
+    reward and the failure kind are always shown."""
     def flat(text: str) -> str:
         return " ".join(text.split())
 
     actions = " | ".join(flat(x["action"]) for x in record["turns"])
     kind = f", {record['failure_kind']}" if record.get("failure_kind") else ""
     gate = "" if "admitted" not in record else (", admitted" if record["admitted"] else ", dropped by the trust gate")
-    line = f"{flat(record['prompt'])!r} -> {actions!r} (reward {record['reward']:.3g}{kind}{gate})"
-    return clip_text(line, width)
+    outcome = f" (reward {record['reward']:.3g}{kind}{gate})"
+    prompt = flat(record["prompt"])
+    room = max(40, width - len(outcome) - 10)  # the quotes and the arrow
+    budget = max(room // 3, room - len(prompt))
+    if len(actions) > budget:
+        actions = clip_text(actions, max(8, budget - 24))  # the marker clip_text adds is about 24 characters
+    keep = room - len(actions)
+    if len(prompt) > keep:
+        marker = f"[{len(prompt) - keep} chars cut] "
+        prompt = marker + prompt[len(prompt) - max(0, keep - len(marker)):]
+    return f"{prompt!r} -> {actions!r}{outcome}"
 
 
 class SampleLog:
