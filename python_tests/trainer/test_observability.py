@@ -378,3 +378,14 @@ def test_run_summary_has_final_and_best_eval_and_keeps_sessions_on_resume(tmp_pa
     write_run_summary(tmp_path, status="completed", step=10, policy_version=10, session_started=2.0, resumed=False,
                       checkpoint=None, export_dir=None, **common)
     assert len(json.loads((tmp_path / "summary.json").read_text())["sessions"]) == 1  # a new run starts over
+
+
+def test_sample_log_writes_a_lone_surrogate_as_its_json_escape(tmp_path):
+    # An environment's info (or a tokenizer's text) may hold a lone surrogate, which no UTF-8
+    # encoder takes: the line is written with the character's JSON escape, not an error.
+    log = SampleLog(tmp_path, TOK, every=1, per_update=1)
+    log.write(1, [episode("q", [("a", "")], reward=1.0, info={"failure_kind": "bad \ud800 text"})], {},
+              learner_version=0)
+    (record,) = read_samples(tmp_path)
+    assert record["info"]["failure_kind"] == "bad \ud800 text"
+    assert "\\ud800" in (tmp_path / "samples.jsonl").read_text(encoding="utf-8")
