@@ -14,6 +14,7 @@ from flashreinforce.config.resolution import resolve
 from flashreinforce.config.resume import identity_changes, saved_settings
 from flashreinforce.config.schema import ConfigError
 from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, unknown_flag_message
+from flashreinforce.config.values import shown, value_problem
 
 __all__ = ["build_parser", "parse_train_args", "resolve_arguments"]
 
@@ -22,7 +23,7 @@ def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {shown(text)}") from None
 
 
 def _bool(text: str) -> bool:
@@ -31,7 +32,7 @@ def _bool(text: str) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected true or false, got {shown(text)}")
 
 
 def _optint(text: str) -> int | None:
@@ -40,21 +41,29 @@ def _optint(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {shown(text)}") from None
 
 
 def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
 
 
 def _json(text: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({err})") from None
+        raise argparse.ArgumentTypeError(f"expected JSON, got {shown(text)} ({err})") from None
+    except RecursionError:
+        value = None
+        problem = "nested too deeply to read"
+    else:
+        problem = value_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(f"JSON out of bounds: {problem}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):

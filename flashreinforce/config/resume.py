@@ -16,6 +16,7 @@ from typing import Any
 from flashreinforce.config.files import flatten_settings, read_config_file
 from flashreinforce.config.schema import ConfigError
 from flashreinforce.config.trainer_config import FLAG_BY_NAME, TrainerConfig, file_value, reward_spec
+from flashreinforce.config.values import shown
 
 __all__ = ["IDENTITY", "identity_changes", "saved_settings"]
 
@@ -66,5 +67,5 @@ def identity_changes(saved: TrainerConfig, new: TrainerConfig) -> list[str]:
         before, after = _value(saved, name), _value(new, name)
         if before != after:
             flag = {"env_kwargs": "env.kwargs", "rewards": "reward"}.get(name, name)
-            out.append(f"--{flag}: the run has {before!r}, now {after!r}")
+            out.append(f"--{flag}: the run has {shown(before)}, now {shown(after)}")
     return out

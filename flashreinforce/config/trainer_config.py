@@ -25,6 +25,7 @@ from flashreinforce.config.schema import ConfigError, check_value, flag_table, g
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, RayConfig, RefConfig, RolloutConfig, TrainConfig,
                                             VllmConfig)
+from flashreinforce.config.values import shown
 from flashreinforce.objective import OPTION_FLAGS, LossOptions
 
 __all__ = ["RUN_OPTIONS", "TrainerConfig"]
@@ -130,7 +131,7 @@ class TrainerConfig:
             for alias, name in _ALIASES.items():
                 value, flag_value = layer.get(alias), layer.get(name)
                 if value is not None and flag_value is not None and value != flag_value:
-                    errors.append(f"--{alias} {value!r} and --{name} {flag_value!r} disagree; give one of them")
+                    errors.append(f"--{alias} {shown(value)} and --{name} {shown(flag_value)} disagree; give one of them")
                 elif value is not None:
                     try:
                         cfg.set(name, value)
@@ -141,7 +142,7 @@ class TrainerConfig:
 
         env_kwargs = run.get("env.kwargs") or {}
         if not isinstance(env_kwargs, dict):
-            raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {env_kwargs!r}")
+            raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {shown(env_kwargs)}")
         rewards = run.get("reward") or []
         if isinstance(rewards, (str, tuple)) or callable(rewards):
             rewards = [rewards]
@@ -178,7 +179,7 @@ class TrainerConfig:
         cfg.config_file = run.get("config")
         cfg.explicit = sorted(k for k in given if k in FLAG_BY_NAME)
         if dropped:
-            cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {dropped} for its environment "
+            cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {shown(dropped)} for its environment "
                                           f"{preset_env}, which --env {cfg.train.agent_path} replaces: dropped (give "
                                           "--env.kwargs to pass arguments)")
         return cfg

@@ -8,7 +8,6 @@ flag to the setting it controls is written once, here.
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,6 +15,7 @@ import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.config.sections import PARAM_DTYPES
+from flashreinforce.config.values import shown
 from flashreinforce.engines import SamplingParams
 from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
@@ -145,7 +145,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     try:
         inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
     except TypeError as err:
-        raise ConfigError(f"--env.kwargs {json.dumps(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
+        raise ConfigError(f"--env.kwargs {shown(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
                           f"them ({err})") from None
     probe = factory()
     try:
