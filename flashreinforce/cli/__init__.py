@@ -64,4 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flashreinforce: error: {_unknown_command(command)}", file=sys.stderr)
         return 2
     module, _, function = COMMANDS[command][0].partition(":")
-    return getattr(importlib.import_module(module), function)(rest)
+    try:
+        return getattr(importlib.import_module(module), function)(rest)
+    except KeyboardInterrupt:  # a command's own handling aside (train's), one line rather than a traceback
+        print(f"flashreinforce {command}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130

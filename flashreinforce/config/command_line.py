@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from flashreinforce.config.files import read_config_file
 from flashreinforce.config.resolution import resolve
-from flashreinforce.config.resume import identity_changes, saved_settings
+from flashreinforce.config.resume import changes, locked_changes_error, recorded_settings, saved_settings
 from flashreinforce.config.schema import ConfigError
 from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, unknown_flag_message
 from flashreinforce.config.values import shown, value_problem
@@ -150,26 +150,26 @@ def parse_train_args(argv: Sequence[str] | None, presets: Mapping[str, Mapping[s
 
 def resolve_arguments(args: dict[str, Any], presets: Mapping[str, Mapping[str, Any]]) -> TrainerConfig:
     """Resolve parsed arguments (argparse's dict): the preset, the config file (``--config``; with
-    ``--resume``, the run's ``config.yaml``), then the flags."""
+    ``--resume``, the run's ``config.yaml``), then the flags. With ``--resume``, a change of a locked
+    setting against what the run recorded (``config.json``) is refused here, before anything starts,
+    unless ``--allow_config_change``; the trainer checks again against the checkpoint it resumes
+    (:mod:`flashreinforce.config.resume`)."""
     args = dict(args)
     file_layer: dict[str, Any] = {}
-    saved = None
+    recorded = None
     if "config" in args:
         file_layer = read_config_file(args["config"])
     elif args.get("resume") and args.get("output"):
         found = saved_settings(args["output"])
         if found is not None:
             file_layer, source = found
-            saved = resolve({}, _preset_layer(file_layer.get("preset"), presets), file_layer)
             args["config"] = str(source)
+            recorded = recorded_settings(args["output"])
     preset = _preset_layer(args.get("preset", file_layer.get("preset")), presets)
     cfg = resolve(args, preset, file_layer)
-    if saved is not None:
-        changes = identity_changes(saved, cfg)
-        if changes and not cfg.allow_config_change:
-            raise ConfigError(f"--resume: this would change what the run in {args['output']} is: "
-                              + "; ".join(changes) + ". Give --allow_config_change to continue anyway, or another "
-                              "--output for a new run")
-        if changes:
-            cfg.warnings.append("--resume --allow_config_change: " + "; ".join(changes))
+    if recorded is not None and not cfg.allow_config_change:
+        saved = resolve({}, _preset_layer(recorded.get("preset"), presets), recorded)
+        locked = [c for c in changes(saved, cfg) if c.rule == "locked"]
+        if locked:
+            raise locked_changes_error(locked, args["output"], "against its config.json")
     return cfg

@@ -241,9 +241,12 @@ class TrainerConfig:
 
     # ------------------------------------------------------------------ records
     def to_json(self) -> dict[str, Any]:
-        """The record written to ``OUTPUT/config.json``."""
-        return {"flags": self.flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
-                "env_kwargs": self.env_kwargs, "rewards": self.rewards, "tokenizer": self.tokenizer,
+        """The record written to ``OUTPUT/config.json`` (a dataset or reward function given as a Python
+        object as its description, as in :meth:`to_file`)."""
+        flags = {f.name: file_value(get_path(self, f.name), f.objects) for f in FLAGS}
+        return {"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
+                "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
+                "tokenizer": self.tokenizer,
                 "output": self.output, "resume": self.resume, "seed": self.seed, "device": self.device,
                 "torch_threads": self.torch_threads, "explicit_flags": self.explicit,
                 "config_file": self.config_file}
