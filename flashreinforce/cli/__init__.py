@@ -79,9 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     module, _, function = COMMANDS[command][0].partition(":")
     try:
         code = getattr(importlib.import_module(module), function)(rest)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a command's own handling aside (train's), one line rather than a traceback
+        print(f"flashreinforce {command}: interrupted (Ctrl-C)", file=sys.stderr)
         exit_past_running_calls(130)
-        raise
+        return 130
     except Exception:
         if _running_calls():
             traceback.print_exc()

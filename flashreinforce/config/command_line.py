@@ -11,9 +11,10 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from flashreinforce.config.files import read_config_file
 from flashreinforce.config.resolution import resolve
-from flashreinforce.config.resume import identity_changes, saved_settings
+from flashreinforce.config.resume import changes, locked_changes_error, recorded_settings, saved_settings
 from flashreinforce.config.schema import ConfigError
 from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, unknown_flag_message
+from flashreinforce.config.values import shown, value_problem
 
 __all__ = ["TRAIN_USAGE", "build_parser", "parse_train_args", "resolve_arguments"]
 
@@ -22,7 +23,7 @@ def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {shown(text)}") from None
 
 
 def _bool(text: str) -> bool:
@@ -31,7 +32,7 @@ def _bool(text: str) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected true or false, got {shown(text)}")
 
 
 def _optint(text: str) -> int | None:
@@ -40,21 +41,29 @@ def _optint(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {shown(text)}") from None
 
 
 def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
 
 
 def _json(text: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({err})") from None
+        raise argparse.ArgumentTypeError(f"expected JSON, got {shown(text)} ({err})") from None
+    except RecursionError:
+        value = None
+        problem = "nested too deeply to read"
+    else:
+        problem = value_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(f"JSON out of bounds: {problem}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -189,26 +198,26 @@ def parse_train_args(argv: Sequence[str] | None, presets: Mapping[str, Mapping[s
 
 def resolve_arguments(args: dict[str, Any], presets: Mapping[str, Mapping[str, Any]]) -> TrainerConfig:
     """Resolve parsed arguments (argparse's dict): the preset, the config file (``--config``; with
-    ``--resume``, the run's ``config.yaml``), then the flags."""
+    ``--resume``, the run's ``config.yaml``), then the flags. With ``--resume``, a change of a locked
+    setting against what the run recorded (``config.json``) is refused here, before anything starts,
+    unless ``--allow_config_change``; the trainer checks again against the checkpoint it resumes
+    (:mod:`flashreinforce.config.resume`)."""
     args = dict(args)
     file_layer: dict[str, Any] = {}
-    saved = None
+    recorded = None
     if "config" in args:
         file_layer = read_config_file(args["config"])
     elif args.get("resume") and args.get("output"):
         found = saved_settings(args["output"])
         if found is not None:
             file_layer, source = found
-            saved = resolve({}, _preset_layer(file_layer.get("preset"), presets), file_layer)
             args["config"] = str(source)
+            recorded = recorded_settings(args["output"])
     preset = _preset_layer(args.get("preset", file_layer.get("preset")), presets)
     cfg = resolve(args, preset, file_layer)
-    if saved is not None:
-        changes = identity_changes(saved, cfg)
-        if changes and not cfg.allow_config_change:
-            raise ConfigError(f"--resume: this would change what the run in {args['output']} is: "
-                              + "; ".join(changes) + ". Give --allow_config_change to continue anyway, or another "
-                              "--output for a new run")
-        if changes:
-            cfg.warnings.append("--resume --allow_config_change: " + "; ".join(changes))
+    if recorded is not None and not cfg.allow_config_change:
+        saved = resolve({}, _preset_layer(recorded.get("preset"), presets), recorded)
+        locked = [c for c in changes(saved, cfg) if c.rule == "locked"]
+        if locked:
+            raise locked_changes_error(locked, args["output"], "against its config.json")
     return cfg

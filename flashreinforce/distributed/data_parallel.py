@@ -338,6 +338,9 @@ class DataParallelLearner:
         set_optimizer_state_dict(self.learner.scorer, self.learner.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         self.learner.scheduler.load_state_dict(state["scheduler"])
+        from flashreinforce.trainer.schedule import apply_settings
+
+        apply_settings(self.learner.optimizer, self.learner.scheduler, self.learner.settings)
         self.learner.version = int(state["version"])
 
     def serve(self) -> int:

@@ -131,12 +131,21 @@ class PromptStream:
         self._requeued.extend(prompts)
 
     def state_dict(self, outstanding: Sequence[tuple[int, int]] = ()) -> dict:
-        """State to resume from; ``outstanding`` prompts (handed out, not consumed) come out first."""
-        return {"next_id": self.next_id, "requeued": [list(p) for p in list(outstanding) + list(self._requeued)]}
+        """State to resume from; ``outstanding`` prompts (handed out, not consumed) come out first.
+        The seeds that order the passes travel with it."""
+        return {"next_id": self.next_id, "requeued": [list(p) for p in list(outstanding) + list(self._requeued)],
+                "seed": self.seed, "seed_offset": self.seed_offset}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue the saved stream; its passes keep the order they were given by the saved seeds
+        (a run resumed with another ``--seed`` samples differently, but the pass in progress is not
+        shuffled again: no prompt of it is trained twice, none left out)."""
         self.next_id = int(state["next_id"])
         self._requeued = collections.deque((int(a), int(b)) for a, b in state["requeued"])
+        for key in ("seed", "seed_offset"):
+            if key in state:  # absent from checkpoints of earlier versions
+                setattr(self, key, int(state[key]))
+        self._perm_epoch = -1
 
 
 class RolloutBuffer:

@@ -90,6 +90,9 @@ def _check_buffer(f: _Fields, buffer: Any) -> dict:
         f.int(value, f"buffer.counters.{key}")
     prompts = f.object(f.get(buffer, "prompts", "buffer.prompts"), "buffer.prompts")
     next_id = f.int(f.get(prompts, "next_id", "buffer.prompts.next_id"), "buffer.prompts.next_id")
+    for key in ("seed", "seed_offset"):  # optional: checkpoints of earlier versions have neither
+        if key in prompts:
+            f.int(prompts[key], f"buffer.prompts.{key}")
     requeued = f.get(prompts, "requeued", "buffer.prompts.requeued")
     if not isinstance(requeued, list):
         raise f.bad(f"'buffer.prompts.requeued' must be a list, got {_shown(requeued)}")

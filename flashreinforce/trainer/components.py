@@ -8,13 +8,13 @@ flag to the setting it controls is written once, here.
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config.values import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
@@ -166,7 +166,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     try:
         inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
     except TypeError as err:
-        raise ConfigError(f"--env.kwargs {json.dumps(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
+        raise ConfigError(f"--env.kwargs {shown(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
                           f"them ({err})") from None
     probe = factory()
     try:

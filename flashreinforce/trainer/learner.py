@@ -39,7 +39,7 @@ from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, ge
 from flashreinforce.trainer.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
 from flashreinforce.trainer.forward_row import forward_row
 from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
-from flashreinforce.trainer.schedule import SCHEDULERS, make_scheduler
+from flashreinforce.trainer.schedule import SCHEDULERS, apply_settings, make_scheduler
 from flashreinforce.trainer.scoring import PolicyLogProbs
 from flashreinforce.trainer.trajectory import Trajectory
 
@@ -541,6 +541,7 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_settings(self.optimizer, self.scheduler, self.settings)  # a resumed run's own lr, betas, schedule
         self.version = int(state["version"])
 
     def stop(self) -> None:

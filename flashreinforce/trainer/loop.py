@@ -39,9 +39,11 @@ import numpy as np
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
+from flashreinforce.config.paths import absolute_paths
+from flashreinforce.config.resume import recorded_settings, review, settings_config
 from flashreinforce.trainer import components
 from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
-                                                learner_state_to_restore, save_checkpoint, trim_history)
+                                                learner_state_to_restore, save_checkpoint)
 from flashreinforce.trainer.callbacks import CallbackList
 from flashreinforce.trainer.fault_counters import FaultMetrics
 from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
@@ -49,6 +51,8 @@ from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eva
 from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, update_metrics
 from flashreinforce.trainer.prechecks import check_before_model
+from flashreinforce.trainer.run_dir import RunLock, create_output, remove_created
+from flashreinforce.trainer.run_history import HistoryRecord
 from flashreinforce.trainer.summary import write_run_summary
 from flashreinforce.trainer.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora, merged_model, save_adapter
@@ -68,6 +72,7 @@ class Trainer:
         ``callbacks``: see :mod:`.callbacks`."""
         if not cfg.output:
             raise ConfigError("--output DIR is required")
+        absolute_paths(cfg)  # recorded as absolute: resumed elsewhere, the run reads the same files
         self.cfg = cfg
         self._given = (model, tokenizer)
         self.callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
@@ -84,6 +89,11 @@ class Trainer:
         self._resume_point: ResumePoint | None = None
         self.pool: RolloutBackend | None = None  # the running rollout workers (for tools and tests)
         self._started = time.time()  # this session's start, for OUTPUT/summary.json
+        self._lock = RunLock(self.out)
+        self._history = HistoryRecord(self.out)  # what each checkpoint vouches for of metrics.jsonl, eval.jsonl
+        self._created: list[Path] = []  # folders of --output this run made (removed if it never starts)
+        #: Whether the update loop began (a Ctrl-C before it stops a run that trained nothing).
+        self.training_started = False
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -136,6 +146,8 @@ class Trainer:
         if point is None:
             return
         point.check_within(self.max_steps)
+        if self._leads:
+            self._review_settings(point)  # before anything is restored or written
         self.learner.load_state_dict(learner_state_to_restore(point, sharded=self.learner.sharded))
         self.step = point.step
         if not self._leads:
@@ -143,12 +155,31 @@ class Trainer:
         self.buffer.load_state_dict(point.state["buffer"])
         self.counters.update(point.state.get("trainer", {}))
         clean_interrupted_saves(self.ckpt_dir)  # frees what a failed save took before the history is rewritten
-        trim_history(self.out, self.step)
+        self._history.resume(self.step, point.state.get("history"))
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
+
+    def _review_settings(self, point: ResumePoint) -> None:
+        """The resume table (:mod:`flashreinforce.config.resume`) against the settings the checkpoint
+        recorded (a checkpoint written before checkpoints held them: against ``config.json``)."""
+        recorded = point.state.get("run_settings")
+        source = f"{point.path / 'state.json'} run_settings"
+        try:
+            if isinstance(recorded, dict):
+                saved, against = settings_config(recorded, source), f"against its checkpoint {point.path.name}"
+            else:
+                flat = recorded_settings(self.out)
+                if flat is None:
+                    return
+                saved, against = settings_config(flat, str(self.out / "config.json")), "against its config.json"
+        except ConfigError as err:  # settings of another version of this package
+            log.warning("--resume: the run's recorded settings cannot be compared with these (%s)", err)
+            return
+        review(self.cfg, saved, self.out, against)
 
     def _save(self) -> Path:
         learner_state = self.learner.state_dict()  # gathered to rank 0 under fully_shard
-        state = {"buffer": self.buffer.state_dict(), "trainer": self.counters, "max_steps": self.max_steps}
+        state = {"buffer": self.buffer.state_dict(), "trainer": self.counters, "max_steps": self.max_steps,
+                 "run_settings": self.cfg.to_file(), "history": self._history.snapshot()}
         if learner_state.get("optimizer_format"):
             state["optimizer_format"] = learner_state["optimizer_format"]
         model = self.learner.full_model() if self.learner.sharded else self.model
@@ -245,7 +276,10 @@ class Trainer:
         try:
             return self._run() if self._leads else self._run_follower()
         finally:
-            self._shutdown()
+            try:
+                self._shutdown()
+            finally:
+                self._lock.release()
 
     def _shutdown(self) -> None:
         """Close the rollout side (Ray actors; only a Ray instance this run started is stopped);
@@ -269,34 +303,34 @@ class Trainer:
         return {"status": "follower", "rank": self.dist.rank, "updates": updates,
                 "policy_version": self.learner.version}
 
-    def _prepare_output(self) -> None:
-        """Create ``--output``; an earlier run there is continued only with --resume and cleared only
-        with --overwrite (a new run never mixes its records into another's)."""
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"--output {self.out}: cannot create the directory ({err.strerror}: "
-                              f"{err.filename})") from None
+    def _prepare_output(self) -> list[Path]:
+        """Create ``--output`` and lock it (one run at a time, :mod:`.run_dir`); an earlier run there is
+        continued only with --resume and cleared only with --overwrite (a new run never mixes its
+        records into another's). Returns what --overwrite will delete once the run has started."""
+        self._created = create_output(self.out)
+        self._lock.acquire()
         if self.cfg.resume:
-            return
+            return []
         earlier = existing_run_files(self.out, self.ckpt_dir)
         if earlier and not self.cfg.overwrite:
             raise ConfigError(f"--output {self.out} already holds a run ({', '.join(p.name for p in earlier)}): "
                               "continue it with --resume, or start over with --overwrite (deletes that run's "
                               "records and checkpoints)")
-        if earlier:
-            log.warning("--overwrite: deleting the earlier run in %s (%s)", self.out, ", ".join(map(str, earlier)))
-            clear_run(self.out, self.ckpt_dir, self.hf_dir)
+        return earlier
 
     def _run(self) -> dict[str, Any]:
-        self._prepare_output()
+        earlier = self._prepare_output()
         try:
             self._setup()
             self._resume()
-        except BaseException:
+        except BaseException:  # a refused setting, Ctrl-C: nothing was trained, nothing is left behind
             if self.dist is not None and self.learner is not None:
                 self.learner.stop()  # release the other ranks
+            remove_created(self._created)
             raise
+        if earlier:  # only now that the new run has started: a refused one deletes nothing
+            log.warning("--overwrite: deleting the earlier run in %s (%s)", self.out, ", ".join(map(str, earlier)))
+            clear_run(self.out, self.ckpt_dir, self.hf_dir)
         try:
             return self._train()
         finally:
@@ -342,6 +376,15 @@ class Trainer:
                              frozen=self.learner.frozen_names())
         main_thread = threading.current_thread() is threading.main_thread()
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if main_thread else None
+        self.training_started = True
+        try:
+            return self._train_and_save()
+        finally:
+            if old_handler is not None:  # only after the last save: a Ctrl-C during it is ours too
+                signal.signal(signal.SIGINT, old_handler)
+
+    def _train_and_save(self) -> dict[str, Any]:
+        cfg = self.cfg
         metrics_log = open_metrics_log(cfg, self.out, tokenizer=self.tokenizer, total=self.max_steps,
                                        initial=self.step)
         self._note = metrics_log.note
@@ -436,8 +479,6 @@ class Trainer:
             metrics_log.close(status)
             if pool is not None:
                 pool.stop(timeout=5.0 if status == "failed" else 30.0)
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
             if status in ("completed", "stopped", "interrupted"):
                 log.info("saving a checkpoint at update %d ...", self.step)
                 ckpt = self._save()

@@ -188,7 +188,7 @@ class SampleLog:
             for chars in (self.max_chars, min(self.max_chars, 200), 40):
                 record = sample_record(trajs[row], self.tokenizer, step=step, row=row, learner_version=learner_version,
                                        stats=stats, max_chars=chars, decoded=decoded)
-                text = json.dumps(record, ensure_ascii=False) + "\n"
+                text = _json_line(record)
                 if len(text.encode()) <= budget:
                     line = text
                     break
@@ -202,6 +202,13 @@ class SampleLog:
                 fh.writelines(lines)
             self.bytes_written += self.max_bytes - budget
         return records
+
+
+def _json_line(record: Mapping[str, Any]) -> str:
+    """``record`` as one JSON line of UTF-8 text: a lone surrogate (text no UTF-8 encoder takes,
+    which an environment or a tokenizer may hand over) is written as its JSON escape."""
+    text = json.dumps(record, ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
 
 
 def _trim(path: Path, step: int) -> None:

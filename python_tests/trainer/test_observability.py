@@ -418,3 +418,14 @@ def test_reward_functions_name_the_failure_kind():
              episode("q", [("a", "")], reward=-0.5, info={"reward/correct": 1.0, "reward/length": 0.5}),
              episode("q", [("a", "")], reward=1.0, info={"reward/correct": 1.0})]
     assert failure_kinds(trajs) == {"correct <= 0": 1, "correct <= 0, format <= 0": 1, "weighted reward <= 0": 1}
+
+
+def test_sample_log_writes_a_lone_surrogate_as_its_json_escape(tmp_path):
+    # An environment's info (or a tokenizer's text) may hold a lone surrogate, which no UTF-8
+    # encoder takes: the line is written with the character's JSON escape, not an error.
+    log = SampleLog(tmp_path, TOK, every=1, per_update=1)
+    log.write(1, [episode("q", [("a", "")], reward=1.0, info={"failure_kind": "bad \ud800 text"})], {},
+              learner_version=0)
+    (record,) = read_samples(tmp_path)
+    assert record["info"]["failure_kind"] == "bad \ud800 text"
+    assert "\\ud800" in (tmp_path / "samples.jsonl").read_text(encoding="utf-8")
