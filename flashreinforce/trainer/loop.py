@@ -29,7 +29,6 @@ import math
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_s
                                                 learner_state_to_restore, save_checkpoint)
 from flashreinforce.trainer.callbacks import CallbackList
 from flashreinforce.trainer.fault_counters import FaultMetrics
+from flashreinforce.trainer.interrupts import InterruptWatch
 from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learner import Learner, PolicyLearner
@@ -259,11 +259,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ signals
     def _on_sigint(self, signum, frame) -> None:
+        """Stop as a first Ctrl-C does (finish the update in progress, save, return); a second raises
+        :class:`KeyboardInterrupt`. The trainer answers Ctrl-C through :class:`InterruptWatch`, which
+        calls :meth:`_interrupt` at once even while the main thread is inside a long C++ call."""
         if self._interrupted.is_set():
             raise KeyboardInterrupt
+        self._interrupt()
+
+    def _interrupt(self) -> None:
         self._interrupted.set()
-        print("\nflashreinforce: interrupted; saving a checkpoint and stopping (Ctrl-C again to abort)",
-              file=sys.stderr, flush=True)
+
+    def _interrupt_message(self) -> str:
+        return (f"flashreinforce: interrupted (Ctrl-C): the run stops when update {self.step + 1} (in progress) "
+                "ends, then saves a checkpoint and exits with status 130; Ctrl-C again aborts without saving")
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -374,14 +382,13 @@ class Trainer:
             log.info(note)
         self.weights.publish(self.learner.policy_state(), self.learner.version,
                              frozen=self.learner.frozen_names())
-        main_thread = threading.current_thread() is threading.main_thread()
-        old_handler = signal.signal(signal.SIGINT, self._on_sigint) if main_thread else None
+        watch = InterruptWatch(self._interrupt, self._interrupt_message)
+        watch.install()  # main thread only; answers Ctrl-C at once, even inside a long learner update
         self.training_started = True
         try:
             return self._train_and_save()
         finally:
-            if old_handler is not None:  # only after the last save: a Ctrl-C during it is ours too
-                signal.signal(signal.SIGINT, old_handler)
+            watch.uninstall()  # only after the last save: a Ctrl-C during it is ours too
 
     def _train_and_save(self) -> dict[str, Any]:
         cfg = self.cfg
