@@ -124,7 +124,14 @@ def import_vllm():
     if _version_tuple(getattr(vllm, "__version__", "0")) < MIN_VLLM_VERSION:
         raise ImportError(f"vLLM {vllm.__version__} is too old: this engine needs >= "
                           f"{'.'.join(map(str, MIN_VLLM_VERSION))} for logprobs_mode='processed_logprobs'")
+    logging.getLogger("vllm.renderers.base").addFilter(_without_tokenizer_warmup)
     return vllm
+
+
+def _without_tokenizer_warmup(record: logging.LogRecord) -> bool:
+    """Drop vLLM's "Chat template warmup failed" traceback: the engine starts without a tokenizer
+    (``skip_tokenizer_init``: it takes and returns token ids), so there is no chat template to warm up."""
+    return not (record.getMessage().startswith("Chat template warmup failed") and record.exc_info is not None)
 
 
 def _read_config(model: Any) -> Any:
