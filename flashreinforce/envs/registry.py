@@ -53,6 +53,8 @@ BUILTIN_ENVIRONMENTS = {
     "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
     # Plain reward functions over a prompt dataset (--reward MODULE:FUNC chooses it).
     "reward_functions": "flashreinforce.envs.rewards:RewardFunctionEnv",
+    # An agent function written against the OpenAI chat API (--agent FILE.py:FUNC chooses it).
+    "agent": "flashreinforce.envs.agent_env:AgentEnvironment",
 }
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -345,4 +347,5 @@ class EnvSpec:
                 return make_environment(spec, config, apply_chat_template=chat, **kwargs)
             return make_environment(spec, config, **kwargs)
 
+        build.env_spec = self  # what the trainer reads to choose the rollout worker (agents)
         return build
