@@ -65,6 +65,8 @@ class AgentServer:
         self.host, self.requested_port, self.model_name = host, int(port), model_name
         self.port: int | None = None
         self.calls: "queue.Queue[PendingCall]" = queue.Queue()
+        #: The ids of the running episodes (kept by the worker): a call for any other id is answered 404 at once.
+        self.live: set[str] = set()
         self._server = None
         self._thread: threading.Thread | None = None
         self.requests = 0
@@ -148,6 +150,9 @@ class AgentServer:
                 checked = parse(body)
             except APIError as err:
                 return error(err)
+            if episode not in self.live:
+                return error(APIError(404, "no running episode has this id (it ended, or the URL is not one the "
+                                           "trainer handed out)", code="episode_not_found"))
             loop = asyncio.get_running_loop()
             future = loop.create_future()
 

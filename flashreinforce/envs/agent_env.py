@@ -131,6 +131,7 @@ class AgentEnvironment(TaskEnvironment):
 
     default_max_turns = 16
     uses_label = False  # the label is one more field of the row
+    needs_dataset = False  # without one, each episode's row is {"seed": SEED}
 
     def __init__(self, agent: str | Callable, tasks: Sequence[Task] | None = None, *, tool_parser: str = "hermes",
                  host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.05, model_name: str = "policy",

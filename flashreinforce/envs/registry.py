@@ -213,7 +213,8 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     if apply_chat_template is not None:
         kwargs.setdefault("apply_chat_template", apply_chat_template)
     dataset = flat.get("data.prompt_dataset")
-    if dataset is None and builtin and issubclass(cls, TaskEnvironment):  # textworld generates its own games
+    # textworld generates its own games; an agent without a dataset gets the seed as its row
+    if dataset is None and builtin and issubclass(cls, TaskEnvironment) and getattr(cls, "needs_dataset", True):
         raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file, a datasets "
                          "save_to_disk folder, a list of dicts or a datasets.Dataset)")
     if dataset is None:

@@ -144,7 +144,7 @@ class AgentRolloutWorker(RolloutWorker):
         self._live: dict[str, AgentEpisode] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.agent_counters = {"agent_calls": 0, "tool_calls": 0, "malformed_tool_calls": 0, "history_rewrites": 0,
-                               "mismatched_renderings": 0, "agent_timeouts": 0}
+                               "mismatched_renderings": 0, "agent_timeouts": 0, "agent_largest_batch": 0}
         probe = agent_environment(self._env(0))
         if probe is None:
             raise TypeError("AgentRolloutWorker needs agent environments (--agent FILE.py:FUNC)")
@@ -219,6 +219,8 @@ class AgentRolloutWorker(RolloutWorker):
               retry: bool = True) -> None:
         """Quarantine ``e``: its calls still waiting are answered 409, later ones too."""
         e.done = True
+        if self.server is not None:
+            self.server.live.discard(e.id)
         e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry)
         self.quarantined += 1
         self.errors += 1
@@ -250,6 +252,7 @@ class AgentRolloutWorker(RolloutWorker):
             self._drop(e, f"agent {what}", f"agent {name} {what} (nothing to train on)", retry=False)
             return
         e.done = True
+        self.server.live.discard(e.id)
         for call in e.pending:  # an async agent that returned with a call still out
             call.fail(APIError(409, "this episode has ended (the agent returned)", code="episode_ended"))
         e.pending.clear()
@@ -321,7 +324,7 @@ class AgentRolloutWorker(RolloutWorker):
         run = s.sampling
         params = SamplingParams(run.temperature if req.temperature is None else req.temperature,
                                 run.top_p if req.top_p is None else req.top_p, run.top_k, run.stop_token_ids)
-        on_policy = params == run and run.temperature > 0
+        on_policy = params == run
         seed = episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.counts["agent_calls"])
         e.counts["agent_calls"] += 1
         stop = None
@@ -346,6 +349,7 @@ class AgentRolloutWorker(RolloutWorker):
         for c in prepared:
             groups.setdefault(c.params, []).append(c)
         for params, items in groups.items():
+            self.agent_counters["agent_largest_batch"] = max(self.agent_counters["agent_largest_batch"], len(items))
             results = self._sample([c.request for c in items], params)
             for c, result in zip(items, results):
                 if c.episode.done:
@@ -446,6 +450,7 @@ class AgentRolloutWorker(RolloutWorker):
                 self._drop(e, f"preparing the agent's row raised {type(err).__name__}",
                            f"preparing the agent's row raised {type(err).__name__}: {err}", err)
         self._live = {e.id: e for e in episodes}
+        self.server.live.update(e.id for e in episodes if not e.done)
         to_start = [e for e in episodes if not e.done]
         running: list[AgentEpisode] = []
         try:
@@ -491,6 +496,7 @@ class AgentRolloutWorker(RolloutWorker):
                     e.pending.clear()
             raise
         finally:
+            self.server.live.difference_update(self._live)
             self._live = {}
         groups: dict[int, list[Trajectory | QuarantinedEpisode]] = {t.prompt_id: [] for t in tickets}
         for e in episodes:
