@@ -27,6 +27,12 @@ RULES = {
     "flashreinforce.engines": ["transformers", "vllm", "flashreinforce.trainer", "flashreinforce.envs"],
     "flashreinforce.trainer": ["transformers", "ray", "vllm", "flashreinforce.distributed", "flashreinforce.cli"],
     "flashreinforce.experiments": ["torch", "flashreinforce.trainer"],
+    # The agent endpoint, the wire format and the chat rendering: no torch, and FastAPI, uvicorn and
+    # openai only once a server starts.
+    "flashreinforce.agents.server": ["torch", "transformers", "fastapi", "uvicorn", "openai", "flashreinforce.trainer",
+                                     "flashreinforce.engines"],
+    "flashreinforce.agents.chat": ["torch", "transformers", "flashreinforce.trainer", "flashreinforce.engines"],
+    "flashreinforce.envs.agent_env": ["torch", "openai", "fastapi", "flashreinforce.trainer", "flashreinforce.agents"],
     "flashreinforce.cli": ["torch", "transformers", "flashreinforce.trainer"],
     "flashreinforce.analysis": ["torch", "matplotlib", "flashreinforce.trainer", "flashreinforce.config"],
 }

@@ -22,6 +22,7 @@ import math
 import numbers
 from typing import Any, Callable, Mapping, Sequence
 
+from flashreinforce.config import ConfigError
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.registry import ImportFileError, import_failure, import_file, import_module
 from flashreinforce.envs.tasks import Task, TaskEnvironment
@@ -33,8 +34,8 @@ __all__ = ["AgentEnvironment", "AgentOutcome", "AgentSpecError", "agent_environm
 AGENT_ENVIRONMENT = "agent"
 
 
-class AgentSpecError(ValueError):
-    """An agent spec that names nothing usable (one line naming ``--agent``)."""
+class AgentSpecError(ConfigError):
+    """An agent spec that names nothing usable (one line naming ``--agent``; a ``ValueError``)."""
 
 
 def load_agent(spec: str | Callable) -> Callable:

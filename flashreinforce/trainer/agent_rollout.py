@@ -44,6 +44,7 @@ from flashreinforce.agents.chat import ChatRenderer, Conversations, Prompt
 from flashreinforce.agents.protocol import APIError, chat_response, completion_response
 from flashreinforce.agents.server import AgentServer, PendingCall
 from flashreinforce.agents.toolcalls import get_parser
+from flashreinforce.config import ConfigError
 from flashreinforce.engines.base import GenerationRequest, SamplingParams
 from flashreinforce.envs.agent_env import AGENT_ENVIRONMENT, AgentEnvironment, agent_environment, check_agent_result
 from flashreinforce.envs.registry import environment_class
@@ -148,7 +149,10 @@ class AgentRolloutWorker(RolloutWorker):
         probe = agent_environment(self._env(0))
         if probe is None:
             raise TypeError("AgentRolloutWorker needs agent environments (--agent FILE.py:FUNC)")
-        self._parser = get_parser(probe.tool_parser)
+        try:
+            self._parser = get_parser(probe.tool_parser)
+        except ValueError as err:
+            raise ConfigError(f"--env.kwargs tool_parser: {err}") from None
 
     # ------------------------------------------------------------------ endpoint and functions
     def _ensure_server(self) -> AgentServer:
