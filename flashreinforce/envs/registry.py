@@ -208,6 +208,8 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     builtin = spec in BUILTIN_ENVIRONMENTS
     cls = environment_class(spec)
     kwargs = dict(env_kwargs)
+    if spec.startswith(REASONING_GYM_PREFIX):
+        kwargs["task"] = spec[len(REASONING_GYM_PREFIX):]
     if flat.get("max_turns") is not None:
         kwargs.setdefault("max_turns", flat["max_turns"])
     if apply_chat_template is not None:
@@ -285,10 +287,17 @@ def _load_file(path: str, class_name: str) -> str:
     return f"{name}:{class_name}"
 
 
+#: ``--env reasoning_gym:TASK``: a task of the reasoning-gym library (the task's name goes to the environment).
+REASONING_GYM_PREFIX = "reasoning_gym:"
+REASONING_GYM_ENVIRONMENT = "flashreinforce.envs.reasoning_gym_env:ReasoningGymEnv"
+
+
 def _canonical(spec: str) -> str:
     """``spec`` as ``module:Class`` (shipped names looked up, files imported)."""
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec]
+    if spec.startswith(REASONING_GYM_PREFIX):
+        return REASONING_GYM_ENVIRONMENT
     if spec.endswith(".py"):
         return _load_file(spec, "")
     if ".py:" in spec:

@@ -161,6 +161,8 @@ class AgentRolloutWorker(RolloutWorker):
             port = env.port + max(0, self.worker_id) if env.port else 0
             self.server = AgentServer(host=env.host, port=port, model_name=env.model_name)
             self.server.start()
+            for name in ("httpx", "httpx2"):  # the agents' clients log every request at INFO
+                logging.getLogger(name).setLevel(logging.WARNING)
             log.info("worker %d: agent endpoint on %s", self.worker_id, self.server.root_url)
         return self.server
 
