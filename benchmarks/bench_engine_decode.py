@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_loss_cpu import print_table  # noqa: E402
-from common import SHAPES  # noqa: E402
+from common import SHAPES, copy_bandwidth  # noqa: E402
 from flashreinforce.engines.decode_attention import ATTENTION_NAME  # noqa: E402
 from flashreinforce.engines.hf import KV_CACHES  # noqa: E402
 
@@ -52,20 +52,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device, mib: int) -> float:
-    """Bytes per second of a device-to-device copy of ``mib`` MiB (read + write counted), best of 5."""
-    src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(6):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * src.numel() * 4 / best
 
 
 def build_engine(shape: str, layers: int | None, dtype: torch.dtype, device: torch.device, max_positions: int):

@@ -11,10 +11,14 @@ of that implementation. Prints tables of medians and ratios:
 3. N from 64k to 16M at B = 1024: ns/token, and ns/token beyond the per-call overhead (the time of
    an 8,192-token call), whose flat column means linear time;
 4. the entropy filter (q = 0.5, half the trajectories failed) vs the base path;
-5. heap memory held between forward and backward, per implementation (fresh subprocesses).
+5. heap memory held between forward and backward, per implementation (fresh subprocesses);
+6. per instruction set of the fused path (generic, AVX2, AVX-512, up to what the CPU has), each in a
+   subprocess with FLASHREINFORCE_CPU_ISA: fused against eager side by side, and back-to-back calls
+   with 1 thread and with N.
 
-    python benchmarks/bench_loss_cpu.py            # everything (a few minutes on 2 cores)
-    python benchmarks/bench_loss_cpu.py --quick    # fewer repeats, smaller sweep
+    python benchmarks/bench_loss_cpu.py              # everything (a few minutes on 2 cores)
+    python benchmarks/bench_loss_cpu.py --quick      # fewer repeats, smaller sweep
+    python benchmarks/bench_loss_cpu.py --isa-table  # only table 6
 """
 
 from __future__ import annotations
@@ -217,6 +221,60 @@ def measure_memory(kind: str, num_tokens: int, batch: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
+# Per instruction set: each in a fresh process, since the core chooses it once per process.
+
+ISAS = ("generic", "avx2", "avx512")
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its widest vector extensions (Linux: /proc/cpuinfo)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    vector = [f for f in ("avx512f", "avx2", "fma", "avx") if f in flags]
+    return f"{name} ({', '.join(vector) or 'no AVX'})"
+
+
+def _isa_child(args) -> None:
+    data = make_batch(args.tokens, args.batch)
+    n = args.tokens
+    repeats = 5 if args.quick else 9
+    t = time_interleaved({"fused": fused_step(data), "eager": eager_step(data)}, repeats)
+    back_to_back = {}
+    for threads in (1, args.threads):
+        torch.set_num_threads(threads)
+        back_to_back[threads] = time_fn(fused_step(data), repeats * 2)
+    torch.set_num_threads(args.threads)
+    print(json.dumps({"isa": _C.cpu_isa(), "fused": t["fused"], "eager": t["eager"], "ns_per_token": t["fused"] / n * 1e9,
+                      "b2b_1": back_to_back[1], "b2b_n": back_to_back[args.threads]}))
+
+
+def isa_table(args) -> None:
+    rows, seen = [], set()
+    for isa in ISAS:
+        command = [sys.executable, __file__, "--isa-child", "--tokens", str(args.tokens), "--batch", str(args.batch),
+                   "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+        out = subprocess.run(command, env=dict(os.environ, FLASHREINFORCE_CPU_ISA=isa), capture_output=True,
+                             text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        if r["isa"] in seen:  # this CPU lacks the requested instruction set: the child ran a lower one
+            continue
+        seen.add(r["isa"])
+        rows.append([r["isa"], fmt_ms(r["fused"]), f"{r['ns_per_token']:.2f}", fmt_ms(r["eager"]),
+                     f"{r['eager'] / r['fused']:.1f}x", fmt_ms(r["b2b_1"]), fmt_ms(r["b2b_n"]),
+                     f"{r['b2b_1'] / r['b2b_n']:.2f}x"])
+    print_table(f"per instruction set (forward + backward, float32, N = {args.tokens:,}, B = {args.batch}; "
+                f"{args.threads} threads unless stated; each ISA in its own process; CPU: {cpu_model()})",
+                ["ISA", "fused ms (after pause)", "ns/token", "eager ms (same rounds)", "fused speedup",
+                 "1 thread b2b ms", f"{args.threads} threads b2b ms", "thread scaling"], rows)
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main() -> None:
@@ -225,21 +283,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4_194_304)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--isa-table", action="store_true", help="only the per-instruction-set table")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--isa-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         kind, n, b = args.memory_child
         torch.set_num_threads(args.threads)
         _memory_child(kind, int(n), int(b))
         return
+    if args.isa_child:
+        torch.set_num_threads(args.threads)
+        _isa_child(args)
+        return
 
     repeats = 5 if args.quick else 11
     torch.set_num_threads(args.threads)
-    print(f"# bench_loss_cpu: torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+    print(f"# bench_loss_cpu: torch {torch.__version__}, {cpu_model()}, "
           f"{os.cpu_count()} CPUs, {args.threads} threads, fused ISA {_C.cpu_isa()}")
     print(f"# load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"machine parallelism now (torch.exp on 16M floats, 1 vs {args.threads} threads): "
           f"{machine_parallelism(args.threads):.2f}x")
+    if args.isa_table:
+        isa_table(args)
+        print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        return
 
     data = make_batch(args.tokens, args.batch)
     n = args.tokens
@@ -334,6 +402,9 @@ def main() -> None:
         rows.append([kind, f"{held:.1f}", f"{held / grad_mib:.2f}x"])
     print_table(f"heap held between forward and backward (the gradient alone is {grad_mib:.1f} MiB)",
                 ["implementation", "MiB", "x gradient size"], rows)
+
+    # 6. Per instruction set.
+    isa_table(args)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 // C++ tests of the framework-agnostic core (CPU path) against a double-precision computation
 // written here from docs/semantics.md, on random segments and edge cases. Run through CTest
-// (python_tests/ops/test_cpp_core.py builds and runs it).
+// (python_tests/ops/test_cpp_core.py builds and runs it). `test_core SEED` (or FR_TEST_SEED=SEED) replays a
+// run.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -77,6 +79,17 @@ static double kl_exact(double behavior, double current, bool f32) {
   p = p < lo ? lo : (p > hi ? hi : p);
   q = q < lo ? lo : (q > hi ? hi : q);
   return (double)(p * (wide_log(p) - wide_log(q)) + (1 - p) * (wide_log1p(-p) - wide_log1p(-q)));
+}
+
+// The float32 KL of the log-probabilities as the kernel clamps them (log side, the float32 bounds
+// of math::Clamp), in wide arithmetic: the arithmetic alone, also next to the clamps, where the
+// bounds of kl_exact (on the probability side) differ from the kernel's by a rounding.
+static double kl_exact_logs(float behavior, float current) {
+  const double lo = math::Clamp<float>::kLogLo, hi = math::Clamp<float>::kLogHi;
+  const Wide a = (Wide)std::min(hi, std::max(lo, (double)behavior));
+  const Wide b = (Wide)std::min(hi, std::max(lo, (double)current));
+  const Wide p = wide_exp(a), q = wide_exp(b);
+  return (double)(p * (a - b) + (1 - p) * (wide_log1p(-p) - wide_log1p(-q)));
 }
 
 static Result expected(const Problem& P, bool f32) {
@@ -245,9 +258,10 @@ static void compare(const Problem& P, const Result& got, bool f32) {
 }
 
 // Random problem: lengths from `lengths`, 75% policy tokens (first token of each trajectory is
-// a prompt token unless it is the only one), masked slots hold NaN / inf garbage.
+// a prompt token unless it is the only one), masked slots hold NaN / inf garbage; log-probs down
+// to -depth.
 static Problem random_problem(std::mt19937_64& rng, const std::vector<int64_t>& lengths, double spread, double q,
-                              bool ties) {
+                              bool ties, double depth = 6.0) {
   Problem P;
   std::uniform_real_distribution<double> u(0, 1);
   std::normal_distribution<double> nrm(0, 1);
@@ -269,7 +283,7 @@ static Problem random_problem(std::mt19937_64& rng, const std::vector<int64_t>& 
   }
   for (int64_t t = 0; t < n; ++t) {
     // Round to float so the float32 run sees exactly these values.
-    const double x = (double)(float)(-6.0 * u(rng) * u(rng));
+    const double x = (double)(float)(-depth * u(rng) * u(rng));
     const double y = (double)(float)std::min(0.0, x + spread * nrm(rng));
     P.lp[t] = P.mask[t] ? x : NAN;
     P.blp[t] = P.mask[t] ? y : INFINITY;
@@ -292,10 +306,24 @@ static void check_case(const std::string& name, const Problem& P) {
   if (e.code == ErrorCode::kOk) compare(P, got, sizeof(T) == 4);
 }
 
-int main() {
-  std::mt19937_64 rng(std::random_device{}());
-  const uint64_t seed = rng();
-  rng.seed(seed);
+// test_core [SEED]: the random cases come from SEED, else from the environment variable FR_TEST_SEED
+// (as in the Python tests), else from a fresh seed; it is printed either way, so that a failure can
+// be replayed.
+int main(int argc, char** argv) {
+  uint64_t seed = 0;
+  const char* given = argc > 1 ? argv[1] : std::getenv("FR_TEST_SEED");
+  if (given != nullptr) {
+    char* end = nullptr;
+    seed = std::strtoull(given, &end, 10);
+    if (end == given || *end != '\0') {
+      std::fprintf(stderr, "usage: %s [SEED] (or FR_TEST_SEED=SEED), got '%s'\n", argv[0], given);
+      return 2;
+    }
+  } else {
+    std::mt19937_64 fresh(std::random_device{}());
+    seed = fresh();
+  }
+  std::mt19937_64 rng(seed);
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
 
   // Random segments: 1 token to thousands, with and without the filter, gate on and off.
@@ -317,6 +345,15 @@ int main() {
       P.lsf = 4096;
       check_case<float>("random sum-norm", P);
     }
+  }
+  // Log-probs far below the clamp ln(1e-6) and far apart: the KL's clamped branches, and ratios that
+  // the CPU main pass computes with exp of their own (a block with such a token).
+  for (double spread : {0.5, 8.0}) {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 30; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % (i % 7 == 6 ? 3000 : 80)));
+    Problem P = random_problem(rng, lengths, spread, 1.0, false, 40.0);
+    check_case<double>("deep log-probs", P);
+    check_case<float>("deep log-probs", P);
   }
   // Single-token trajectories only.
   {
@@ -483,14 +520,52 @@ int main() {
     for (int k = 0; k < 200000; ++k) {
       const float x = static_cast<float>(-8.0 * u(rng) * u(rng));
       const float y = std::min(0.0f, static_cast<float>(x + std::exp(-12.0 * u(rng)) * (u(rng) - 0.5)));
-      const double got = math::bernoulli_kl<float>(y, x);
+      const double got = math::bernoulli_kl(y, x);
       const double want = kl_exact(y, x, true);
       if (want > 0) worst = std::max(worst, std::fabs(got - want) / want);
       const float e = math::exp_fast(x - y);
       CHECK(std::fabs(e - std::exp((double)x - (double)y)) <= 4e-7 * std::exp((double)x - (double)y));
     }
     std::printf("float32 bernoulli_kl worst relative error %.3g\n", worst);
-    CHECK(worst < 3e-5);  // observed ~5e-6 (about 40 ulp) over 200k random pairs
+    // Harder pairs, 20k each: far apart, both near 0, both near the lower clamp, one at the upper
+    // clamp, a few ulp apart.
+    double worst_hard = 0;
+    for (int kind = 0; kind < 5; ++kind) {
+      for (int k = 0; k < 20000; ++k) {
+        float x, y;
+        if (kind == 0) {
+          x = static_cast<float>(-16.0 * u(rng));
+          y = static_cast<float>(-16.0 * u(rng));
+        } else if (kind == 1) {
+          x = -static_cast<float>(std::exp(-18.0 * u(rng)));
+          y = -static_cast<float>(std::exp(-18.0 * u(rng)));
+        } else if (kind == 2) {
+          x = static_cast<float>(-13.8155 + 0.01 * (u(rng) - 0.5));
+          y = static_cast<float>(x + 0.02 * (u(rng) - 0.5));
+        } else if (kind == 3) {
+          x = static_cast<float>(-20.0 * u(rng));
+          y = u(rng) < 0.5 ? 0.0f : -static_cast<float>(1e-7 * u(rng));
+          if (u(rng) < 0.5) std::swap(x, y);
+        } else {
+          x = static_cast<float>(-14.0 * u(rng));
+          y = x;
+          for (int steps = 1 + static_cast<int>(rng() % 5); steps > 0; --steps) y = std::nextafter(y, u(rng) < 0.5 ? 0.0f : -1.0f);
+          y = std::min(0.0f, y);
+        }
+        const double want = kl_exact_logs(y, x);
+        if (want > 0) worst_hard = std::max(worst_hard, std::fabs(math::bernoulli_kl(y, x) - want) / want);
+      }
+    }
+    std::printf("float32 bernoulli_kl worst relative error on the harder pairs %.3g\n", worst_hard);
+    CHECK(worst_hard < 3e-5);  // observed ~2.5e-6
+    // exp_fast at its edges: the largest float whose exp is finite, the next one (inf), NaN, +-inf.
+    const float kInf = std::numeric_limits<float>::infinity();
+    CHECK(std::isfinite(math::exp_fast(88.72283172607421875f)));
+    CHECK(math::exp_fast(88.72283935546875f) == kInf);
+    CHECK(math::exp_fast(kInf) == kInf && math::exp_fast(-kInf) == 0.0f);
+    CHECK(std::isnan(math::exp_fast(std::numeric_limits<float>::quiet_NaN())));
+    CHECK(math::exp_fast(0.0f) == 1.0f && math::exp_fast(-100.0f) == 0.0f);
+    CHECK(worst < 3e-5);  // observed ~2e-6 over 200k random pairs
     for (float h : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1e-5f, 5.96e-8f, 1e-3f, 3.14159f}) {
       const uint16_t bits = math::float_to_half(h);
       const float back = math::half_to_float(bits);
@@ -502,7 +577,8 @@ int main() {
   }
 
   if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed (seed %llu)\n", g_failures, static_cast<unsigned long long>(seed));
+    std::fprintf(stderr, "%d check(s) failed (seed %llu; replay: %s %llu)\n", g_failures,
+                 static_cast<unsigned long long>(seed), argv[0], static_cast<unsigned long long>(seed));
     return 1;
   }
   std::printf("all core checks passed\n");

@@ -74,14 +74,18 @@ def _env_spec(env: Any) -> str:
                       f"subclass, got {type(env).__name__} (for a reward over completions, pass rewards=[...])")
 
 
-def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None = None, *, model: str | None = None,
+def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None = None, *, model: Any = None,
           env: Any = None, rewards: Sequence[Callable | tuple | str] | None = None, agent: Callable | str | None = None,
-          dataset: Any = None, eval_dataset: Any = None, **run_options: Any) -> dict[str, Any]:
+          dataset: Any = None, eval_dataset: Any = None, callbacks: Sequence[Any] = (), **run_options: Any) -> dict[str, Any]:
     """Train a policy; returns the run's summary (what ``flashreinforce train`` prints).
 
     Args:
         config: see :func:`load_config` (copied: the caller's object is not changed).
-        model: ``--model``: a Hugging Face folder, a ``.gguf`` file, an alias, a run directory or a tiny config.
+        model: ``--model``: a Hugging Face folder, a ``.gguf`` file, an alias, a run directory or a tiny config;
+            or a ``transformers`` causal LM object (``AutoModelForCausalLM.from_pretrained(...)``), trained in
+            place (moved to the run's device in float32). Its tokenizer comes from its local folder, else
+            give ``tokenizer=`` (a folder, ``"char"``, or a tokenizer object). A PEFT-wrapped model is refused
+            (every weight is trained here): pass ``model.merge_and_unload()``.
         env: ``--env``: a spec string or an :class:`~flashreinforce.envs.Environment` subclass (defined at
             module level, so that the rollout workers can import it).
         rewards: reward functions ``reward(prompt, completion, **row) -> float`` (or ``(function, weight)``
@@ -92,20 +96,36 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
             ``AsyncOpenAI`` client); ``env`` and ``rewards`` must then be unset (docs/environments.md).
         dataset / eval_dataset: ``data.prompt_dataset`` / ``eval.dataset``: a path (JSONL, JSON, Parquet,
             a ``datasets`` ``save_to_disk`` folder), a list of dicts, or a ``datasets.Dataset``.
+        callbacks: objects with ``on_update(metrics)`` (return True to stop), ``on_eval(step, metrics)``,
+            ``on_save(step, path)``, ``on_train_begin(info)``, ``on_train_end(summary)`` (any of them; a
+            plain function is ``on_update``): :mod:`flashreinforce.trainer.callbacks`.
         run_options: ``output`` (required), ``seed``, ``resume``, ``overwrite``, ``device``,
-            ``torch_threads``, ``tokenizer``, ``env_kwargs``, ``progress``, ``allow_config_change``.
+            ``torch_threads``, ``tokenizer`` (also a tokenizer object), ``env_kwargs``, ``progress``,
+            ``allow_config_change``.
 
     Raises ``ConfigError`` (one line naming the setting) before anything starts, and what the command
     reports as a failed run (:class:`flashreinforce.trainer.errors.RunFailure`) after.
     """
     cfg = load_config(config)
+    tokenizer = run_options.pop("tokenizer", None)
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        from flashreinforce.models.loading import describe_object
+
+        cfg.tokenizer = describe_object(tokenizer)
+    elif tokenizer is not None:
+        cfg.tokenizer, tokenizer = os.fspath(tokenizer), None
     for key, value in run_options.items():
         if key not in RUN_FIELDS:
             raise ConfigError(f"train(): unknown option {key!r}; options: {', '.join(sorted(RUN_FIELDS))}, and the "
                               "config's fields for every flag (config.train.max_steps = ...)")
         setattr(cfg, key, value)
-    if model is not None:
-        cfg.actor.model_name_or_path = model
+    model_object = None
+    if isinstance(model, (str, os.PathLike)):
+        cfg.actor.model_name_or_path = os.fspath(model)
+    elif model is not None:
+        from flashreinforce.models.loading import describe_object
+
+        model_object, cfg.actor.model_name_or_path = model, describe_object(model)
     if agent is not None:
         if env is not None or rewards is not None:
             raise ConfigError("train(): give agent, env or rewards, not several (the agent's return value is the reward)")
@@ -131,5 +151,10 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
         cfg.eval.dataset = eval_dataset
     validate(cfg)
     from flashreinforce.trainer import Trainer
+    from flashreinforce.trainer.callbacks import CallbackList
 
-    return Trainer(cfg).run()
+    try:
+        hooks = CallbackList(callbacks)
+    except TypeError as err:
+        raise ConfigError(f"train(): {err}") from None
+    return Trainer(cfg, model=model_object, tokenizer=tokenizer, callbacks=hooks).run()

@@ -102,8 +102,11 @@ def train_for(budget_s: float, run_dir: Path, args: argparse.Namespace, extra: l
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
         stopped = False
         last_report = 0.0
+        peak = peak_rss_mib(run_dir)
         while proc.poll() is None:
             time.sleep(2.0)
+            peak = max(peak, process_peak_mib(proc.pid))
+            (run_dir / "peak_rss.json").write_text(json.dumps({"peak_rss_mib": peak}))
             times = training_times(read_jsonl(metrics_path), read_jsonl(eval_path))
             trained = max(times.values()) if times else 0.0
             if times and time.time() - last_report > 60:
@@ -117,6 +120,25 @@ def train_for(budget_s: float, run_dir: Path, args: argparse.Namespace, extra: l
     if code not in (0, 130):
         raise SystemExit(f"[curve] training failed with exit status {code}; see {log}")
     return "stopped at the budget" if stopped else "completed train.max_steps"
+
+
+def process_peak_mib(pid: int) -> float:
+    """The peak resident memory of process ``pid`` so far (``VmHWM``), in MiB; 0 when unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def peak_rss_mib(run_dir: Path) -> float:
+    """The training process's peak resident memory recorded so far (over its sessions), in MiB."""
+    try:
+        return float(json.loads((run_dir / "peak_rss.json").read_text())["peak_rss_mib"])
+    except (OSError, ValueError, KeyError):
+        return 0.0
 
 
 def mean(xs):
@@ -163,6 +185,10 @@ def summarize(out: Path, base: dict, final: dict | None, budget_s: float) -> dic
             "reward_last_10": mean(float(m["reward_mean"]) for m in metrics[-k:]),
             "policy_lag_mean": mean(float(m.get("policy_lag_mean", float("nan"))) for m in metrics),
             "acceptance_rate_mean": mean(float(m.get("acceptance_rate", float("nan"))) for m in metrics),
+            "token_lag_mean": mean(float(m.get("token_lag_mean", float("nan"))) for m in metrics),
+            "weight_sync_s_mean": mean(float(m["weight_sync_s"]) for m in per_update if m.get("weight_sync_bytes")),
+            "weight_sync_bytes_last": float(metrics[-1].get("weight_sync_bytes", float("nan"))),
+            "peak_rss_mib": peak_rss_mib(run),
             # The environment's per-episode numbers (tool calls, answers from the tool, turns), first and
             # last 10 updates.
             **{f"{key}_first_10": mean(float(m[key]) for m in metrics[:k] if key in m)

@@ -17,6 +17,8 @@
 #   engine    the hf engine's decode rate against its memory roofline, Qwen2.5-0.5B shape, bf16 and
 #             float32 weights, the bf16 one with and without the preallocated KV cache and the
 #             grouped decode attention (benchmarks/bench_engine_decode.py);
+#   lora      the LoRA learner beside full fine-tuning at the Qwen2.5-0.5B shape (needs PEFT's wheel carried
+#             in build/wheels);
 #   train     `flashreinforce train --device cuda` on a Qwen2.5-0.5B-shaped model, 50 updates: tokens/s,
 #             MFU, learner and worker shares (benchmarks/bench_train_throughput.py);
 #   cpu       last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
@@ -25,7 +27,7 @@
 # included, so "all" does not fit in one call. What has never run on a GPU comes first; a plan that
 # fits (each call builds again, about 1-2 minutes for one architecture):
 #   call 1: GPU_CHECK_STAGES="attention learner" (per-document attention, the profiled Qwen2.5 steps)
-#   call 2: GPU_CHECK_STAGES="engine train"      (decode roofline, train --device cuda)
+#   call 2: GPU_CHECK_STAGES="engine lora train" (decode roofline and rollout engines, LoRA, train --device cuda)
 #
 #   bash scripts/gpu_check.sh                                   # from the repository root: everything
 #   GPU_CHECK_STAGES="attention engine train" bash scripts/gpu_check.sh   # what has never run on a GPU
@@ -152,6 +154,17 @@ stage "hf engine decode, float32" 60 "$PY" benchmarks/bench_engine_decode.py --d
 # with the reason, where it is not installed: the lent machine has no vLLM).
 stage "rollout engines" 200 "$PY" benchmarks/bench_rollout_engines.py --device cuda --shape qwen2.5-0.5b --dtype bf16 \
   --requests 32 256 --new-tokens 128 --repeats 2 --sync-repeats 2
+fi
+
+if want lora; then
+# The LoRA learner beside full fine-tuning at the Qwen2.5-0.5B shape: step time, model TFLOP/s against a
+# measured bf16 GEMM peak, peak memory, adapter bytes per sync. Needs PEFT: the lent machine has no network,
+# so carry its wheel (pip download --no-deps peft -d build/wheels) and it is installed from there.
+if ! "$PY" -c "import peft" 2>/dev/null && ls build/wheels/peft-*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-deps build/wheels/peft-*.whl || true
+fi
+stage "LoRA learner vs full, Qwen2.5-0.5B shape" 240 "$PY" benchmarks/bench_learner_mfu.py --device cuda \
+  --shape qwen2.5-0.5b --dtype bf16 --lora-rank 16 --batch 64 --mean-len 1024 --micro-batch-tokens 16384 --steps 3
 fi
 
 if want train; then

@@ -7,7 +7,6 @@
 #include <cstdint>
 #include <iterator>
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "flashreinforce/core.h"
@@ -21,6 +20,14 @@ namespace FR_ISA_NAMESPACE {
 
 
 template <class E> using KeyOf = typename math::EntropyKey<E>::type;
+
+// A token of the threshold bin: its key and position. A type of this namespace rather than
+// std::pair, so that the containers and algorithms instantiated for it are this file's own
+// (main_pass.h).
+template <class K> struct Candidate {
+  K key;
+  int64_t pos;
+};
 template <class E> using ValueOf = typename math::EntropyKey<E>::value;
 
 template <class E> static KeyOf<E> key_at(const E* e, int64_t t) {
@@ -36,8 +43,13 @@ template <class E>
 static void block_keys(const E* __restrict e, const uint8_t* __restrict mask, int64_t a, int64_t len,
                 KeyOf<E>* __restrict keys) {
   if (mask) {
+    // The key of every token, then the select: a load under the condition would need masked loads
+    // to vectorize (AVX2 has them; SSE2 and NEON do not).
 #pragma omp simd
-    for (int64_t j = 0; j < len; ++j) keys[j] = mask[a + j] ? key_at(e, a + j) : KeyOf<E>(0);
+    for (int64_t j = 0; j < len; ++j) {
+      const KeyOf<E> key = key_at(e, a + j);
+      keys[j] = mask[a + j] ? key : KeyOf<E>(0);
+    }
   } else {
 #pragma omp simd
     for (int64_t j = 0; j < len; ++j) keys[j] = key_at(e, a + j);
@@ -76,9 +88,8 @@ static int64_t first_bad_entropy(const E* e, const uint8_t* mask, int64_t c0, in
 // candidates of the threshold bin are then ordered exactly (nth_element) when they are few, or
 // the radix passes continue and the ties are resolved by position when they are many.
 template <class E>
-static std::pair<KeyOf<E>, int64_t> select_threshold(const E* e, const uint8_t* mask, int64_t a,
-                                              int64_t b, int64_t k,
-                                              std::vector<std::pair<KeyOf<E>, int64_t>>& scratch) {
+static Candidate<KeyOf<E>> select_threshold(const E* e, const uint8_t* mask, int64_t a, int64_t b, int64_t k,
+                                            std::vector<Candidate<KeyOf<E>>>& scratch) {
   using K = KeyOf<E>;
   constexpr int kBits = 11;
   constexpr int kKeyBits = static_cast<int>(sizeof(K) * 8);
@@ -170,11 +181,11 @@ static std::pair<KeyOf<E>, int64_t> select_threshold(const E* e, const uint8_t* 
         const int64_t len = std::min(kKeyBlock, b - blk);
         block_keys(e, mask, blk, len, keys);
         for (int64_t j = 0; j < len; ++j) {
-          if ((keys[j] >> free_bits) == prefix) scratch.emplace_back(keys[j], blk + j);
+          if ((keys[j] >> free_bits) == prefix) scratch.push_back(Candidate<K>{keys[j], blk + j});
         }
       }
-      auto before = [](const std::pair<K, int64_t>& x, const std::pair<K, int64_t>& y) {
-        return x.first != y.first ? x.first > y.first : x.second < y.second;
+      auto before = [](const Candidate<K>& x, const Candidate<K>& y) {
+        return x.key != y.key ? x.key > y.key : x.pos < y.pos;
       };
       std::nth_element(scratch.begin(), scratch.begin() + (remaining - 1), scratch.end(), before);
       return scratch[remaining - 1];
@@ -210,11 +221,11 @@ static void select_and_flag(const LossParams& p, const std::vector<int64_t>& cu,
   const uint8_t* mask = p.action_mask.as<const uint8_t>();
   LP* grad = p.grad.as<LP>();
   parallel_for(num_threads, static_cast<int64_t>(selected.size()), [&](int64_t j) {
-    thread_local std::vector<std::pair<K, int64_t>> scratch;
+    thread_local std::vector<Candidate<K>> scratch;
     const int64_t i = selected[j];
     const auto star = select_threshold<E>(e, mask, cu[i], cu[i + 1], keep_count[i], scratch);
-    write_keep_flags<E, LP>(e, mask, grad, cu[i], cu[i + 1], star.first, star.second);
-    if (scratch.capacity() > (1u << 16)) std::vector<std::pair<K, int64_t>>().swap(scratch);
+    write_keep_flags<E, LP>(e, mask, grad, cu[i], cu[i + 1], star.key, star.pos);
+    if (scratch.capacity() > (1u << 16)) std::vector<Candidate<K>>().swap(scratch);
   });
 }
 

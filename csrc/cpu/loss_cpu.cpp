@@ -88,41 +88,58 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
   }
 }
 
-// Instruction set of the main pass: the best the CPU supports, or the one named by the
-// environment variable FLASHREINFORCE_CPU_ISA (avx512, avx2 or generic; for tests and benchmarks).
+// Instruction set of the main pass and the filter: the best one compiled in that the CPU supports,
+// or a lower one named by the environment variable FLASHREINFORCE_CPU_ISA (generic, avx2 or avx512;
+// for tests and benchmarks: a name above what the CPU supports, or unknown, gives the best one).
+// This is the only place that decides; the instruction-set files are entered only through the table
+// built here, after the CPU check (main_pass.h).
 enum class Isa { kGeneric, kAvx2, kAvx512 };
 
-Isa selected_isa() {
-  static const Isa isa = [] {
-    Isa best = Isa::kGeneric;
-#if defined(__x86_64__) || defined(__i386__)
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && kernels_avx2()) best = Isa::kAvx2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma") &&
-        kernels_avx512()) {
-      best = Isa::kAvx512;
-    }
+Isa best_supported_isa() {
+  Isa best = Isa::kGeneric;
+#if defined(FLASHREINFORCE_HAVE_AVX2) || defined(FLASHREINFORCE_HAVE_AVX512)
+  __builtin_cpu_init();  // also checks that the OS saves the vector registers (XGETBV)
 #endif
-    const char* env = std::getenv("FLASHREINFORCE_CPU_ISA");
-    if (env != nullptr) {
-      const std::string want(env);
-      if (want == "generic") return Isa::kGeneric;
-      if (want == "avx2" && best != Isa::kGeneric) return Isa::kAvx2;  // never above what the CPU has
-      if (want == "avx512") return best;
-    }
-    return best;
-  }();
-  return isa;
+#if defined(FLASHREINFORCE_HAVE_AVX2)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
+#endif
+#if defined(FLASHREINFORCE_HAVE_AVX512)
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma")) {
+    best = Isa::kAvx512;
+  }
+#endif
+  return best;
 }
 
-const KernelTable& best_table_for(DType lp, DType blp) {
-  const int i = static_cast<int>(lp), j = static_cast<int>(blp);
-  const Isa isa = selected_isa();
-  // A table without the (log_probs, behavior) main kernel (float64) falls back to generic.
-  if (isa == Isa::kAvx512 && kernels_avx512()->main[i][j]) return *kernels_avx512();
-  if (isa != Isa::kGeneric && kernels_avx2() && kernels_avx2()->main[i][j]) return *kernels_avx2();
-  return kernels_generic();
+struct Dispatch {
+  Isa isa = Isa::kGeneric;
+  KernelTable table{};
+};
+
+const Dispatch& dispatch() {
+  static const Dispatch d = [] {
+    Dispatch r;
+    const Isa best = best_supported_isa();
+    r.isa = best;
+    if (const char* env = std::getenv("FLASHREINFORCE_CPU_ISA")) {
+      const std::string want(env);
+      if (want == "generic") r.isa = Isa::kGeneric;
+      if (want == "avx2" && best == Isa::kAvx512) r.isa = Isa::kAvx2;
+    }
+    isa_generic::fill_kernels(r.table);
+#if defined(FLASHREINFORCE_HAVE_AVX2)
+    if (r.isa == Isa::kAvx2) isa_avx2::fill_kernels(r.table);
+#endif
+#if defined(FLASHREINFORCE_HAVE_AVX512)
+    if (r.isa == Isa::kAvx512) isa_avx512::fill_kernels(r.table);
+#endif
+    return r;
+  }();
+  return d;
 }
+
+const KernelTable& kernels() { return dispatch().table; }
 
 Error make_error(ErrorCode code, int64_t index) {
   Error e;
@@ -133,11 +150,13 @@ Error make_error(ErrorCode code, int64_t index) {
 
 }  // namespace
 
-// Name of the instruction set the CPU main pass uses for float32 inputs on this machine.
+// Name of the instruction set the CPU main pass and filter use (float64 log_probs: always generic).
 const char* cpu_isa_name() {
-  const KernelTable& t = best_table_for(DType::kFloat32, DType::kFloat32);
-  if (kernels_avx512() && &t == kernels_avx512()) return "avx512";
-  if (kernels_avx2() && &t == kernels_avx2()) return "avx2";
+  switch (dispatch().isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kGeneric: break;
+  }
   return "generic";
 }
 
@@ -226,14 +245,13 @@ Error loss_forward_cpu(const LossParams& p, int num_threads) {
   // 3. Filter: validate entropies, then select and write keep flags into grad.
   int64_t bad_entropy = -1;
   if (filter) {
-    const KernelTable& kernels = best_table_for(lp_dtype, blp_dtype);
     const int e = static_cast<int>(p.entropies.dtype);
-    bad_entropy = kernels.check_entropies[e](p, num_threads);
+    bad_entropy = kernels().check_entropies[e](p, num_threads);
     if (bad_entropy >= 0) {
       // Still run the main pass (log-prob errors are reported first), without the selection.
       for (int64_t i : selected) keep[i] = kKeepAll;
     } else if (!selected.empty()) {
-      kernels.select[e][static_cast<int>(lp_dtype)](p, cu, selected, keep_count, num_threads);
+      kernels().select[e][static_cast<int>(lp_dtype)](p, cu, selected, keep_count, num_threads);
     }
   }
 
@@ -264,8 +282,7 @@ Error loss_forward_cpu(const LossParams& p, int num_threads) {
   args.head_overflow = head_overflow.data();
   args.bad_log_prob = bad_lp.data();
   args.bad_behavior = bad_blp.data();
-  const MainChunkFn fn =
-      best_table_for(lp_dtype, blp_dtype).main[static_cast<int>(lp_dtype)][static_cast<int>(blp_dtype)];
+  const MainChunkFn fn = kernels().main[static_cast<int>(lp_dtype)][static_cast<int>(blp_dtype)];
   parallel_for(num_threads, chunks, [&](int64_t c) { fn(args, c); });
 
   // 5. Combine in a fixed order, then report errors by priority.

@@ -7,8 +7,13 @@
 // token is not). Sums are per piece, in double, in an order fixed by the chunk size alone, so
 // results do not depend on the number of threads.
 //
-// This header is compiled once per instruction set (csrc/cpu/main_pass_*.cpp) with different
-// target flags; the driver picks the best table the CPU supports at run time.
+// main_pass_impl.h and filter_impl.h are compiled once per instruction set (csrc/cpu/main_pass_*.cpp)
+// with different target flags. Each of those files defines a single external function,
+// isa_<name>::fill_kernels, and nothing else that the linker could share with other files: every
+// type and template they instantiate lives in their own namespace (a shared inline function or
+// template instance, emitted by several files, may end up as the AVX-512 file's copy in the
+// generic code). The driver (loss_cpu.cpp, compiled for the baseline) checks what the CPU
+// supports before it calls any of them.
 #pragma once
 
 #include <cstdint>
@@ -70,18 +75,27 @@ using SelectFn = void (*)(const LossParams& p, const std::vector<int64_t>& cu,
 // First policy token with a non-finite entropy, or -1.
 using CheckEntropiesFn = int64_t (*)(const LossParams& p, int num_threads);
 
-// Kernels of one instruction set, indexed by the float DType values: main[log_probs][behavior],
-// select[entropies][log_probs], check_entropies[entropies]. Main entries may be null (not
-// specialized for this instruction set: float64 log-probs use the generic table).
+// Kernels indexed by the float DType values: main[log_probs][behavior], select[entropies][log_probs],
+// check_entropies[entropies].
 struct KernelTable {
   MainChunkFn main[4][4];
   SelectFn select[4][4];
   CheckEntropiesFn check_entropies[4];
 };
 
-const KernelTable& kernels_generic();
-const KernelTable* kernels_avx2();    // null when not compiled in
-const KernelTable* kernels_avx512();  // null when not compiled in
+// The entry points of the instruction-set files: each writes its kernels into the table. Generic
+// writes every entry; AVX2 and AVX-512 overwrite the entries they specialize (all but the float64
+// log_probs row, which stays generic). Call the AVX2 / AVX-512 ones only on a CPU that has them
+// (and only when compiled in: FLASHREINFORCE_HAVE_AVX2 / FLASHREINFORCE_HAVE_AVX512).
+namespace isa_generic {
+void fill_kernels(KernelTable& table);
+}
+namespace isa_avx2 {
+void fill_kernels(KernelTable& table);
+}
+namespace isa_avx512 {
+void fill_kernels(KernelTable& table);
+}
 
 template <class T> struct DTypeOf;
 template <> struct DTypeOf<math::Half> { static constexpr DType value = DType::kFloat16; };

@@ -1,20 +1,18 @@
-// Main pass compiled with AVX2 + FMA (float32-compute dtypes only; float64 uses the generic one).
+// Main pass and filter compiled with AVX2 + FMA (float32-compute dtypes; float64 stays generic).
+// Its one external symbol is isa_avx2::fill_kernels (see main_pass.h).
 #define FR_ISA_NAMESPACE isa_avx2
 #include "filter_impl.h"
 #include "main_pass_impl.h"
 
 namespace flashreinforce {
 namespace cpu {
+namespace isa_avx2 {
 
-const KernelTable* kernels_avx2() {
-  static const KernelTable table = [] {
-    KernelTable t{};
-    isa_avx2::fill_main(t, /*with_float64_log_probs=*/false);
-    isa_avx2::fill_filter(t);
-    return t;
-  }();
-  return &table;
+void fill_kernels(KernelTable& table) {
+  fill_main(table, /*with_float64_log_probs=*/false);
+  fill_filter(table);
 }
 
+}  // namespace isa_avx2
 }  // namespace cpu
 }  // namespace flashreinforce

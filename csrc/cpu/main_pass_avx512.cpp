@@ -1,20 +1,18 @@
-// Main pass compiled with AVX-512 (F/BW/DQ/VL) + FMA (float32-compute dtypes only).
+// Main pass and filter compiled with AVX-512 (F/BW/DQ/VL) + FMA (float32-compute dtypes).
+// Its one external symbol is isa_avx512::fill_kernels (see main_pass.h).
 #define FR_ISA_NAMESPACE isa_avx512
 #include "filter_impl.h"
 #include "main_pass_impl.h"
 
 namespace flashreinforce {
 namespace cpu {
+namespace isa_avx512 {
 
-const KernelTable* kernels_avx512() {
-  static const KernelTable table = [] {
-    KernelTable t{};
-    isa_avx512::fill_main(t, /*with_float64_log_probs=*/false);
-    isa_avx512::fill_filter(t);
-    return t;
-  }();
-  return &table;
+void fill_kernels(KernelTable& table) {
+  fill_main(table, /*with_float64_log_probs=*/false);
+  fill_filter(table);
 }
 
+}  // namespace isa_avx512
 }  // namespace cpu
 }  // namespace flashreinforce

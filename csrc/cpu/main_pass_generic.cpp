@@ -1,27 +1,18 @@
-// Main pass compiled for the baseline instruction set (every log_probs / behavior dtype pair).
+// Main pass and filter compiled for the baseline instruction set (every log_probs / behavior dtype pair).
+// Its one external symbol is isa_generic::fill_kernels (see main_pass.h).
 #define FR_ISA_NAMESPACE isa_generic
 #include "filter_impl.h"
 #include "main_pass_impl.h"
 
 namespace flashreinforce {
 namespace cpu {
+namespace isa_generic {
 
-const KernelTable& kernels_generic() {
-  static const KernelTable table = [] {
-    KernelTable t{};
-    isa_generic::fill_main(t, /*with_float64_log_probs=*/true);
-    isa_generic::fill_filter(t);
-    return t;
-  }();
-  return table;
+void fill_kernels(KernelTable& table) {
+  fill_main(table, /*with_float64_log_probs=*/true);
+  fill_filter(table);
 }
 
-#if !defined(FLASHREINFORCE_HAVE_AVX2)
-const KernelTable* kernels_avx2() { return nullptr; }
-#endif
-#if !defined(FLASHREINFORCE_HAVE_AVX512)
-const KernelTable* kernels_avx512() { return nullptr; }
-#endif
-
+}  // namespace isa_generic
 }  // namespace cpu
 }  // namespace flashreinforce

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "flashreinforce/token_math.h"
 #include "main_pass.h"
@@ -36,38 +37,125 @@ struct BlockFlags {
   C max_rho = C(0);      // the largest importance ratio of the block (inf when one overflows)
 };
 
+// Scratch of the float32 token stage: the policy flags as floats and the KL between its two halves
+// (math::kl_partial, math::kl_finish).
+struct KlScratch {
+  alignas(64) float policy[kBlock];
+  alignas(64) float z[kBlock];
+  alignas(64) float P[kBlock];
+  alignas(64) float near[kBlock];
+  alignas(64) float far[kBlock];
+  alignas(64) float exp_delta[kBlock];
+};
+
 // Stage 1 over [a, b) (b - a <= kBlock): kl[t - a] = the token's KL term (0 where the behavior
-// policy is not used), rho[t - a] = its importance ratio, and the block's largest ratio (an
+// policy is not used), rho[t - a] = its importance ratio and xs[t - a] = its log-prob in C (both 0
+// off the policy tokens, so the piece stage needs no mask), and the block's largest ratio (an
 // order-independent max: results do not depend on how the loop is vectorized). kNoIs: ratios are
 // exactly 1 and the behavior log-probs are never read. Compile-time options only: GCC unswitches
 // loops on loop-invariant runtime conditions and then silently drops the vectorized copy.
+//
+// Float32 runs in three loops. One loop over the whole computation is bound by the latency of its
+// dependency chain (the core overlaps too few iterations of a long body), and a loop that reads the
+// byte mask is vectorized 32 tokens per iteration (the width of its narrowest type), which spills
+// most registers and packs every flag to bytes. So: a light loop turns the mask into floats, then
+// the validation with the first half of the KL, then its second half with the ratio, which comes
+// from the KL's e^delta (math::ratio_from_kl) unless a log-prob of the block is below ln 1e-6: then
+// a fourth loop computes the block's ratios with exp.
 template <class LP, class BLP, bool kMask, bool kNoIs>
 static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
                               int64_t a, int64_t b, typename math::ComputeOf<LP>::type* __restrict kl,
-                              typename math::ComputeOf<LP>::type* __restrict rho) {
+                              typename math::ComputeOf<LP>::type* __restrict rho,
+                              typename math::ComputeOf<LP>::type* __restrict xs, KlScratch& __restrict scratch) {
   using C = typename math::ComputeOf<LP>::type;
   int bad = 0, bad_behavior = 0;
-  C max_rho = C(1);  // ratios of non-policy tokens are exp(0) = 1
+  C max_rho = C(0);
   const int64_t len = b - a;
   lp += a;
   blp += a;
   if (kMask) mask += a;
-#pragma omp simd reduction(| : bad, bad_behavior) reduction(max : max_rho)
-  for (int64_t u = 0; u < len; ++u) {
-    const bool policy = kMask ? mask[u] != 0 : true;
-    const C x = math::to_compute(lp[u], C());
-    bad |= static_cast<int>(policy & !math::valid_log_prob(x));
-    if (kNoIs) {
+  if constexpr (kNoIs) {
+#pragma omp simd reduction(| : bad)
+    for (int64_t u = 0; u < len; ++u) {
+      const bool policy = kMask ? mask[u] != 0 : true;
+      const C x = math::to_compute(lp[u], C());
+      bad |= static_cast<int>(policy & !math::valid_log_prob(x));
       kl[u] = C(0);
-      rho[u] = C(1);
-    } else {
+      rho[u] = policy ? C(1) : C(0);
+      xs[u] = policy ? x : C(0);
+    }
+    max_rho = C(1);
+  } else if constexpr (std::is_same<C, double>::value) {
+#pragma omp simd reduction(| : bad, bad_behavior) reduction(max : max_rho)
+    for (int64_t u = 0; u < len; ++u) {
+      const bool policy = kMask ? mask[u] != 0 : true;
+      const C x = math::to_compute(lp[u], C());
       const C y = math::to_compute(blp[u], C());
+      bad |= static_cast<int>(policy & !math::valid_log_prob(x));
       bad_behavior |= static_cast<int>(policy & !math::valid_log_prob(y));
-      const C d = math::bernoulli_kl<C>(y, x);
+      const C d = math::bernoulli_kl(y, x);
       kl[u] = policy ? d : C(0);
-      const C r = math::exp_c(policy ? x - y : C(0));
+      const C r = policy ? math::exp_c(x - y) : C(0);
       rho[u] = r;
+      xs[u] = policy ? x : C(0);
       max_rho = r > max_rho ? r : max_rho;
+    }
+  } else {
+    float* __restrict pol = scratch.policy;
+    float* __restrict z = scratch.z;
+    float* __restrict P = scratch.P;
+    float* __restrict near = scratch.near;
+    float* __restrict far = scratch.far;
+    float* __restrict exp_delta = scratch.exp_delta;
+    if (kMask) {
+#pragma omp simd
+      for (int64_t u = 0; u < len; ++u) pol[u] = mask[u] != 0 ? 1.0f : 0.0f;
+    }
+#pragma omp simd reduction(| : bad, bad_behavior)
+    for (int64_t u = 0; u < len; ++u) {
+      const bool policy = kMask ? pol[u] != 0.0f : true;
+      const float x = math::to_compute(lp[u], float());
+      const float y = math::to_compute(blp[u], float());
+      bad |= static_cast<int>(policy & !math::valid_log_prob(x));
+      bad_behavior |= static_cast<int>(policy & !math::valid_log_prob(y));
+      const math::KlPartial k = math::kl_partial(y, x);
+      z[u] = k.z;
+      P[u] = k.P;
+      near[u] = k.near;
+      far[u] = k.far;
+      exp_delta[u] = k.exp_delta;
+    }
+    int inexact = 0;
+#pragma omp simd reduction(max : max_rho) reduction(| : inexact)
+    for (int64_t u = 0; u < len; ++u) {
+      const bool policy = kMask ? pol[u] != 0.0f : true;
+      math::KlPartial k;
+      k.z = z[u];
+      k.P = P[u];
+      k.near = near[u];
+      k.far = far[u];
+      const float d = math::kl_finish(k);
+      kl[u] = policy ? d : 0.0f;
+      const float x = math::to_compute(lp[u], float());
+      const float y = math::to_compute(blp[u], float());
+      float ratio;
+      const bool exact = math::ratio_from_kl(y, x, exp_delta[u], &ratio);
+      inexact |= static_cast<int>(policy & !exact);
+      const float r = policy ? ratio : 0.0f;
+      rho[u] = r;
+      xs[u] = policy ? x : 0.0f;
+      max_rho = r > max_rho ? r : max_rho;
+    }
+    if (inexact) {  // rare: a log-prob below ln 1e-6, whose ratio needs an exp of its own
+      max_rho = 0.0f;
+#pragma omp simd reduction(max : max_rho)
+      for (int64_t u = 0; u < len; ++u) {
+        const bool policy = kMask ? pol[u] != 0.0f : true;
+        const float ratio = math::exp_c(math::to_compute(lp[u], float()) - math::to_compute(blp[u], float()));
+        const float r = policy ? ratio : 0.0f;  // computed for every token: a conditional exp stays a branch (SSE2)
+        rho[u] = r;
+        max_rho = r > max_rho ? r : max_rho;
+      }
     }
   }
   BlockFlags<C> f;
@@ -86,40 +174,43 @@ struct PieceSums {
   bool overflow = false;  // a kept token with a non-finite ratio
 };
 
-// Stage 2 over one piece [a, b) of one trajectory inside the block that starts at `blk` (kl and
-// rho are that block's scratch arrays). kMask: a mask is present; kFlags: kept flags are in grad
-// (entropy filter). keep_all enters as a 0 / 1 factor of the varying mask, never as a select on
-// the invariant itself (see token_stage).
-template <class LP, bool kMask, bool kFlags>
-static PieceSums piece_stage(const LP* __restrict lp, const uint8_t* __restrict mask, LP* __restrict grad,
-                             int64_t blk, int64_t a, int64_t b, const typename math::ComputeOf<LP>::type* __restrict kl,
+// Stage 2 over one piece [a, b) of one trajectory inside the block that starts at `blk` (kl, rho
+// and xs are that block's scratch arrays, rho and xs 0 off the policy tokens). kFlags: kept flags
+// are in grad (entropy filter; 0 off the policy tokens); otherwise every policy token is kept when
+// keep_all, none when not. keep_all enters as a bit mask on the gradient, never as a select on the
+// invariant itself (see token_stage). Gradients are -rho * coef on kept tokens and +0 elsewhere.
+template <class LP, bool kFlags>
+static PieceSums piece_stage(LP* __restrict grad, int64_t blk, int64_t a, int64_t b,
+                             const typename math::ComputeOf<LP>::type* __restrict kl,
                              const typename math::ComputeOf<LP>::type* __restrict rho,
+                             const typename math::ComputeOf<LP>::type* __restrict xs,
                              typename math::ComputeOf<LP>::type coef, bool keep_all) {
   using C = typename math::ComputeOf<LP>::type;
+  using Bits = typename math::BitsOf<C>::type;
   const C kMax = std::numeric_limits<C>::max();
-  const C keep_f = keep_all ? C(1) : C(0);
+  const C ncoef = -coef;
+  const Bits keep_bits = keep_all ? ~Bits(0) : Bits(0);
   C kl_sum = C(0), loss_sum = C(0);
   int overflow = 0;
   const int64_t len = b - a;
-  lp += a;
   grad += a;
-  if (kMask) mask += a;
   kl += a - blk;
   rho += a - blk;
+  xs += a - blk;
   auto body = [&](int64_t u, C& kl_acc, C& loss_acc, int& overflow_acc) {
-    const C m = kMask ? (mask[u] ? C(1) : C(0)) : C(1);
     kl_acc += kl[u];
-    bool kept;
-    if (kFlags) {
-      kept = (m != C(0)) & (math::to_compute(grad[u], C()) != C(0));
-    } else {
-      kept = m * keep_f != C(0);
-    }
     const C r = rho[u];
-    overflow_acc |= static_cast<int>(kept & !(r <= kMax));
-    const C g = kept ? -r * coef : C(0);
+    C g;
+    if (kFlags) {
+      const bool kept = math::to_compute(grad[u], C()) != C(0);
+      overflow_acc |= static_cast<int>(kept & !(r <= kMax));
+      g = kept ? r * ncoef : C(0);
+    } else {
+      overflow_acc |= static_cast<int>(!(r <= kMax));
+      g = math::from_bits(math::bits_of(r * ncoef + C(0)) & keep_bits);  // + 0: no -0 off the policy
+    }
     grad[u] = Store<LP>::from(g);
-    loss_acc += kept ? g * math::to_compute(lp[u], C()) : C(0);
+    loss_acc += g * xs[u];
   };
   if (len < kShortPiece) {
     // Short pieces (many trajectories of a few tokens): a plain loop, without the set-up and
@@ -132,7 +223,7 @@ static PieceSums piece_stage(const LP* __restrict lp, const uint8_t* __restrict 
   PieceSums s;
   s.kl = static_cast<double>(kl_sum);
   s.loss = static_cast<double>(loss_sum);
-  s.overflow = overflow != 0;
+  s.overflow = overflow != 0 && (kFlags || keep_all);
   return s;
 }
 
@@ -156,6 +247,8 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
   const int64_t c1 = std::min(A.num_tokens, c0 + kChunk);
   alignas(64) C kl[kBlock];
   alignas(64) C rho[kBlock];
+  alignas(64) C xs[kBlock];
+  KlScratch kl_scratch;
   // 0.999 of the largest gradient magnitude the storage dtype holds (finite in C for float32 /
   // float64 storage), see math::store_limit.
   const C gradient_alarm = C(0.999) * std::min<C>(static_cast<C>(math::store_limit(LP())),
@@ -186,7 +279,7 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
 
   for (int64_t blk = c0; blk < c1; blk += kBlock) {
     const int64_t blk_end = std::min(c1, blk + kBlock);
-    const BlockFlags<C> f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho);
+    const BlockFlags<C> f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho, xs, kl_scratch);
     if (f.bad && first_bad < 0) first_bad = first_invalid<LP, C>(lp, mask, blk, blk_end);
     if (f.bad_behavior && first_bad_behavior < 0) {
       first_bad_behavior = first_invalid<BLP, C>(blp, mask, blk, blk_end);
@@ -201,9 +294,8 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
       const C coef = static_cast<C>(A.coef[seg]);
       const uint8_t keep = A.keep[seg];
       const PieceSums s =
-          keep == kKeepFlags ? piece_stage<LP, kMask, true>(lp, mask, grad, blk, t, end, kl, rho, coef, false)
-                             : piece_stage<LP, kMask, false>(lp, mask, grad, blk, t, end, kl, rho, coef,
-                                                             keep == kKeepAll);
+          keep == kKeepFlags ? piece_stage<LP, true>(grad, blk, t, end, kl, rho, xs, coef, false)
+                             : piece_stage<LP, false>(grad, blk, t, end, kl, rho, xs, coef, keep == kKeepAll);
       seg_kl += s.kl;
       seg_loss += s.loss;
       // s.overflow: a kept token's ratio overflowed. A gradient -rho * coef can overflow the

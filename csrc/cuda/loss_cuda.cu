@@ -718,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, main_kernel_min_blocks<LP>()) main_k
       loss = static_cast<double>(g) * static_cast<double>(x);
     }
     g_raw[k] = to_raw<LP>(math::Store<LP>::from(g));
-    c[0] = (policy && !no_is) ? static_cast<double>(math::bernoulli_kl<C>(y, x)) : 0.0;
+    c[0] = (policy && !no_is) ? static_cast<double>(math::bernoulli_kl(y, x)) : 0.0;
     c[1] = loss;
   });
   store_items<RawLP>(reinterpret_cast<RawLP*>(grad) + base, mine, g_raw);

@@ -49,6 +49,25 @@ FR_HD uint64_t f64_bits(double x) {
 #endif
 }
 
+FR_HD double f64_from_bits(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+
+// The same by compute type (bits_of / from_bits; BitsOf<C>::type is the unsigned integer type).
+template <class C> struct BitsOf;
+template <> struct BitsOf<float> { using type = uint32_t; };
+template <> struct BitsOf<double> { using type = uint64_t; };
+FR_HD uint32_t bits_of(float x) { return f32_bits(x); }
+FR_HD uint64_t bits_of(double x) { return f64_bits(x); }
+FR_HD float from_bits(uint32_t u) { return f32_from_bits(u); }
+FR_HD double from_bits(uint64_t u) { return f64_from_bits(u); }
+
 // IEEE binary16 -> float32, exact (normals, subnormals, inf, NaN), branch-free.
 FR_HD float half_to_float(uint16_t h) {
   const uint32_t shifted = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent + mantissa
@@ -142,115 +161,79 @@ template <class S> struct ComputeOf { using type = float; };
 template <> struct ComputeOf<double> { using type = double; };
 
 // ---------------------------------------------------------------------------------------------
-// exp / log.
+// exp.
+//
+// Written for vectorized CPU loops as much as for GPUs: a loop over these functions is bound by
+// the length of its dependency chains (the out-of-order core overlaps only a few iterations of a
+// long body), then by the number of operations, and selects cost more than arithmetic (an AVX2
+// blend is 2-3 micro-ops on Intel cores; a select against 0 is one AND). Hence Estrin's scheme for
+// the polynomials, integer tricks instead of float selects where the sign is known, and no
+// float-to-int conversion (undefined for the NaN of an invalid input, so it would need a guard).
 
-// Nearest integer of |x| < 2^22 (ties to even), by adding and subtracting 1.5 * 2^23: no library
-// call, so the loops around it vectorize (floorf does not without -fno-trapping-math).
-FR_HD float round_to_int(float x) {
-  const float kMagic = 12582912.0f;
-  return (x + kMagic) - kMagic;
-}
-
-// The float32 exponential's core, shared by exp_fast, exp_parts and expm1_with_excess: Cody-Waite
-// range reduction x = fx ln 2 + r (|r| <= ln 2 / 2; ln 2 split in two parts so that fx * the
-// first part is exact) and Cephes' expf polynomial, e^r = 1 + r + r^2 poly(r). |x| < 2^22 / log2(e).
+// The float32 exponential's core, shared by exp_fast and the Bernoulli KL: Cody-Waite range
+// reduction x = n ln 2 + r (|r| <= ln 2 / 2; ln 2 split in two parts so that n * the first part is
+// exact) and Cephes' expf polynomial, e^r = 1 + r + r^2 poly(r), in Estrin's form. n is rounded by
+// adding 1.5 * 2^23 (no library call, so the loops around it vectorize) and read from the bits of
+// that sum. |x| < 2^21.
 struct ExpReduction {
-  float fx;    // the integer exponent, as a float
+  float fx;    // n, as a float
+  uint32_t n;  // n, two's complement
   float r;     // the reduced argument
+  float r2;    // r * r
   float poly;  // poly(r), degree 5
 };
 
 FR_HD ExpReduction exp_reduce(float x) {
+  const float kMagic = 12582912.0f;  // 1.5 * 2^23: the sum's last bit has weight 1
+  const float v = x * 1.44269504088896341f + kMagic;
   ExpReduction e;
-  e.fx = round_to_int(x * 1.44269504088896341f);
+  e.n = f32_bits(v) - f32_bits(kMagic);
+  e.fx = v - kMagic;
   float r = x - e.fx * 0.693359375f;
   r = r - e.fx * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
   e.r = r;
-  e.poly = y;
+  e.r2 = r * r;
+  const float p01 = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  const float p23 = 8.3334519073e-3f * r + 4.1665795894e-2f;
+  const float p45 = 1.6666665459e-1f * r + 5.0000001201e-1f;
+  e.poly = (e.r2 * e.r2) * p01 + (e.r2 * p23 + p45);
   return e;
 }
 
-// 2^fx for an integer-valued fx in [-126, 127], from the exponent field.
-FR_HD float exp2_int(float fx) {
-  return f32_from_bits(static_cast<uint32_t>(static_cast<int32_t>(fx) + 127) << 23);
-}
+// 2^n for an integer n in [-126, 127], from the exponent field.
+FR_HD float exp2_int(uint32_t n) { return f32_from_bits((n + 127u) << 23); }
 
 // exp for float32 (exp_reduce); about 1 ulp. Overflow gives +inf (x > ln(FLT_MAX)); results below
 // FLT_MIN flush to 0 (an absolute error below 1.2e-38); NaN propagates. Branch-free.
 FR_HD float exp_fast(float x) {
-  const float kHi = 88.72283935546875f;   // ln(FLT_MAX), rounded down
-  const float kLo = -87.33654475055310f;  // ln(FLT_MIN)
+  const float kHi = 88.72283172607421875f;  // ln(FLT_MAX), rounded down: exp(kHi) is finite
+  const float kLo = -87.33654475055310f;    // ln(FLT_MIN)
   float xc = x > kHi ? kHi : x;
-  xc = xc < kLo ? kLo : xc;
-  xc = (xc == xc) ? xc : 0.0f;  // NaN -> 0 here; fixed up below
+  xc = xc < kLo ? kLo : xc;  // NaN stays NaN
   const ExpReduction e = exp_reduce(xc);
-  const float fx = e.fx;
-  const float r = e.r;
-  const float z = r * r;
-  const float y = e.poly * z + r + 1.0f;
-  // Scale by 2^fx by adding to the exponent field: y is in [0.7, 1.5], the result stays normal.
-  const int32_t n = static_cast<int32_t>(fx);
-  float res = f32_from_bits(f32_bits(y) + (static_cast<uint32_t>(n) << 23));
-  const float kInf = f32_from_bits(0x7f800000u);
-  res = x > kHi ? kInf : res;
+  const float y = e.poly * e.r2 + e.r + 1.0f;
+  // Scale by 2^n by adding to the exponent field: y is in [0.7, 1.5], the result stays normal.
+  float res = f32_from_bits(f32_bits(y) + (e.n << 23));
+  res = x > kHi ? f32_from_bits(0x7f800000u) : res;
   res = x < kLo ? 0.0f : res;
-  return (x == x) ? res : x;
-}
-
-// exp(x) split as scale * (1 + s) with scale = 2^n and s = e^r - 1 (|r| <= ln2 / 2), for
-// x in [ln(FLT_MIN), 0]. Gives both exp(x) = scale + scale * s and, without cancellation,
-// 1 - exp(x) = (1 - scale) - scale * s (accurate to a few ulp even when exp(x) is close to 1).
-FR_HD void exp_parts(float x, float* scale, float* s) {
-  const float kLo = -87.33654475055310f;
-  float xc = x > 0.0f ? 0.0f : x;
-  xc = xc < kLo ? kLo : xc;
-  xc = (xc == xc) ? xc : 0.0f;
-  const ExpReduction e = exp_reduce(xc);
-  const float z = e.r * e.r;
-  *s = e.poly * z + e.r;
-  *scale = exp2_int(e.fx);
-}
-
-// Natural log for positive normal float32 (the only arguments used here: probabilities and
-// 1 - probability, both >= 1e-6). Frexp-style reduction to [sqrt(1/2), sqrt(2)) and Cephes' logf
-// polynomial; about 1 ulp. Branch-free.
-FR_HD float log_fast(float x) {
-  const uint32_t bits = f32_bits(x);
-  int32_t e = static_cast<int32_t>((bits >> 23) & 0xffu) - 126;  // x = m * 2^e, m in [0.5, 1)
-  const float m = f32_from_bits((bits & 0x007fffffu) | 0x3f000000u);
-  const bool small = m < 0.707106781186547524f;
-  e = small ? e - 1 : e;
-  const float f = small ? (m + m - 1.0f) : (m - 1.0f);
-  const float z = f * f;
-  float y = 7.0376836292e-2f;
-  y = y * f - 1.1514610310e-1f;
-  y = y * f + 1.1676998740e-1f;
-  y = y * f - 1.2420140846e-1f;
-  y = y * f + 1.4249322787e-1f;
-  y = y * f - 1.6668057665e-1f;
-  y = y * f + 2.0000714765e-1f;
-  y = y * f - 2.4999993993e-1f;
-  y = y * f + 3.3333331174e-1f;
-  y = y * f * z;
-  const float fe = static_cast<float>(e);
-  y += -2.12194440e-4f * fe;
-  y += -0.5f * z;
-  float r = f + y;
-  r += 0.693359375f * fe;
-  return r;
+  return res + (xc - xc);  // xc - xc is 0, or NaN when x is: NaN propagates without a select
 }
 
 FR_HD float exp_c(float x) { return exp_fast(x); }
 FR_HD double exp_c(double x) { return ::exp(x); }
 
 // ---------------------------------------------------------------------------------------------
-// The clamped Bernoulli KL proxy (docs/semantics.md, computation step 3).
+// The clamped Bernoulli KL proxy (docs/semantics.md, computation step 3):
+//   d = p (log p - log q) + (1 - p) (log(1-p) - log(1-q)),  p = clamp(exp(behavior)),
+//   q = clamp(exp(current)), clamps to [1e-6, 1 - 1e-6].
+// Written that way, its two terms cancel to first order when p is close to q (d ~ (p-q)^2), and a
+// float32 evaluation loses most digits of a small KL. With delta = log p - log q,
+// z = q expm1(delta) / (1 - q) (so that 1 - z = (1-p)/(1-q)) and h(z) = -z - log(1 - z) >= 0,
+// the same quantity is
+//   d = q g(delta) + q z expm1(delta) - (1 - p) h(z),   g = delta e^delta - expm1(delta) >= 0,
+// whose three terms have the same order of magnitude when |z| is small (then h comes from a
+// series) and keep a few-ulp accuracy. Where |z| is large the two terms of the direct form no
+// longer cancel badly, and the direct form is used. 1 - p and 1 - q never come from 1 - p.
 
 // Probabilities in the gate are clamped to [1e-6, 1 - 1e-6] (rounded to C). Since exp is
 // monotone, clamp(exp(x)) = exp(clamp(x, kLogLo, kLogHi)) with the logs of those bounds: the code
@@ -265,100 +248,125 @@ template <> struct Clamp<double> {
   static constexpr double kLogHi = -1.000000500029089e-06;  // ln(double(1 - 1e-6))
 };
 
-template <class C> FR_HD C clamp_to(C x, C lo, C hi) {
-  x = x < lo ? lo : x;
-  return x > hi ? hi : x;
+// Clamp of a float32 log-probability to [lo, hi] (lo < hi < 0) on its bits: for x <= 0 (-0.0 for
+// +0.0) the bit patterns read as signed integers are in the reverse order of the values, and
+// integer min / max vectorize as single instructions where float selects become blends. Invalid
+// inputs (positive, NaN, -inf) land in [lo, hi] too, so what follows stays finite (they are
+// reported as errors; their KL is never used).
+FR_HD float clamp_log_prob(float x) {
+  using K = Clamp<float>;
+  // As int32, the bits of hi (the bound closest to 0) are the smallest integer, those of lo the largest.
+  const int32_t ihi = static_cast<int32_t>(f32_bits(K::kLogHi));
+  const int32_t ilo = static_cast<int32_t>(f32_bits(K::kLogLo));
+  int32_t i = static_cast<int32_t>(f32_bits(x) | 0x80000000u);
+  i = i < ihi ? ihi : i;  // x above hi
+  i = i > ilo ? ilo : i;  // x below lo
+  return f32_from_bits(static_cast<uint32_t>(i));
 }
 
-// p = exp(log_p) and 1 - p for a clamped log_p, both to a few ulp (1 - p without cancellation,
-// also when p is close to 1). Float32: exp(log_p) = scale * (1 + s) (exp_parts), and
-// 1 - p = (1 - scale) - scale * s where both parts are exact.
-FR_HD void prob_pair(float log_p, float* p, float* one_minus_p) {
-  float scale, s;
-  exp_parts(log_p, &scale, &s);
-  *p = scale + scale * s;
-  *one_minus_p = (1.0f - scale) - scale * s;
-}
-FR_HD void prob_pair(double log_p, double* p, double* one_minus_p) {
-  *p = ::exp(log_p);
-  *one_minus_p = -::expm1(log_p);
+// The float32 KL in two halves: kl_partial does everything up to log(1 - z), kl_finish the rest
+// (bernoulli_kl runs both). The CPU main pass runs them in two loops: each loop's dependency chain
+// is short enough for the core to overlap several vector iterations.
+struct KlPartial {
+  float z;          // q expm1(delta) / (1 - q)
+  float P;          // 1 - p
+  float near;       // q g(delta) + q z expm1(delta): the stable form without its -(1-p) h(z)
+  float far;        // p delta: the direct form's first term
+  float exp_delta;  // e^delta = p / q (ratio_from_kl)
+};
+
+FR_HD KlPartial kl_partial(float behavior, float current) {
+  const float log_p = clamp_log_prob(behavior);
+  const float log_q = clamp_log_prob(current);
+  // q = scale (1 + s) and 1 - q = (1 - scale) - scale s, both to a few ulp (both parts exact).
+  const ExpReduction eq = exp_reduce(log_q);
+  const float s = eq.poly * eq.r2 + eq.r;
+  const float scale = exp2_int(eq.n);
+  const float q = scale * s + scale;
+  const float Q = (1.0f - scale) - scale * s;
+  // expm1(delta) and its excess expm1(delta) - delta (= delta^2/2 + ...) without cancellation
+  // (|delta| <= 14); with n == 0, r == delta exactly and the excess is the polynomial part.
+  const float delta = log_p - log_q;
+  const ExpReduction ed = exp_reduce(delta);
+  const float sd = ed.poly * ed.r2 + ed.r;
+  const float scale_d = exp2_int(ed.n);
+  const float em = scale_d * sd + (scale_d - 1.0f);
+  const float excess = ed.n == 0u ? ed.poly * ed.r2 : em - delta;
+  const float qem = q * em;  // p - q
+  KlPartial k;
+  k.z = qem / Q;
+  k.P = Q - qem;
+  k.near = q * (delta * em - excess) + k.z * qem;
+  k.far = (q + qem) * delta;
+  k.exp_delta = scale_d * sd + scale_d;
+  return k;
 }
 
-// expm1(d) and its excess expm1(d) - d (= d^2/2 + d^3/6 + ...) without cancellation, |d| <= 14.
-FR_HD float expm1_with_excess(float d, float* excess) {
-  const ExpReduction e = exp_reduce(d);
-  const float z = e.r * e.r;
-  const float s = e.poly * z + e.r;  // e^r - 1
-  const float scale = exp2_int(e.fx);
-  const float em = scale * s + (scale - 1.0f);
-  // With fx == 0, r == d exactly and the excess is the polynomial part poly * r^2.
-  *excess = e.fx == 0.0f ? e.poly * z : em - d;
-  return em;
+// log(1 - z) = log w: w = m 2^e with m in [sqrt(1/2), sqrt(2)) (from the bits), f = m - 1 and
+// Cephes' logf polynomial, log(1 + f) = f - f^2/2 + f^3 poly(f) (Estrin's form). When e == 0 (z in
+// (1 - sqrt(2), 1 - sqrt(1/2)]), f is -z itself, not 1 - z rounded, so that
+// h(z) = f^2/2 - f^3 poly(f) keeps its relative accuracy as z -> 0: the stable form is used there,
+// the direct form elsewhere.
+FR_HD float kl_finish(const KlPartial& k) {
+  const float w = 1.0f - k.z;  // (1-p)/(1-q) > 0
+  uint32_t ix = f32_bits(w) + (0x3f800000u - 0x3f3504f3u);
+  const int32_t e = static_cast<int32_t>(ix >> 23) - 127;
+  ix = (ix & 0x007fffffu) + 0x3f3504f3u;
+  const float f = e == 0 ? -k.z : f32_from_bits(ix) - 1.0f;
+  const float f2 = f * f, f4 = f2 * f2;
+  const float c01 = -2.4999993993e-1f * f + 3.3333331174e-1f;
+  const float c23 = -1.6668057665e-1f * f + 2.0000714765e-1f;
+  const float c45 = -1.2420140846e-1f * f + 1.4249322787e-1f;
+  const float c67 = -1.1514610310e-1f * f + 1.1676998740e-1f;
+  const float poly = f4 * (f4 * 7.0376836292e-2f + (f2 * c67 + c45)) + (f2 * c23 + c01);
+  const float h = 0.5f * f2 - poly * (f2 * f);
+  const float fe = static_cast<float>(e);
+  const float log_w = (f - h) + fe * -2.12194440e-4f + fe * 0.693359375f;
+  return e == 0 ? k.near - k.P * h : k.far + k.P * log_w;
 }
-FR_HD double expm1_with_excess(double d, double* excess) {
-  const double em = ::expm1(d);
+
+FR_HD float bernoulli_kl(float behavior, float current) { return kl_finish(kl_partial(behavior, current)); }
+
+// The importance ratio exp(current - behavior) from the KL's e^delta, without an exp of its own:
+// exp(current - behavior) = exp(c) / e^delta, where c = (current - log_q) - (behavior - log_p) is
+// the difference of the two clamping corrections. c is 0 when neither log-prob was clamped and
+// below 2.1e-6 in magnitude when only the upper bound clamped them; exp(c) is then 1 + c to float32
+// precision, and the ratio is within about 2 ulp. Returns false when |c| >= 2^-14 (a log-prob below
+// ln 1e-6, or an invalid one): the ratio is then exp_fast(current - behavior).
+FR_HD bool ratio_from_kl(float behavior, float current, float exp_delta, float* ratio) {
+  const float c = (current - clamp_log_prob(current)) - (behavior - clamp_log_prob(behavior));
+  const float inv = 1.0f / exp_delta;
+  *ratio = c * inv + inv;
+  return (c < 6.103515625e-05f) & (c > -6.103515625e-05f);
+}
+
+// Float64: the same two forms from the C library (the double path is for accuracy, not speed);
+// h from the atanh series, w = -z / (2 - z), log(1 - z) = 2 (w + w^3/3 + ...) and
+// -z - 2w = z^2 / (2 - z) (|w| <= 1/7 for |z| <= 1/4: eight terms reach float64 precision).
+FR_HD double bernoulli_kl(double behavior, double current) {
+  using K = Clamp<double>;
+  const double log_p = behavior < K::kLogLo ? K::kLogLo : (behavior > K::kLogHi ? K::kLogHi : behavior);
+  const double log_q = current < K::kLogLo ? K::kLogLo : (current > K::kLogHi ? K::kLogHi : current);
+  const double p = ::exp(log_p), one_minus_p = -::expm1(log_p);
+  const double q = ::exp(log_q), one_minus_q = -::expm1(log_q);
+  const double delta = log_p - log_q;
+  const double em = ::expm1(delta);
   const double series =
-      d * d * (0.5 + d * (1.0 / 6 + d * (1.0 / 24 + d * (1.0 / 120 + d * (1.0 / 720 + d * (1.0 / 5040))))));
-  *excess = (d < 0.01 && d > -0.01) ? series : em - d;
-  return em;
-}
-
-// h(z) = -z - log(1 - z) = sum_{k>=2} z^k / k >= 0, for |z| <= 1/4.
-// float32: the power series through z^12 (truncation < 1e-8 relative), Horner, no division.
-// float64: the atanh series, w = -z / (2 - z), log(1 - z) = 2 (w + w^3/3 + ...) and
-// -z - 2w = z^2 / (2 - z) (|w| <= 1/7: eight terms reach float64 precision).
-FR_HD float h_small(float z) {
-  float y = 1.0f / 12;
-  y = y * z + 1.0f / 11;
-  y = y * z + 1.0f / 10;
-  y = y * z + 1.0f / 9;
-  y = y * z + 1.0f / 8;
-  y = y * z + 1.0f / 7;
-  y = y * z + 1.0f / 6;
-  y = y * z + 1.0f / 5;
-  y = y * z + 1.0f / 4;
-  y = y * z + 1.0f / 3;
-  y = y * z + 1.0f / 2;
-  return y * z * z;
-}
-FR_HD double h_small(double z) {
-  const double inv = 1.0 / (2.0 - z);
-  const double w = -z * inv;
-  const double w2 = w * w;
-  const double series =
-      1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 * (1.0 / 9 + w2 * (1.0 / 11 + w2 * (1.0 / 13 + w2 * (1.0 / 15 + w2 * (1.0 / 17)))))));
-  return z * z * inv - 2.0 * w * w2 * series;
-}
-
-FR_HD float log_c(float x) { return log_fast(x); }
-FR_HD double log_c(double x) { return ::log(x); }
-
-// The clamped Bernoulli KL proxy (docs/semantics.md, computation step 3):
-//   d = p (log p - log q) + (1 - p) (log(1-p) - log(1-q)),  p = clamp(exp(behavior)),
-//   q = clamp(exp(current)), clamps to [1e-6, 1 - 1e-6].
-// Written that way, its two terms cancel to first order when p is close to q (d ~ (p-q)^2), and a
-// float32 evaluation loses most digits of a small KL. With delta = log p - log q,
-// z = q expm1(delta) / (1 - q) (so that 1 - z = (1-p)/(1-q)) and h(z) = -z - log(1 - z) >= 0,
-// the same quantity is
-//   d = q g(delta) + q z expm1(delta) - (1 - p) h(z),   g = delta e^delta - expm1(delta) >= 0,
-// whose three terms have the same order of magnitude when |z| <= 1/4 (then h comes from a series)
-// and keep a few-ulp accuracy. For |z| > 1/4 the two terms of the direct form no longer cancel
-// badly, and the direct form is used. 1 - p and 1 - q come from expm1, never from 1 - p.
-template <class C> FR_HD C bernoulli_kl(C behavior, C current) {
-  using K = Clamp<C>;
-  const C log_p = clamp_to<C>(behavior, K::kLogLo, K::kLogHi);
-  const C log_q = clamp_to<C>(current, K::kLogLo, K::kLogHi);
-  C p, one_minus_p, q, one_minus_q;
-  prob_pair(log_p, &p, &one_minus_p);
-  prob_pair(log_q, &q, &one_minus_q);
-  const C delta = log_p - log_q;
-  C excess;
-  const C em = expm1_with_excess(delta, &excess);
-  const C inv_one_minus_q = C(1) / one_minus_q;
-  const C z = q * em * inv_one_minus_q;
-  const C stable = q * (delta * em - excess) + z * q * em - one_minus_p * h_small(z);
-  const C direct = p * delta + one_minus_p * log_c(one_minus_p * inv_one_minus_q);
-  return (z <= C(0.25) && z >= C(-0.25)) ? stable : direct;
+      delta * delta *
+      (0.5 + delta * (1.0 / 6 + delta * (1.0 / 24 + delta * (1.0 / 120 + delta * (1.0 / 720 + delta * (1.0 / 5040))))));
+  const double excess = (delta < 0.01 && delta > -0.01) ? series : em - delta;  // expm1(delta) - delta
+  const double inv_one_minus_q = 1.0 / one_minus_q;
+  const double z = q * em * inv_one_minus_q;
+  if (z <= 0.25 && z >= -0.25) {
+    const double inv = 1.0 / (2.0 - z);
+    const double w = -z * inv;
+    const double w2 = w * w;
+    const double atanh_tail =
+        1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 * (1.0 / 9 + w2 * (1.0 / 11 + w2 * (1.0 / 13 + w2 * (1.0 / 15 + w2 * (1.0 / 17)))))));
+    const double h = z * z * inv - 2.0 * w * w2 * atanh_tail;
+    return q * (delta * em - excess) + z * q * em - one_minus_p * h;
+  }
+  return p * delta + one_minus_p * ::log(one_minus_p * inv_one_minus_q);
 }
 
 // A policy-token log probability is valid when finite and <= 0 (NaN fails both comparisons).

@@ -14,22 +14,25 @@ from typing import Sequence
 
 from flashreinforce.analysis.runs import Run
 
-__all__ = ["INSTALL_HINT", "PANELS", "Curve", "Panel", "moving_average", "plot_runs", "require_matplotlib"]
+__all__ = ["INSTALL_HINT", "LOG_AXIS_QUANTILE", "PANELS", "Curve", "Panel", "log_axis_bottom", "moving_average",
+           "panel_title", "plot_runs", "require_matplotlib"]
 
 INSTALL_HINT = "pip install 'flashreinforce[plot]'  (or: pip install matplotlib)"
 
 
 @dataclass(frozen=True)
 class Curve:
-    """One line of a panel: ``key`` of the update records (``source="metrics"``) or of the
-    evaluations (``"evals"``), drawn with ``style`` (``-``, ``--``, ``:``); ``band``: keys of a
-    shaded (low, high) range around it."""
+    """One line of a panel: ``key`` of the update records (``source="metrics"``), of the
+    evaluations (``"evals"``) or of the ``flashreinforce eval`` results (``"command_evals"``, drawn as
+    stars), drawn with ``style`` (``-``, ``--``, ``:``); ``band``: keys of a shaded (low, high) range
+    around it; ``legend``: what the panel's title says about this curve, shown only when some run has it."""
 
     key: str
     label: str = ""
     source: str = "metrics"
     style: str = "-"
     band: tuple[str, str] | None = None
+    legend: str = ""
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,16 @@ class Panel:
     y_range: tuple[float, float] | None = None
 
 
-#: The panels, row by row (3 x 3).
+#: The panels, row by row (3 x 3). A title lists the ``legend`` of the curves some run has.
 PANELS: tuple[Panel, ...] = (
     Panel("training reward (reward_mean)", (Curve("reward_mean"),)),
-    Panel("success rate (dotted: no gradable answer)",
-          (Curve("success_rate", "success"), Curve("no_answer_fraction", "no answer", style=":")), y_range=(-0.02, 1.02)),
-    Panel("held-out eval (solid: reward, dashed: success)",
-          (Curve("eval_reward_mean", "reward", "evals"), Curve("eval_success_rate", "success", "evals", "--"))),
+    Panel("success rate", (Curve("success_rate", "success"),
+                           Curve("no_answer_fraction", "no answer", style=":", legend="dotted: no gradable answer")),
+          y_range=(-0.02, 1.02)),
+    Panel("held-out eval",
+          (Curve("eval_reward_mean", "reward", "evals", legend="solid: reward"),
+           Curve("eval_success_rate", "success", "evals", "--", legend="dashed: success"),
+           Curve("accuracy", "flashreinforce eval", "command_evals", legend="stars: flashreinforce eval accuracy"))),
     Panel("trust-gate acceptance rate", (Curve("acceptance_rate"),), y_range=(-0.02, 1.02)),
     Panel("sequence KL, batch mean", (Curve("sequence_kl_mean"),), log_y=True),
     Panel("policy lag (mean; band: min to max)", (Curve("policy_lag_mean", band=("policy_lag_min", "policy_lag_max")),)),
@@ -85,6 +91,28 @@ def _positive(xs: list[float], ys: list[float]) -> tuple[list[float], list[float
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
+#: A log axis starts one decade below this quantile of its values: an exactly on-policy batch has a
+#: sequence KL of float rounding (about 1e-15), which would otherwise stretch the axis over ten empty
+#: decades; such points run off the bottom of the panel.
+LOG_AXIS_QUANTILE = 0.05
+
+
+def log_axis_bottom(values: Sequence[float]) -> float | None:
+    """The lower limit of a log axis over ``values`` (the positive, finite ones): the smallest value,
+    but no lower than a tenth of their :data:`LOG_AXIS_QUANTILE` quantile; None without values."""
+    ys = sorted(v for v in values if v > 0 and math.isfinite(v))
+    if not ys:
+        return None
+    return max(ys[0], ys[int(LOG_AXIS_QUANTILE * (len(ys) - 1))] / 10.0) / 1.5
+
+
+def panel_title(panel: Panel, runs: Sequence[Run]) -> str:
+    """``panel``'s title with the ``legend`` of each of its curves that some run has a value for."""
+    legends = [c.legend for c in panel.curves
+               if c.legend and any(run.series(c.key, source=c.source)[0] for run in runs)]
+    return f"{panel.title} ({', '.join(legends)})" if legends else panel.title
+
+
 def plot_runs(runs: Sequence[Run], output: str | Path, *, x: str = "step", smooth: int = 1,
               size: tuple[float, float] = (15.0, 10.0), dpi: int = 100, title: str | None = None) -> Path:
     """Draw ``runs`` on the panels of :data:`PANELS` and write a PNG to ``output``.
@@ -108,6 +136,7 @@ def plot_runs(runs: Sequence[Run], output: str | Path, *, x: str = "step", smoot
     colors = [f"C{i % 10}" for i in range(len(runs))]
     for ax, panel in zip(axes, PANELS):
         drawn = False
+        plotted: list[float] = []
         for run, color in zip(runs, colors):
             for curve in panel.curves:
                 xs, ys = run.series(curve.key, x=x, source=curve.source)
@@ -121,15 +150,22 @@ def plot_runs(runs: Sequence[Run], output: str | Path, *, x: str = "step", smoot
                 if not xs:
                     continue
                 drawn = True
+                plotted.extend(ys)
+                if curve.source == "command_evals":
+                    ax.plot(xs, ys, color=color, linestyle="none", marker="*", markersize=10)
+                    continue
                 if curve.source == "metrics" and smooth > 1:
                     ax.plot(xs, ys, color=color, alpha=0.2, linewidth=0.8, linestyle=curve.style)
                     ys = moving_average(ys, smooth)
                 marker = "o" if curve.source == "evals" else None
                 ax.plot(xs, ys, color=color, linestyle=curve.style, linewidth=1.4, marker=marker, markersize=3)
-        ax.set_title(panel.title, fontsize=10)
+        ax.set_title(panel_title(panel, runs), fontsize=10)
         ax.grid(True, alpha=0.3)
         if panel.log_y and drawn:
             ax.set_yscale("log")
+            bottom = log_axis_bottom(plotted)
+            if bottom is not None:
+                ax.set_ylim(bottom=bottom)
         if panel.y_range is not None:
             ax.set_ylim(*panel.y_range)
         if not drawn:

@@ -48,21 +48,23 @@ class Run:
     """A run directory's contents.
 
     path: the directory. label: its name in legends. metrics: ``metrics.jsonl`` records in file
-    order. evals: ``eval.jsonl`` records. samples: ``samples.jsonl`` records. summary / config:
-    ``summary.json`` / ``config.json`` (None when absent).
+    order. evals: ``eval.jsonl`` records. command_evals: ``eval_command.jsonl`` records (one per
+    ``flashreinforce eval`` of the run's model: ``step``, ``accuracy``, ``pass@1``). samples:
+    ``samples.jsonl`` records. summary / config: ``summary.json`` / ``config.json`` (None when absent).
     """
 
     path: Path
     label: str
     metrics: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
+    command_evals: list[dict[str, Any]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
 
     def has(self, key: str) -> bool:
         """Whether some update record or evaluation has a number under ``key``."""
-        return any(not math.isnan(_number(r.get(key))) for r in self.metrics + self.evals)
+        return any(not math.isnan(_number(r.get(key))) for r in self.metrics + self.evals + self.command_evals)
 
     def wall_of_step(self) -> dict[int, float]:
         """Update number -> training wall-clock seconds (``wall_time_s``); step 0 is 0."""
@@ -73,12 +75,13 @@ class Run:
         return out
 
     def series(self, key: str, *, x: str = "step", source: str = "metrics") -> tuple[list[float], list[float]]:
-        """``(xs, ys)`` of ``key`` over the update records (``source="metrics"``) or the evaluations
-        (``"evals"``), against the update number (``x="step"``) or the training wall-clock
-        (``x="wall"``, seconds); records without the key are left out."""
+        """``(xs, ys)`` of ``key`` over the update records (``source="metrics"``), the evaluations
+        (``"evals"``) or the ``flashreinforce eval`` results (``"command_evals"``), against the update
+        number (``x="step"``) or the training wall-clock (``x="wall"``, seconds); records without the
+        key are left out."""
         if x not in ("step", "wall"):
             raise ValueError(f"x must be 'step' or 'wall', got {x!r}")
-        rows = self.metrics if source == "metrics" else self.evals
+        rows = {"metrics": self.metrics, "evals": self.evals, "command_evals": self.command_evals}[source]
         walls = self.wall_of_step() if x == "wall" else {}
         xs, ys = [], []
         for r in rows:
@@ -105,7 +108,8 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
     if not (path / "metrics.jsonl").is_file() and not (path / "eval.jsonl").is_file():
         raise FileNotFoundError(f"{path}: not a run directory (no metrics.jsonl or eval.jsonl)")
     return Run(path=path, label=label or path.resolve().name, metrics=read_jsonl(path / "metrics.jsonl"),
-               evals=read_jsonl(path / "eval.jsonl"), samples=read_jsonl(path / "samples.jsonl"),
+               evals=read_jsonl(path / "eval.jsonl"), command_evals=read_jsonl(path / "eval_command.jsonl"),
+               samples=read_jsonl(path / "samples.jsonl"),
                summary=_read_json(path / "summary.json"), config=_read_json(path / "config.json"))
 
 

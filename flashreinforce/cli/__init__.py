@@ -4,17 +4,30 @@
 launches it that way). Each command is a function ``(argv) -> exit status`` in :data:`COMMANDS`,
 imported only when run, so ``flashreinforce --help`` starts fast. An unknown command is one error
 line (with the closest command as a suggestion) and exit status 2.
+
+A command's exit status is the process's, also when a rollout thread is still inside a call when
+the command ends (a generation, or an environment call abandoned by a stopping run): Python's
+interpreter teardown cannot stop such a thread, and once the call returns into PyTorch's C++ code
+the thread is torn down under it, which aborts the process ("terminate called without an active
+exception", status 134). In that case the process leaves with ``os._exit`` after flushing its
+output instead (:func:`exit_past_running_calls`).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import os
 import sys
+import threading
+import traceback
 from typing import Sequence
 
-__all__ = ["COMMANDS", "main"]
+__all__ = ["COMMANDS", "ROLLOUT_THREAD_PREFIX", "exit_past_running_calls", "main"]
+
+#: The names of the threads that run rollouts and their environment calls start with this.
+ROLLOUT_THREAD_PREFIX = "rollout-worker-"
 
 #: command -> ("module:function", one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -64,4 +77,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"flashreinforce: error: {_unknown_command(command)}", file=sys.stderr)
         return 2
     module, _, function = COMMANDS[command][0].partition(":")
-    return getattr(importlib.import_module(module), function)(rest)
+    try:
+        code = getattr(importlib.import_module(module), function)(rest)
+    except KeyboardInterrupt:  # a command's own handling aside (train's), one line rather than a traceback
+        print(f"flashreinforce {command}: interrupted (Ctrl-C)", file=sys.stderr)
+        exit_past_running_calls(130)
+        return 130
+    except Exception:
+        if _running_calls():
+            traceback.print_exc()
+            exit_past_running_calls(1)
+        raise
+    exit_past_running_calls(code)
+    return code
+
+
+def _running_calls() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.is_alive() and t.name.startswith(ROLLOUT_THREAD_PREFIX)]
+
+
+def exit_past_running_calls(code: int) -> None:
+    """Leave the process now with ``code`` when a rollout thread is still running (see the module
+    docstring), after flushing stdout, stderr and the logs; return when none is."""
+    left = _running_calls()
+    if not left:
+        return
+    names = ", ".join(t.name for t in left[:4]) + (", ..." if len(left) > 4 else "")
+    print(f"flashreinforce: not waiting for {len(left)} rollout thread(s) still running ({names}); exiting with "
+          f"status {code}", file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)

@@ -16,10 +16,21 @@ twice with :class:`~flashreinforce.trainer.evaluation.Evaluator`:
 A preset's ``torch_threads`` (a training run's split of the cores) is not applied: evaluation
 runs in one thread with torch's default thread count unless ``--torch_threads`` is given.
 
-It prints one JSON object (``accuracy``, ``pass@1``, ``num_prompts``, ``model``, the checkpoint's
+With a finite prompt set and no ``eval.dataset``, the prompts are the held-out rows of that set
+(:mod:`flashreinforce.trainer.heldout`): for a run's model, the rows the run recorded in its
+``heldout.json`` and never trained on; for any other model, the rows a run with the same ``--seed``
+and prompt set holds out, so that a base model and the trained one are scored on the same rows (a
+set of fewer than 5 rows, which no run can split, is played whole). ``--eval.dataset FILE`` plays
+every row of FILE instead.
+
+Progress goes to stderr (the model's loading, then a line every 10 s of each evaluation). It prints
+one JSON object on stdout (``accuracy``, ``pass@1``, ``num_prompts``, ``model``, the checkpoint's
 step when the model is a run directory or a checkpoint, timings) and writes it to ``--output FILE``
-when given. ``--samples FILE`` writes one JSON line per greedy episode (prompt, response, reward).
-Exit status: 0, or 2 for a bad configuration (the message names the flag).
+when given. When the model is a run's (the run directory or one of its checkpoints), the result is
+also appended to that run's ``eval_command.jsonl``, which ``flashreinforce plot`` draws. ``--samples
+FILE`` writes one JSON line per greedy episode (prompt, response, reward). Every path and setting that
+does not need the model is checked before it loads. Exit status: 0, or 2 for a bad configuration
+(the message names the flag).
 """
 
 from __future__ import annotations
@@ -32,7 +43,10 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["eval_command", "evaluate_model"]
+__all__ = ["EVAL_COMMAND_FILE", "eval_command", "evaluate_model"]
+
+#: In a run directory: one line per ``flashreinforce eval`` of that run's model (step, accuracy, pass@1).
+EVAL_COMMAND_FILE = "eval_command.jsonl"
 
 
 #: What ``flashreinforce eval --help`` lists: the model, the environment and its data, the lengths and
@@ -52,7 +66,10 @@ def _shown(name: str) -> bool:
 def _parser() -> argparse.ArgumentParser:
     from flashreinforce.config.command_line import build_parser
 
-    p = build_parser(prog="flashreinforce eval", shown=_shown, description=(
+    p = build_parser(prog="flashreinforce eval", shown=_shown, usage=(
+        "flashreinforce eval [--preset NAME | --config FILE] --model M [--env SPEC | --reward FILE.py:FUNC\n"
+        "         --data.prompt_dataset PATH] [--output FILE] [--samples FILE] [--no_sampled] [--FLAG VALUE ...]"),
+        description=(
         "Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) on the "
         "evaluation prompts: greedy accuracy and sampled pass@1; prints one JSON object. --output FILE also "
         "writes it there. Training flags are accepted too (not listed)."))
@@ -63,6 +80,20 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--samples", help="write one JSON line per greedy episode (prompt, response, reward) to this file")
     g.add_argument("--no_sampled", action="store_true", help="greedy accuracy only (no sampled pass@1)")
     return p
+
+
+def _say(text: str) -> None:
+    """A progress line on stderr (stdout holds the result's JSON alone)."""
+    print(f"flashreinforce eval: {text}", file=sys.stderr, flush=True)
+
+
+def _run_directory(spec: str, resolved: str) -> Path | None:
+    """The run directory the evaluated model belongs to (``--model RUN`` or one of its checkpoints),
+    or None for a model that is not a run's."""
+    for candidate in (Path(spec), Path(resolved).parent.parent):
+        if (candidate / "config.json").is_file() and (candidate / "metrics.jsonl").is_file():
+            return candidate
+    return None
 
 
 def _checkpoint_step(path: Path) -> int | None:
@@ -81,7 +112,9 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     from flashreinforce.engines import LocalWeightStore, SamplingParams
     from flashreinforce.models.loading import resolve_model_spec
     from flashreinforce.trainer import components
-    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
+    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds, progress_lines
+    from flashreinforce.trainer.heldout import HELDOUT_FILE, MAX_HELDOUT_SHARE, run_split
+    from flashreinforce.trainer.prechecks import check_before_model
 
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))
@@ -90,16 +123,27 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
         raise ConfigError("no model: give --model (a folder, a .gguf file, an alias or a run directory)")
     env_name = cfg.train.agent_path
     device = components.device_of(cfg.device)
+    check_before_model(cfg)  # a bad environment, reward, dataset or path before the model loads
     t0 = time.perf_counter()
     resolved = resolve_model_spec(spec)
+    _say(f"loading the model {spec} ...")
     policy = components.load_policy(cfg, device)
     model, tokenizer = policy.model, policy.tokenizer
     load_s = time.perf_counter() - t0
+    _say(f"model loaded in {load_s:.1f} s; building the environments ...")
     eval_split = bool(cfg.eval.dataset)
-    envs = components.eval_environments(cfg, components.load_environments(cfg, policy), tokenizer)
+    train_envs = components.load_environments(cfg, policy)
+    envs = components.eval_environments(cfg, train_envs, tokenizer)
     factory, rows = envs.factory, envs.num_prompts
-    # The training loop's evaluation seeds: every row of eval.dataset, else eval.num_prompts seeds.
-    seeds = eval_seeds(rows, rows if eval_split and rows is not None else cfg.eval.num_prompts)
+    # The training loop's evaluation seeds: every row of eval.dataset; else the held-out rows of a finite
+    # prompt set (the run's own split when the model is a run's); else eval.num_prompts seeds.
+    run_dir = _run_directory(spec, resolved)
+    too_small = rows is not None and rows < MAX_HELDOUT_SHARE and run_dir is None  # nothing to hold out: every row
+    split = None if too_small else run_split(cfg, rows, run_dir)
+    if split is not None:
+        seeds = list(split.rows)
+    else:
+        seeds = eval_seeds(rows, rows if eval_split and rows is not None else cfg.eval.num_prompts)
     probe = factory()
     try:
         probe.reset(seed=seeds[-1])  # an environment with fewer evaluation prompts refuses here
@@ -118,11 +162,17 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
                           episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=cfg.seed + 1)
     try:
         trajectories: list = []
-        g = evaluator.evaluate(-1, trajectories=trajectories)
+        what = "held-out rows of the prompt set" if split is not None else "evaluation prompts"
+        _say(f"greedy accuracy on {len(seeds)} {what} ...")
+        g = evaluator.evaluate(-1, trajectories=trajectories, progress=progress_lines(_say, "  greedy"))
         result: dict[str, Any] = {
             "model": spec, "resolved_model": resolved, "checkpoint_step": _checkpoint_step(Path(resolved)),
+            "run_dir": None if run_dir is None else str(run_dir),
             "env": env_name, "env_kwargs": dict(cfg.env_kwargs), "num_prompts": len(seeds),
             "seeds": [seeds[0], seeds[-1]] if seeds else [],
+            "heldout": None if split is None else {"rows": len(split.rows), "of": split.num_prompts,
+                                                   "recorded_by_run": run_dir is not None and
+                                                   (run_dir / HELDOUT_FILE).is_file()},
             "accuracy": g["eval_success_rate"], "reward_mean": g["eval_reward_mean"],
             "response_tokens_mean": g["eval_response_tokens_mean"],
             "truncated_fraction": g["eval_truncated_fraction"], "greedy_s": g["eval_time_s"],
@@ -134,7 +184,9 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
             "turns_mean": sum(t.num_turns for t in trajectories) / max(1, len(trajectories)),
         }
         if sampled:
-            s = evaluator.evaluate(-1, sampling=sampled_params, n_samples=cfg.eval.n_samples_per_prompt)
+            _say(f"sampled pass@1 ({cfg.eval.n_samples_per_prompt} per prompt, temperature {temperature:g}) ...")
+            s = evaluator.evaluate(-1, sampling=sampled_params, n_samples=cfg.eval.n_samples_per_prompt,
+                                   progress=progress_lines(_say, "  sampled"))
             result.update({"pass@1": s["eval_success_rate"], "pass@1_temperature": temperature,
                            "pass@1_top_p": top_p, "pass@1_samples_per_prompt": cfg.eval.n_samples_per_prompt,
                            "sampled_reward_mean": s["eval_reward_mean"], "sampled_s": s["eval_time_s"]})
@@ -179,6 +231,11 @@ def eval_command(argv: Sequence[str]) -> int:
         return 2
     text = json.dumps(result, default=str)
     print(text, flush=True)
+    if result.get("run_dir"):  # the run's own record of its evaluations by this command (flashreinforce plot reads it)
+        record = {"step": result["checkpoint_step"], "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **{
+            k: result.get(k) for k in ("accuracy", "pass@1", "reward_mean", "num_prompts", "heldout", "model")}}
+        with open(Path(result["run_dir"]) / EVAL_COMMAND_FILE, "a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
     if output:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(text + "\n")

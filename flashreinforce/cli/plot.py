@@ -1,25 +1,30 @@
 """``flashreinforce plot``: the curves of one or more runs in one PNG.
 
-``flashreinforce plot RUN_DIR [RUN_DIR ...] --output FILE.png [--labels L ...] [--x step|wall]
-[--smooth N] [--size W H] [--dpi D] [--title T]``. Exit status 0 when the file was written, 2 for a
-bad argument, a directory that is not a run, or matplotlib missing (the message names the install
-line). The panels are listed in docs/observability.md.
+``flashreinforce plot RUN_DIR [RUN_DIR ...] [--output FILE.png] [--labels L ...] [--x step|wall]
+[--smooth N] [--size W H] [--dpi D] [--title T]``. Without ``--output`` the PNG goes next to the run:
+``RUN_DIR/curves.png`` for one run, ``curves.png`` in the runs' common parent directory for several.
+Exit status 0 when the file was written, 2 for a bad argument, a directory that is not a run, or
+matplotlib missing (the message names the install line). The panels are listed in
+docs/observability.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 from typing import Sequence
 
-__all__ = ["plot"]
+__all__ = ["default_output", "plot"]
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashreinforce plot", description="Draw the training curves of runs (one "
                                 "colour each) into one PNG: reward, success, eval, trust gate, lag, throughput.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (flashreinforce train --output)")
-    p.add_argument("--output", "-o", required=True, help="PNG file to write")
+    p.add_argument("--output", "-o", help="PNG file to write (default: RUN_DIR/curves.png for one run; curves.png in "
+                   "the runs' common parent directory for several)")
     p.add_argument("--labels", nargs="+", help="legend labels, one per run (default: the directory names)")
     p.add_argument("--x", choices=("step", "wall"), default="step",
                    help="x axis: update number, or training wall-clock seconds (default step)")
@@ -31,8 +36,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def default_output(runs: Sequence[str]) -> Path:
+    """Where the PNG goes without ``--output``: inside the run directory for one run, in the common
+    parent directory of several."""
+    paths = [Path(r).resolve() for r in runs]
+    if len(paths) == 1:
+        return paths[0] / "curves.png"
+    return Path(os.path.commonpath([p.parent for p in paths])) / "curves.png"
+
+
 def plot(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
+    if args.output is None:
+        args.output = str(default_output(args.runs))
 
     def fail(message: str) -> int:
         print(f"flashreinforce plot: error: {message}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 ``flashreinforce train [--preset NAME] [--env MODULE:CLASS] [--model M] --output DIR [--resume] [--FLAG VALUE ...]``;
 ``flashreinforce train --help`` lists every flag. Exit status: 0 when training completed, 130 after
-Ctrl-C (a checkpoint was saved), 2 for a bad command line or configuration (a one-line message
+Ctrl-C (a checkpoint was saved; or Ctrl-C during start-up, or a second one that aborts: one line,
+no traceback), 2 for a bad command line or configuration (a one-line message
 naming the flag, nothing started), 1 when the run cannot go on (every rollout worker stopped, or the
 watchdog found nothing to train on; a checkpoint was saved and the message says why). Under
 ``torchrun`` every rank runs this command; rank 0 prints the summary (see docs/distributed.md).
@@ -29,11 +30,21 @@ def train(argv: Sequence[str]) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from flashreinforce.trainer import Trainer
-    from flashreinforce.trainer.errors import RunFailure
-
+    trainer = None
     try:
-        summary = Trainer(cfg).run()
+        from flashreinforce.trainer import Trainer
+        from flashreinforce.trainer.errors import RunFailure
+
+        trainer = Trainer(cfg)
+        summary = trainer.run()
+    except KeyboardInterrupt:  # first: a Ctrl-C may come before the names below exist
+        if trainer is None or not trainer.training_started:
+            print("flashreinforce train: interrupted during start-up (Ctrl-C): nothing was trained or written",
+                  file=sys.stderr)
+        else:
+            print(f"flashreinforce train: aborted by a second Ctrl-C without finishing the last checkpoint; "
+                  f"--resume continues from the newest complete one in {trainer.ckpt_dir}", file=sys.stderr)
+        return 130
     except ConfigError as err:
         print(f"flashreinforce train: error: {err}", file=sys.stderr)
         return 2

@@ -17,8 +17,12 @@ from typing import Any, Mapping, Sequence
 from flashreinforce.config.rules import rule_violations
 from flashreinforce.config.schema import ConfigError, flag_table
 from flashreinforce.config.sections import ENGINE_SECTIONS
+from flashreinforce.config.values import shown, value_problem
 
-__all__ = ["parse_worker_resources", "raise_errors", "validate"]
+__all__ = ["SEED_LIMIT", "parse_worker_resources", "raise_errors", "validate"]
+
+#: The largest run seed (the random generators take 64-bit seeds; the evaluation's is the seed + 1).
+SEED_LIMIT = 2**63 - 1
 
 
 @lru_cache(maxsize=None)
@@ -42,11 +46,11 @@ def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> 
         try:
             value = json.loads(value)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{flag}: not JSON ({err}): {value!r}") from None
+            raise ValueError(f"{flag}: not JSON ({err}): {shown(value)}") from None
     slots = [value] if isinstance(value, Mapping) else value
     if not isinstance(slots, Sequence) or not slots or not all(isinstance(x, Mapping) for x in slots):
         raise ValueError(f"{flag} must be a JSON object of resource amounts or a non-empty list of them, got "
-                         f"{value!r}")
+                         f"{shown(value)}")
     out = []
     for slot in slots:
         clean = {}
@@ -55,7 +59,7 @@ def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> 
                 raise ValueError(f"{flag}: give {name} with --ray.num_{name.lower()}s_per_worker, not as a custom "
                                  "resource")
             if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount > 0:
-                raise ValueError(f"{flag}: resource {name!r} needs a positive amount, got {amount!r}")
+                raise ValueError(f"{flag}: resource {name!r} needs a positive amount, got {shown(amount)}")
             clean[str(name)] = float(amount)
         out.append(clean)
     return tuple(out)
@@ -80,7 +84,14 @@ def validate(cfg) -> None:
             if hasattr(section, "validate"):
                 section.validate(errors)
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
-        errors.append(f"--seed must be an integer, got {cfg.seed!r}")
+        errors.append(f"--seed must be an integer, got {shown(cfg.seed)}")
+    elif not 0 <= cfg.seed <= SEED_LIMIT:
+        errors.append(f"--seed must be an integer in [0, 2**63 - 1], got {shown(cfg.seed)}")
+    for name, value in [("env.kwargs", cfg.env_kwargs)] + [(f.name, cfg[f.name]) for f in _flags(type(cfg))
+                                                           if f.type == "json"]:
+        problem = value_problem(value)
+        if problem:
+            errors.append(f"--{name}: {problem}")
     if cfg.torch_threads is not None and (not isinstance(cfg.torch_threads, int) or cfg.torch_threads <= 0):
         errors.append(f"--torch_threads must be a positive integer, got {cfg.torch_threads}")
     _check(cfg, errors)
@@ -120,6 +131,7 @@ def _check(cfg, errors: list[str]) -> None:
             inactive[n] = f"dropped: actor.loss_mode is {mode}"
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
+    cfg.lora.check_selected(cfg, errors, inactive)
     engine = v["rollout.engine"]
     for name, section_name in ENGINE_SECTIONS.items():
         section = getattr(cfg, section_name)

@@ -11,18 +11,19 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 from flashreinforce.config.files import read_config_file
 from flashreinforce.config.resolution import resolve
-from flashreinforce.config.resume import identity_changes, saved_settings
+from flashreinforce.config.resume import changes, locked_changes_error, recorded_settings, saved_settings
 from flashreinforce.config.schema import ConfigError
 from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, unknown_flag_message
+from flashreinforce.config.values import shown, value_problem
 
-__all__ = ["build_parser", "parse_train_args", "resolve_arguments"]
+__all__ = ["TRAIN_USAGE", "build_parser", "parse_train_args", "resolve_arguments"]
 
 
 def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {shown(text)}") from None
 
 
 def _bool(text: str) -> bool:
@@ -31,7 +32,7 @@ def _bool(text: str) -> bool:
         return True
     if lowered in ("0", "false", "no", "off"):
         return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected true or false, got {shown(text)}")
 
 
 def _optint(text: str) -> int | None:
@@ -40,21 +41,29 @@ def _optint(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {shown(text)}") from None
 
 
 def _int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)}") from None
 
 
 def _json(text: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"expected JSON, got {text!r} ({err})") from None
+        raise argparse.ArgumentTypeError(f"expected JSON, got {shown(text)} ({err})") from None
+    except RecursionError:
+        value = None
+        problem = "nested too deeply to read"
+    else:
+        problem = value_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(f"JSON out of bounds: {problem}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,17 +83,62 @@ def _presets_help() -> str:
     return f"a named preset: {', '.join(PRESETS)}; other settings override it"
 
 
+#: The top of ``flashreinforce train --help``: what a first run needs, before the full list of flags.
+TRAIN_USAGE = ("flashreinforce train [--preset NAME | --config FILE] [--model M]\n"
+               "         [--reward FILE.py:FUNC --data.prompt_dataset PATH | --env SPEC]\n"
+               "         --output DIR [--resume] [--FLAG VALUE ...]")
+
+
+def _train_description() -> str:
+    from flashreinforce.config.presets import PRESET_SUMMARIES, PRESETS
+
+    width = max(len(name) for name in PRESETS)
+    presets = "\n".join(f"  {name.ljust(width)}  {PRESET_SUMMARIES.get(name, '')}".rstrip() for name in PRESETS)
+    return f"""Train a policy with asynchronous FlashREINFORCE. Flags are Molt's (--section.name VALUE); the
+ones a first run needs are here, every flag is listed below.
+
+start from a preset (--preset NAME; your flags override it):
+{presets}
+
+your own task:
+  --model M                   a Hugging Face folder, a .gguf file, an alias or a run directory
+                              (never downloaded)
+  --reward FILE.py:FUNC       reward(prompt, completion, **row) -> float, over the rows of
+  --data.prompt_dataset PATH  a JSONL, JSON or Parquet file or a datasets save_to_disk folder
+  --env MODULE:CLASS          an Environment class instead of reward functions
+
+how long and how fast:
+  --train.max_steps N, --train.max_minutes M (a time budget), --rollout.batch_size B,
+  --actor.adam.lr LR, --rollout.max_new_tokens N
+evaluation (the prompts are held out of --data.prompt_dataset unless --eval.dataset is given):
+  --eval.steps N, --eval.num_prompts N, --eval.dataset PATH
+the run: --output DIR (required), --resume, --overwrite, --config FILE.yaml, --no_progress
+
+examples:
+  flashreinforce train --preset toy --output runs/toy
+  flashreinforce train --preset arith --data.prompt_dataset rows.jsonl --reward rewards.py:correct \\
+      --train.max_minutes 15 --output runs/mine
+  flashreinforce train --output runs/mine --resume          # continue it (reads runs/mine/config.yaml)
+
+exit status: 0 done (also when --train.max_minutes ran out), 1 the run could not go on (a checkpoint
+is saved; the message says why), 2 a bad flag, file or setting (nothing started), 130 Ctrl-C."""
+
+
 def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], bool] | None = None,
-                 description: str | None = None) -> argparse.ArgumentParser:
+                 description: str | None = None, usage: str | None = None) -> argparse.ArgumentParser:
     """The ``flashreinforce train`` parser; every option defaults to "not given" (resolution fills in).
 
     ``shown``: which flags and options ``--help`` lists (all by default); the others are still accepted.
+    ``description`` / ``usage``: another command's (``flashreinforce eval``); by default the train
+    command's short usage line and its guide to a first run (:data:`TRAIN_USAGE`).
     """
     def hidden(name: str) -> bool:
         return shown is not None and not shown(name)
 
     p = _Parser(prog=prog, allow_abbrev=False, argument_default=argparse.SUPPRESS,
-                description=description or "Train a policy with asynchronous FlashREINFORCE (Molt-compatible flags).")
+                usage=usage or (TRAIN_USAGE if description is None else None),
+                formatter_class=argparse.RawDescriptionHelpFormatter if description is None else argparse.HelpFormatter,
+                description=description or _train_description())
     g = p.add_argument_group("run")
     run_kwargs: dict[str, dict[str, Any]] = {
         "config": {}, "preset": {"help": _presets_help()}, "env": {}, "env.kwargs": {"type": _json, "dest": "env.kwargs"},
@@ -99,6 +153,9 @@ def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], b
             kwargs["help"] = argparse.SUPPRESS
         g.add_argument(f"--{name}", **kwargs)
     groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in FLAGS:  # the sections in order, the flags that change nothing here last
+        if not f.no_effect:
+            groups.setdefault(f.name.split(".")[0], p.add_argument_group(f.name.split(".")[0]))
     for f in FLAGS:
         title = "accepted for Molt compatibility, no effect here" if f.no_effect else f.name.split(".")[0]
         grp = groups.setdefault(title, p.add_argument_group(title))
@@ -141,26 +198,26 @@ def parse_train_args(argv: Sequence[str] | None, presets: Mapping[str, Mapping[s
 
 def resolve_arguments(args: dict[str, Any], presets: Mapping[str, Mapping[str, Any]]) -> TrainerConfig:
     """Resolve parsed arguments (argparse's dict): the preset, the config file (``--config``; with
-    ``--resume``, the run's ``config.yaml``), then the flags."""
+    ``--resume``, the run's ``config.yaml``), then the flags. With ``--resume``, a change of a locked
+    setting against what the run recorded (``config.json``) is refused here, before anything starts,
+    unless ``--allow_config_change``; the trainer checks again against the checkpoint it resumes
+    (:mod:`flashreinforce.config.resume`)."""
     args = dict(args)
     file_layer: dict[str, Any] = {}
-    saved = None
+    recorded = None
     if "config" in args:
         file_layer = read_config_file(args["config"])
     elif args.get("resume") and args.get("output"):
         found = saved_settings(args["output"])
         if found is not None:
             file_layer, source = found
-            saved = resolve({}, _preset_layer(file_layer.get("preset"), presets), file_layer)
             args["config"] = str(source)
+            recorded = recorded_settings(args["output"])
     preset = _preset_layer(args.get("preset", file_layer.get("preset")), presets)
     cfg = resolve(args, preset, file_layer)
-    if saved is not None:
-        changes = identity_changes(saved, cfg)
-        if changes and not cfg.allow_config_change:
-            raise ConfigError(f"--resume: this would change what the run in {args['output']} is: "
-                              + "; ".join(changes) + ". Give --allow_config_change to continue anyway, or another "
-                              "--output for a new run")
-        if changes:
-            cfg.warnings.append("--resume --allow_config_change: " + "; ".join(changes))
+    if recorded is not None and not cfg.allow_config_change:
+        saved = resolve({}, _preset_layer(recorded.get("preset"), presets), recorded)
+        locked = [c for c in changes(saved, cfg) if c.rule == "locked"]
+        if locked:
+            raise locked_changes_error(locked, args["output"], "against its config.json")
     return cfg

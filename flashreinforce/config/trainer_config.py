@@ -23,8 +23,9 @@ from typing import Any, Mapping
 from flashreinforce.config.checks import raise_errors, validate
 from flashreinforce.config.schema import ConfigError, check_value, flag_table, get_path, section, set_path
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
-                                            LoggerConfig, RayConfig, RefConfig, RolloutConfig, TrainConfig,
-                                            VllmConfig)
+                                            LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
+                                            TrainConfig, VllmConfig)
+from flashreinforce.config.values import shown
 from flashreinforce.objective import OPTION_FLAGS, LossOptions
 
 __all__ = ["RUN_OPTIONS", "TrainerConfig"]
@@ -61,7 +62,7 @@ class TrainerConfig:
     """A run's configuration.
 
     Sections (``actor``, ``algo``, ``ckpt``, ``data``, ``eval``, ``fsdp``, ``logger``, ``ray``,
-    ``ref``, ``rollout``, ``train``, ``vllm``): every flag, as typed fields. Run options: ``preset``,
+    ``ref``, ``rollout``, ``train``, ``vllm``, ``lora``): every flag, as typed fields. Run options: ``preset``,
     ``env_kwargs``, ``rewards`` (reward-function specs), ``tokenizer``, ``output``, ``resume``, ``seed``,
     ``device``, ``torch_threads``, ``progress``, ``overwrite``, ``allow_config_change``. Set by the
     resolution: ``inactive`` (flag -> why it has no effect here), ``warnings``, ``explicit`` (flags
@@ -80,6 +81,7 @@ class TrainerConfig:
     ray: RayConfig = section(RayConfig)
     train: TrainConfig = section(TrainConfig)
     vllm: VllmConfig = section(VllmConfig)
+    lora: LoraConfig = section(LoraConfig)
     preset: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     rewards: list[str] = field(default_factory=list)
@@ -133,7 +135,7 @@ class TrainerConfig:
             for alias, name in _ALIASES.items():
                 value, flag_value = layer.get(alias), layer.get(name)
                 if value is not None and flag_value is not None and value != flag_value:
-                    errors.append(f"--{alias} {value!r} and --{name} {flag_value!r} disagree; give one of them")
+                    errors.append(f"--{alias} {shown(value)} and --{name} {shown(flag_value)} disagree; give one of them")
                 elif value is not None:
                     try:
                         cfg.set(name, value)
@@ -144,7 +146,7 @@ class TrainerConfig:
 
         env_kwargs = run.get("env.kwargs") or {}
         if not isinstance(env_kwargs, dict):
-            raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {env_kwargs!r}")
+            raise ConfigError(f"--env.kwargs must be a JSON object (e.g. '{{\"turns\": 3}}'), got {shown(env_kwargs)}")
         rewards = run.get("reward") or []
         if isinstance(rewards, (str, tuple)) or callable(rewards):
             rewards = [rewards]
@@ -191,7 +193,7 @@ class TrainerConfig:
         cfg.config_file = run.get("config")
         cfg.explicit = sorted(k for k in given if k in FLAG_BY_NAME)
         if dropped:
-            cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {dropped} for its environment "
+            cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {shown(dropped)} for its environment "
                                           f"{preset_env}, which --env {cfg.train.agent_path} replaces: dropped (give "
                                           "--env.kwargs to pass arguments)")
         return cfg
@@ -253,9 +255,12 @@ class TrainerConfig:
 
     # ------------------------------------------------------------------ records
     def to_json(self) -> dict[str, Any]:
-        """The record written to ``OUTPUT/config.json``."""
-        return {"flags": self.flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
-                "env_kwargs": self.env_kwargs, "rewards": self.rewards, "tokenizer": self.tokenizer,
+        """The record written to ``OUTPUT/config.json`` (a dataset or reward function given as a Python
+        object as its description, as in :meth:`to_file`)."""
+        flags = {f.name: file_value(get_path(self, f.name), f.objects) for f in FLAGS}
+        return {"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
+                "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
+                "tokenizer": self.tokenizer,
                 "output": self.output, "resume": self.resume, "seed": self.seed, "device": self.device,
                 "torch_threads": self.torch_threads, "explicit_flags": self.explicit,
                 "config_file": self.config_file}

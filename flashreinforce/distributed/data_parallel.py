@@ -288,6 +288,10 @@ class DataParallelLearner:
         self._send("policy_state")
         return self._policy_state()
 
+    def frozen_names(self) -> set[str]:
+        """Names of :meth:`policy_state` that never change (the parameters that do not train)."""
+        return {n for n, p in self.model.named_parameters() if not p.requires_grad}
+
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """Rank 0: an unsharded copy of the current policy (float32 on ``device``). Under
         ``fully_shard`` the weights are gathered from every rank first (a collective)."""
@@ -334,6 +338,9 @@ class DataParallelLearner:
         set_optimizer_state_dict(self.learner.scorer, self.learner.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         self.learner.scheduler.load_state_dict(state["scheduler"])
+        from flashreinforce.trainer.schedule import apply_settings
+
+        apply_settings(self.learner.optimizer, self.learner.scheduler, self.learner.settings)
         self.learner.version = int(state["version"])
 
     def serve(self) -> int:

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Callable, Mapping, Sequence
+import weakref
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -121,7 +122,8 @@ class HFEngine(RolloutEngine):
 
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1,
                  min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32",
-                 kv_cache: str = "preallocated", decode_attention: bool = True) -> None:
+                 kv_cache: str = "preallocated", decode_attention: bool = True,
+                 lora: Mapping[str, Any] | None = None) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"HFEngine: kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
         self.kv_cache = kv_cache
@@ -129,6 +131,11 @@ class HFEngine(RolloutEngine):
         self.kv_cache_in_use: str | None = None
         self.min_shared_prefix = int(min_shared_prefix)
         device = next(model.parameters()).device
+        if lora:  # the policy trains LoRA adapters: the engine holds the same layers and loads adapters only
+            from flashreinforce.models.lora import LoraSettings, apply_lora, has_lora
+
+            if not has_lora(model):
+                apply_lora(model, LoraSettings(**dict(lora)))
         if dtype is not None:
             name = (auto_dtype if device.type == "cuda" else "float32") if dtype == "auto" else dtype
             if name not in DTYPE_NAMES:
@@ -140,21 +147,28 @@ class HFEngine(RolloutEngine):
             p.requires_grad_(False)
         self.pad_token_id = int(pad_token_id)
         self.version = int(version)
+        # The tensor objects of the last loads, by name (weak: an old version is not kept alive).
+        self._loaded: dict[str, weakref.ref] = {}
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.device = next(model.parameters()).device
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Copy the tensors of ``state_dict`` that are not the objects this engine loaded last (a tensor
+        published again unchanged, such as a frozen base weight under LoRA, is skipped); the first load
+        must hold every weight (a tied output projection may be absent)."""
         t0 = time.perf_counter()
+        changed = {k: v for k, v in state_dict.items() if _loaded_object(self._loaded, k) is not v}
         with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(dict(state_dict), strict=False)
+            missing, unexpected = self.model.load_state_dict(changed, strict=False)
         # Tied output embeddings may be absent from a state dict; anything else is an error.
-        missing = [k for k in missing if k not in self._tied_keys()]
+        missing = [k for k in missing if k not in self._tied_keys() and k not in self._loaded]
         if missing or unexpected:
             raise ValueError(f"load_weights: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+        self._loaded.update({k: weakref.ref(v) for k, v in changed.items()})
         self.version = int(version)
-        nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        nbytes = sum(v.numel() * v.element_size() for v in changed.values())
         self.last_load = (time.perf_counter() - t0, int(nbytes))
 
     def _tied_keys(self) -> set[str]:
@@ -272,6 +286,12 @@ class HFEngine(RolloutEngine):
         return [Generation(out_ids[i], out_lp[i], reasons[i] or "length", self.version) for i in range(b)]
 
 
+def _loaded_object(loaded: Mapping[str, weakref.ref], name: str):
+    """The tensor last loaded under ``name`` if it is still alive, else ``None``."""
+    ref = loaded.get(name)
+    return ref() if ref is not None else None
+
+
 class HFEngineKind(EngineKind):
     """``--rollout.engine hf``: an :class:`HFEngine` on a copy of the policy, in the worker's process.
 
@@ -279,7 +299,7 @@ class HFEngineKind(EngineKind):
 
     name = "hf"
     takes_policy_copy = True
-    options_accepted = frozenset({"dtype", "auto_dtype"})
+    options_accepted = frozenset({"dtype", "auto_dtype", "lora"})
 
     def options(self, cfg, seed: int, dtype: str) -> dict:
         return {"dtype": dtype}

@@ -48,6 +48,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -187,13 +188,19 @@ def _block_of(name: str) -> str:
 
 
 def _changed_blocks(state_dict: Mapping[str, torch.Tensor],
-                    sent: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+                    sent: Mapping[str, weakref.ref]) -> list[tuple[str, torch.Tensor]]:
     """The tensors of ``state_dict`` to send: every tensor of a block in which any tensor is not the
     object last sent (a tensor published again unchanged is the same object). Whole blocks, because
     vLLM fuses sibling projections (q/k/v, gate/up) into one parameter and reprocesses a layer as a
     whole: it must receive all of a fused parameter's parts at once."""
-    dirty = {_block_of(n) for n, t in state_dict.items() if sent.get(n) is not t}
+    dirty = {_block_of(n) for n, t in state_dict.items() if _last(sent, n) is not t}
     return [(n, t) for n, t in state_dict.items() if _block_of(n) in dirty]
+
+
+def _last(sent: Mapping[str, weakref.ref], name: str):
+    """The tensor last sent under ``name`` if it is still alive, else ``None``."""
+    ref = sent.get(name)
+    return ref() if ref is not None else None
 
 
 def _logprob_of(position, token: int) -> float:
@@ -225,6 +232,9 @@ class VLLMEngine(RolloutEngine):
         pause_check_tokens: tokens per decoding chunk when ``generate`` gets ``should_pause``.
         weight_sync: ``"auto"`` (CUDA IPC for CUDA weights, shared memory otherwise),
             ``"shared_memory"`` or ``"cuda_ipc"``.
+        lora: the policy's LoRA settings (:class:`~flashreinforce.models.lora.LoraSettings` fields) when it
+            trains adapters: the engine serves vLLM's LoRA (``enable_lora``), the base weights arrive once
+            and each version's adapters as a LoRA adapter of its own (see :meth:`load_weights`).
         llm_kwargs: further ``vllm.LLM`` keyword arguments (they win over the above).
     """
 
@@ -235,7 +245,7 @@ class VLLMEngine(RolloutEngine):
                  max_model_len: int | None = None, max_num_seqs: int | None = None, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, kv_cache_bytes: int | None = None,
                  cpu_threads: int | None = None, pause_check_tokens: int = 128, weight_sync: str = "auto",
-                 llm_kwargs: Mapping[str, Any] | None = None) -> None:
+                 lora: Mapping[str, Any] | None = None, llm_kwargs: Mapping[str, Any] | None = None) -> None:
         if weight_sync not in ("auto", "shared_memory", "cuda_ipc"):
             raise ValueError(f"VLLMEngine: weight_sync must be auto, shared_memory or cuda_ipc, got {weight_sync!r}")
         if pause_check_tokens < 1:
@@ -245,7 +255,7 @@ class VLLMEngine(RolloutEngine):
         self._tmpdir: str | None = None
         self.llm = None
         self._writer: SharedWeightWriter | None = None
-        self._sent: dict[str, torch.Tensor] = {}
+        self._sent: dict[str, weakref.ref] = {}  # the tensor objects last sent, by name (weak)
         self.pause_check_tokens = int(pause_check_tokens)
         self.weight_sync = weight_sync
         self.on_cpu = not torch.cuda.is_available()
@@ -279,6 +289,15 @@ class VLLMEngine(RolloutEngine):
             kv_cache_bytes = self._cpu_kv_cache_bytes(model, dtype, max_model_len, max_num_seqs)
         if kv_cache_bytes:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        self.lora = dict(lora) if lora else None
+        self._lora_request = None
+        self._lora_dirs: list[str] = []
+        self._lora_count = 0
+        if self.lora:
+            ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the caps vLLM's LoRA takes
+            rank = int(self.lora["rank"])
+            kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
+                          max_lora_rank=next((r for r in ranks if r >= rank), rank))
         kwargs.update(llm_kwargs or {})
         env = {}
         if self.on_cpu:  # read by vLLM's processes, which start inside LLM(): set for that time only
@@ -343,13 +362,25 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the tensors of ``state_dict`` that differ from the ones this engine last loaded, by
-        block (see :func:`_changed_blocks`); sets :attr:`last_load`."""
+        block (see :func:`_changed_blocks`); sets :attr:`last_load`.
+
+        With LoRA (``lora``): the base weights (the model's ``...base_layer.weight`` names are given
+        their Hugging Face names) go the same way, so a frozen base travels once; the adapters, when
+        changed, are written in PEFT's format to shared memory and become this version's LoRA adapter
+        (a new adapter id, which vLLM loads at the next request; the previous one is dropped).
+        """
         t0 = time.perf_counter()
         if not state_dict:
             raise ValueError("load_weights: empty state_dict")
+        adapters: dict[str, torch.Tensor] = {}
+        if self.lora:
+            from flashreinforce.models.lora import base_name, is_adapter_name
+
+            adapters = {k: v for k, v in state_dict.items() if is_adapter_name(k)}
+            state_dict = {base_name(k): v for k, v in state_dict.items() if not is_adapter_name(k)}
         # A tied output projection travels too: vLLM's CPU build packs it for its logits GEMM apart from
         # the embedding, and repacks it only when it is loaded.
-        changed = _changed_blocks(state_dict, self._sent)
+        changed = _changed_blocks(state_dict, self._sent) if state_dict else []
         nbytes = 0
         if changed:
             tensors = [t for _, t in changed]
@@ -368,11 +399,33 @@ class VLLMEngine(RolloutEngine):
             if counts and int(counts[0]) != len(changed):
                 raise RuntimeError(f"vLLM's worker loaded {counts[0]} tensors of {len(changed)}")
             for name, t in changed:
-                self._sent[name] = t
+                self._sent[name] = weakref.ref(t)
                 nbytes += t.numel() * (self.dtype or t.dtype).itemsize
             self.llm.reset_prefix_cache()  # no KV computed by the old weights is reused
+        if adapters and any(_last(self._sent, k) is not v for k, v in adapters.items()):
+            nbytes += self._load_adapter(adapters, version)
         self.version = int(version)
         self.last_load = (time.perf_counter() - t0, nbytes)
+
+    def _load_adapter(self, adapters: Mapping[str, torch.Tensor], version: int) -> int:
+        """Write ``adapters`` as a PEFT adapter in shared memory and make it the one requests use."""
+        from vllm.lora.request import LoRARequest
+
+        from flashreinforce.engines.shared_weights import shared_memory_dir
+        from flashreinforce.models.lora import LoraSettings, write_adapter
+
+        self._lora_count += 1
+        folder = os.path.join(shared_memory_dir(), f"flashreinforce-lora-{os.getpid()}-{id(self):x}-{self._lora_count}")
+        settings = LoraSettings(**{k: v for k, v in self.lora.items() if k != "base_dtype"})
+        write_adapter(folder, adapters, settings)
+        self._lora_request = LoRARequest(f"policy-{version}", self._lora_count, folder)
+        self._lora_dirs.append(folder)
+        while len(self._lora_dirs) > 2:  # vLLM may still read the previous one; older ones go
+            shutil.rmtree(self._lora_dirs.pop(0), ignore_errors=True)
+        for k, v in adapters.items():
+            self._sent[k] = weakref.ref(v)
+        self.llm.reset_prefix_cache()
+        return sum(v.numel() * 4 for v in adapters.values())
 
     def parameter_sum(self) -> float:
         """Sum of the engine's parameters (first worker), for tests."""
@@ -390,7 +443,8 @@ class VLLMEngine(RolloutEngine):
              params: SamplingParams) -> list[tuple[list[int], list[float]]]:
         prompts = [{"prompt_token_ids": c} for c in contexts]
         sps = [self._sampling(params, b, s) for b, s in zip(budgets, seeds)]
-        outputs = self.llm.generate(prompts, sps, use_tqdm=False)
+        kwargs = {"lora_request": self._lora_request} if self._lora_request is not None else {}
+        outputs = self.llm.generate(prompts, sps, use_tqdm=False, **kwargs)
         out = []
         for i, o in enumerate(outputs):
             c = o.outputs[0]
@@ -464,6 +518,9 @@ class VLLMEngine(RolloutEngine):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for folder in self._lora_dirs:
+            shutil.rmtree(folder, ignore_errors=True)
+        self._lora_dirs = []
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
@@ -478,7 +535,7 @@ class VLLMEngineKind(EngineKind):
     options_accepted = frozenset({
         "tensor_parallel_size", "gpu_memory_utilization", "dtype", "seed", "max_model_len", "max_num_seqs",
         "enforce_eager", "enable_prefix_caching", "kv_cache_bytes", "cpu_threads", "pause_check_tokens",
-        "weight_sync", "llm_kwargs"})
+        "weight_sync", "lora", "llm_kwargs"})
 
     def check_installed(self) -> None:
         import_vllm()

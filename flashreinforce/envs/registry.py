@@ -37,7 +37,8 @@ from flashreinforce.envs.base import Environment
 from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, TaskEnvironment,
                                        chat_template_from_tokenizer, load_tasks)
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "environment_class",
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "dataset_tasks",
+           "environment_class",
            "ImportFileError", "import_failure", "import_file", "import_module", "make_environment", "num_prompts"]
 
 
@@ -221,19 +222,30 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
                          "save_to_disk folder, a list of dicts or a datasets.Dataset)")
     if dataset is None:
         return cls(**kwargs)
-    label_key = flat.get("data.label_key", "reward_model")
-    if spec == "alfworld" and "data.label_key" not in flat:
-        label_key = "game_file"
-    if not getattr(cls, "uses_label", True):  # the label is one more field of the row (reward functions)
-        label_key = None
-    tasks = _cached_tasks(dataset, flat.get("data.input_key", "prompt"), label_key, flat.get("data.max_samples"),
-                          _dataset_flag(flat, dataset))  # before the environment: a bad dataset builds nothing
+    tasks = dataset_tasks(spec, flat)  # before the environment: a bad dataset builds nothing
     env = cls(**kwargs)
     try:
         return DatasetEnvironment(env, tasks)
     except TypeError:
         env.close()
         raise
+
+
+def dataset_tasks(spec: str, config: Mapping[str, Any] | None) -> list | None:
+    """The tasks of the prompt dataset ``config`` gives environment ``spec`` (``data.prompt_dataset``
+    with ``data.input_key`` / ``data.label_key`` / ``data.max_samples``; read once per process), or
+    None without one. Raises :class:`~flashreinforce.envs.tasks.DatasetError` naming the flag."""
+    flat = _flatten(config or {})
+    dataset = flat.get("data.prompt_dataset")
+    if dataset is None:
+        return None
+    label_key = flat.get("data.label_key", "reward_model")
+    if spec == "alfworld" and "data.label_key" not in flat:
+        label_key = "game_file"
+    if not getattr(environment_class(spec), "uses_label", True):  # one more field of the row (reward functions)
+        label_key = None
+    return _cached_tasks(dataset, flat.get("data.input_key", "prompt"), label_key, flat.get("data.max_samples"),
+                         _dataset_flag(flat, dataset))
 
 
 class ImportFileError(ImportError):

@@ -14,21 +14,29 @@ A spec is ``MODULE:FUNC`` or ``FILE.py:FUNC``, optionally followed by ``=WEIGHT`
 current folder is found. :class:`RewardFunctionEnv` is the environment these become (shipped as
 ``--env reward_functions``, chosen by ``--reward``): one episode is one dataset row, one policy turn,
 and the reward is the weighted sum; each function's own value goes to the episode's ``info`` as
-``reward/NAME``. A function that raises, or returns something that is not a finite number, fails
-its episode (counted by kind, the run goes on) with a message naming the function.
+``reward/NAME``. A function returns a real number: a Python ``int`` or ``float``, a NumPy scalar
+of any width (``np.float32``, ``np.int64``, ...) or a 0-d array or tensor of one, or a ``bool``
+(``True`` counts 1.0, ``False`` 0.0, as in ``return answer == label``). A function that raises, or
+returns anything else or a value that is not finite, fails its episode (counted by kind, the run
+goes on) with a message naming the function and what it returned. Each call gets its own deep copy
+of the row and of the prompt's messages, so a function that changes them changes nothing that a
+later call (another function, or a later episode of the same row) sees.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import reprlib
 from dataclasses import dataclass
+from numbers import Real
 from typing import Any, Callable, Sequence
 
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.registry import ImportFileError, import_failure, import_file, import_module
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 
-__all__ = ["RewardFunction", "RewardFunctionEnv", "RewardSpecError", "load_reward", "parse_reward_spec"]
+__all__ = ["RewardFunction", "RewardFunctionEnv", "RewardSpecError", "load_reward", "parse_reward_spec", "reward_value"]
 
 
 class RewardSpecError(ValueError):
@@ -108,6 +116,27 @@ def load_reward(spec: str | Callable | tuple | RewardFunction) -> RewardFunction
     return RewardFunction(fn, weight, func)
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = _SHOWN.maxother = 80
+
+
+def reward_value(value: Any) -> float | str:
+    """A reward function's return value as a float, or why it is not one (a short phrase).
+
+    Real numbers of any kind count (NumPy scalars of any width, 0-d arrays and tensors by their
+    ``item()``), ``bool`` as 1.0 / 0.0; the value must be finite.
+    """
+    if getattr(value, "shape", None) == () and callable(getattr(value, "item", None)):
+        value = value.item()  # a NumPy scalar (np.bool_ included), a 0-d array or tensor
+    if not isinstance(value, (bool, Real)):
+        return f"a {type(value).__name__}, not a number"
+    try:
+        number = float(value)
+    except (OverflowError, ValueError):
+        number = math.inf
+    return number if math.isfinite(number) else "not a finite number"
+
+
 class RewardFunctionEnv(TaskEnvironment):
     """One dataset row per episode, one policy turn, reward = the weighted sum of the reward functions.
 
@@ -134,16 +163,18 @@ class RewardFunctionEnv(TaskEnvironment):
     def step(self, action: str) -> StepResult:
         self._begin_step(action)
         task = self.task
-        row = dict(task.extra)
         total, info = 0.0, {}
         for r in self.rewards:
+            # Each call gets copies of its own: what a function changes in them reaches no other call.
+            prompt = task.prompt if isinstance(task.prompt, str) else copy.deepcopy([dict(m) for m in task.prompt])
+            row = copy.deepcopy(dict(task.extra))
             try:
-                value = r.func(task.prompt if isinstance(task.prompt, str) else list(map(dict, task.prompt)),
-                               action, **row)
+                value = r.func(prompt, action, **row)
             except Exception as err:
                 raise RuntimeError(f"reward function {r.name} raised {type(err).__name__}: {err}") from err
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"reward function {r.name} returned {value!r}, not a finite number")
-            info[f"reward/{r.name}"] = float(value)
-            total += r.weight * float(value)
+            number = reward_value(value)
+            if isinstance(number, str):
+                raise ValueError(f"reward function {r.name} returned {_SHOWN.repr(value)}: {number}")
+            info[f"reward/{r.name}"] = number
+            total += r.weight * number
         return StepResult(reward=total, done=True, info=info)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from flashreinforce.config import ConfigError
+from flashreinforce.config.values import MAX_DEPTH, shown, value_problem
 from flashreinforce.envs.base import Environment, StepResult
 
 __all__ = [
@@ -64,7 +65,7 @@ def _check_messages(messages: Any, where: str) -> tuple:
         if not (isinstance(message, Mapping) and isinstance(message.get("role"), str)
                 and isinstance(message.get("content"), str)):
             raise ValueError(f"{where}: chat message {k} must be a dict with string 'role' and 'content', "
-                             f"got {message!r}")
+                             f"got {shown(message)}")
         checked.append({"role": message["role"], "content": message["content"]})
     return tuple(checked)
 
@@ -185,6 +186,8 @@ def _read_file(path: str, where: str) -> list:
             rows = json.loads(text)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise DatasetError(f"{where}: nested too deeply to read (rows may nest {MAX_DEPTH} levels)") from None
         if not isinstance(rows, list):
             raise DatasetError(f"{where}: a .json dataset must hold a list of objects, got {type(rows).__name__}")
         return rows
@@ -196,6 +199,9 @@ def _read_file(path: str, where: str) -> list:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}:{lineno}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise DatasetError(f"{where}:{lineno}: nested too deeply to read (rows may nest {MAX_DEPTH} "
+                               "levels)") from None
     return rows
 
 
@@ -225,13 +231,13 @@ def _ground_truth(label: Any, where: str) -> str | tuple:
             raise DatasetError(f"{where}: the label dict has no 'ground_truth' key (keys: {sorted(label)})")
         label = label["ground_truth"]
     if isinstance(label, bool) or label is None:
-        raise DatasetError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
+        raise DatasetError(f"{where}: ground truth must be a string, a number or a list of them, got {shown(label)}")
     if isinstance(label, (int, float, str)):
         return str(label)
     if isinstance(label, (list, tuple)) and label and all(
             isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in label):
         return tuple(str(x) for x in label)
-    raise DatasetError(f"{where}: ground truth must be a string, a number or a list of them, got {label!r}")
+    raise DatasetError(f"{where}: ground truth must be a string, a number or a list of them, got {shown(label)}")
 
 
 def load_tasks(source: str | os.PathLike | Sequence[Mapping[str, Any]] | Any, *, input_key: str | None = "prompt",
@@ -267,10 +273,13 @@ def load_tasks(source: str | os.PathLike | Sequence[Mapping[str, Any]] | Any, *,
         where = f"{where_source} row {index}"
         if not isinstance(row, Mapping):
             raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        problem = value_problem(row, max_values=2**62)  # rows are as long as they are; their depth is bounded
+        if problem:
+            raise DatasetError(f"{where}: {problem}")
         if input_key is None:
             prompt = ""
         elif input_key not in row:
-            raise DatasetError(f"{where}: no data.input_key {input_key!r} (keys: {sorted(row)})")
+            raise DatasetError(f"{where}: no data.input_key {input_key!r} (keys: {shown(sorted(row))})")
         else:
             prompt = row[input_key]
             if not isinstance(prompt, str):
@@ -281,7 +290,7 @@ def load_tasks(source: str | os.PathLike | Sequence[Mapping[str, Any]] | Any, *,
         ground_truth = None
         if label_key is not None:
             if label_key not in row:
-                raise DatasetError(f"{where}: no data.label_key {label_key!r} (keys: {sorted(row)})")
+                raise DatasetError(f"{where}: no data.label_key {label_key!r} (keys: {shown(sorted(row))})")
             ground_truth = _ground_truth(row[label_key], where)
         datasource = row.get("datasource")
         extra = {k: v for k, v in row.items() if k not in (input_key, label_key)}

@@ -31,8 +31,9 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "build_model", "checkpoint_directory",
-           "load_gguf_model", "require_gguf", "resolve_model_spec", "run_checkpoint"]
+__all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "adopt_model", "build_model",
+           "checkpoint_directory", "describe_object", "load_gguf_model", "require_gguf", "resolve_model_spec",
+           "run_checkpoint"]
 
 #: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
 #: with random weights. Sized for the character tokenizer (vocabulary 100); head size 32, the smallest
@@ -210,6 +211,92 @@ def build_model(spec: str, *, device: torch.device, attn_implementation: str | N
     return model.to(device=device, dtype=torch.float32), tok
 
 
+def _build_adapter(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
+    """A PEFT LoRA adapter folder: its base model (``base_model_name_or_path``, any ``--model`` form)
+    with the adapter merged in; the tokenizer of the folder when it has one, else the base's."""
+    from flashreinforce.models.lora import load_adapter_dir
+
+    base_spec = str(_read_json(path / "adapter_config.json").get("base_model_name_or_path") or "")
+    if not base_spec:
+        raise ConfigError(f"--model {spec}: adapter_config.json names no base model (base_model_name_or_path)")
+    try:
+        base, base_tok = _build(base_spec, Path(resolve_model_spec(base_spec)), kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"--model {spec}: the adapter's base model {base_spec!r} cannot be loaded: {err}") from None
+    has_tokenizer = any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json",
+                                                              "char_tokenizer.json"))
+    return load_adapter_dir(path, base), str(path) if has_tokenizer else base_tok
+
+
+def _lora_checkpoint(path: Path) -> dict | None:
+    """The ``lora`` record of a training checkpoint that holds LoRA adapters only, else ``None``."""
+    try:
+        record = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    lora = record.get("lora") if isinstance(record, dict) else None
+    return lora if isinstance(lora, dict) and lora.get("base_model") else None
+
+
+def _build_lora_checkpoint(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
+    """A training checkpoint of a LoRA run: its base model (as the run named it) with the checkpoint's
+    adapters merged in; the checkpoint's tokenizer."""
+    from safetensors.torch import load_file
+
+    from flashreinforce.models.lora import LoraSettings, apply_lora, merged_model
+
+    lora = _lora_checkpoint(path)
+    base_spec = str(lora["base_model"])
+    try:
+        base, base_tok = _build(base_spec, Path(resolve_model_spec(base_spec)), kwargs)
+    except ConfigError as err:
+        raise ConfigError(f"--model {spec}: the LoRA run's base model {base_spec!r} cannot be loaded: {err}") from None
+    settings = LoraSettings(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora.get("dropout", 0)),
+                            target_modules=tuple(lora.get("target_modules") or ("default",)))
+    apply_lora(base, settings)
+    missing, unexpected = base.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    if unexpected or any(".lora_" in k for k in missing):
+        raise ConfigError(f"--model {spec}: the adapters do not fit the base model {base_spec!r} "
+                          f"(unexpected {list(unexpected)[:3]})")
+    has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "char_tokenizer.json"))
+    return merged_model(base), str(path) if has_tokenizer else base_tok
+
+
+def describe_object(obj: Any) -> str:
+    """How a model or tokenizer object given in Python is recorded in the run's configuration: its
+    local folder (``name_or_path``) when it has one, else ``<Class given in Python>``."""
+    where = getattr(obj, "name_or_path", None)
+    if isinstance(where, str) and where and Path(where).is_dir():
+        return where
+    return f"<{type(obj).__name__} given in Python>"
+
+
+def adopt_model(model: Any, *, device: torch.device, attn_implementation: str | None = None
+                ) -> tuple[torch.nn.Module, str | None]:
+    """A ``transformers`` causal language model object as the run's policy (trained in place: moved to
+    ``device`` in float32, the learner's master weights), and its tokenizer spec (its local folder, or
+    None when it has none).
+
+    Raises ``ConfigError`` for a PEFT-wrapped model (the trainer adds its own adapters: the message names
+    ``merge_and_unload()`` and ``lora.rank``) and for anything that is not a ``transformers`` model with a language-model head.
+    """
+    kind = type(model).__name__
+    if getattr(model, "peft_config", None) is not None or type(model).__module__.split(".")[0] == "peft":
+        raise ConfigError(f"model: a PEFT-wrapped model ({kind}) is not taken as it is; pass the base model "
+                          "with config.lora.rank set (the trainer adds and trains its own LoRA adapters), or "
+                          "model.merge_and_unload() to train every weight of the merged model")
+    if isinstance(model, (str, os.PathLike)):
+        raise ConfigError("model: a path belongs in --model (config.actor.model_name_or_path), not here")
+    head = getattr(model, "get_output_embeddings", None)
+    if not (isinstance(model, torch.nn.Module) and callable(head) and head() is not None
+            and callable(getattr(model, "get_input_embeddings", None)) and hasattr(model, "config")):
+        raise ConfigError(f"model: expected a transformers causal language model (AutoModelForCausalLM), got {kind}")
+    if attn_implementation and callable(getattr(model, "set_attn_implementation", None)):
+        model.set_attn_implementation(attn_implementation)
+    where = describe_object(model)
+    return model.to(device=device, dtype=torch.float32), None if where.startswith("<") else where
+
+
 def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Module, str]:
     import transformers
 
@@ -225,6 +312,10 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
         model, tok = transformers.AutoModelForCausalLM.from_config(config, **kwargs), "char"
     elif path.is_file() and path.suffix == ".gguf":
         model, tok = load_gguf_model(path, **kwargs), str(path)
+    elif path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        model, tok = _build_adapter(spec, path, kwargs)
+    elif path.is_dir() and _lora_checkpoint(path) is not None:
+        model, tok = _build_lora_checkpoint(spec, path, kwargs)
     elif path.is_dir() and (path / "config.json").is_file():
         model = transformers.AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
                                                                   **{_dtype_kwarg(): torch.float32}, **kwargs)
@@ -232,7 +323,8 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
     else:
         raise ConfigError(f"--model {spec!r}: expected one of {sorted(TINY_MODELS)}, an alias "
                           f"({', '.join(sorted(MODEL_ALIASES))}), a .gguf file, a model config .json, a local "
-                          "checkpoint directory with config.json, or a run directory (models are never downloaded)")
+                          "checkpoint directory with config.json, a PEFT adapter directory, or a run directory "
+                          "(models are never downloaded)")
     return model, tok
 
 

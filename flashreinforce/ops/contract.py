@@ -174,8 +174,12 @@ def _real_number(name: str, value, requirement: str) -> float:
     return float(value)
 
 
+#: The largest count the op takes: its counts are 64-bit signed integers.
+COUNT_LIMIT = 2**63 - 1
+
+
 def _count(name: str, value, minimum: int, what: str) -> Optional[int]:
-    """An optional count: a Python or NumPy integer (not a bool) of at least ``minimum``."""
+    """An optional count: a Python or NumPy integer (not a bool) from ``minimum`` to :data:`COUNT_LIMIT`."""
     if value is None:
         return None
     if type(value) is not int and (isinstance(value, bool) or not isinstance(value, Integral)):
@@ -183,6 +187,8 @@ def _count(name: str, value, minimum: int, what: str) -> Optional[int]:
     value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be at least {what} ({minimum}), got {value}")
+    if value > COUNT_LIMIT:
+        raise ValueError(f"{name} must be at most 2**63 - 1 (a 64-bit count), got {value}")
     return value
 
 

@@ -195,6 +195,7 @@ class AgentRolloutWorker(RolloutWorker):
             async def play():
                 client = openai.AsyncOpenAI(base_url=url, api_key="flashreinforce", max_retries=0,
                                             timeout=CLIENT_TIMEOUT_S)
+                e.last_activity = time.monotonic()  # the client's set-up is not the agent's time
                 try:
                     return await env.agent(client, row, **kwargs)
                 finally:
@@ -206,6 +207,7 @@ class AgentRolloutWorker(RolloutWorker):
 
         def play_sync() -> None:
             client = openai.OpenAI(base_url=url, api_key="flashreinforce", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+            e.last_activity = time.monotonic()  # the client's set-up (slow on a loaded machine) is not the agent's time
             try:
                 outcome = (future.set_result, env.agent(client, row, **kwargs))
             except BaseException as err:  # handed to the worker, which quarantines the episode
@@ -443,6 +445,7 @@ class AgentRolloutWorker(RolloutWorker):
     def run_tickets(self, tickets: Sequence[Ticket],
                     stop: threading.Event | None = None) -> list[list[Trajectory | QuarantinedEpisode]]:
         s = self.settings
+        self._stop = stop  # a stopping run does not wait for a long generation (RolloutWorker._sample)
         self._ensure_server()
         episodes = [AgentEpisode(t, j, slot) for slot, (t, j) in
                     enumerate((t, j) for t in tickets for j in range(t.group_size))]

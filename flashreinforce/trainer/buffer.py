@@ -82,14 +82,24 @@ class PromptStream:
 
     With ``num_prompts`` (a finite prompt set, e.g. a dataset), each pass is a fresh seeded
     permutation of ``range(num_prompts)`` (one pass = one episode in Molt's ``train.num_episodes``);
-    without it, seeds are ``seed_offset + prompt_id`` (every prompt new). Prompts given back with
-    :meth:`requeue` come out first, in the order given.
+    without it, seeds are ``seed_offset + prompt_id`` (every prompt new). ``exclude``: rows of the
+    finite set never handed out (the held-out split, :mod:`.heldout`); a pass is then a permutation of
+    the other rows. Prompts given back with :meth:`requeue` come out first, in the order given.
     """
 
     def __init__(self, *, num_prompts: int | None = None, seed: int = 0, seed_offset: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, exclude: Iterable[int] = ()) -> None:
         if num_prompts is not None and num_prompts <= 0:
             raise ValueError(f"num_prompts must be positive or None, got {num_prompts}")
+        excluded = set(int(r) for r in exclude)
+        self._rows = None
+        if excluded:
+            if num_prompts is None:
+                raise ValueError("exclude needs a finite prompt set (num_prompts)")
+            self._rows = [r for r in range(num_prompts) if r not in excluded]
+            if not self._rows:
+                raise ValueError(f"exclude leaves no row of the {num_prompts} to hand out")
+            num_prompts = len(self._rows)
         self.num_prompts = num_prompts
         self.seed = seed
         self.seed_offset = seed_offset
@@ -104,7 +114,7 @@ class PromptStream:
             return self.seed_offset + prompt_id
         epoch, pos = divmod(prompt_id, self.num_prompts)
         if epoch != self._perm_epoch:
-            self._perm = list(range(self.num_prompts))
+            self._perm = list(range(self.num_prompts)) if self._rows is None else list(self._rows)
             if self.shuffle:
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(self._perm)
             self._perm_epoch = epoch
@@ -121,12 +131,21 @@ class PromptStream:
         self._requeued.extend(prompts)
 
     def state_dict(self, outstanding: Sequence[tuple[int, int]] = ()) -> dict:
-        """State to resume from; ``outstanding`` prompts (handed out, not consumed) come out first."""
-        return {"next_id": self.next_id, "requeued": [list(p) for p in list(outstanding) + list(self._requeued)]}
+        """State to resume from; ``outstanding`` prompts (handed out, not consumed) come out first.
+        The seeds that order the passes travel with it."""
+        return {"next_id": self.next_id, "requeued": [list(p) for p in list(outstanding) + list(self._requeued)],
+                "seed": self.seed, "seed_offset": self.seed_offset}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue the saved stream; its passes keep the order they were given by the saved seeds
+        (a run resumed with another ``--seed`` samples differently, but the pass in progress is not
+        shuffled again: no prompt of it is trained twice, none left out)."""
         self.next_id = int(state["next_id"])
         self._requeued = collections.deque((int(a), int(b)) for a, b in state["requeued"])
+        for key in ("seed", "seed_offset"):
+            if key in state:  # absent from checkpoints of earlier versions
+                setattr(self, key, int(state[key]))
+        self._perm_epoch = -1
 
 
 class RolloutBuffer:

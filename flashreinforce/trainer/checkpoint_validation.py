@@ -28,6 +28,8 @@ from typing import Any, Iterable
 import torch
 from safetensors.torch import load_file
 
+from flashreinforce.models.lora import adapter_state, has_lora, is_adapter_name
+
 __all__ = ["CheckpointError", "check_optimizer", "check_scheduler", "check_state", "first_non_finite", "non_finite",
            "read_weights", "trainable_parameters"]
 
@@ -88,6 +90,9 @@ def _check_buffer(f: _Fields, buffer: Any) -> dict:
         f.int(value, f"buffer.counters.{key}")
     prompts = f.object(f.get(buffer, "prompts", "buffer.prompts"), "buffer.prompts")
     next_id = f.int(f.get(prompts, "next_id", "buffer.prompts.next_id"), "buffer.prompts.next_id")
+    for key in ("seed", "seed_offset"):  # optional: checkpoints of earlier versions have neither
+        if key in prompts:
+            f.int(prompts[key], f"buffer.prompts.{key}")
     requeued = f.get(prompts, "requeued", "buffer.prompts.requeued")
     if not isinstance(requeued, list):
         raise f.bad(f"'buffer.prompts.requeued' must be a list, got {_shown(requeued)}")
@@ -177,6 +182,14 @@ def _storage(t: torch.Tensor) -> tuple | None:
     return (t.device, ptr, t.storage_offset(), tuple(t.shape)) if ptr else None
 
 
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint stores of ``model``: its adapters when it trains LoRA adapters (the base is
+    frozen and rebuilt from ``--model``), else its whole state dict."""
+    if has_lora(model):
+        return adapter_state(model)
+    return model.state_dict()
+
+
 def read_weights(file: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The tensors of ``model.safetensors``, checked against ``model`` (names, shapes) and for
     non-finite values; the model is not touched."""
@@ -185,7 +198,14 @@ def read_weights(file: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     except Exception as err:  # a truncated header or body: SafetensorError, OSError, ...
         text = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         raise CheckpointError(f"{file}: unreadable, truncated or corrupt ({type(err).__name__}: {text})") from None
-    expected = model.state_dict()
+    stored_lora, model_lora = any(is_adapter_name(k) for k in tensors), has_lora(model)
+    if stored_lora and not model_lora:
+        raise CheckpointError(f"{file}: holds LoRA adapters but this run trains the full model: resume with the "
+                              "run's --lora.rank (its config.json records it)")
+    if model_lora and not stored_lora:
+        raise CheckpointError(f"{file}: holds full weights but this run trains LoRA adapters: resume without "
+                              "--lora.rank, or start a new run from this checkpoint (--model)")
+    expected = checkpoint_tensors(model)
     unexpected = sorted(set(tensors) - set(expected))
     present = {_storage(expected[k]) for k in tensors if k in expected} - {None}
     # a tensor shared with another (tied embeddings) is stored once, under one of its names

@@ -2,7 +2,8 @@
 
 Layout of ``CKPT_DIR/step_00000010/`` (``CKPT_DIR/latest`` names the newest):
 
-* ``model.safetensors``: the policy weights (shared tensors such as tied embeddings stored once);
+* ``model.safetensors``: the policy weights (shared tensors such as tied embeddings stored once); a
+  policy training LoRA adapters stores its adapters only (the frozen base is rebuilt from ``--model``);
 * ``config.json`` and the tokenizer files: enough to reload the model on its own;
 * ``optimizer.pt``, ``scheduler.pt``: optimizer moments and schedule position;
 * ``rng.pt``: Python, NumPy and torch random states, as tensors and plain numbers;
@@ -49,12 +50,14 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file, save_model
 
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.checkpoint_rng import check_rng_state, legacy_rng_state, rng_state, set_rng_state
+from flashreinforce.models.lora import has_lora
 from flashreinforce.trainer.checkpoint_validation import (CheckpointError, check_optimizer, check_scheduler,
-                                                          check_state, first_non_finite, read_weights)
+                                                          check_state, checkpoint_tensors, first_non_finite,
+                                                          read_weights)
 from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run_history import trim_history
 
@@ -68,7 +71,8 @@ LATEST = "latest"
 #: Files of a checkpoint directory that loading needs (the model's config.json and tokenizer are extras).
 REQUIRED_FILES = ("state.json", "model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt")
 #: The records a run writes into its output directory (cleared by ``--overwrite``).
-RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json")
+RUN_FILES = ("config.json", "metrics.jsonl", "eval.jsonl", "samples.jsonl", "summary.json", "heldout.json",
+             "eval_command.jsonl")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Hidden leftovers of a save: ".step_00000010.tmp-<id>" (being written), ".step_00000010.old-<id>" (set aside).
 _LEFTOVER = re.compile(r"^\.(step_\d+)\.(tmp|old|trash)-[0-9a-f]+$")
@@ -199,7 +203,7 @@ def _refuse_to_save(ckpt_dir: Path, step: int, model: torch.nn.Module, learner_s
     label = ckpt_dir / (step_name(step) if isinstance(step, int) and step >= 0 else f"step {step!r}")
     try:
         check_state(record, "state.json")
-        problem = first_non_finite(model.state_dict().items())
+        problem = first_non_finite(checkpoint_tensors(model).items())
         if problem:
             raise CheckpointError(f"model.safetensors: tensor {problem}")
         optimizer = learner_state["optimizer"]
@@ -233,7 +237,11 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, *, model: torch.nn.Module, 
     try:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
+        if has_lora(model):  # the adapters only: the frozen base is the run's --model
+            save_file({k: v.detach().contiguous() for k, v in checkpoint_tensors(model).items()},
+                      str(tmp / "model.safetensors"))
+        else:
+            save_model(model, str(tmp / "model.safetensors"))
         model.config.save_pretrained(str(tmp))
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)

@@ -8,26 +8,28 @@ flag to the setting it controls is written once, here.
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config.values import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
                                           num_prompts)
 from flashreinforce.models.attention import document_attention_unsupported
-from flashreinforce.models.loading import build_model
-from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
+from flashreinforce.models.loading import adopt_model, build_model
+from flashreinforce.models.lora import LoraSettings, apply_lora
+from flashreinforce.models.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
 from flashreinforce.trainer.learner import LearnerSettings
 from flashreinforce.trainer.rollout import RolloutSettings
 
-__all__ = ["Policy", "RunEnvironments", "device_of", "engine_options", "eval_environments", "learner_settings",
-           "episode_turn_limit", "load_environments", "load_policy", "rollout_settings", "sampling_params", "total_updates"]
+__all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
+           "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",
+           "lora_settings", "rollout_settings", "sampling_params", "total_updates"]
 
 
 def device_of(name: str) -> torch.device:
@@ -61,15 +63,25 @@ class Policy:
     env_renders_prompt: bool = False
 
 
-def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
+def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None, tokenizer: Any = None) -> Policy:
     """Build the model named by ``actor.model_name_or_path`` and the tokenizer that goes with it
-    (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``."""
-    if cfg.actor.model_name_or_path is None:
+    (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``.
+    ``model`` / ``tokenizer``: objects given in Python (``flashreinforce.train``) used instead."""
+    if model is not None:
+        model, tok_spec = adopt_model(model, device=device, attn_implementation=cfg.fsdp.attn_implementation)
+    elif cfg.actor.model_name_or_path is None:
         raise ConfigError("no model: give --model (or --actor.model_name_or_path, or a --preset)")
-    model, tok_spec = build_model(cfg.actor.model_name_or_path, device=device,
-                                  attn_implementation=cfg.fsdp.attn_implementation, seed=cfg.seed)
+    else:
+        model, tok_spec = build_model(cfg.actor.model_name_or_path, device=device,
+                                      attn_implementation=cfg.fsdp.attn_implementation, seed=cfg.seed)
+    if tokenizer is None and tok_spec is None and cfg.tokenizer is None:
+        raise ConfigError("model: the model object has no local folder to read its tokenizer from; pass "
+                          "tokenizer=... (a transformers tokenizer object or a folder) beside it")
     try:
-        tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
+        if tokenizer is not None:
+            tokenizer = tokenizer if isinstance(tokenizer, (CharTokenizer, HFTokenizer)) else HFTokenizer(tokenizer)
+        else:
+            tokenizer = load_tokenizer(cfg.tokenizer or tok_spec)
     except (OSError, ValueError) as err:
         flag = f"--tokenizer {cfg.tokenizer}" if cfg.tokenizer else f"--model {cfg.actor.model_name_or_path}"
         first = (str(err).strip().splitlines() or [""])[0][:300]
@@ -91,7 +103,16 @@ def load_policy(cfg: ResolvedConfig, device: torch.device) -> Policy:
         if problem is not None:
             raise ConfigError(f"--fsdp.packing_samples (the default): {problem}; give --fsdp.packing_samples false "
                               "for the padded learner forward")
+    if cfg.lora.rank > 0:
+        apply_lora(model, lora_settings(cfg))
     return Policy(model, tokenizer, env_renders)
+
+
+def lora_settings(cfg: ResolvedConfig) -> LoraSettings:
+    """The ``lora`` section as :class:`~flashreinforce.models.lora.LoraSettings` (rank 0: no LoRA)."""
+    targets = tuple(t.strip() for t in str(cfg.lora.target_modules).split(","))
+    return LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, target_modules=targets,
+                        base_dtype=canonical_dtype(cfg.lora.base_dtype, what="lora.base_dtype"))
 
 
 @dataclass
@@ -145,7 +166,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     try:
         inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
     except TypeError as err:
-        raise ConfigError(f"--env.kwargs {json.dumps(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
+        raise ConfigError(f"--env.kwargs {shown(cfg.env_kwargs)}: the constructor of --env {spec} does not take "
                           f"them ({err})") from None
     probe = factory()
     try:
@@ -255,8 +276,18 @@ def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str
 
 
 def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The rollout engine's options from the configuration (the engine kind's own reading of it)."""
-    return engine_kind(cfg.rollout.engine).options(cfg, seed, engine_dtype(cfg, device))
+    """The rollout engine's options from the configuration (the engine kind's own reading of it), with
+    the policy's LoRA settings (``lora``) when it trains adapters."""
+    kind = engine_kind(cfg.rollout.engine)
+    options = kind.options(cfg, seed, engine_dtype(cfg, device))
+    if cfg.lora.rank > 0:
+        if "lora" not in kind.options_accepted:
+            raise ConfigError(f"--lora.rank: the {kind.name} rollout engine cannot serve LoRA adapters; use "
+                              "--rollout.engine hf or vllm")
+        settings = lora_settings(cfg)
+        options["lora"] = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
+                           "target_modules": settings.target_modules}
+    return options
 
 
 def dtype_notes(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> list[str]:

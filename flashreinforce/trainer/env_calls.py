@@ -180,7 +180,10 @@ class EnvCalls:
         return _Caller(f"{self.name}-{self._threads_made}")
 
     def close(self) -> None:
-        """End the idle threads (abandoned ones end when their call returns)."""
-        for caller in self._idle:
+        """End the idle threads, and wait the moment they take to end (abandoned ones end when their
+        call returns), so that no thread of a closed instance outlives it without a reason."""
+        idle, self._idle = self._idle, []
+        for caller in idle:
             caller.jobs.put(None)
-        self._idle.clear()
+        for caller in idle:
+            caller.thread.join(timeout=1.0)

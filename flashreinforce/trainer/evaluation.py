@@ -23,7 +23,7 @@ from flashreinforce.trainer.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.outcomes import episode_means
 from flashreinforce.trainer.rollout import RolloutSettings
 
-__all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds"]
+__all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds", "progress_lines"]
 
 #: First evaluation seed of an environment without a finite prompt set (endless seeds): far from
 #: the training seeds, which count up from 0.
@@ -36,6 +36,20 @@ def eval_seeds(num_prompts: int | None, requested: int) -> list[int]:
     if num_prompts is not None:
         return list(range(min(num_prompts, requested)))
     return [EVAL_SEED_OFFSET + i for i in range(requested)]
+
+
+def progress_lines(note: Callable[[str], None], what: str, every_s: float = 10.0) -> Callable[[int, int, float], None]:
+    """An :meth:`Evaluator.evaluate` ``progress`` that writes ``what: done/total prompts, N s`` with
+    ``note`` at most every ``every_s`` seconds, and once at the end."""
+    last = [0.0]
+
+    def report(done: int, total: int, seconds: float) -> None:
+        if done < total and seconds - last[0] < every_s:
+            return
+        last[0] = seconds
+        note(f"{what}: {done}/{total} prompts, {seconds:.0f} s")
+
+    return report
 
 
 def _mean(xs) -> float:
@@ -73,7 +87,8 @@ class Evaluator:
         self.per_call = max(1, episodes_per_call // n_samples)
 
     def evaluate(self, policy_version: int, *, sampling: SamplingParams | None = None,
-                 n_samples: int | None = None, trajectories: list | None = None) -> dict[str, float]:
+                 n_samples: int | None = None, trajectories: list | None = None,
+                 progress: Callable[[int, int, float], None] | None = None) -> dict[str, float]:
         """Mean reward and success rate over every evaluation trajectory (keys prefixed ``eval_``).
 
         ``sampling`` / ``n_samples`` replace the evaluator's own for this call only (``flashreinforce
@@ -83,6 +98,7 @@ class Evaluator:
         ``eval_truncated_fraction`` the share with a turn cut at ``max_new_tokens`` or an episode
         stopped by the turn or context limit. Episodes the worker had to quarantine (an environment
         error or timeout) are left out of the means and counted in ``eval_quarantined_episodes``.
+        ``progress(done, total, seconds)``: called after each engine round with the prompts done so far.
         """
         t0 = time.perf_counter()
         n = self.n_samples if n_samples is None else int(n_samples)
@@ -99,6 +115,8 @@ class Evaluator:
             for k in range(0, len(tickets), per_call):
                 for group in self.worker.run_tickets(tickets[k:k + per_call]):
                     trajs.extend(group)
+                if progress is not None:
+                    progress(min(k + per_call, len(tickets)), len(tickets), time.perf_counter() - t0)
         finally:
             settings.sampling = saved
         quarantined = sum(isinstance(t, QuarantinedEpisode) for t in trajs)

@@ -3,7 +3,9 @@
 Conventions (the usual ones for MFU; recomputation is not counted):
 
 * A matrix product of an ``[m, k]`` by a ``[k, n]`` matrix is ``2 m k n`` FLOPs; a training pass
-  (forward and backward) is 3 forwards.
+  (forward and backward) is 3 forwards for a trained weight (the backward computes the gradients of
+  the activations and of the weight) and 2 for a frozen one (LoRA's base weights: the activations'
+  gradients only).
 * Body: ``2 P`` FLOPs per token run, ``P`` the body's matrix parameters (every parameter with two
   or more dimensions outside the embedding tables). For a mixture of experts, the parameters
   under an ``experts`` module count with the share of experts a token uses
@@ -54,12 +56,15 @@ class ModelFlops:
     """FLOP coefficients of one decoder (forward only; see the module docstring).
 
     body_per_token: ``2 P``. attention_per_pair: ``4 H d`` summed over the layers.
-    head_per_scored_token: ``2 h V``.
+    head_per_scored_token: ``2 h V``. frozen_body_per_token: the part of ``body_per_token`` from
+    frozen weights; head_frozen: whether the output projection is frozen.
     """
 
     body_per_token: float
     attention_per_pair: float
     head_per_scored_token: float
+    frozen_body_per_token: float = 0.0
+    head_frozen: bool = False
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelFlops":
@@ -74,7 +79,7 @@ class ModelFlops:
         experts = getattr(text_cfg, "num_experts", None) or getattr(text_cfg, "num_local_experts", None)
         per_token = getattr(text_cfg, "num_experts_per_tok", None)
         expert_share = float(per_token) / float(experts) if experts and per_token else 1.0
-        params = 0.0
+        params = frozen = 0.0
         seen: set[int] = set()
         for name, p in body.named_parameters():
             if p.dim() < 2 or id(p) in embedding_params or id(p) in seen:
@@ -82,6 +87,8 @@ class ModelFlops:
             seen.add(id(p))
             share = expert_share if ".experts." in f".{name}" else 1.0
             params += p.numel() * share
+            if not p.requires_grad:
+                frozen += p.numel() * share
         layers = int(text_cfg.num_hidden_layers)
         heads = int(text_cfg.num_attention_heads)
         hidden = int(text_cfg.hidden_size)
@@ -89,14 +96,17 @@ class ModelFlops:
         head = model.get_output_embeddings()
         vocab, width = head.weight.shape
         return cls(body_per_token=2.0 * params, attention_per_pair=4.0 * layers * heads * head_dim,
-                   head_per_scored_token=2.0 * float(vocab) * float(width))
+                   head_per_scored_token=2.0 * float(vocab) * float(width), frozen_body_per_token=2.0 * frozen,
+                   head_frozen=not head.weight.requires_grad)
 
     def training(self, tokens: int, pairs: int, scored_tokens: int) -> float:
         """FLOPs of one forward and backward over a row of ``tokens`` tokens with ``pairs`` causal
         query-key pairs, ``scored_tokens`` of them projected to the vocabulary."""
         forward = (self.body_per_token * tokens + self.attention_per_pair * pairs
                    + self.head_per_scored_token * scored_tokens)
-        return 3.0 * forward
+        frozen = self.frozen_body_per_token * tokens + (self.head_per_scored_token * scored_tokens
+                                                        if self.head_frozen else 0.0)
+        return 3.0 * forward - frozen  # a frozen weight's forward runs twice, not three times
 
 
 def peak_flops_per_device(device: torch.device, dtype: torch.dtype | None, override_tflops: float = 0.0) -> float | None:

@@ -39,7 +39,7 @@ from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, ge
 from flashreinforce.trainer.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
 from flashreinforce.trainer.forward_row import forward_row
 from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
-from flashreinforce.trainer.schedule import SCHEDULERS, make_scheduler
+from flashreinforce.trainer.schedule import SCHEDULERS, apply_settings, make_scheduler
 from flashreinforce.trainer.scoring import PolicyLogProbs
 from flashreinforce.trainer.trajectory import Trajectory
 
@@ -284,6 +284,9 @@ class PolicyLearner(Protocol):
     def policy_state(self) -> dict[str, Tensor]:
         """The current full weights (Hugging Face names), for publication to the rollout engines."""
 
+    def frozen_names(self) -> set[str]:
+        """Names of :meth:`policy_state` that never change (a weight store may publish them once)."""
+
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """An unsharded copy of the current policy (float32 on ``device``), for engines and exports."""
 
@@ -514,6 +517,11 @@ class Learner:
         """The current weights, for publication to the rollout engines (tensors alias the model's)."""
         return self.model.state_dict()
 
+    def frozen_names(self) -> set[str]:
+        """Names of :meth:`policy_state` that never change (parameters that do not train, such as the
+        base weights under LoRA): a weight store may publish them once."""
+        return {n for n, p in self.model.named_parameters() if not p.requires_grad}
+
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """A copy of the current policy on ``device`` (for an engine or an export), with the model's
         own attention implementation."""
@@ -533,6 +541,7 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        apply_settings(self.optimizer, self.scheduler, self.settings)  # a resumed run's own lr, betas, schedule
         self.version = int(state["version"])
 
     def stop(self) -> None:

@@ -39,15 +39,23 @@ import numpy as np
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
+from flashreinforce.config.paths import absolute_paths
+from flashreinforce.config.resume import recorded_settings, review, settings_config
 from flashreinforce.trainer import components
 from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
-                                                learner_state_to_restore, save_checkpoint, trim_history)
+                                                learner_state_to_restore, save_checkpoint)
+from flashreinforce.trainer.callbacks import CallbackList
 from flashreinforce.trainer.fault_counters import FaultMetrics
-from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds
+from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
+from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learner import Learner, PolicyLearner
-from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, run_summary, update_metrics
+from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, update_metrics
+from flashreinforce.trainer.prechecks import check_before_model
+from flashreinforce.trainer.run_dir import RunLock, create_output, remove_created
+from flashreinforce.trainer.run_history import HistoryRecord
 from flashreinforce.trainer.summary import write_run_summary
 from flashreinforce.trainer.watchdog import Watchdog
+from flashreinforce.models.lora import has_lora, merged_model, save_adapter
 from flashreinforce.trainer.rollout_pool import RolloutBackend
 from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
 
@@ -59,10 +67,16 @@ log = logging.getLogger("flashreinforce.trainer")
 class Trainer:
     """One training run. ``run()`` returns a summary dict; see the module docstring."""
 
-    def __init__(self, cfg: ResolvedConfig) -> None:
+    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = ()) -> None:
+        """``model`` / ``tokenizer``: objects given in Python in place of ``--model`` / ``--tokenizer``;
+        ``callbacks``: see :mod:`.callbacks`."""
         if not cfg.output:
             raise ConfigError("--output DIR is required")
+        absolute_paths(cfg)  # recorded as absolute: resumed elsewhere, the run reads the same files
         self.cfg = cfg
+        self._given = (model, tokenizer)
+        self.callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
+        self.stop_reason: str | None = None
         self.out = Path(cfg.output)
         self.ckpt_dir = Path(cfg.ckpt.path or self.out / "checkpoints")
         self.hf_dir = Path(cfg.ckpt.output_dir or self.out / "hf")
@@ -75,6 +89,11 @@ class Trainer:
         self._resume_point: ResumePoint | None = None
         self.pool: RolloutBackend | None = None  # the running rollout workers (for tools and tests)
         self._started = time.time()  # this session's start, for OUTPUT/summary.json
+        self._lock = RunLock(self.out)
+        self._history = HistoryRecord(self.out)  # what each checkpoint vouches for of metrics.jsonl, eval.jsonl
+        self._created: list[Path] = []  # folders of --output this run made (removed if it never starts)
+        #: Whether the update loop began (a Ctrl-C before it stops a run that trained nothing).
+        self.training_started = False
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -84,13 +103,19 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
-        policy = components.load_policy(cfg, self.device)
+        check_before_model(cfg, ckpt_dir=self.ckpt_dir, model_given=self._given[0] is not None)
+        t0 = time.perf_counter()
+        log.info("loading the model %s ...", cfg.actor.model_name_or_path)
+        policy = components.load_policy(cfg, self.device, model=self._given[0], tokenizer=self._given[1])
+        log.info("model loaded in %.1f s; building the environments ...", time.perf_counter() - t0)
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.envs = components.load_environments(cfg, policy)
         # The evaluation rows are read now, so that a bad --eval.dataset stops the run before it starts.
         evaluates = cfg.eval.steps or cfg.eval.every_min or cfg.eval.eval_at_start
         self.eval_envs = components.eval_environments(cfg, self.envs, self.tokenizer) if evaluates else self.envs
-        self.num_prompts = self.envs.num_prompts
+        # Without eval.dataset, a finite prompt set gives part of itself to the evaluation, never trained on.
+        self.split = run_split(cfg, self.envs.num_prompts, self.out if cfg.resume else None) if evaluates else None
+        self.num_prompts = self.envs.num_prompts if self.split is None else len(self.split.train_rows)
         self.max_steps = components.total_updates(cfg, self.num_prompts)
         settings = components.learner_settings(cfg, self.max_steps, self.device)
         if cfg.resume:  # the weights go in before any sharding of the model, on every rank
@@ -106,8 +131,8 @@ class Trainer:
         self.counters: dict[str, float] = {"skipped_updates": 0, "wall_time_s": 0.0}
         if not self._leads:
             return
-        self.rollout = start_rollout_side(cfg, num_prompts=self.num_prompts, vocab_size=self.tokenizer.vocab_size,
-                                          seed=cfg.seed)
+        self.rollout = start_rollout_side(cfg, num_prompts=self.envs.num_prompts, vocab_size=self.tokenizer.vocab_size,
+                                          seed=cfg.seed, exclude=self.split.rows if self.split else ())
         self.buffer, self.weights = self.rollout.buffer, self.rollout.weights
         self.rollout_settings = components.rollout_settings(cfg, self.tokenizer, cfg.seed)
 
@@ -121,6 +146,8 @@ class Trainer:
         if point is None:
             return
         point.check_within(self.max_steps)
+        if self._leads:
+            self._review_settings(point)  # before anything is restored or written
         self.learner.load_state_dict(learner_state_to_restore(point, sharded=self.learner.sharded))
         self.step = point.step
         if not self._leads:
@@ -128,17 +155,55 @@ class Trainer:
         self.buffer.load_state_dict(point.state["buffer"])
         self.counters.update(point.state.get("trainer", {}))
         clean_interrupted_saves(self.ckpt_dir)  # frees what a failed save took before the history is rewritten
-        trim_history(self.out, self.step)
+        self._history.resume(self.step, point.state.get("history"))
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
+
+    def _review_settings(self, point: ResumePoint) -> None:
+        """The resume table (:mod:`flashreinforce.config.resume`) against the settings the checkpoint
+        recorded (a checkpoint written before checkpoints held them: against ``config.json``)."""
+        recorded = point.state.get("run_settings")
+        source = f"{point.path / 'state.json'} run_settings"
+        try:
+            if isinstance(recorded, dict):
+                saved, against = settings_config(recorded, source), f"against its checkpoint {point.path.name}"
+            else:
+                flat = recorded_settings(self.out)
+                if flat is None:
+                    return
+                saved, against = settings_config(flat, str(self.out / "config.json")), "against its config.json"
+        except ConfigError as err:  # settings of another version of this package
+            log.warning("--resume: the run's recorded settings cannot be compared with these (%s)", err)
+            return
+        review(self.cfg, saved, self.out, against)
 
     def _save(self) -> Path:
         learner_state = self.learner.state_dict()  # gathered to rank 0 under fully_shard
-        state = {"buffer": self.buffer.state_dict(), "trainer": self.counters, "max_steps": self.max_steps}
+        state = {"buffer": self.buffer.state_dict(), "trainer": self.counters, "max_steps": self.max_steps,
+                 "run_settings": self.cfg.to_file(), "history": self._history.snapshot()}
         if learner_state.get("optimizer_format"):
             state["optimizer_format"] = learner_state["optimizer_format"]
         model = self.learner.full_model() if self.learner.sharded else self.model
-        return save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
+        if has_lora(model):  # what rebuilds the policy from this adapters-only checkpoint
+            lora = components.lora_settings(self.cfg)
+            state["lora"] = {"base_model": str(self.cfg.actor.model_name_or_path), "rank": lora.rank,
+                             "alpha": lora.alpha, "dropout": lora.dropout,
+                             "target_modules": list(lora.target_modules)}
+        path = save_checkpoint(self.ckpt_dir, self.step, model=model, learner_state=learner_state,
                                state=state, tokenizer=self.tokenizer, max_keep=self.cfg.ckpt.max_ckpt_num)
+        self.callbacks.on_save(self.step, path)
+        return path
+
+    def _export(self) -> None:
+        """The final policy in Hugging Face format in ``hf/``; with LoRA, the adapters merged in, and the
+        adapters alone in PEFT's format in ``hf/adapter`` (``peft.PeftModel.from_pretrained(base, ...)``)."""
+        self.hf_dir.mkdir(parents=True, exist_ok=True)
+        model = self.learner.full_model() if self.learner.sharded else self.model
+        if has_lora(model):
+            save_adapter(model, self.hf_dir / "adapter", base_model=str(self.cfg.actor.model_name_or_path))
+            self.tokenizer.save_pretrained(self.hf_dir / "adapter")
+            model = merged_model(model)
+        model.save_pretrained(str(self.hf_dir))
+        self.tokenizer.save_pretrained(self.hf_dir)
 
     def _make_workers(self) -> RolloutBackend:
         return self.rollout.make_workers(
@@ -153,7 +218,9 @@ class Trainer:
         if self._evaluator is None:
             cfg = self.cfg
             envs = self.eval_envs
-            if envs is self.envs:
+            if self.split is not None:  # the held-out rows of the training prompt set
+                seeds = list(self.split.rows)
+            elif envs is self.envs:
                 seeds = eval_seeds(envs.num_prompts, cfg.eval.num_prompts)
             else:  # every row of the evaluation dataset
                 seeds = eval_seeds(envs.num_prompts, envs.num_prompts or cfg.eval.num_prompts)
@@ -163,7 +230,9 @@ class Trainer:
                 sampling=components.sampling_params(cfg, self.tokenizer, evaluation=True),
                 n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.vllm_generate_batch_size,
                 seed=self.cfg.seed + 1)
-        return self._evaluator.evaluate(self.learner.version)
+        note = getattr(self, "_note", None)
+        return self._evaluator.evaluate(self.learner.version,
+                                        progress=progress_lines(note, "  evaluating") if note else None)
 
     def _evaluate_paused(self) -> dict[str, float]:
         """:meth:`evaluate` with the rollouts paused (no prompt handed out, workers waiting between engine
@@ -173,6 +242,17 @@ class Trainer:
             return self.evaluate()
         finally:
             self.buffer.resume()
+
+    def _eval_note(self, what: str) -> str:
+        """The line that announces an evaluation (it can take minutes with a real model)."""
+        envs = self.eval_envs
+        if self.split is not None:
+            n, where = len(self.split.rows), "held-out prompts"
+        elif envs is not self.envs and envs.num_prompts:
+            n, where = envs.num_prompts, "eval.dataset prompts"
+        else:
+            n, where = self.cfg.eval.num_prompts, "evaluation prompts"
+        return f"{what}: {n} {where} ..."
 
     def _write_eval(self, metrics: dict[str, float]) -> None:
         append_eval_record(self.out / "eval.jsonl", self.step, metrics)
@@ -196,12 +276,17 @@ class Trainer:
         try:
             return self._run() if self._leads else self._run_follower()
         finally:
-            self._shutdown()
+            try:
+                self._shutdown()
+            finally:
+                self._lock.release()
 
     def _shutdown(self) -> None:
         """Close the rollout side (Ray actors; only a Ray instance this run started is stopped);
         leave the torch.distributed job."""
         try:
+            if self._evaluator is not None:  # its environment-call threads end with it
+                self._evaluator.close()
             if self.rollout is not None:
                 self.rollout.close()
         finally:
@@ -218,34 +303,34 @@ class Trainer:
         return {"status": "follower", "rank": self.dist.rank, "updates": updates,
                 "policy_version": self.learner.version}
 
-    def _prepare_output(self) -> None:
-        """Create ``--output``; an earlier run there is continued only with --resume and cleared only
-        with --overwrite (a new run never mixes its records into another's)."""
-        try:
-            self.out.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ConfigError(f"--output {self.out}: cannot create the directory ({err.strerror}: "
-                              f"{err.filename})") from None
+    def _prepare_output(self) -> list[Path]:
+        """Create ``--output`` and lock it (one run at a time, :mod:`.run_dir`); an earlier run there is
+        continued only with --resume and cleared only with --overwrite (a new run never mixes its
+        records into another's). Returns what --overwrite will delete once the run has started."""
+        self._created = create_output(self.out)
+        self._lock.acquire()
         if self.cfg.resume:
-            return
+            return []
         earlier = existing_run_files(self.out, self.ckpt_dir)
         if earlier and not self.cfg.overwrite:
             raise ConfigError(f"--output {self.out} already holds a run ({', '.join(p.name for p in earlier)}): "
                               "continue it with --resume, or start over with --overwrite (deletes that run's "
                               "records and checkpoints)")
-        if earlier:
-            log.warning("--overwrite: deleting the earlier run in %s (%s)", self.out, ", ".join(map(str, earlier)))
-            clear_run(self.out, self.ckpt_dir, self.hf_dir)
+        return earlier
 
     def _run(self) -> dict[str, Any]:
-        self._prepare_output()
+        earlier = self._prepare_output()
         try:
             self._setup()
             self._resume()
-        except BaseException:
+        except BaseException:  # a refused setting, Ctrl-C: nothing was trained, nothing is left behind
             if self.dist is not None and self.learner is not None:
                 self.learner.stop()  # release the other ranks
+            remove_created(self._created)
             raise
+        if earlier:  # only now that the new run has started: a refused one deletes nothing
+            log.warning("--overwrite: deleting the earlier run in %s (%s)", self.out, ", ".join(map(str, earlier)))
+            clear_run(self.out, self.ckpt_dir, self.hf_dir)
         try:
             return self._train()
         finally:
@@ -261,6 +346,10 @@ class Trainer:
                       learner_ranks=1 if self.dist is None else self.dist.world_size,
                       learner_strategy=None if self.dist is None else cfg.fsdp.strategy,
                       rollout_backend=cfg.rollout.backend, rollout_engine=cfg.rollout.engine)
+        if self.split is not None:
+            record.update(heldout_prompts=len(self.split.rows), heldout_file=str(self.split.write(self.out)))
+            log.info("evaluation holds out %d of the %d prompts (their rows: %s); training uses the other %d",
+                     len(self.split.rows), self.split.num_prompts, self.out / HELDOUT_FILE, self.num_prompts)
         (self.out / "config.json").write_text(json.dumps(record, indent=1, default=str))
         write_config_file(cfg, self.out / "config.yaml")  # what --config and --resume read
 
@@ -283,24 +372,41 @@ class Trainer:
             log.warning(w)
         for note in components.dtype_notes(cfg, self.device):
             log.info(note)
-        self.weights.publish(self.learner.policy_state(), self.learner.version)
+        self.weights.publish(self.learner.policy_state(), self.learner.version,
+                             frozen=self.learner.frozen_names())
         main_thread = threading.current_thread() is threading.main_thread()
         old_handler = signal.signal(signal.SIGINT, self._on_sigint) if main_thread else None
+        self.training_started = True
+        try:
+            return self._train_and_save()
+        finally:
+            if old_handler is not None:  # only after the last save: a Ctrl-C during it is ours too
+                signal.signal(signal.SIGINT, old_handler)
+
+    def _train_and_save(self) -> dict[str, Any]:
+        cfg = self.cfg
         metrics_log = open_metrics_log(cfg, self.out, tokenizer=self.tokenizer, total=self.max_steps,
                                        initial=self.step)
+        self._note = metrics_log.note
         pool = None
         status = "completed"
         self._watchdog = Watchdog(cfg.train.stall_timeout_s, cfg.rollout.max_failed_episodes_in_a_row)
         fault_metrics = FaultMetrics(log)  # per-update environment-call timeouts, and their warning
         try:
             if cfg.eval.eval_at_start and self.step == 0:
+                metrics_log.note(self._eval_note("evaluation at start"))
                 ev = self.evaluate()  # no rollouts yet: nothing to pause
                 self._write_eval(ev)
                 metrics_log.log_eval(self.step, ev)
                 metrics_log.note(f"eval at start: reward {ev['eval_reward_mean']:.3f}, "
                                  f"success {ev['eval_success_rate']:.3f}")
+                self.callbacks.on_eval(self.step, ev)
             pool = self.pool = self._make_workers()
             pool.start()
+            self.callbacks.on_train_begin({"output": str(self.out), "step": self.step, "max_steps": self.max_steps,
+                                           "num_prompts": self.num_prompts,
+                                           "heldout_prompts": len(self.split.rows) if self.split else None})
+            budget_s = cfg.train.max_minutes * 60.0 or math.inf  # this session's training time
             t_run = t_last = time.perf_counter()
             # Training time: wall time without evaluations and checkpoint saves (earlier sessions included),
             # the clock of eval.every_min and of train_time_s in metrics.jsonl.
@@ -322,7 +428,8 @@ class Trainer:
                     self.counters["skipped_updates"] += 1
                     self.buffer.update_done()
                     continue
-                self.weights.publish(self.learner.policy_state(), self.learner.version)
+                self.weights.publish(self.learner.policy_state(), self.learner.version,
+                                     frozen=self.learner.frozen_names())
                 self.buffer.update_done()
                 self.step += 1
                 now = time.perf_counter()
@@ -337,10 +444,13 @@ class Trainer:
                 record["train_time_s"] = train_s
                 t_last = now
                 by_steps = cfg.eval.steps and self.step % cfg.eval.steps == 0
+                stop = False
                 if by_steps or train_s >= next_eval:
+                    metrics_log.note(self._eval_note(f"evaluation at update {self.step}"))
                     ev = self._evaluate_paused()
                     self._write_eval(dict(ev, train_time_s=train_s))
                     record.update(ev)
+                    stop = self.callbacks.on_eval(self.step, dict(ev, train_time_s=train_s))
                     while next_eval <= train_s:
                         next_eval += every_s
                     t_last = time.perf_counter()
@@ -351,6 +461,13 @@ class Trainer:
                     self._save()
                     pauses += time.perf_counter() - t_save
                 self.counters["train_time_s"] = train_before + (time.perf_counter() - t_run) - pauses
+                stop = self.callbacks.on_update(record) or stop
+                if self.step < self.max_steps and (stop or self.counters["train_time_s"] - train_before >= budget_s):
+                    self.stop_reason = self.callbacks.stop_reason or f"train.max_minutes {cfg.train.max_minutes:g} " \
+                        "reached (this session's training time)"
+                    status = "stopped"
+                    metrics_log.note(f"flashreinforce: stopping after update {self.step}: {self.stop_reason}")
+                    break
             self.counters["wall_time_s"] += time.perf_counter() - t_run
         except KeyboardInterrupt:
             status = "aborted"
@@ -362,9 +479,8 @@ class Trainer:
             metrics_log.close(status)
             if pool is not None:
                 pool.stop(timeout=5.0 if status == "failed" else 30.0)
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
-            if status in ("completed", "interrupted"):
+            if status in ("completed", "stopped", "interrupted"):
+                log.info("saving a checkpoint at update %d ...", self.step)
                 ckpt = self._save()
                 log.info("checkpoint saved to %s", ckpt)
             elif status == "failed":
@@ -376,16 +492,21 @@ class Trainer:
                 except Exception as err:
                     log.error("no checkpoint could be written after the failure (%s: %s); the last one written "
                               "before it is the one to resume from", type(err).__name__, str(err)[:300])
-        if status == "completed":
-            self.hf_dir.mkdir(parents=True, exist_ok=True)
-            (self.learner.full_model() if self.learner.sharded else self.model).save_pretrained(str(self.hf_dir))
-            self.tokenizer.save_pretrained(self.hf_dir)
+        if status in ("completed", "stopped"):
+            log.info("exporting the model to %s ...", self.hf_dir)
+            self._export()
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
-        summary.update(run_summary(metrics_log.history))
         summary["summary_file"] = str(write_run_summary(
             self.out, config=cfg.to_json(), status=status, step=self.step, max_steps=self.max_steps,
             policy_version=self.learner.version, training_wall_s=self.counters["wall_time_s"],
             session_started=self._started, resumed=self._resume_point is not None, checkpoints_dir=self.ckpt_dir,
-            checkpoint=ckpt, export_dir=self.hf_dir if status == "completed" else None))
+            checkpoint=ckpt, export_dir=self.hf_dir if status in ("completed", "stopped") else None,
+            extra={"stop_reason": self.stop_reason} if self.stop_reason else None))
+        # The training reward as summary.json has it (over every session's updates), so that both say the same.
+        written = json.loads(Path(summary["summary_file"]).read_text())
+        summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})
+        if self.stop_reason:
+            summary["stop_reason"] = self.stop_reason
+        self.callbacks.on_train_end(summary)
         return summary

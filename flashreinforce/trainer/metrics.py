@@ -1,8 +1,8 @@
-"""What a run reports about each update: one ``metrics.jsonl`` line, the progress display, the summary.
+"""What a run reports about each update: one ``metrics.jsonl`` line and the progress display.
 
 :func:`update_metrics` turns one update (the learner's statistics, the batch, the buffer's and the
 workers' counters, the timings) into the flat record written to ``OUTPUT/metrics.jsonl``;
-:class:`MetricsLog` writes those records and shows progress; :func:`run_summary` condenses a run.
+:class:`MetricsLog` writes those records and shows progress (the run's summary is :mod:`.summary`'s).
 Every key is documented in ``docs/trainer.md``.
 """
 
@@ -23,7 +23,7 @@ from flashreinforce.trainer.samples import SampleLog, short_sample
 from flashreinforce.trainer.trajectory import Trajectory
 
 __all__ = ["MetricsLog", "UpdateTimings", "failure_kinds", "mean", "no_answer_fraction",
-           "open_metrics_log", "run_summary", "std", "update_metrics"]
+           "open_metrics_log", "std", "update_metrics"]
 
 #: Learner statistics copied into the record when the loss mode or the learner reports them.
 _OPTIONAL_LEARNER_KEYS = ("sequence_kl_max", "retained_token_fraction", "entropy_mean", "clip_fraction",
@@ -191,12 +191,13 @@ class MetricsLog:
         self.history.append(dict(record))
         step = int(record["step"])
         self._to_sinks(step, record)
-        self.bar.update(1)
         # "success" is the share of rewarded episodes; "admitted" the share of trajectories the trust gate
-        # kept (acceptance_rate), which is not an accuracy.
+        # kept (acceptance_rate), which is not an accuracy. The numbers are set before the count moves, so
+        # that the redraw update() makes shows this update's numbers beside its count.
         self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", success=f"{record.get('success_rate', 0.0):.2f}",
                              admitted=f"{record['acceptance_rate']:.2f}", lag=f"{record['policy_lag_mean']:.1f}",
                              refresh=False)
+        self.bar.update(1)
         if not self.progress and record["step"] % self.logging_steps == 0:
             print(f"step {record['step']}: reward {record['reward_mean']:.3f} success "
                   f"{record.get('success_rate', 0.0):.2f} gate-admitted {record['acceptance_rate']:.2f} lag "
@@ -261,13 +262,3 @@ def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: in
     watch = ZeroSignalWatch(log_cfg.warn_zero_variance_steps, tokenizer, initial_step=initial)
     return MetricsLog(out, total=total, initial=initial, progress=cfg.progress, logging_steps=log_cfg.logging_steps,
                       sinks=sinks, samples=samples, watch=watch)
-
-
-def run_summary(history: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Mean reward over the first and the last ``k`` updates of a session (``k`` = a quarter of them,
-    between 1 and 10); empty without updates."""
-    if not history:
-        return {}
-    k = max(1, min(10, len(history) // 4))
-    return {"reward_first": mean(h["reward_mean"] for h in history[:k]),
-            "reward_last": mean(h["reward_mean"] for h in history[-k:])}

@@ -18,13 +18,20 @@ _WORKER_KEYS = frozenset({"action_tokens", "length_finishes"})
 
 
 def failure_kind(t: Trajectory) -> str | None:
-    """Why trajectory ``t`` failed: its environment's ``info["failure_kind"]``, else ``truncated``
-    (cut by the turn or length limit) or ``unspecified``; None when it did not fail."""
+    """Why trajectory ``t`` failed: its environment's ``info["failure_kind"]``; else, for reward
+    functions (``--reward``, whose values are in ``info`` as ``reward/NAME``), the functions that gave
+    nothing (``correct <= 0``, or ``correct <= 0, format <= 0``); else ``truncated`` (cut by the turn or
+    length limit) or ``unspecified``; None when it did not fail."""
     if not t.failed:
         return None
     kind = t.info.get("failure_kind")
     if isinstance(kind, str) and kind:
         return kind
+    terms = {k[len("reward/"):]: v for k, v in t.info.items()
+             if k.startswith("reward/") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if terms:
+        nothing = sorted(name for name, value in terms.items() if value <= 0)
+        return ", ".join(f"{name} <= 0" for name in nothing) if nothing else "weighted reward <= 0"
     return "truncated" if t.truncated else "unspecified"
 
 

@@ -190,6 +190,7 @@ class RolloutWorker:
         self._problems = RepeatedProblems(log, f"rollout worker {worker_id}")
         self._token_chars = max_token_chars(tokenizer)
         self._engine_call_since: tuple[str, float] | None = None  # ("engine.generate", start) during a call
+        self._stop: threading.Event | None = None  # the stop event of the tickets being run
         self._last_version_check = 0.0
         self._newest_seen = -1
         self.idle_s = 0.0
@@ -351,10 +352,15 @@ class RolloutWorker:
         sampled with ``params`` (the run's sampling when ``None``); paused turns are continued."""
         s = self.settings
         pause = self._newer_weights_waiting if s.inflight_weight_updates and self.engine.can_pause else None
+        stop = self._stop
+        if stop is not None and self.engine.can_pause:  # a stopping run does not wait for a long generation
+            pause = stop.is_set if pause is None else (lambda newer=pause: stop.is_set() or newer())
         out: list[Any] = [g if isinstance(g, BaseException) else TurnSample.of(g)
                           for g in self._engine_call(requests, pause, params)]
         paused = [k for k, t in enumerate(out) if isinstance(t, TurnSample) and t.finish_reason == "paused"]
         while paused:
+            if stop is not None and stop.is_set():
+                raise _Stopped()
             self._sync_weights()
             self.inflight_pauses += 1
             more = [GenerationRequest(list(requests[k].token_ids) + out[k].token_ids,
@@ -416,6 +422,7 @@ class RolloutWorker:
         """Run every sample of ``tickets`` to the end; returns, per ticket, its trajectories (a
         :class:`QuarantinedEpisode` for each sample that could not be finished)."""
         s = self.settings
+        self._stop = stop
         episodes = [Episode(ticket, j, slot) for slot, (ticket, j) in
                     enumerate((t, j) for t in tickets for j in range(t.group_size))]
         self._begin(episodes, stop)

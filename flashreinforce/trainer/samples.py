@@ -112,15 +112,28 @@ def sample_record(t: Trajectory, tokenizer, *, step: int, row: int, learner_vers
 
 
 def short_sample(record: Mapping[str, Any], width: int = 160) -> str:
-    """One console line for a sample: prompt, the actions (observations elided), reward."""
+    """One console line for a sample: prompt, the actions (observations elided), reward.
+
+    When it must be cut, the prompt keeps its end (a chat template puts the system text first and the
+    user's question last, right before the answer) and the actions keep their head and tail; the
+    reward and the failure kind are always shown."""
     def flat(text: str) -> str:
         return " ".join(text.split())
 
     actions = " | ".join(flat(x["action"]) for x in record["turns"])
     kind = f", {record['failure_kind']}" if record.get("failure_kind") else ""
     gate = "" if "admitted" not in record else (", admitted" if record["admitted"] else ", dropped by the trust gate")
-    line = f"{flat(record['prompt'])!r} -> {actions!r} (reward {record['reward']:.3g}{kind}{gate})"
-    return clip_text(line, width)
+    outcome = f" (reward {record['reward']:.3g}{kind}{gate})"
+    prompt = flat(record["prompt"])
+    room = max(40, width - len(outcome) - 10)  # the quotes and the arrow
+    budget = max(room // 3, room - len(prompt))
+    if len(actions) > budget:
+        actions = clip_text(actions, max(8, budget - 24))  # the marker clip_text adds is about 24 characters
+    keep = room - len(actions)
+    if len(prompt) > keep:
+        marker = f"[{len(prompt) - keep} chars cut] "
+        prompt = marker + prompt[len(prompt) - max(0, keep - len(marker)):]
+    return f"{prompt!r} -> {actions!r}{outcome}"
 
 
 class SampleLog:
@@ -175,7 +188,7 @@ class SampleLog:
             for chars in (self.max_chars, min(self.max_chars, 200), 40):
                 record = sample_record(trajs[row], self.tokenizer, step=step, row=row, learner_version=learner_version,
                                        stats=stats, max_chars=chars, decoded=decoded)
-                text = json.dumps(record, ensure_ascii=False) + "\n"
+                text = _json_line(record)
                 if len(text.encode()) <= budget:
                     line = text
                     break
@@ -189,6 +202,13 @@ class SampleLog:
                 fh.writelines(lines)
             self.bytes_written += self.max_bytes - budget
         return records
+
+
+def _json_line(record: Mapping[str, Any]) -> str:
+    """``record`` as one JSON line of UTF-8 text: a lone surrogate (text no UTF-8 encoder takes,
+    which an environment or a tokenizer may hand over) is written as its JSON escape."""
+    text = json.dumps(record, ensure_ascii=False)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8") + "\n"
 
 
 def _trim(path: Path, step: int) -> None:

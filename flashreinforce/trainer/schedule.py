@@ -6,7 +6,7 @@ import math
 
 import torch
 
-__all__ = ["SCHEDULERS", "lr_factor", "make_scheduler"]
+__all__ = ["SCHEDULERS", "apply_settings", "lr_factor", "make_scheduler"]
 
 #: Known ``actor.lr_scheduler`` values.
 SCHEDULERS = ("cosine_with_min_lr", "constant", "constant_with_warmup")
@@ -38,3 +38,22 @@ def make_scheduler(optimizer: torch.optim.Optimizer, settings) -> torch.optim.lr
     if settings.scheduler not in SCHEDULERS:
         raise ValueError(f"actor.lr_scheduler must be one of {SCHEDULERS}, got {settings.scheduler!r}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, settings))
+
+
+def apply_settings(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, settings) -> None:
+    """Make this run's optimizer settings those in force after a checkpoint's optimizer and scheduler
+    state were restored: that state holds the learning rate, betas and weight decay the run had when
+    it saved, and would silently win over changed ones.
+
+    The base rate is ``settings.lr`` and the rate of the next step ``settings.lr`` times
+    :func:`lr_factor` at the restored position under this run's schedule (its scheduler, warmup,
+    floor and length), which is what an uninterrupted run with these settings would use there.
+    """
+    factor = lr_factor(scheduler.last_epoch, settings)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = settings.lr
+        group["lr"] = settings.lr * factor
+        group["betas"] = tuple(settings.betas)
+        group["weight_decay"] = settings.weight_decay
+    scheduler.base_lrs = [settings.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -9,7 +9,7 @@ object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -81,14 +81,14 @@ class RolloutSide:
 
 
 def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
-                       seed: int) -> RolloutSide:
+                       seed: int, exclude: Sequence[int] = ()) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
     ``train.async_queue_size`` batches ahead, ``train.max_policy_lag``) over the shuffled prompt
-    stream, and the weight store, on the configured backend."""
+    stream (without the held-out rows ``exclude``), and the weight store, on the configured backend."""
     buffer_kwargs = dict(batch_groups=cfg.rollout.batch_size, group_size=cfg.rollout.n_samples_per_prompt,
                          async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
-    prompt_kwargs = dict(num_prompts=num_prompts, seed=seed)
+    prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))
     try:
         engine_kind(cfg.rollout.engine).check_installed()
     except ImportError as err:

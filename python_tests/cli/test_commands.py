@@ -35,3 +35,20 @@ def test_the_console_script_exits_with_status_2():
     assert proc.stderr.strip().splitlines() == [
         "flashreinforce: error: unknown command 'trian'; did you mean 'train'? commands: train, eval, plot "
         "(flashreinforce --help describes them)"]
+
+
+def test_train_help_leads_with_what_a_first_run_needs():
+    from flashreinforce.config.command_line import build_parser
+    from flashreinforce.config.presets import PRESETS
+
+    lines = build_parser().format_help().splitlines()
+    assert lines[0].startswith("usage: flashreinforce train [--preset NAME") and len(lines[0]) <= 100
+    first = "\n".join(lines[:40])
+    for name in PRESETS:  # every preset with its one line, near the top
+        assert f"\n  {name} " in first
+    for needle in ("--reward FILE.py:FUNC", "--data.prompt_dataset PATH", "--train.max_minutes", "--eval.dataset",
+                   "examples:", "exit status: 0"):
+        assert needle in first
+    titles = [line for line in lines if line and not line.startswith(" ") and line.endswith(":")]
+    assert titles.index("run:") < titles.index("train:") < titles.index("accepted for Molt compatibility, no effect "
+                                                                        "here:") == len(titles) - 1

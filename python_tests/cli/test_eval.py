@@ -122,3 +122,55 @@ def test_eval_ignores_a_presets_training_thread_split_unless_told(monkeypatch, c
     assert eval_cli.eval_command(["--preset", "arith", "--model", "m", "--torch_threads", "3"]) == 0
     assert seen == [None, 3]
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"ok": 1}
+
+
+def says_the_letter(prompt, completion, target, **row):
+    return float(completion[:1] == target)
+
+
+def test_eval_of_a_run_plays_its_heldout_rows_says_what_it_does_and_records_the_result(tmp_path, capsys):
+    import flashreinforce as fr
+    from flashreinforce.analysis import load_run
+    from flashreinforce.cli.eval import eval_command
+    from flashreinforce.trainer.heldout import read_split
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))
+    config = fr.TrainerConfig.from_preset("toy", output=str(tmp_path / "run"), progress=False)
+    config.rollout.batch_size = config.train.batch_size = 8
+    config.train.max_steps, config.eval.num_prompts, config.eval.eval_at_start = 2, 6, False
+    fr.train(config, rewards=[says_the_letter], dataset=str(rows))
+    split = read_split(tmp_path / "run")
+    assert split is not None and len(split.rows) == 6
+    capsys.readouterr()
+    args = ["--preset", "toy", "--model", str(tmp_path / "run"), "--reward", f"{__name__}:says_the_letter",
+            "--data.prompt_dataset", str(rows), "--eval.num_prompts", "3", "--no_sampled"]
+    assert eval_command(args) == 0
+    out, err = capsys.readouterr()
+    result = json.loads(out.splitlines()[-1])
+    assert result["num_prompts"] == 6 and result["heldout"] == {"rows": 6, "of": 40, "recorded_by_run": True}
+    assert result["checkpoint_step"] == 2 and result["run_dir"] == str(tmp_path / "run")
+    assert "flashreinforce eval: loading the model" in err and "model loaded in" in err
+    assert "greedy accuracy on 6 held-out rows of the prompt set" in err and "greedy: 6/6 prompts" in err
+    recorded = [json.loads(x) for x in (tmp_path / "run" / "eval_command.jsonl").read_text().splitlines()]
+    assert len(recorded) == 1 and recorded[0]["step"] == 2 and recorded[0]["accuracy"] == result["accuracy"]
+    assert load_run(tmp_path / "run").command_evals == recorded
+
+
+def test_eval_of_a_base_model_plays_the_rows_a_run_holds_out_and_a_tiny_set_whole(tmp_path, capsys):
+    from flashreinforce.cli.eval import eval_command
+    from flashreinforce.trainer.heldout import heldout_rows
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))
+    base = ["--preset", "toy", "--reward", f"{__name__}:says_the_letter", "--no_sampled", "--eval.num_prompts", "6"]
+    assert eval_command(base + ["--data.prompt_dataset", str(rows)]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    held = heldout_rows(40, 6, seed=0)
+    assert result["num_prompts"] == 6 and result["seeds"] == [held[0], held[-1]]
+    assert result["heldout"] == {"rows": 6, "of": 40, "recorded_by_run": False}
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcd"))
+    assert eval_command(base + ["--data.prompt_dataset", str(tiny)]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["num_prompts"] == 4 and result["heldout"] is None

@@ -119,3 +119,40 @@ def test_plot_reads_a_real_toy_run(tmp_path):
     run = load_run(out)
     assert len(run.metrics) == 6 and [e["step"] for e in run.evals] == [3, 6] and run.samples == []
     assert run.summary["status"] == "completed"
+
+
+def test_plot_writes_next_to_the_run_by_default(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'flashreinforce[plot]')")
+    run = fake_run(tmp_path / "runs" / "a")
+    assert plot([str(run), "--dpi", "20"]) == 0
+    assert png_size(run / "curves.png") == (300, 200)
+    assert f"wrote {run / 'curves.png'}" in capsys.readouterr().out
+    other = fake_run(tmp_path / "runs" / "b")
+    assert plot([str(run), str(other), "--dpi", "20"]) == 0
+    assert (tmp_path / "runs" / "curves.png").is_file()  # several runs: their common parent
+
+
+def test_panel_titles_name_only_the_lines_drawn_and_flashreinforce_eval_results_are_read():
+    from flashreinforce.analysis.plotting import PANELS, panel_title
+
+    from flashreinforce.analysis.runs import Run
+
+    success, held_out = PANELS[1], PANELS[2]
+    bare = Run(path=Path("."), label="x", metrics=[{"step": 1, "success_rate": 0.5}], evals=[])
+    assert panel_title(success, [bare]) == "success rate"  # no dotted line is drawn, none is named
+    full = Run(path=Path("."), label="y", metrics=[{"step": 1, "success_rate": 0.5, "no_answer_fraction": 0.1}],
+               evals=[{"step": 1, "eval_reward_mean": 0.4, "eval_success_rate": 0.4}],
+               command_evals=[{"step": 1, "accuracy": 0.5}])
+    assert panel_title(success, [bare, full]) == "success rate (dotted: no gradable answer)"
+    assert panel_title(held_out, [full]) == ("held-out eval (solid: reward, dashed: success, stars: flashreinforce "
+                                             "eval accuracy)")
+    assert full.series("accuracy", source="command_evals") == ([1.0], [0.5])
+
+
+def test_the_log_axis_of_the_sequence_kl_ignores_an_on_policy_rounding_point():
+    from flashreinforce.analysis.plotting import log_axis_bottom
+
+    kl = [1e-15] + [1e-4 * s for s in range(1, 30)]
+    assert 1e-6 < log_axis_bottom(kl) < 1e-4  # not down at 1e-15: the first update's rounding runs off the axis
+    assert log_axis_bottom([2e-3, 3e-3, 4e-3]) == pytest.approx(2e-3 / 1.5)
+    assert log_axis_bottom([]) is None

@@ -56,10 +56,20 @@ def _one_line_error(code, err, needle):
     (["--actor.adam.betas", "1.5", "0.99"], "--actor.adam.betas"),
     (["--train.max_steps", "0"], "--train.max_steps 0"),
     (["--torch_threads", "0"], "--torch_threads"),
+    (["--seed", str(10**26)], "--seed must be an integer in [0, 2**63 - 1]"),
 ])
 def test_a_bad_value_is_a_one_line_error_naming_the_flag(tmp_path, capsys, argv, needle):
     code, err = _run(["--preset", "toy", *QUICK, "--output", str(tmp_path / "run"), *argv], capsys)
     _one_line_error(code, err, needle)
+
+
+@pytest.mark.parametrize("depth,needle", [(20_000, "nested too deeply to read"), (40, "nested deeper than 32 levels")])
+def test_a_json_flag_nested_too_deeply_is_one_line(tmp_path, capsys, depth, needle):
+    with pytest.raises(SystemExit) as exited:  # argparse's own exit, status 2
+        main(["train", "--preset", "toy", "--output", str(tmp_path / "run"),
+              "--env.kwargs", '{"x": ' + "[" * depth + "]" * depth + "}"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1 and "--env.kwargs: JSON out of bounds" in err and needle in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")

@@ -131,3 +131,48 @@ def test_a_run_with_only_config_json_resumes_from_its_flags_and_keeps_its_preset
     same = _cli("train", "--output", str(out), "--resume", "--train.max_steps", "2")
     assert same.returncode == 0, same.stderr[-3000:]
     assert (out / "config.yaml").is_file()
+
+
+_BOMB = "".join(f"    {a}: &{a} [{', '.join([f'*{p}'] * 9) if p else ', '.join(['x'] * 9)}]\n"
+                for p, a in zip([None, "a", "b", "c", "d", "e", "f", "g"], "abcdefgh"))
+
+
+@pytest.mark.parametrize("name,content,needle", [
+    ("bomb.yaml", "preset: toy\nenv:\n  kwargs:\n" + _BOMB, "more than 100000 values once YAML aliases are expanded"),
+    ("self.yaml", "env.kwargs: &a {x: *a}\n", "a value that contains itself"),
+    ("deep.yaml", "env.kwargs: {x: " + "[" * 5000 + "]" * 5000 + "}\n", "nested too deeply to read"),
+    ("deep40.yaml", "env.kwargs: {x: " + "[" * 40 + "]" * 40 + "}\n", "values nested deeper than 32 levels"),
+    ("deep.json", '{"env.kwargs": {"x": ' + "[" * 100_000 + "]" * 100_000 + "}}", "nested too deeply to read"),
+    ("twice.yaml", "train:\n  max_steps: 5\n  max_steps: 6\n", "key 'max_steps' is given twice in one mapping (lines 2 and 3)"),
+    ("sections.yaml", "train:\n  max_steps: 5\nseed: 1\ntrain:\n  batch_size: 8\n",
+     "key 'train' is given twice in one mapping (lines 1 and 4)"),
+    ("twice.json", '{"seed": 1, "train": {"max_steps": 3}, "seed": 2}', "key 'seed' is given twice in one object"),
+    ("latin1.yaml", b"seed: 1\n# caf\xe9\n", "not UTF-8 text (byte 0xe9 at offset 13, line 2)"),
+    ("seed.yaml", "seed: 100000000000000000000000000\n", "--seed must be an integer in [0, 2**63 - 1]"),
+    ("seed.json", '{"seed": 1e26}', "--seed must be an integer, got 1e+26"),
+])
+def test_a_hostile_or_broken_file_is_one_short_line(tmp_path, name, content, needle):
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as err:
+        parse("--config", str(path), "--output", str(tmp_path / "run"))
+    message = str(err.value)
+    assert needle in message and "\n" not in message and len(message) < 400, message[:1000]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_file_s_error_through_the_command_is_one_short_line(tmp_path):
+    # The alias bomb that printed its expansion (1.37 GB of stderr), and a large but honest
+    # env.kwargs the environment does not take: both one line of bounded length, exit status 2.
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("preset: toy\nenv:\n  kwargs:\n" + _BOMB)
+    big = tmp_path / "big.yaml"
+    big.write_text("preset: toy\nenv: python_tests.config.test_cli_errors:PlainEnv\nenv.kwargs:\n  rows: ["
+                   + ", ".join(["x" * 40] * 20_000) + "]\n")
+    for path, needle in ((bomb, "YAML aliases"), (big, "--env.kwargs")):
+        done = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", "--config", str(path), "--output",
+                               str(tmp_path / "run"), "--train.max_steps", "1"], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = [ln for ln in done.stderr.splitlines() if "error" in ln]
+        assert len(lines) == 1 and needle in lines[0] and len(done.stderr) < 2000, done.stderr[:3000]

@@ -28,8 +28,17 @@ from python_tests.builders import tiny_causal_lm
 VOCAB = 48
 
 
-def tiny_model(seed: int, tied: bool) -> Qwen2ForCausalLM:
-    return tiny_causal_lm(VOCAB, seed=seed, tied=tied)
+def tiny_model(seed: int, tied: bool, lora: bool = False) -> Qwen2ForCausalLM:
+    model = tiny_causal_lm(VOCAB, seed=seed, tied=tied)
+    if lora:  # adapters on every projection, B drawn too (PEFT starts it at 0: no gradient for A then)
+        from flashreinforce.models.lora import LoraSettings, adapter_state, apply_lora
+
+        apply_lora(model, LoraSettings(rank=4, alpha=8.0))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in adapter_state(model).items():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
 
 
 def batch(seed: int, n: int, *, overflow: bool = False) -> list[Trajectory]:
@@ -91,9 +100,10 @@ def hf_params(state: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().cpu() for k, v in state.items()}
 
 
-def run_case(ctx, name: str, strategy: str, settings: LearnerSettings, trajs, groups=None, tied=True) -> dict:
+def run_case(ctx, name: str, strategy: str, settings: LearnerSettings, trajs, groups=None, tied=True,
+             lora=False) -> dict:
     rank = ctx.rank
-    base = tiny_model(3, tied)
+    base = tiny_model(3, tied, lora)
     result: dict = {"case": name, "strategy": strategy}
     if rank == 0:
         ref = Learner(copy.deepcopy(base), settings)
@@ -130,8 +140,12 @@ def run_case(ctx, name: str, strategy: str, settings: LearnerSettings, trajs, gr
             result.update(grad_max_diff=gd, grad_scale=gs, grad_name_mismatch=gnames)
         pd_, ps_, pnames = max_diff(params, ref_params)
         ad, _, _ = max_diff(after_dp, after_ref)
+        start = hf_params(base.state_dict())
+        trained = {k for k, p in base.named_parameters() if p.requires_grad}
         result.update(param_max_diff=pd_, param_scale=ps_, param_name_mismatch=pnames, second_step_max_diff=ad,
-                      param_moved=max_diff(ref_params, hf_params(base.state_dict()))[0])
+                      param_moved=max_diff(ref_params, start)[0], grad_names=sorted(dp_grads[0]) if dp_grads else [],
+                      frozen_moved=max_diff({k: v for k, v in params.items() if k not in trained},
+                                            {k: v for k, v in start.items() if k not in trained})[0])
     else:
         dp.serve()
     # Replicas must hold identical parameters on every rank.
@@ -211,6 +225,11 @@ def main() -> None:
          trajs, None, False),
         ("fsdp_one_trajectory", "fully_shard", LearnerSettings(**base, entropy_coef=0.1, packed_forward=False),
          trajs[:1], None, True),
+        # LoRA: only the adapters train; their summed gradient is the one-process one.
+        ("lora_packed", "replicate", LearnerSettings(**base, micro_batch_trajectories=3, packed_forward=True), trajs,
+         None, True, True),
+        ("fsdp_lora", "fully_shard", LearnerSettings(**base, micro_batch_trajectories=2, packed_forward=False), trajs,
+         None, True, True),
         ("fsdp_overflow_skips_everywhere", "fully_shard",
          LearnerSettings(**{**base, "loss": LossOptions(delta=float("inf"))}, micro_batch_trajectories=1,
                          packed_forward=False),
@@ -218,10 +237,10 @@ def main() -> None:
     ]
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
     results = []
-    for name, strategy, settings, tr, groups, tied in cases:
+    for name, strategy, settings, tr, groups, tied, *lora in cases:
         if only and strategy not in only:
             continue
-        results.append(run_case(ctx, name, strategy, settings, tr, groups, tied))
+        results.append(run_case(ctx, name, strategy, settings, tr, groups, tied, bool(lora and lora[0])))
     if not only or "fully_shard" in only:
         results.append(run_resume_case(ctx))
     if ctx.rank == 0:

@@ -23,7 +23,8 @@ CHECK = Path(__file__).with_name("distributed_learner_check.py")
 LR = 1e-2  # the check's learning rate
 
 CASES = ["flash_micro2_padded", "flash_packed_untied", "token_mean_filter", "ppo_groups_split", "one_trajectory",
-         "fsdp_flash_micro2", "fsdp_untied_filter", "fsdp_one_trajectory"]
+         "fsdp_flash_micro2", "fsdp_untied_filter", "fsdp_one_trajectory", "lora_packed", "fsdp_lora"]
+LORA_CASES = {"lora_packed", "fsdp_lora"}
 SKIP_CASES = ["overflow_skips_everywhere", "fsdp_overflow_skips_everywhere"]
 
 
@@ -71,7 +72,10 @@ def test_two_ranks_give_the_one_process_update(results, case):
     # The summed gradient equals the one-process gradient to float32 rounding (relative to its size).
     assert not r["grad_name_mismatch"]
     assert r["grad_scale"] > 1e-4, "the case must produce a real gradient"
-    assert r["grad_max_diff"] <= 2e-6 * r["grad_scale"] + 1e-9
+    # Adapter gradients are products of two float32 GEMM chains (dL/dB = s G A^T), rounded in another
+    # order when the model is sharded: a looser bound for them, still float32 rounding.
+    rel = 1e-5 if case in LORA_CASES else 2e-6
+    assert r["grad_max_diff"] <= rel * r["grad_scale"] + 1e-9, r["grad_max_diff"] / r["grad_scale"]
     for key in ("loss", "grad_norm", "acceptance_rate", "policy_tokens"):
         got, want = r[key]
         assert got == pytest.approx(want, rel=1e-5, abs=1e-8), key
@@ -79,6 +83,9 @@ def test_two_ranks_give_the_one_process_update(results, case):
     # rounding of near-zero entries shows up amplified; still far below the step itself (~LR).
     assert not r["param_name_mismatch"]
     assert r["param_moved"] > 0.5 * LR
+    if case in LORA_CASES:  # only the adapters train; every other weight is exactly as it was
+        assert r["grad_names"] and all(".lora_" in n for n in r["grad_names"])
+        assert r["frozen_moved"] == 0.0
     assert r["param_max_diff"] <= 1e-2 * LR
     assert r["second_step_max_diff"] <= 2e-2 * LR
     if r["strategy"] == "replicate":

@@ -25,6 +25,9 @@ from flashreinforce.trainer import Trainer  # noqa: E402
 from python_tests.distributed.worker_freeze import frozen_holding  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+# Ray's command line (the `ray` console script) through this interpreter, not through PATH: a suite
+# run as `venv/bin/python -m pytest` without an activated environment has no `ray` on its PATH.
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -139,9 +142,9 @@ def test_joins_a_running_cluster_and_leaves_it_running(tmp_path):
     port = free_port()
     # Token authentication set the same way for the cluster and its clients (Ray >= 2.52).
     cluster_env = env(RAY_AUTH_MODE="token")
-    head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                             "--block"], env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    head = subprocess.Popen(RAY_CLI + ["start", "--head", f"--port={port}", "--num-cpus=2",
+                                       "--include-dashboard=false", "--block"],
+                            env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"127.0.0.1:{port}"
     probe = ("import ray; ray.init(address='{a}'); r = ray.cluster_resources(); a = ray.available_resources(); "
              "print(r.get('CPU'), a.get('CPU')); ray.shutdown()").format(a=address)
@@ -182,9 +185,9 @@ def test_joins_a_running_cluster_and_leaves_it_running(tmp_path):
 
 def start_head(port: int, cluster_env: dict[str, str]) -> subprocess.Popen:
     """``ray start --head`` in its own process group, once it answers."""
-    head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-                             "--block"], env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    head = subprocess.Popen(RAY_CLI + ["start", "--head", f"--port={port}", "--num-cpus=2",
+                                       "--include-dashboard=false", "--block"],
+                            env=cluster_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     probe = f"import ray; ray.init(address='127.0.0.1:{port}'); ray.shutdown()"
     deadline = time.monotonic() + 120
     while True:

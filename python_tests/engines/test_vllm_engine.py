@@ -164,3 +164,48 @@ def test_vllm_engine_pauses_between_chunks_and_continues_exactly(vllm_engine):
     for w, p in zip(whole, paused):
         assert p.finish_reason == "paused" and p.token_ids == w.token_ids[:4]
         assert p.log_probs == pytest.approx(w.log_probs[:4], abs=1e-4)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_vllm_serves_the_policy_lora_adapters_by_version():
+    """The base travels once; each version's adapters become a LoRA adapter of vLLM's, and the recorded
+    log-probabilities are those of the merged policy (float64 reference)."""
+    pytest.importorskip("peft")
+    from flashreinforce.engines.vllm import VLLMEngine
+    from flashreinforce.models.lora import LoraSettings, adapter_state, apply_lora, merged_model
+
+    def adapted(seed: int):
+        model = contract_model(0)
+        apply_lora(model, LoraSettings(rank=8, alpha=16.0))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in adapter_state(model).values():
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+        return model
+
+    engine = VLLMEngine(transformers.Qwen2Config(**CONTRACT_CONFIG), dtype="float32", gpu_memory_utilization=0.3,
+                        enforce_eager=True, max_model_len=256, max_num_seqs=8,
+                        lora={"rank": 8, "alpha": 16.0, "dropout": 0.0, "target_modules": ("default",)})
+    try:
+        params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=())
+        reqs = requests(seed=7)
+        first = None
+        for version, seed in enumerate((1, 2)):
+            model = adapted(seed)
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if first is not None:  # the base as the store publishes it: the same (frozen) objects
+                state.update({k: v for k, v in first.items() if ".lora_" not in k})
+            engine.load_weights(state, version)
+            adapters = sum(v.numel() * 4 for k, v in state.items() if ".lora_" in k)
+            if first is None:
+                first = state
+                assert engine.last_load[1] > 5 * adapters
+            else:
+                assert engine.last_load[1] == adapters  # the adapters only
+            reference = merged_model(model).double()
+            for r, g in zip(reqs, engine.generate(reqs, params)):
+                want = reference_log_probs(reference, list(r.token_ids), g.token_ids, params)
+                assert g.log_probs == pytest.approx(want, abs=2e-3), version
+    finally:
+        engine.close()

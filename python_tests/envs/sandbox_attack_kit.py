@@ -107,6 +107,11 @@ class Attack:
     prefix: code put before the attack (helpers, audit-hook bypasses).
     needs_blocked: the output must contain a BLOCKED line (the attack reached its attempt).
     options: Sandbox options for this attack (limits).
+    level: the weakest isolation level that claims to contain it (docs/sandbox.md, "Levels"):
+        ``none`` for the limits, ``seccomp`` for what the filter stops (processes, signals,
+        sockets, scheduling, kernel interfaces, metadata), ``filesystem`` for reads and writes
+        of files (``/proc`` entries of other processes included). It runs in every configuration
+        at that level or above.
     """
 
     name: str
@@ -118,6 +123,7 @@ class Attack:
     needs_blocked: bool = True
     options: dict = field(default_factory=dict)
     skip_reason: str | None = None
+    level: str = "filesystem"
 
     def source(self, ctx: dict) -> str:
         return self.prefix + "\n" + textwrap.dedent(self.code).format(**ctx)
@@ -243,13 +249,13 @@ def check_secret(ctx: dict, result: dict, runner: dict) -> str | None:
 
 def check_no_survivor(ctx: dict, result: dict, runner: dict) -> str | None:
     pids = [int(line.split(":")[1]) for line in result["stdout"].splitlines() if line.startswith("CHILDPID:")]
-    alive = [pid for pid in pids if alive(pid)]
-    for pid in alive:
+    survivors = [pid for pid in pids if alive(pid)]
+    for pid in survivors:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return f"processes survived the run: {alive}" if alive else check_host_files(ctx, result, runner)
+    return f"processes survived the run: {survivors}" if survivors else check_host_files(ctx, result, runner)
 
 
 def alive(pid: int) -> bool:

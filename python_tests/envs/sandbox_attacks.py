@@ -28,6 +28,7 @@ from python_tests.envs.sandbox_attack_kit import (CTYPES, GC_BYPASS, HELPERS, IS
                                                   check_listeners, check_no_survivor, check_parent, check_secret,
                                                   counted, decoy, host_files, limit_check, listeners, syscall_nr)
 from python_tests.envs.sandbox_attacks_indirect import indirect_attacks
+from python_tests.envs.sandbox_attacks_scheduling import process_state, scheduling_attacks
 
 __all__ = ["ATTACKS", "Attack", "run_attacks"]
 
@@ -329,6 +330,7 @@ def _attacks() -> list[Attack]:
         ''', check=limit_check(lambda r: 0 <= counted("FDS:", r) <= 256, "open-file limit")),
     ]
     attacks += indirect_attacks()
+    attacks += scheduling_attacks()
     if os.uname().machine == "x86_64":
         attacks.append(Attack("i386-syscall-abi", "kernel", '''
             import mmap
@@ -346,9 +348,20 @@ def _attacks() -> list[Attack]:
                               and (r["exit_code"] in (-signal.SIGSYS, -signal.SIGSEGV)
                                    or "BLOCKED:int80" in r["stdout"]),
                               "foreign system call ABI")))
+    for attack in attacks:
+        attack.level = "none" if attack.name in _LIMITS else "filesystem" if attack.name in _FILES else "seccomp"
     return attacks
 
 
+# The weakest isolation level that claims to contain each attack (docs/sandbox.md, "Levels and the
+# minimum"): the limits hold at every level; reads and writes of files, /proc entries of other
+# processes and /dev/shm included, need the file-system barrier; everything else is the filter's.
+_LIMITS = frozenset({"memory", "cpu", "wall-clock", "disk", "output-flood", "many-threads", "open-files",
+                     "unlinked-files-held-open", "unlinked-files-held-by-mappings"})
+_FILES = frozenset({"bypass-isinstance-then-write-host-file", "parent-environ", "parent-memory-via-proc",
+                    "read-host-file", "read-system-secrets", "write-host-file", "write-via-dir-fd",
+                    "hardlink-host-file", "symlink-then-write", "dev-shm-write", "shared-memory-beyond-memory-limit",
+                    "read-source-checkout", "parent-proc-files"})
 ATTACKS = _attacks()
 
 
@@ -360,11 +373,13 @@ def run_attacks(requests: list[dict], sandbox_options: dict) -> list[dict]:
     for request in requests:
         options = {"timeout_s": 10.0, **sandbox_options, **request["options"]}
         received.clear()
+        before = process_state(os.getpid())
         result = Sandbox(**options).run(request["code"])
         out.append({"name": request["name"], "stdout": result.stdout, "stderr": result.stderr,
                     "exit_code": result.exit_code, "timed_out": result.timed_out, "duration_s": result.duration_s,
                     "guards": list(result.guards), "isolation": result.isolation,
-                    "signals_received": list(received)})
+                    "signals_received": list(received), "parent_state_before": before,
+                    "parent_state": process_state(os.getpid())})
     return out
 
 

@@ -116,3 +116,50 @@ def test_reward_on_the_command_line_trains_over_a_dataset(tmp_path):
     missing = _cli("train", "--preset", "toy", "--reward", "my_rewards:nope", "--data.prompt_dataset", str(rows),
                    "--output", str(tmp_path / "y"), cwd=tmp_path)
     assert missing.returncode == 2 and "my_rewards has no nope" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_real_numbers_of_any_kind_count_and_the_refusal_says_why():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    returned = {}
+
+    def fixed(prompt, completion, **row):
+        return returned["value"]
+
+    env = make_environment("reward_functions", {"data.prompt_dataset": ROWS}, rewards=[fixed])
+    accepted = [(np.float32(0.5), 0.5), (np.float16(0.25), 0.25), (np.float64(2.0), 2.0), (np.int64(3), 3.0),
+                (np.int8(-2), -2.0), (np.uint16(7), 7.0), (np.array(1.5), 1.5), (torch.tensor(0.75), 0.75),
+                (True, 1.0), (False, 0.0), (np.bool_(True), 1.0), (4, 4.0), (0.125, 0.125)]
+    for value, expected in accepted:
+        returned["value"] = value
+        env.reset(seed=0)
+        result = env.step("a")
+        assert result.reward == expected and type(result.info["reward/fixed"]) is float, value
+    refused = [("1.0", "'1.0': a str, not a number"), (None, "None: a NoneType, not a number"),
+               (np.array([1.0, 2.0]), "a ndarray, not a number"), (np.float32("inf"), "not a finite number"),
+               (10**400, "not a finite number"), ([0.0] * 10_000, "a list, not a number")]
+    for value, needle in refused:
+        returned["value"] = value
+        env.reset(seed=0)
+        with pytest.raises(ValueError, match=r"reward function fixed returned .*" + needle) as err:
+            env.step("a")
+        assert len(str(err.value)) < 300 and "\n" not in str(err.value)
+
+
+def test_a_function_that_changes_its_row_changes_no_later_call():
+    rows = [{"prompt": [{"role": "user", "content": "say a:"}], "answer": "a", "meta": {"tags": ["x"]}}]
+    seen = []
+
+    def vandal(prompt, completion, meta, **row):
+        seen.append((json.dumps(prompt), json.dumps(meta)))
+        meta["tags"].append("changed")
+        prompt[0]["content"] = "changed"
+        prompt.append({"role": "user", "content": "more"})
+        return 1.0
+
+    env = make_environment("reward_functions", {"data.prompt_dataset": rows}, rewards=[vandal, vandal])
+    for _ in range(2):
+        env.reset(seed=0)
+        env.step("a")
+    assert len(seen) == 4 and len(set(seen)) == 1
+    assert seen[0] == (json.dumps([{"role": "user", "content": "say a:"}]), json.dumps({"tags": ["x"]}))

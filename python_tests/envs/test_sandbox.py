@@ -196,6 +196,27 @@ def test_file_metadata_changes_are_refused_even_inside():
     assert result.exit_code == 1 and "PermissionError" in result.stderr and "Operation not permitted" in result.stderr
 
 
+def test_own_priority_may_be_lowered_but_not_a_group_or_user():
+    # os.nice is setpriority(PRIO_PROCESS, 0); PRIO_PGRP and PRIO_USER with who 0 would reach the
+    # caller's process group and every process of its uid (the attack suite tries every form).
+    # The test may itself run niced (nice -n 10 pytest): the child starts at the caller's niceness.
+    code = ("import os\nbefore = os.getpriority(os.PRIO_PROCESS, 0)\nos.nice(3)\n"
+            "print(os.getpriority(os.PRIO_PROCESS, 0) - before)\n"
+            "for which in (os.PRIO_PGRP, os.PRIO_USER):\n"
+            "    try:\n        os.setpriority(which, 0, 19)\n    except PermissionError:\n        print('refused')")
+    result = run_python(code, timeout_s=10, audit_hook=False)
+    assert result.ok, result.stderr
+    assert result.stdout.split() == ["3", "refused", "refused"]
+
+
+def test_code_with_a_lone_surrogate_fails_like_any_bad_code():
+    # Text no UTF-8 encoder takes (a policy's output may hold it) reaches the interpreter, which
+    # reports it: an error of the code, not of the sandbox's parent.
+    result = run_python("print('a\ud800b')", timeout_s=10)
+    assert result.exit_code == 1 and "surrogates not allowed" in result.stderr
+    assert not os.path.exists(result.workdir)
+
+
 def test_descriptor_flags_work_but_signal_owners_are_refused():
     # O_NONBLOCK and the other flags stay settable; an owner to signal, or O_ASYNC, does not.
     code = ("import fcntl, os\nr, w = os.pipe()\nos.set_blocking(w, False)\n"

@@ -13,7 +13,16 @@ Configurations (each one a separate runner process holding a secret in its envir
   (65534), where file permissions no longer stop anything on the sandbox's behalf and the
   symlink-during-cleanup attack applies;
 - ``unprivileged-namespaces-off``: the same without user namespaces (a typical cluster node:
-  Landlock and seccomp, RLIMIT_NPROC counted over all of the user's processes).
+  Landlock and seccomp, RLIMIT_NPROC counted over all of the user's processes);
+- ``unprivileged-landlock-off``: the unprivileged user with the mount tree alone;
+- ``seccomp-only`` and ``unprivileged-seccomp-only``: Landlock and namespaces off
+  (``allow_weak_isolation``): the ``seccomp`` level, where files are not confined;
+- ``no-kernel-layers`` and ``unprivileged-no-kernel-layers``: the seccomp filter off too: the
+  ``none`` level, only the limits and the cleanup.
+
+Each configuration runs the attacks that its level claims to contain (``Attack.level``: the
+weakest level that does): at ``filesystem`` and ``full`` all of them, at ``seccomp`` the ones
+the filter stops, at ``none`` the limits.
 
 Each runner has a session of its own, so that an attack on the sandbox's parent and its process
 group can reach nothing above the runner. The numbers (attempts, contained, escaped per
@@ -33,6 +42,7 @@ from collections import defaultdict
 import pytest
 
 from flashreinforce.envs.sandbox import probe_isolation
+from flashreinforce.envs.sandbox.levels import LEVELS
 from python_tests.envs.sandbox_attacks import ATTACKS, Attack
 from python_tests.envs.unprivileged import REPO, UNPRIVILEGED_UID, readable_sources
 # (configuration, attack) -> "contained" / "escaped: ..." ; read by conftest's summary.
@@ -41,17 +51,31 @@ OUTCOMES: dict[tuple[str, str], str] = {}
 _report = probe_isolation()
 _below = None if _report.at_least("filesystem") else \
     f"this machine's sandbox isolation is {_report.level!r}, below the default minimum: " + "; ".join(_report.problems)
+_tree = None if "mount_tree" in _report.guards else "no private mount tree here (user namespaces)"
+_landlock = None if "landlock_fs" in _report.guards else "Landlock is not available on this kernel"
+_filter = None if "seccomp" in _report.guards else "no seccomp filter on this machine"
+_SECCOMP_ONLY = {"landlock": False, "namespaces": False, "allow_weak_isolation": True}
+_NO_KERNEL_LAYERS = {**_SECCOMP_ONLY, "seccomp": False}
+# name -> (Sandbox options, why it cannot run here or None, the level it must reach: at least
+# that for "filesystem", exactly that below).
 CONFIGS = {
-    "default": ({}, _below),
-    "landlock-off": ({"landlock": False},
-                     None if "mount_tree" in _report.guards else "no private mount tree here (user namespaces)"),
-    "namespaces-off": ({"namespaces": False},
-                       None if "landlock_fs" in _report.guards else "Landlock is not available on this kernel"),
-    "hook-off": ({"audit_hook": False}, _below),
-    "unprivileged": ({}, _below),
-    "unprivileged-namespaces-off": ({"namespaces": False},
-                                    None if "landlock_fs" in _report.guards else "Landlock is not available on this kernel"),
+    "default": ({}, _below, "filesystem"),
+    "landlock-off": ({"landlock": False}, _tree, "filesystem"),
+    "namespaces-off": ({"namespaces": False}, _landlock, "filesystem"),
+    "seccomp-only": (_SECCOMP_ONLY, _filter, "seccomp"),
+    "no-kernel-layers": (_NO_KERNEL_LAYERS, None, "none"),
+    "hook-off": ({"audit_hook": False}, _below, "filesystem"),
+    "unprivileged": ({}, _below, "filesystem"),
+    "unprivileged-landlock-off": ({"landlock": False}, _tree, "filesystem"),
+    "unprivileged-namespaces-off": ({"namespaces": False}, _landlock, "filesystem"),
+    "unprivileged-seccomp-only": (_SECCOMP_ONLY, _filter, "seccomp"),
+    "unprivileged-no-kernel-layers": (_NO_KERNEL_LAYERS, None, "none"),
 }
+
+
+def _applies(attack: Attack, config: str) -> bool:
+    """Whether ``config``'s level claims to contain ``attack``."""
+    return LEVELS.index(attack.level) <= LEVELS.index(CONFIGS[config][2])
 
 
 def _unprivileged_python() -> tuple[str | None, str]:
@@ -74,7 +98,7 @@ class Batch:
     """All attacks of one configuration, run once by a runner process."""
 
     def __init__(self, config: str, base: str) -> None:
-        options, skip = CONFIGS[config]
+        options, skip, _ = CONFIGS[config]
         python, uid = sys.executable, os.geteuid()
         run_as = {}
         sources = REPO
@@ -94,6 +118,8 @@ class Batch:
         self.contexts: dict[str, dict] = {}
         requests = []
         for index, attack in enumerate(ATTACKS):
+            if not _applies(attack, config):
+                continue
             directory = os.path.join(base, f"a{index}")  # short: UNIX socket paths are limited to 107 bytes
             os.makedirs(directory)
             os.chmod(directory, 0o755)
@@ -161,8 +187,11 @@ def verdict(attack: Attack, ctx: dict, result: dict) -> str | None:
     return None if problem is None else "escaped: " + problem
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("attack", ATTACKS, ids=[a.name for a in ATTACKS])
+# Configuration by configuration: each batch's checks follow its run (its decoys live two minutes).
+_CASES = [(config, attack) for config in CONFIGS for attack in ATTACKS if _applies(attack, config)]
+
+
+@pytest.mark.parametrize("config,attack", _CASES, ids=[f"{a.name}-{c}" for c, a in _CASES])
 def test_attack_is_contained(batches, config, attack):
     batch = batches(config)
     assert batch.done.returncode == 0, (
@@ -172,7 +201,11 @@ def test_attack_is_contained(batches, config, attack):
     problem = verdict(attack, batch.contexts[attack.name], result)
     OUTCOMES[(config, attack.name)] = "contained" if problem is None else problem
     assert problem is None, f"{config}/{attack.name}: {problem}\nguards: {result['guards']}"
-    assert result["isolation"] in ("filesystem", "full")
+    level = CONFIGS[config][2]
+    if level == "filesystem":
+        assert result["isolation"] in ("filesystem", "full")
+    else:
+        assert result["isolation"] == level
 
 
 def summary() -> list[str]:

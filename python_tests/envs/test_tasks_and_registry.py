@@ -388,3 +388,22 @@ def test_a_datasets_dataset_and_its_save_to_disk_folder(tmp_path):
 
     with pytest.raises(DatasetError, match="several splits"):
         load_tasks(tmp_path / "dict")
+
+
+def test_deep_or_huge_rows_are_one_short_line(tmp_path):
+    from flashreinforce.envs.tasks import DatasetError
+
+    deep = "[" * 100_000 + "]" * 100_000
+    cases = [("deep.jsonl", '{"prompt": "a"}\n{"prompt": "b", "x": ' + deep + "}\n",
+              "deep.jsonl:2: nested too deeply to read"),
+             ("deep.json", '[{"prompt": "b", "x": ' + deep + "}]", "deep.json: nested too deeply to read"),
+             ("deep40.jsonl", '{"prompt": "b", "x": ' + "[" * 40 + "]" * 40 + "}\n",
+              "deep40.jsonl row 0: values nested deeper than 32 levels"),
+             ("label.jsonl", json.dumps({"prompt": "b", "reward_model": {"ground_truth": [["x" * 100] * 10_000]}}) + "\n",
+              "ground truth must be a string, a number or a list of them, got [[")]
+    for name, text, needle in cases:
+        (tmp_path / name).write_text(text)
+        with pytest.raises(DatasetError) as err:
+            load_tasks(str(tmp_path / name))
+        assert needle in str(err.value) and "\n" not in str(err.value) and len(str(err.value)) < 500, \
+            str(err.value)[:1000]

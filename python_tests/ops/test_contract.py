@@ -75,3 +75,20 @@ def test_ops_import_neither_the_trainer_nor_transformers():
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("keyword", ["num_trajectories", "num_policy_tokens"])
+def test_counts_past_64_bits_are_refused_alike_and_the_largest_agrees(keyword):
+    # The op's counts are 64-bit: both implementations take 2**63 - 1 (and give the same loss)
+    # and refuse 2**63 with the same ValueError, where the compiled op's cast used to fail.
+    lp = torch.tensor([-0.5, -0.7, -0.2, -0.4], dtype=torch.float64)
+    args = (lp, lp, torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([0, 2, 4]))
+    extra = {"loss_agg": "token-mean"} if keyword == "num_policy_tokens" else {}
+    losses = [impl.flashreinforce_loss_packed(*args, **extra, **{keyword: 2**63 - 1})[0] for impl in (fused, reference)]
+    assert losses[0].item() == pytest.approx(losses[1].item(), rel=1e-12) and losses[0].item() != 0
+    messages = []
+    for impl in (fused, reference):
+        with pytest.raises(ValueError, match=rf"{keyword} must be at most 2\*\*63 - 1") as caught:
+            impl.flashreinforce_loss_packed(*args, **extra, **{keyword: 2**63})
+        messages.append(str(caught.value))
+    assert messages[0] == messages[1]

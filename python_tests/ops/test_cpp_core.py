@@ -8,9 +8,11 @@ error a CPU-only build gives for CUDA tensors and the structural checks of the r
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -20,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build" / "cpp-tests"
 
 
+def _tool(name: str) -> str | None:
+    """A command of this interpreter's environment (the test extra's cmake), else from PATH: a suite run
+    as `venv/bin/python -m pytest` without an activated environment has the former not on its PATH."""
+    return shutil.which(name, path=os.pathsep.join([sysconfig.get_path("scripts"), os.environ.get("PATH", "")]))
+
+
 def _cmake_build() -> Path:
-    cmake = shutil.which("cmake")
+    cmake = _tool("cmake")
     if cmake is None:
         pytest.fail("cmake is required to build the C++ tests (pip install cmake)")
     import pybind11
@@ -29,7 +37,7 @@ def _cmake_build() -> Path:
     args = [cmake, "-S", str(ROOT), "-B", str(BUILD), "-DFLASHREINFORCE_CUDA=OFF", "-DFLASHREINFORCE_BUILD_TESTS=ON",
             "-DFLASHREINFORCE_BUILD_PYTHON=ON", f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}", "-DCMAKE_BUILD_TYPE=Release"]
-    if shutil.which("ninja") and not (BUILD / "CMakeCache.txt").exists():
+    if _tool("ninja") and not (BUILD / "CMakeCache.txt").exists():
         args += ["-G", "Ninja"]
     subprocess.run(args, check=True, capture_output=True, text=True)
     jobs = str(max(1, min(2, os.cpu_count() or 1)))
@@ -44,8 +52,8 @@ def build_dir() -> Path:
 
 
 def test_ctest_core(build_dir):
-    ctest = shutil.which("ctest")
-    assert ctest, "ctest not found next to cmake"
+    ctest = _tool("ctest")
+    assert ctest, "ctest not found (it comes with cmake)"
     done = subprocess.run([ctest, "--output-on-failure"], cwd=build_dir, capture_output=True, text=True, timeout=600)
     print(done.stdout[-3000:])
     assert done.returncode == 0, f"ctest failed:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
@@ -130,3 +138,41 @@ def test_binding_names_match_the_contract():
     views = _C.view_names()
     assert views[-len(contract.OUTPUT_NAMES):] == contract.OUTPUT_NAMES
     assert [c.name.lower() for c in contract.ErrorCode] == list(_C.error_code_names())
+
+
+# The instruction-set files of the CPU path (csrc/cpu/main_pass_*.cpp) and their namespaces.
+_ISA_OBJECTS = {"generic": "isa_generic", "avx2": "isa_avx2", "avx512": "isa_avx512"}
+
+
+def _isa_objects(build_dir: Path) -> dict:
+    found = {name: build_dir / "CMakeFiles" / "fr_core.dir" / "csrc" / "cpu" / f"main_pass_{name}.cpp.o"
+             for name in _ISA_OBJECTS}
+    found = {name: path for name, path in found.items() if path.exists()}
+    assert "generic" in found, f"no object files of the CPU path under {build_dir / 'CMakeFiles'}"
+    return found
+
+
+def test_instruction_set_files_share_no_code(build_dir):
+    """An instruction-set file defines nothing outside its own namespace that is global or weak: an
+    inline function or template instance that several files emit is kept once by the linker, maybe
+    from the AVX-512 file, and then runs in the generic code on any CPU. Nor does it run anything at
+    load time (a static initializer would run before the CPU check)."""
+    nm, objdump = shutil.which("nm"), shutil.which("objdump")
+    if nm is None or objdump is None:
+        pytest.skip("nm / objdump (binutils) not found")
+    objects = _isa_objects(build_dir)
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert set(objects) == set(_ISA_OBJECTS), f"x86-64 builds compile every instruction set: {objects}"
+    problems = []
+    for name, path in objects.items():
+        listing = subprocess.run([nm, "--defined-only", "-C", str(path)], capture_output=True, text=True, check=True)
+        namespace = f"flashreinforce::cpu::{_ISA_OBJECTS[name]}::"
+        for line in listing.stdout.splitlines():
+            _, kind, symbol = line.split(" ", 2)
+            external = kind.isupper() or kind in "uvw"  # global, weak or unique
+            # The personality pointer of C++ exception handling: data, the same in every object.
+            if external and namespace not in symbol and symbol != "DW.ref.__gxx_personality_v0":
+                problems.append(f"{path.name}: {kind} {symbol}")
+        sections = subprocess.run([objdump, "-h", str(path)], capture_output=True, text=True, check=True).stdout
+        problems += [f"{path.name}: static initializers ({s})" for s in (".init_array", ".ctors") if s in sections]
+    assert not problems, "\n".join(problems)

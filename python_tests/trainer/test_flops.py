@@ -136,3 +136,24 @@ def test_utilization_over_devices():
     assert out == {"learner_tflops": pytest.approx(4.0), "mfu": pytest.approx(1.0)}
     assert "mfu" not in utilization(8e12, 2.0, None)
     assert utilization(1.0, 0.0, 1e12) == {}
+
+
+def test_frozen_weights_count_two_forwards_not_three():
+    """Under LoRA the base weights get no weight gradient: their matrices cost forward + input gradient."""
+    pytest.importorskip("peft")
+    from flashreinforce.models.lora import LoraSettings, apply_lora
+    from python_tests.builders import tiny_causal_lm
+
+    full = ModelFlops.of(tiny_causal_lm(64, tied=False))
+    model = tiny_causal_lm(64, tied=False)
+    apply_lora(model, LoraSettings(rank=2, alpha=4.0))
+    lora = ModelFlops.of(model)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert lora.body_per_token == pytest.approx(full.body_per_token + 2 * adapters)
+    assert lora.frozen_body_per_token == pytest.approx(full.body_per_token) and lora.head_frozen
+    tokens, pairs, scored = 50, 400, 30
+    forward = lora.body_per_token * tokens + lora.attention_per_pair * pairs + lora.head_per_scored_token * scored
+    frozen = full.body_per_token * tokens + lora.head_per_scored_token * scored
+    assert lora.training(tokens, pairs, scored) == pytest.approx(3 * forward - frozen)
+    assert full.training(tokens, pairs, scored) == pytest.approx(
+        3 * (full.body_per_token * tokens + full.attention_per_pair * pairs + full.head_per_scored_token * scored))

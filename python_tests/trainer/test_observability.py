@@ -378,3 +378,54 @@ def test_run_summary_has_final_and_best_eval_and_keeps_sessions_on_resume(tmp_pa
     write_run_summary(tmp_path, status="completed", step=10, policy_version=10, session_started=2.0, resumed=False,
                       checkpoint=None, export_dir=None, **common)
     assert len(json.loads((tmp_path / "summary.json").read_text())["sessions"]) == 1  # a new run starts over
+
+
+# ---------------------------------------------------------------------------------------- what the console shows
+
+
+def test_the_progress_bar_shows_the_numbers_of_the_update_it_counts(tmp_path, monkeypatch):
+    import io
+
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", screen)
+    bar = MetricsLog(tmp_path, total=3, initial=0, progress=True, logging_steps=100)
+    bar.bar.mininterval = 0  # redraw on every update
+    rewarded = [episode("q", [("a", "")], reward=1.0)] * 2
+    for step, trajs in ((1, [episode("q", [("b", "")])] * 2), (2, rewarded), (3, rewarded)):
+        bar.write(record_of(trajs, step))
+    bar.close()
+    frames = screen.getvalue().replace("\r", "\n").splitlines()
+    at_two = [f for f in frames if " 2/3 " in f]
+    assert at_two and all("reward=1.000" in f for f in at_two)  # update 2's reward, not update 1's 0.000
+    assert not any("reward=0.000" in f for f in frames if " 2/3 " in f or " 3/3 " in f)
+
+
+def test_the_console_sample_keeps_the_question_of_a_chat_templated_prompt():
+    prompt = ("system You are a helpful AI assistant named SmolLM, trained by Hugging Face user What is 37 + 45? "
+              "Answer with just the number. assistant")
+    line = short_sample({"prompt": prompt, "turns": [{"action": "The answer is 82. " * 10, "observation": ""}],
+                         "reward": 0.0, "failure_kind": "correct <= 0", "admitted": True})
+    assert "What is 37 + 45? Answer with just the number. assistant" in line
+    assert "chars cut]" in line and line.endswith("(reward 0, correct <= 0, admitted)") and len(line) <= 170
+    assert short_sample({"prompt": "say c:", "turns": [{"action": "4", "observation": ""}], "reward": 0,
+                         "failure_kind": "invalid_answer", "admitted": True}) == \
+        "'say c:' -> '4' (reward 0, invalid_answer, admitted)"
+
+
+def test_reward_functions_name_the_failure_kind():
+    trajs = [episode("q", [("a", "")], info={"reward/correct": 0.0, "reward/format": 1.0}),
+             episode("q", [("a", "")], info={"reward/correct": 0.0, "reward/format": 0.0}),
+             episode("q", [("a", "")], reward=-0.5, info={"reward/correct": 1.0, "reward/length": 0.5}),
+             episode("q", [("a", "")], reward=1.0, info={"reward/correct": 1.0})]
+    assert failure_kinds(trajs) == {"correct <= 0": 1, "correct <= 0, format <= 0": 1, "weighted reward <= 0": 1}
+
+
+def test_sample_log_writes_a_lone_surrogate_as_its_json_escape(tmp_path):
+    # An environment's info (or a tokenizer's text) may hold a lone surrogate, which no UTF-8
+    # encoder takes: the line is written with the character's JSON escape, not an error.
+    log = SampleLog(tmp_path, TOK, every=1, per_update=1)
+    log.write(1, [episode("q", [("a", "")], reward=1.0, info={"failure_kind": "bad \ud800 text"})], {},
+              learner_version=0)
+    (record,) = read_samples(tmp_path)
+    assert record["info"]["failure_kind"] == "bad \ud800 text"
+    assert "\\ud800" in (tmp_path / "samples.jsonl").read_text(encoding="utf-8")

@@ -201,7 +201,7 @@ def _setup(cfg: dict, source: str | None, modules: dict) -> dict:
                 problems.append(f"private mount tree unavailable: {exc}")
                 namespaces.undo_mount_tree(workdir)
     if source is not None and "mount_tree" in guards:
-        with open("main.py", "w", encoding="utf-8") as f:  # the new, empty working directory
+        with open("main.py", "w", encoding="utf-8", errors="surrogatepass") as f:  # the new, empty working directory
             f.write(source)
     nproc = _nproc_limit(cfg, in_userns is not False)
     if cfg["landlock"]:
@@ -244,7 +244,7 @@ def _run_main(print_last_expression: bool) -> None:
     import ast
     import traceback
 
-    with open("main.py", "r", encoding="utf-8") as f:
+    with open("main.py", "r", encoding="utf-8", errors="surrogatepass") as f:
         source = f.read()
     namespace = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "main.py"}
     try:
@@ -286,7 +286,7 @@ def main(argv: list[str]) -> None:
     sys.dont_write_bytecode = True
     source = None
     if not cfg["probe"]:
-        with open("main.py", "r", encoding="utf-8") as f:
+        with open("main.py", "r", encoding="utf-8", errors="surrogatepass") as f:
             source = f.read()
     # The sandbox's own modules are loaded now: after the set-up this directory may no longer
     # be readable (the standard library stays readable). Only those the configuration uses.

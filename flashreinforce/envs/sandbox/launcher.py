@@ -334,7 +334,9 @@ class Sandbox:
         proc = cgroup = None
         try:
             if code is not None:
-                with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
+                # A lone surrogate (text no UTF-8 encoder accepts) travels as it is: the
+                # interpreter then reports it like any other error of the code.
+                with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
                     f.write(code)
             if self.cgroup:
                 cgroup, _ = PidsCgroup.create(self.max_threads)

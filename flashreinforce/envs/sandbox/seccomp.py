@@ -27,7 +27,9 @@ Denied (see docs/sandbox.md for why each one):
   ``process_mrelease``, ``kcmp``, ``pidfd_open``/``getfd``/``send_signal``, ``migrate_pages``,
   ``move_pages``; ``kill``/``tkill``/``tgkill``/``rt_(tg)sigqueueinfo`` unless aimed at the
   process itself (or ``kill(0, ...)``: its own process group, in which it is alone);
-  ``setpriority`` and ``sched_set*`` unless aimed at itself (``0``); ``ioprio_set``;
+  ``sched_set*`` unless aimed at itself (``0``); ``setpriority`` unless ``PRIO_PROCESS`` of
+  itself (``0`` or its pid: ``PRIO_PGRP`` and ``PRIO_USER`` with ``0`` name its process group
+  and every process of its uid); ``ioprio_set`` (any ``which``);
 - signals the kernel would send on the caller's behalf, to the owner of a file description
   (whenever it becomes readable or writable, or a lease or a directory changes): ``fcntl``
   ``F_SETOWN``, ``F_SETOWN_EX``, ``F_SETSIG``, ``F_SETLEASE``, ``F_NOTIFY``, ``F_SETFL`` turning
@@ -182,6 +184,8 @@ _DENIED_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x5412, 0x541C, 0x5452, 0x
 # and F_NOTIFY (leases and directory notifications, delivered as signals); and F_SETPIPE_SZ (up
 # to 1 MiB of kernel memory per pipe, outside RLIMIT_AS). F_SETFL may not turn O_ASYNC on.
 _F_SETFL, _O_ASYNC = 4, 0o20000
+# setpriority's "which": PRIO_PROCESS (PRIO_PGRP is 1, PRIO_USER 2).
+_PRIO_PROCESS = 0
 _DENIED_FCNTLS = (8, 15, 10, 1024, 1026, 1031)
 
 
@@ -301,10 +305,18 @@ def build_filter(*, own_pid: int, allow_network: bool = False, arch: str | None 
     # Scheduling of itself only (0 = the calling thread/process).
     for name in ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr"):
         _allow_if_first_arg_in(prog, nr(name), (0,), name)
+    # setpriority(which, who, prio): the caller's own priority only, PRIO_PROCESS with who 0 or
+    # its pid. who == 0 with PRIO_PGRP is its process group and with PRIO_USER every process of
+    # its uid (the trainer's included, outside any namespace): both refused, like any other who.
     prog.jump(_JEQ_K, nr("setpriority"), 0, "setpriority.next")
-    prog.load(_arg_lo(1))  # setpriority(which, who, prio): who == 0 is the caller
-    prog.jump(_JEQ_K, 0, 0, 1)
+    prog.load(_arg_lo(0))
+    prog.jump(_JEQ_K, _PRIO_PROCESS, 0, "setpriority.deny")
+    prog.load(_arg_lo(1))
+    prog.jump(_JEQ_K, 0, "setpriority.allow", 0)
+    prog.jump(_JEQ_K, own_pid, "setpriority.allow", "setpriority.deny")
+    prog.label("setpriority.allow")
     prog.ret(_RET_ALLOW)
+    prog.label("setpriority.deny")
     prog.ret(_RET_ERRNO | _EPERM)
     prog.label("setpriority.next")
     prog.load(_OFF_NR)

@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""How close the learner is to this machine's limit: model FLOP/s against a measured GEMM peak, for
+full fine-tuning and LoRA, side by side.
+
+    python benchmarks/bench_learner_mfu.py                                   # SmolLM2 shape, CPU
+    python benchmarks/bench_learner_mfu.py --shape qwen2.5-0.5b --device cuda --dtype bf16 --lora-rank 16
+
+The peak is measured here, not taken from a data sheet: the best of square matrix products of a few
+sizes in the learner's compute dtype (float32, or bf16 for a bf16 learner), all cores
+(``benchmarks/common.py``). Then, for full fine-tuning and for LoRA adapters of ``--lora-rank`` on the
+attention and MLP projections, the real learner step (:meth:`flashreinforce.trainer.learner.Learner.step`:
+packed forward, fused loss, backward, AdamW) on the same random batch: median step time over
+``--steps``, the learner's own model FLOPs (``flashreinforce/trainer/flops.py``; a frozen weight counts two
+forwards, a trained one three) over that time, its fraction of the measured peak (``mfu``), the learner's
+peak memory (resident set growth during the steps on a CPU, the CUDA allocator's peak on a GPU) and the
+bytes a weight sync sends after the first (the trainable tensors: the whole model, or the adapters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import SHAPES, gemm_peak, machine_line, print_table  # noqa: E402
+
+from flashreinforce.objective import LossOptions  # noqa: E402
+from flashreinforce.trainer.learner import Learner, LearnerSettings  # noqa: E402
+from flashreinforce.trainer.trajectory import Trajectory  # noqa: E402
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
+    return max(gemm_peak(device, dtype, size) for size in (1024, 2048, 3072))
+
+
+def make_batch(n: int, mean_len: int, vocab: int, seed: int = 0) -> list[Trajectory]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = rng.randint(16, 48)
+        length = prompt + max(8, int(rng.expovariate(1.0 / mean_len)))
+        tokens = [rng.randrange(3, vocab) for _ in range(length)]
+        mask = [False] * prompt + [True] * (length - prompt)
+        blp = [(-rng.random() * 3 if m else 0.0) for m in mask]
+        reward = float(rng.random() < 0.5)
+        out.append(Trajectory(tokens, mask, blp, reward=reward, failed=reward == 0.0))
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def run(label: str, model, args, batch, device, peak) -> list[str]:
+    settings = LearnerSettings(lr=1e-5, loss=LossOptions(delta=float("inf")), param_dtype=args.dtype,
+                               micro_batch_tokens=args.micro_batch_tokens, total_steps=100)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
+    learner = Learner(model, settings)
+    times, flops, high = [], [], before
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        metrics = learner.step(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dt = time.perf_counter() - t0
+        high = max(high, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_bytes())
+        if i:  # the first step allocates the optimizer state
+            times.append(dt)
+            flops.append(metrics["model_flops"])
+    step = statistics.median(times)
+    rate = statistics.median(flops) / step
+    sync = sum(p.numel() * p.element_size() for p in learner.model.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    return [label, f"{trainable / 1e6:.2f}M", f"{step:.2f}", f"{rate / 1e9:.1f}", f"{rate / peak:.1%}",
+            f"{(high - before) / 2**20:.0f}", f"{sync / 2**20:.1f}"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (faster)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the learner's compute dtype")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--mean-len", type=int, default=192)
+    p.add_argument("--micro-batch-tokens", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--lora-rank", type=int, default=16)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    cfg = dict(SHAPES[args.shape])
+    if args.layers:
+        cfg["num_hidden_layers"] = args.layers
+    model_type = cfg.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.float32)
+    batch = make_batch(args.batch, args.mean_len, config.vocab_size)
+    compute = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    peak = measured_peak(device, compute)
+    print(f"machine: {machine_line(device)}")
+    print(f"shape {args.shape} ({config.num_hidden_layers} layers), {args.batch} trajectories, "
+          f"{sum(t.num_tokens for t in batch):,} tokens; learner {args.dtype}; measured {args.dtype} GEMM peak "
+          f"{peak / 1e9:.0f} GFLOP/s")
+    rows = [run("full fine-tuning", copy.deepcopy(base), args, batch, device, peak)]
+    from flashreinforce.models.lora import LoraSettings, apply_lora
+
+    lora = apply_lora(copy.deepcopy(base), LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
+    rows.append(run(f"LoRA rank {args.lora_rank}", lora, args, batch, device, peak))
+    print_table(f"learner step (median of {args.steps} after a first step)",
+                ["policy", "trainable", "step s", "model GFLOP/s", "of measured peak (mfu)", "peak memory MiB",
+                 "sync MiB per update"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""LoRA adapters on the policy, with PEFT: inject, name, save, merge.
+
+:func:`apply_lora` injects PEFT's LoRA layers into a ``transformers`` causal LM *in place*: the model
+object stays the one the learner holds (its packed forward, per-document attention, shared prefixes
+and fused loss see the same module tree, with each targeted ``nn.Linear`` now a PEFT ``lora.Linear``),
+every base weight is frozen (``requires_grad`` False, optionally cast to bf16) and only the adapters
+train. The effective weight of a targeted projection is ``W + (alpha / rank) * B @ A``.
+
+Names: the model's state dict then holds each targeted projection's base weight as
+``...q_proj.base_layer.weight`` and its adapters as ``...q_proj.lora_A.default.weight`` /
+``lora_B``; :func:`base_name` gives a base weight's Hugging Face name and :func:`is_adapter_name`
+tells adapters apart. :func:`save_adapter` writes PEFT's own adapter format
+(``adapter_config.json`` + ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained``
+and vLLM load; :func:`merged_model` gives a plain model with the adapters folded in.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from flashreinforce.config.flags import ConfigError
+
+__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_name", "has_lora",
+           "is_adapter_name", "load_adapter_dir", "merged_model", "peft_adapter_state", "save_adapter",
+           "write_adapter"]
+
+#: ``lora.target_modules default``: the attention and MLP projections of the Llama / Qwen / Mistral
+#: families (the names ``transformers`` gives them).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+#: What LoRA needs, as one install line.
+PEFT_INSTALL = "pip install 'flashreinforce[lora]'  (peft)"
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """rank (0: no LoRA), alpha (scale ``alpha / rank``), dropout (on the adapters' input while
+    training), target_modules (``"default"``: :data:`DEFAULT_TARGETS`; ``"all-linear"``: every linear
+    layer but the output projection; else module names), base_dtype (the frozen base weights' dtype:
+    ``float32`` or ``bfloat16``)."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = field(default=("default",))
+    base_dtype: str = "float32"
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def peft_targets(self) -> Any:
+        targets = tuple(self.target_modules)
+        if targets == ("default",):
+            return list(DEFAULT_TARGETS)
+        if targets == ("all-linear",):
+            return "all-linear"
+        return list(targets)
+
+
+def _import_peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"--lora.rank: LoRA needs PEFT: {PEFT_INSTALL}") from None
+    return peft
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds PEFT LoRA layers."""
+    return any(is_adapter_name(n) for n, _ in model.named_parameters())
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a parameter name (the model's or PEFT's saved form) is a LoRA adapter's."""
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A", ".lora_B"))
+
+
+def base_name(name: str) -> str:
+    """The Hugging Face name of a weight of a LoRA-injected model (``.base_layer`` removed)."""
+    return name.replace(".base_layer.", ".")
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """Inject LoRA layers into ``model`` in place (see the module docstring) and return it.
+
+    Raises :class:`ConfigError` naming the flag when PEFT is missing, when the model class cannot be
+    wrapped, or when ``lora.target_modules`` matches no module of the model.
+    """
+    peft = _import_peft()
+    if has_lora(model):
+        raise ConfigError("--lora.rank: the model already holds LoRA layers (a PEFT adapter was loaded as the "
+                          "model): give the base model with --model, or merge the adapter first")
+    config = peft.LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha),
+                             lora_dropout=float(settings.dropout), target_modules=settings.peft_targets(),
+                             bias="none", task_type="CAUSAL_LM")
+    try:
+        peft.get_peft_model(model, config)  # changes ``model``'s modules in place; the wrapper is not kept
+    except ValueError as err:
+        first = (str(err).splitlines() or [""])[0][:300]
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ConfigError(f"--lora.target_modules {','.join(settings.target_modules)}: {first} (this model's "
+                          f"linear layers: {', '.join(names)})") from None
+    except (TypeError, NotImplementedError, AttributeError) as err:
+        raise ConfigError(f"--lora.rank: PEFT cannot add LoRA to {type(model).__name__}: {type(err).__name__}: "
+                          f"{(str(err).splitlines() or [''])[0][:300]}") from None
+    if not has_lora(model):
+        raise ConfigError(f"--lora.target_modules {','.join(settings.target_modules)} matches no layer of "
+                          f"{type(model).__name__}")
+    base = getattr(torch, settings.base_dtype)
+    for name, p in model.named_parameters():
+        if is_adapter_name(name):
+            p.requires_grad_(True)
+            continue
+        p.requires_grad_(False)
+        if base != p.dtype and p.is_floating_point():
+            p.data = p.data.to(base)
+    model._flashreinforce_lora = settings  # read back by save_adapter / the checkpoints
+    return model
+
+
+def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' tensors under the model's own names (``...lora_A.default.weight``)."""
+    return {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
+
+
+def peft_adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Adapter tensors renamed to PEFT's saved form: ``base_model.model.`` in front, ``.default`` out."""
+    out = {}
+    for name, t in state.items():
+        if is_adapter_name(name):
+            out["base_model.model." + name.replace(".default.", ".")] = t
+    return out
+
+
+def _adapter_config(settings: LoraSettings, base_model: str, names) -> dict[str, Any]:
+    targets = sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n in names if ".lora_A." in n})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+            "r": int(settings.rank), "lora_alpha": float(settings.alpha), "lora_dropout": float(settings.dropout),
+            "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False}
+
+
+def write_adapter(directory: str | Path, state: Mapping[str, torch.Tensor], settings: LoraSettings, *,
+                  base_model: str = "") -> Path:
+    """Write the adapter tensors of ``state`` (the model's names; other tensors are ignored) in PEFT's
+    format (``adapter_config.json``, ``adapter_model.safetensors``, float32). Returns the folder."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    adapters = {n: t for n, t in state.items() if is_adapter_name(n)}
+    if not adapters:
+        raise ValueError("write_adapter: no LoRA adapter tensors given")
+    tensors = peft_adapter_state(adapters)
+    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
+              str(directory / "adapter_model.safetensors"))
+    config = _adapter_config(settings, base_model, adapters)
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    return directory
+
+
+def save_adapter(model: torch.nn.Module, directory: str | Path, *, base_model: str) -> Path:
+    """Write ``model``'s adapters (LoRA layers of :func:`apply_lora`) in PEFT's format."""
+    settings = getattr(model, "_flashreinforce_lora", None)
+    if settings is None:
+        raise ValueError("save_adapter: the model holds no LoRA layers of apply_lora")
+    return write_adapter(directory, adapter_state(model), settings, base_model=base_model)
+
+
+def merged_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` with its adapters folded into the base weights (a bf16 base in float32), as a
+    plain model."""
+    merged = copy.deepcopy(model)
+    if not has_lora(merged):
+        return merged
+    _import_peft()
+    from peft.tuners.lora import LoraLayer
+
+    for p in merged.parameters():  # a bf16 base is merged in float32; float32 and float64 stay
+        if p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.float()
+    for name, module in list(merged.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()  # W += scale * B @ A
+            parent_name, _, child = name.rpartition(".")
+            parent = merged.get_submodule(parent_name) if parent_name else merged
+            setattr(parent, child, module.get_base_layer())
+    for p in merged.parameters():
+        p.requires_grad_(True)
+    if hasattr(merged, "_flashreinforce_lora"):
+        del merged._flashreinforce_lora
+    return merged
+
+
+def load_adapter_dir(directory: str | Path, base: torch.nn.Module) -> torch.nn.Module:
+    """``base`` with the PEFT adapter folder ``directory`` applied and merged (a plain model)."""
+    peft = _import_peft()
+    wrapped = peft.PeftModel.from_pretrained(base, str(directory))
+    return wrapped.merge_and_unload()

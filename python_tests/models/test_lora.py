@@ -1,0 +1,175 @@
+"""LoRA adapters (PEFT): the learner's gradient is the full model's projected onto the adapters,
+engines serve the adapters the learner trains, checkpoints and exports hold them, bad settings are
+one line naming the flag."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'flashreinforce[lora]'")
+
+from flashreinforce.config import ConfigError  # noqa: E402
+from flashreinforce.engines import GenerationRequest, SamplingParams, create_engine, sampling_log_probs  # noqa: E402
+from flashreinforce.loss import flashreinforce_loss_packed  # noqa: E402
+from flashreinforce.models.lora import (LoraSettings, adapter_state, apply_lora, has_lora, merged_model,  # noqa: E402
+                                        save_adapter)
+from flashreinforce.trainer.packing import pack  # noqa: E402
+from flashreinforce.trainer.scoring import token_log_probs  # noqa: E402
+from python_tests.builders import random_trajectory, tiny_causal_lm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 40
+
+
+def lora_model(seed: int = 0, rank: int = 3, alpha: float = 6.0, dtype=torch.float64):
+    """A tiny model with adapters on every projection and B drawn too (PEFT starts B at 0)."""
+    model = tiny_causal_lm(VOCAB, seed=seed).to(dtype)
+    apply_lora(model, LoraSettings(rank=rank, alpha=alpha, base_dtype=str(dtype).removeprefix("torch.")))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in adapter_state(model).values():
+            p.copy_(0.2 * torch.randn(p.shape, generator=g, dtype=dtype))
+    return model
+
+
+def objective(model, trajectories, *, learner_path: bool) -> torch.Tensor:
+    """The FlashREINFORCE loss of ``trajectories``: through the learner's packed forward (its float32
+    log-probabilities, per-document attention, shared prefixes), or, in float64 throughout, from the
+    model's plain forward one trajectory at a time."""
+    batch = pack(trajectories)
+    if learner_path:
+        logp, _ = token_log_probs(model, batch, packed_forward=True, share_prefixes=True)
+    else:
+        parts = []
+        for t in trajectories:
+            ids = torch.tensor([t.token_ids])
+            lp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            parts.append(torch.cat([torch.zeros(1, dtype=torch.float64), lp.gather(1, ids[0, 1:, None])[:, 0]]))
+        logp = torch.cat(parts)
+    loss, _ = flashreinforce_loss_packed(logp, batch.behavior_log_probs.to(logp.dtype), batch.rewards.to(logp.dtype),
+                                         batch.cu_seqlens, batch.action_mask, delta=float("inf"))
+    return loss
+
+
+@pytest.mark.parametrize("learner_path", [False, True], ids=["float64", "learner_packed_forward"])
+def test_the_adapter_gradient_is_the_full_gradient_projected_onto_the_adapters(learner_path):
+    """W' = W + s B A: dL/dB = s (dL/dW') A^T and dL/dA = s B^T (dL/dW'). Exact in float64; through the
+    learner's packed forward (float32 log-probabilities) to float32 rounding."""
+    rng = random.Random(0)
+    trajectories = [random_trajectory(rng, VOCAB) for _ in range(5)]
+    shared = list(trajectories[0].token_ids[:4])  # a shared prefix, so the packed forward computes it once
+    for t in trajectories[1:3]:
+        t.token_ids[:4] = shared
+    model = lora_model()
+    objective(model, trajectories, learner_path=learner_path).backward()
+    merged = merged_model(model).double()
+    objective(merged, trajectories, learner_path=learner_path).backward()
+    tol = dict(rtol=1e-9, atol=1e-12) if not learner_path else dict(rtol=1e-4, atol=1e-7)
+    scale = 6.0 / 3
+    checked = 0
+    for name, module in model.named_modules():
+        lora_a = getattr(module, "lora_A", None)
+        if not isinstance(lora_a, torch.nn.ModuleDict):
+            continue
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        full = merged.get_submodule(name).weight.grad
+        assert full.abs().max() > 0
+        torch.testing.assert_close(b.grad, scale * full @ a.detach().T, **tol)
+        torch.testing.assert_close(a.grad, scale * b.detach().T @ full, **tol)
+        assert module.base_layer.weight.grad is None  # the base is frozen
+        checked += 1
+    assert checked == 2 * 7  # two layers, seven projections each
+
+
+def test_only_adapters_train_and_the_merge_is_the_same_function():
+    model = lora_model(dtype=torch.float32)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    x = torch.randint(0, VOCAB, (2, 9))
+    merged = merged_model(model)
+    assert not has_lora(merged)
+    torch.testing.assert_close(merged(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_settings_are_one_line_naming_the_flag():
+    with pytest.raises(ConfigError, match=r"--lora.target_modules nope: .*this model's linear layers: .*q_proj"):
+        apply_lora(tiny_causal_lm(VOCAB), LoraSettings(rank=2, target_modules=("nope",)))
+    model = lora_model(dtype=torch.float32)
+    with pytest.raises(ConfigError, match="already holds LoRA layers"):
+        apply_lora(model, LoraSettings(rank=2))
+
+
+def test_the_hf_engine_serves_the_adapters_it_is_sent():
+    """The engine's copy gets the adapters only (the base once) and samples from the adapted policy."""
+    model = lora_model(dtype=torch.float32)
+    engine = create_engine("hf", tiny_causal_lm(VOCAB), pad_token_id=0, version=-1,
+                           options={"lora": {"rank": 3, "alpha": 6.0}})
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine.load_weights(state, 0)
+    full = engine.last_load[1]
+    adapters_only = {k: (v.clone() if ".lora_" in k else state[k]) for k, v in state.items()}
+    engine.load_weights(adapters_only, 1)
+    assert 0 < engine.last_load[1] == sum(v.numel() * 4 for k, v in state.items() if ".lora_" in k) < full / 5
+    params = SamplingParams(temperature=1.0)
+    reference = merged_model(model).double()
+    req = GenerationRequest([5, 9, 11, 3], 6, seed=3)
+    g = engine.generate([req], params)[0]
+    with torch.no_grad():
+        for k, tok in enumerate(g.token_ids):
+            logits = reference(input_ids=torch.tensor([list(req.token_ids) + g.token_ids[:k]])).logits[0, -1:]
+            assert g.log_probs[k] == pytest.approx(float(sampling_log_probs(logits, params)[0, tok]), abs=1e-4)
+
+
+def test_an_adapter_folder_loads_with_peft_and_as_a_model(tmp_path):
+    model = lora_model(dtype=torch.float32)
+    folder = save_adapter(model, tmp_path / "adapter", base_model="tiny-qwen2")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 3 and config["base_model_name_or_path"] == "tiny-qwen2"
+    base = tiny_causal_lm(VOCAB)
+    wrapped = peft.PeftModel.from_pretrained(base, str(folder))
+    x = torch.randint(0, VOCAB, (1, 7))
+    torch.testing.assert_close(wrapped(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--output", str(out),
+           "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_exports_both_forms(tmp_path):
+    out = tmp_path / "run"
+    proc = _train(out, "--lora.rank", "4", "--train.max_steps", "6", "--ckpt.save_steps", "3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    synced = [r["weight_sync_bytes"] for r in rows if r["weight_sync_bytes"]]
+    # The frozen base travels once (each worker's first load), then adapters only.
+    assert synced and synced[-1] < 0.3 * max(synced)
+    ckpt = out / "checkpoints" / "step_00000006"
+    from safetensors.torch import load_file
+
+    stored = load_file(str(ckpt / "model.safetensors"))
+    assert stored and all(".lora_" in k for k in stored)
+    assert (out / "hf" / "adapter" / "adapter_config.json").is_file() and (out / "hf" / "config.json").is_file()
+    # Resume continues the adapters; resuming them as a full-model run is refused naming the flag.
+    proc = _train(out, "--resume", "--train.max_steps", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _train(out, "--resume", "--train.max_steps", "10", "--lora.rank", "0")
+    assert proc.returncode != 0 and "lora.rank" in proc.stderr
+    # Both exports evaluate as the same model.
+    from flashreinforce.models.loading import build_model
+
+    a, _ = build_model(str(out / "hf" / "adapter"), device=torch.device("cpu"))
+    b, _ = build_model(str(out / "hf"), device=torch.device("cpu"))
+    c, _ = build_model(str(out), device=torch.device("cpu"))  # the run directory: its newest (adapters-only) checkpoint
+    x = torch.randint(0, 90, (1, 8))
+    torch.testing.assert_close(a(x).logits, b(x).logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c(x).logits, b(x).logits, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,33 @@
+"""The extension's objects survive the fresh configure an editable install gets from a new isolated
+build environment: scikit-build-core then deletes CMakeCache.txt and the top-level CMakeFiles/, so the
+objects live under core/CMakeFiles/ (csrc/CMakeLists.txt, added as a binary subdirectory)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OBJECT = "core/CMakeFiles/fr_core.dir/core_common.cpp.o"
+
+
+def test_an_object_compiled_before_a_fresh_configure_is_not_compiled_again(tmp_path):
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja (pip install cmake ninja)")
+    configure = [cmake, "-S", str(ROOT), "-B", str(tmp_path), "-G", "Ninja", "-DFLASHREINFORCE_CUDA=OFF",
+                 "-DFLASHREINFORCE_BUILD_PYTHON=OFF", "-DCMAKE_BUILD_TYPE=Release"]
+    subprocess.run(configure, check=True, capture_output=True, text=True)
+    assert (tmp_path / "core" / "CMakeFiles" / "fr_core.dir").is_dir()
+    assert not (tmp_path / "CMakeFiles" / "fr_core.dir").exists()
+    subprocess.run([ninja, "-C", str(tmp_path), OBJECT], check=True, capture_output=True, text=True)
+    # What scikit-build-core does when pip hands it a new isolated environment:
+    (tmp_path / "CMakeCache.txt").unlink()
+    shutil.rmtree(tmp_path / "CMakeFiles")
+    subprocess.run(configure, check=True, capture_output=True, text=True)
+    dry = subprocess.run([ninja, "-C", str(tmp_path), "-n", "-d", "explain", OBJECT], check=True, capture_output=True,
+                         text=True)
+    assert "no work to do" in dry.stdout, dry.stdout + dry.stderr
