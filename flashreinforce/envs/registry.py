@@ -209,8 +209,11 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     builtin = spec in BUILTIN_ENVIRONMENTS
     cls = environment_class(spec)
     kwargs = dict(env_kwargs)
-    if spec.startswith(REASONING_GYM_PREFIX):
+    if spec.startswith(REASONING_GYM_PREFIX):  # the task's own generator makes the prompt set
         kwargs["task"] = spec[len(REASONING_GYM_PREFIX):]
+        if flat.get("data.prompt_dataset") is not None:
+            raise ValueError(f"environment {spec!r} makes its own prompt set (size and seed in env.kwargs); it takes "
+                             "no data.prompt_dataset or eval.dataset")
     if flat.get("max_turns") is not None:
         kwargs.setdefault("max_turns", flat["max_turns"])
     if apply_chat_template is not None:
