@@ -30,15 +30,15 @@ log = logging.getLogger(__name__)
 
 
 def require_server_packages() -> None:
-    """``ImportError`` naming the install line when FastAPI or uvicorn is missing."""
+    """``ImportError`` naming the install line when FastAPI, uvicorn or openai (the agents' client) is missing."""
     missing = []
-    for name in ("fastapi", "uvicorn"):
+    for name in ("fastapi", "uvicorn", "openai"):
         try:
             __import__(name)
         except ImportError:
             missing.append(name)
     if missing:
-        raise ImportError(f"the agent endpoint needs {' and '.join(missing)}: pip install -e '.[agents]' "
+        raise ImportError(f"the agent endpoint needs {', '.join(missing)}: pip install -e '.[agents]' "
                           "(or pip install fastapi uvicorn openai)")
 
 

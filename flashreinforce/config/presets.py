@@ -148,7 +148,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.adam.lr": 2e-5,
     },
     # The same task as an agent written against the OpenAI chat API (flashreinforce.agents.arith_tool): a
-    # calculator declared in tools=, called through tool_calls, at most 3 model calls; results: docs/results.md.
+    # calculator declared in tools=, called through tool_calls, at most 3 model calls (no measured results yet).
     "arith_tool_agent": {
         **_SMOLLM2_CPU,
         "model": "smollm2-135m-instruct",

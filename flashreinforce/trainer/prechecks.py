@@ -48,8 +48,13 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
                 raise ConfigError(f"{flag}: --env {spec} makes its own prompt set from the task's generator (its size "
                                   "and seed in --env.kwargs); give no dataset")
     if spec == AGENT_ENVIRONMENT and cfg.env_kwargs.get("agent") is not None:  # --agent's file and function
+        from flashreinforce.agents.server import require_server_packages
         from flashreinforce.envs.agent_env import load_agent
 
+        try:
+            require_server_packages()
+        except ImportError as err:
+            raise ConfigError(f"--agent: {err}") from None
         load_agent(cfg.env_kwargs["agent"])  # AgentSpecError is a ConfigError naming --agent
     if cfg.rewards:
         from flashreinforce.envs.rewards import RewardSpecError, load_reward

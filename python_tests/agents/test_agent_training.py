@@ -80,3 +80,13 @@ def test_a_bad_agent_spec_is_one_line_naming_the_flag(tmp_path, gguf_path):
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1].endswith(f"--agent {tmp_path / 'missing.py'}:play: "
                                                         f"{tmp_path / 'missing.py'} does not exist")
+
+
+def test_a_missing_agent_package_is_named_before_the_model_loads(monkeypatch):
+    from flashreinforce.trainer.prechecks import check_before_model
+
+    cfg = TrainerConfig.from_layers({"agent": "flashreinforce.agents.arith_tool:agent", "model": "tiny-qwen2"})
+    check_before_model(cfg)  # everything there
+    monkeypatch.setitem(sys.modules, "openai", None)  # import openai raises ImportError
+    with pytest.raises(ConfigError, match=r"^--agent: the agent endpoint needs openai: pip install -e '\.\[agents\]'"):
+        check_before_model(cfg)
