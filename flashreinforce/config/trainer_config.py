@@ -159,9 +159,11 @@ class TrainerConfig:
                                   f"completions with the {REWARD_ENVIRONMENT} environment; give one of them")
             cfg.train.agent_path = REWARD_ENVIRONMENT
         agent = run.get("agent")
+        named = [layer.get("env") or layer.get("train.agent_path") for layer in (file, given)]
+        named = [n for n in named if n is not None]
+        if agent is not None and not any("agent" in layer for layer in (file, given)) and (rewards or named):
+            agent = None  # a preset's agent is the preset's environment: an --env or --reward replaces it
         if agent is not None:  # an agent function is an environment of its own too
-            named = [layer.get("env") or layer.get("train.agent_path") for layer in (file, given)]
-            named = [n for n in named if n is not None]
             if rewards or (named and named[-1] != AGENT_ENVIRONMENT):
                 raise ConfigError(f"--agent and --{'reward' if rewards else 'env ' + str(named[-1])} both say what the "
                                   "task is: the agent function's return value is the reward; give one of them")

@@ -90,3 +90,16 @@ def test_a_missing_agent_package_is_named_before_the_model_loads(monkeypatch):
     monkeypatch.setitem(sys.modules, "openai", None)  # import openai raises ImportError
     with pytest.raises(ConfigError, match=r"^--agent: the agent endpoint needs openai: pip install -e '\.\[agents\]'"):
         check_before_model(cfg)
+
+
+def test_an_env_or_reward_replaces_a_preset_s_agent():
+    from flashreinforce.config.presets import PRESETS
+
+    preset = PRESETS["arith_tool_agent"]
+    assert TrainerConfig.from_layers({}, preset).train.agent_path == "agent"
+    cfg = TrainerConfig.from_layers({"env": "math"}, preset)
+    assert cfg.train.agent_path == "math" and "agent" not in cfg.env_kwargs
+    cfg = TrainerConfig.from_layers({"reward": ["r.py:f"]}, preset)
+    assert cfg.train.agent_path == "reward_functions" and "agent" not in cfg.env_kwargs
+    with pytest.raises(ConfigError, match="--agent and --env math both"):  # both given: still refused
+        TrainerConfig.from_layers({"env": "math", "agent": "a.py:f"}, preset)
