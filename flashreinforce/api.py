@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 from flashreinforce.config import ConfigError, TrainerConfig, read_config_file, validate
 from flashreinforce.config.files import flatten_settings
 from flashreinforce.config.presets import PRESETS
-from flashreinforce.config.trainer_config import REWARD_ENVIRONMENT, RUN_FIELDS
+from flashreinforce.config.trainer_config import AGENT_ENVIRONMENT, REWARD_ENVIRONMENT, RUN_FIELDS
 
 __all__ = ["load_config", "train"]
 
@@ -75,8 +75,8 @@ def _env_spec(env: Any) -> str:
 
 
 def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None = None, *, model: Any = None,
-          env: Any = None, rewards: Sequence[Callable | tuple | str] | None = None, dataset: Any = None,
-          eval_dataset: Any = None, callbacks: Sequence[Any] = (), **run_options: Any) -> dict[str, Any]:
+          env: Any = None, rewards: Sequence[Callable | tuple | str] | None = None, agent: Callable | str | None = None,
+          dataset: Any = None, eval_dataset: Any = None, callbacks: Sequence[Any] = (), **run_options: Any) -> dict[str, Any]:
     """Train a policy; returns the run's summary (what ``flashreinforce train`` prints).
 
     Args:
@@ -91,6 +91,9 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
         rewards: reward functions ``reward(prompt, completion, **row) -> float`` (or ``(function, weight)``
             pairs, or ``MODULE:FUNC[=WEIGHT]`` strings), summed with their weights over the rows of
             ``dataset``: a single-turn task without an Environment class (``env`` must then be unset).
+        agent: an agent function ``agent(client, row) -> reward`` (or a ``FILE.py:FUNC`` / ``MODULE:FUNC``
+            string) that calls the policy through the OpenAI client it is given (``async def``: an
+            ``AsyncOpenAI`` client); ``env`` and ``rewards`` must then be unset (docs/environments.md).
         dataset / eval_dataset: ``data.prompt_dataset`` / ``eval.dataset``: a path (JSONL, JSON, Parquet,
             a ``datasets`` ``save_to_disk`` folder), a list of dicts, or a ``datasets.Dataset``.
         callbacks: objects with ``on_update(metrics)`` (return True to stop), ``on_eval(step, metrics)``,
@@ -123,7 +126,14 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
         from flashreinforce.models.loading import describe_object
 
         model_object, cfg.actor.model_name_or_path = model, describe_object(model)
-    if rewards is not None:
+    if agent is not None:
+        if env is not None or rewards is not None:
+            raise ConfigError("train(): give agent, env or rewards, not several (the agent's return value is the reward)")
+        from flashreinforce.envs.agent_env import agent_spec
+
+        cfg.train.agent_path = AGENT_ENVIRONMENT
+        cfg.env_kwargs = {**(cfg.env_kwargs if "env_kwargs" in run_options else {}), "agent": agent_spec(agent)}
+    elif rewards is not None:
         if env is not None:
             raise ConfigError("train(): give env or rewards, not both (rewards score completions with the "
                               f"{REWARD_ENVIRONMENT} environment)")

@@ -27,6 +27,12 @@ RULES = {
     "flashreinforce.engines": ["transformers", "vllm", "flashreinforce.trainer", "flashreinforce.envs"],
     "flashreinforce.trainer": ["transformers", "ray", "vllm", "flashreinforce.distributed", "flashreinforce.cli"],
     "flashreinforce.experiments": ["torch", "flashreinforce.trainer"],
+    # The agent endpoint, the wire format and the chat rendering: no torch, and FastAPI, uvicorn and
+    # openai only once a server starts.
+    "flashreinforce.agents.server": ["torch", "transformers", "fastapi", "uvicorn", "openai", "flashreinforce.trainer",
+                                     "flashreinforce.engines"],
+    "flashreinforce.agents.chat": ["torch", "transformers", "flashreinforce.trainer", "flashreinforce.engines"],
+    "flashreinforce.envs.agent_env": ["torch", "openai", "fastapi", "flashreinforce.trainer", "flashreinforce.agents"],
     "flashreinforce.cli": ["torch", "transformers", "flashreinforce.trainer"],
     "flashreinforce.analysis": ["torch", "matplotlib", "flashreinforce.trainer", "flashreinforce.config"],
 }
@@ -166,7 +172,8 @@ def test_cycle_finder_sees_lazy_relative_and_from_imports(tmp_path):
 
 
 def test_compiled_modules_are_the_ones_the_build_makes():
-    cmake = (PACKAGE_DIR.parent / "CMakeLists.txt").read_text(encoding="utf-8")
+    root = PACKAGE_DIR.parent  # the top-level CMakeLists.txt adds csrc/ (the module's targets live there)
+    cmake = "\n".join((root / p).read_text(encoding="utf-8") for p in ("CMakeLists.txt", "csrc/CMakeLists.txt"))
     for name in COMPILED_MODULES:
         package, _, module = name.rpartition(".")
         assert f"pybind11_add_module({module} " in cmake and f"DESTINATION {package.replace('.', '/')})" in cmake, name

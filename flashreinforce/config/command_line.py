@@ -142,7 +142,7 @@ def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], b
     g = p.add_argument_group("run")
     run_kwargs: dict[str, dict[str, Any]] = {
         "config": {}, "preset": {"help": _presets_help()}, "env": {}, "env.kwargs": {"type": _json, "dest": "env.kwargs"},
-        "model": {}, "reward": {"action": "append"}, "tokenizer": {}, "output": {},
+        "model": {}, "reward": {"action": "append"}, "agent": {}, "tokenizer": {}, "output": {},
         "resume": {"nargs": "?", "const": "latest"}, "seed": {"type": _int}, "device": {},
         "torch_threads": {"type": _int}}
     for name in ("no_progress", "overwrite", "allow_config_change"):

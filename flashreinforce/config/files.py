@@ -32,7 +32,7 @@ from flashreinforce.config.values import MAX_DEPTH, shown, value_problem
 __all__ = ["flatten_settings", "parse_settings_text", "read_config_file", "write_config_file"]
 
 # Keys a config file may hold besides the flags (run-control options stay on the command line).
-_FILE_KEYS = ("preset", "env", "env.kwargs", "model", "reward", "tokenizer", "seed", "device", "torch_threads")
+_FILE_KEYS = ("preset", "env", "env.kwargs", "model", "reward", "agent", "tokenizer", "seed", "device", "torch_threads")
 _PREFIXES = {name.rsplit(".", i)[0] for name in list(FLAG_BY_NAME) + list(_FILE_KEYS)
              for i in range(1, name.count(".") + 1)}
 

@@ -147,6 +147,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout.env_timeout_s": 30.0,
         "actor.adam.lr": 2e-5,
     },
+    # The same task as an agent written against the OpenAI chat API (flashreinforce.agents.arith_tool): a
+    # calculator declared in tools=, called through tool_calls, at most 3 model calls (no measured results yet).
+    "arith_tool_agent": {
+        **_SMOLLM2_CPU,
+        "model": "smollm2-135m-instruct",
+        "agent": "flashreinforce.agents.arith_tool:agent",
+        "rollout.max_new_tokens": 64,
+        "rollout.max_turns": 3,
+        "data.max_len": 1024,
+        "rollout.env_timeout_s": 30.0,
+        "actor.adam.lr": 2e-5,
+    },
     # SmolLM2-135M-Instruct playing TextWorld games generated offline (flashreinforce.envs.textworld_env,
     # pip install -e '.[textworld]'): one room, 3 objects, quests of 1 to 2 commands, 4 turns, in the
     # model's chat template (the game's answers are user turns, masked out of the loss). Sized for a

@@ -34,11 +34,15 @@ __all__ = ["RUN_OPTIONS", "TrainerConfig"]
 #: ``train.agent_path`` and ``actor.model_name_or_path``.
 RUN_OPTIONS = {
     "preset": "a named preset (see --help); other settings override it",
-    "env": "environment (alias of --train.agent_path)",
+    "env": "environment (alias of --train.agent_path): a shipped name, MODULE:CLASS, FILE.py[:CLASS], or "
+           "reasoning_gym:TASK (a reasoning-gym task, its configuration in --env.kwargs)",
     "env.kwargs": "JSON object of environment constructor arguments",
     "model": "policy model (alias of --actor.model_name_or_path)",
     "reward": "a reward function MODULE:FUNC or FILE.py:FUNC, optionally =WEIGHT (repeatable): reward(prompt, "
               "completion, **row) -> float over --data.prompt_dataset, summed with the weights; no Environment needed",
+    "agent": "an agent function FILE.py:FUNC or MODULE:FUNC, FUNC(client, row) -> reward: it calls the policy through "
+             "an OpenAI client (the rollout worker's endpoint) and runs its own tools; rows from --data.prompt_dataset "
+             "(same as --env agent --env.kwargs '{\"agent\": SPEC}')",
     "tokenizer": "char, or a local tokenizer directory (default: the model's)",
     "output": "run directory: config.yaml, metrics.jsonl, checkpoints",
     "resume": "continue from the last checkpoint (or the checkpoint directory given), with the run's config.yaml",
@@ -123,7 +127,7 @@ class TrainerConfig:
                         cfg.set(key, value)
                     except ConfigError as err:
                         errors.append(str(err))
-                elif key in _RUN_FIELD or key == "no_progress":
+                elif key in _RUN_FIELD or key in ("no_progress", "agent"):
                     run[key] = value
                 elif key not in _ALIASES:
                     errors.append(unknown_flag_message(key))
@@ -154,6 +158,16 @@ class TrainerConfig:
                 raise ConfigError(f"--reward and --env {named[-1]} both say what the task is: --reward scores "
                                   f"completions with the {REWARD_ENVIRONMENT} environment; give one of them")
             cfg.train.agent_path = REWARD_ENVIRONMENT
+        agent = run.get("agent")
+        named = [layer.get("env") or layer.get("train.agent_path") for layer in (file, given)]
+        named = [n for n in named if n is not None]
+        if agent is not None and not any("agent" in layer for layer in (file, given)) and (rewards or named):
+            agent = None  # a preset's agent is the preset's environment: an --env or --reward replaces it
+        if agent is not None:  # an agent function is an environment of its own too
+            if rewards or (named and named[-1] != AGENT_ENVIRONMENT):
+                raise ConfigError(f"--agent and --{'reward' if rewards else 'env ' + str(named[-1])} both say what the "
+                                  "task is: the agent function's return value is the reward; give one of them")
+            cfg.train.agent_path = AGENT_ENVIRONMENT
         # A preset's environment arguments belong to the preset's environment: an --env that replaces it
         # (a user's class, perhaps with a plain constructor) does not get them.
         preset_env = preset.get("train.agent_path") or preset.get("env")
@@ -161,6 +175,8 @@ class TrainerConfig:
         given_kwargs = any("env.kwargs" in layer for layer in (file, given))
         if "env.kwargs" in preset and not given_kwargs and cfg.train.agent_path != preset_env:
             dropped, env_kwargs = env_kwargs, {}
+        if agent is not None:
+            env_kwargs = {**env_kwargs, "agent": agent}
         overwrite = bool(run.get("overwrite", False))
         if overwrite and run.get("resume"):
             raise ConfigError("--overwrite and --resume contradict each other: --resume continues the run in --output, "
@@ -312,6 +328,8 @@ _ALIASES = {"model": "actor.model_name_or_path", "env": "train.agent_path"}
 
 #: The environment that --reward functions become.
 REWARD_ENVIRONMENT = "reward_functions"
+#: The environment that an --agent function becomes.
+AGENT_ENVIRONMENT = "agent"
 
 #: Every flag, in section order, from the sections' fields.
 FLAGS = flag_table(TrainerConfig)

@@ -54,6 +54,8 @@ BUILTIN_ENVIRONMENTS = {
     "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
     # Plain reward functions over a prompt dataset (--reward MODULE:FUNC chooses it).
     "reward_functions": "flashreinforce.envs.rewards:RewardFunctionEnv",
+    # An agent function written against the OpenAI chat API (--agent FILE.py:FUNC chooses it).
+    "agent": "flashreinforce.envs.agent_env:AgentEnvironment",
 }
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -207,12 +209,18 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     builtin = spec in BUILTIN_ENVIRONMENTS
     cls = environment_class(spec)
     kwargs = dict(env_kwargs)
+    if spec.startswith(REASONING_GYM_PREFIX):  # the task's own generator makes the prompt set
+        kwargs["task"] = spec[len(REASONING_GYM_PREFIX):]
+        if flat.get("data.prompt_dataset") is not None:
+            raise ValueError(f"environment {spec!r} makes its own prompt set (size and seed in env.kwargs); it takes "
+                             "no data.prompt_dataset or eval.dataset")
     if flat.get("max_turns") is not None:
         kwargs.setdefault("max_turns", flat["max_turns"])
     if apply_chat_template is not None:
         kwargs.setdefault("apply_chat_template", apply_chat_template)
     dataset = flat.get("data.prompt_dataset")
-    if dataset is None and builtin and issubclass(cls, TaskEnvironment):  # textworld generates its own games
+    # textworld generates its own games; an agent without a dataset gets the seed as its row
+    if dataset is None and builtin and issubclass(cls, TaskEnvironment) and getattr(cls, "needs_dataset", True):
         raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file, a datasets "
                          "save_to_disk folder, a list of dicts or a datasets.Dataset)")
     if dataset is None:
@@ -294,10 +302,17 @@ def _load_file(path: str, class_name: str) -> str:
     return f"{name}:{class_name}"
 
 
+#: ``--env reasoning_gym:TASK``: a task of the reasoning-gym library (the task's name goes to the environment).
+REASONING_GYM_PREFIX = "reasoning_gym:"
+REASONING_GYM_ENVIRONMENT = "flashreinforce.envs.reasoning_gym_env:ReasoningGymEnv"
+
+
 def _canonical(spec: str) -> str:
     """``spec`` as ``module:Class`` (shipped names looked up, files imported)."""
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec]
+    if spec.startswith(REASONING_GYM_PREFIX):
+        return REASONING_GYM_ENVIRONMENT
     if spec.endswith(".py"):
         return _load_file(spec, "")
     if ".py:" in spec:
@@ -357,4 +372,5 @@ class EnvSpec:
                 return make_environment(spec, config, apply_chat_template=chat, **kwargs)
             return make_environment(spec, config, **kwargs)
 
+        build.env_spec = self  # what the trainer reads to choose the rollout worker (agents)
         return build

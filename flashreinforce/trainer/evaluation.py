@@ -18,9 +18,10 @@ from typing import Any, Callable
 from flashreinforce.engines import SamplingParams, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
 from flashreinforce.trainer.buffer import Ticket
+from flashreinforce.trainer.agent_rollout import worker_class
 from flashreinforce.trainer.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.outcomes import episode_means
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout import RolloutSettings
 
 __all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds", "progress_lines"]
 
@@ -79,7 +80,7 @@ class Evaluator:
         settings.sampling = sampling
         settings.seed = seed
         engine = create_engine("hf", model, pad_token_id=tokenizer.pad_token_id, version=-1)
-        self.worker = RolloutWorker(-1, engine, env_factory, tokenizer, None, weights, settings)
+        self.worker = worker_class(env_factory)(-1, engine, env_factory, tokenizer, None, weights, settings)
         self.seeds = list(seeds)
         self.n_samples = n_samples
         self.episodes_per_call = max(1, int(episodes_per_call))

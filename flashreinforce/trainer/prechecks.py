@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config.trainer_config import AGENT_ENVIRONMENT
 
 __all__ = ["check_before_model"]
 
@@ -24,7 +25,8 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
     rows are cached for it), ``--resume`` (a checkpoint to resume from under ``ckpt_dir``), the
     model (an alias's package, a run directory's checkpoint, a path that exists; skipped with
     ``model_given``: a model object) and ``--tokenizer``."""
-    from flashreinforce.envs.registry import EnvironmentSpecError, dataset_tasks, environment_class
+    from flashreinforce.envs.registry import (REASONING_GYM_PREFIX, EnvironmentSpecError, dataset_tasks,
+                                              environment_class)
 
     spec = cfg.train.agent_path
     if spec is None:
@@ -37,6 +39,23 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
         raise ConfigError(f"--env {spec!r}: cannot import it: {type(err).__name__}: {err}") from None
     except TypeError as err:
         raise ConfigError(f"--env {spec!r}: {err}") from None
+    if spec.startswith(REASONING_GYM_PREFIX):  # the package and the task's name, before the model loads
+        from flashreinforce.envs.reasoning_gym_env import check_task
+
+        check_task(spec[len(REASONING_GYM_PREFIX):])
+        for flag, dataset in (("--data.prompt_dataset", cfg.data.prompt_dataset), ("--eval.dataset", cfg.eval.dataset)):
+            if dataset is not None:
+                raise ConfigError(f"{flag}: --env {spec} makes its own prompt set from the task's generator (its size "
+                                  "and seed in --env.kwargs); give no dataset")
+    if spec == AGENT_ENVIRONMENT and cfg.env_kwargs.get("agent") is not None:  # --agent's file and function
+        from flashreinforce.agents.server import require_server_packages
+        from flashreinforce.envs.agent_env import load_agent
+
+        try:
+            require_server_packages()
+        except ImportError as err:
+            raise ConfigError(f"--agent: {err}") from None
+        load_agent(cfg.env_kwargs["agent"])  # AgentSpecError is a ConfigError naming --agent
     if cfg.rewards:
         from flashreinforce.envs.rewards import RewardSpecError, load_reward
 

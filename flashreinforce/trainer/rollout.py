@@ -283,15 +283,16 @@ class RolloutWorker:
                 continue
             e.start(ids)
 
-    def _engine_call(self, requests: list[GenerationRequest], should_pause) -> list[Any]:
-        """One ``generate`` call; where it fails as a whole, its requests one at a time (an exception
-        in place of each request the engine failed on)."""
-        s = self.settings
+    def _engine_call(self, requests: list[GenerationRequest], should_pause,
+                     params: SamplingParams | None = None) -> list[Any]:
+        """One ``generate`` call (``params``: the run's sampling when ``None``); where it fails as a
+        whole, its requests one at a time (an exception in place of each request the engine failed on)."""
+        params = self.settings.sampling if params is None else params
         kwargs = {} if should_pause is None else {"should_pause": should_pause}
         self._engine_call_since = ("engine.generate", time.monotonic())
         try:
             try:
-                gens = list(self.engine.generate(requests, s.sampling, **kwargs))
+                gens = list(self.engine.generate(requests, params, **kwargs))
                 if len(gens) != len(requests):
                     raise RuntimeError(f"the engine returned {len(gens)} generations for {len(requests)} requests")
                 self.engine_failures_in_a_row = 0
@@ -303,7 +304,7 @@ class RolloutWorker:
                 out = []
                 for r in requests:
                     try:
-                        out.append(self.engine.generate([r], s.sampling, **kwargs)[0])
+                        out.append(self.engine.generate([r], params, **kwargs)[0])
                     except Exception as err:
                         out.append(err)
             if all(isinstance(g, BaseException) for g in out):
@@ -344,12 +345,18 @@ class RolloutWorker:
                                       episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.turns),
                                       stop=turn_stop(e.env, self.tokenizer))
                     for e in live]
+        return self._sample(requests)
+
+    def _sample(self, requests: list[GenerationRequest], params: SamplingParams | None = None) -> list[Any]:
+        """One :class:`TurnSample` per request (an exception in place of those the engine failed on),
+        sampled with ``params`` (the run's sampling when ``None``); paused turns are continued."""
+        s = self.settings
         pause = self._newer_weights_waiting if s.inflight_weight_updates and self.engine.can_pause else None
         stop = self._stop
         if stop is not None and self.engine.can_pause:  # a stopping run does not wait for a long generation
             pause = stop.is_set if pause is None else (lambda newer=pause: stop.is_set() or newer())
         out: list[Any] = [g if isinstance(g, BaseException) else TurnSample.of(g)
-                          for g in self._engine_call(requests, pause)]
+                          for g in self._engine_call(requests, pause, params)]
         paused = [k for k, t in enumerate(out) if isinstance(t, TurnSample) and t.finish_reason == "paused"]
         while paused:
             if stop is not None and stop.is_set():
@@ -360,7 +367,7 @@ class RolloutWorker:
                                       requests[k].max_new_tokens - len(out[k].token_ids),
                                       requests[k].seed + len(out[k].token_ids),
                                       stop=_continued_stop(requests[k].stop, out[k].token_ids)) for k in paused]
-            for k, g in zip(paused, self._engine_call(more, pause)):
+            for k, g in zip(paused, self._engine_call(more, pause, params)):
                 if isinstance(g, BaseException):
                     out[k] = g
                 else:

@@ -18,6 +18,7 @@ from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine,
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
+from flashreinforce.trainer.agent_rollout import worker_class
 from flashreinforce.trainer.learner import PolicyLearner
 from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
 from flashreinforce.trainer.rollout_pool import RolloutBackend, ThreadRolloutPool
@@ -46,6 +47,9 @@ class RolloutSide:
         kind = engine_kind(cfg.rollout.engine)
         num_workers = kind.num_workers(cfg)
         if self.ray is not None:
+            if worker_class(env_factory) is not RolloutWorker:
+                raise ConfigError("--agent runs on --rollout.backend local (each worker serves its agents' calls "
+                                  "from its own endpoint); give --rollout.backend local")
             from flashreinforce.distributed.ray import WorkerRecipe
 
             recipe = WorkerRecipe(model_config=model_config, engine=kind.name, tokenizer=tokenizer, env=env_spec,
@@ -65,7 +69,8 @@ class RolloutSide:
             else:  # no weights yet (version -1): the first sync before generating loads the newest ones
                 engine = create_engine(kind.name, model_config, pad_token_id=tokenizer.pad_token_id,
                                        options=engine_options)
-            workers.append(RolloutWorker(i, engine, env_factory, tokenizer, self.buffer, self.weights, settings))
+            workers.append(worker_class(env_factory)(i, engine, env_factory, tokenizer, self.buffer, self.weights,
+                                                     settings))
         return ThreadRolloutPool(workers)
 
     def close(self) -> None:

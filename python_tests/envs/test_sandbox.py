@@ -199,7 +199,9 @@ def test_file_metadata_changes_are_refused_even_inside():
 def test_own_priority_may_be_lowered_but_not_a_group_or_user():
     # os.nice is setpriority(PRIO_PROCESS, 0); PRIO_PGRP and PRIO_USER with who 0 would reach the
     # caller's process group and every process of its uid (the attack suite tries every form).
-    code = ("import os\nos.nice(3)\nprint(os.getpriority(os.PRIO_PROCESS, 0))\n"
+    # The test may itself run niced (nice -n 10 pytest): the child starts at the caller's niceness.
+    code = ("import os\nbefore = os.getpriority(os.PRIO_PROCESS, 0)\nos.nice(3)\n"
+            "print(os.getpriority(os.PRIO_PROCESS, 0) - before)\n"
             "for which in (os.PRIO_PGRP, os.PRIO_USER):\n"
             "    try:\n        os.setpriority(which, 0, 19)\n    except PermissionError:\n        print('refused')")
     result = run_python(code, timeout_s=10, audit_hook=False)

@@ -1,0 +1,182 @@
+"""An agent function as the task: ``--agent FILE.py:FUNC`` (``--env agent``).
+
+An agent is a program written against the OpenAI chat API: ``FUNC(client, row)`` gets an
+``openai.OpenAI`` client whose ``base_url`` is the rollout worker's endpoint for this episode and one
+row of the prompt dataset (a dict: the row's fields, its prompt under ``prompt``; without a dataset
+``{"seed": SEED}``, so that the function can make its own problem from the seed). It calls
+``client.chat.completions.create(...)`` as often as it likes, runs its tools, and returns the
+reward: a number, or a dict ``{"reward": number, "failed": bool (optional), "info": {name: number}
+(optional)}``. An ``async def`` function gets an ``openai.AsyncOpenAI`` client. A function that takes
+a ``base_url`` parameter also gets the URL (for frameworks that build their own client).
+
+This module holds what the environments layer knows of an agent: the function (loaded from its
+spec), the rows, the endpoint's options and the check of what the function returned. The episodes
+are run by :class:`flashreinforce.trainer.agent_rollout.AgentRolloutWorker`, which serves the calls
+with the worker's engine (:mod:`flashreinforce.agents`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Mapping, Sequence
+
+from flashreinforce.config import ConfigError
+from flashreinforce.envs.base import StepResult
+from flashreinforce.envs.registry import ImportFileError, import_failure, import_file, import_module
+from flashreinforce.envs.tasks import Task, TaskEnvironment
+
+__all__ = ["AgentEnvironment", "AgentOutcome", "AgentSpecError", "agent_environment", "check_agent_result",
+           "load_agent", "agent_spec"]
+
+#: The ``--env`` name of agent functions (``--agent`` chooses it).
+AGENT_ENVIRONMENT = "agent"
+
+
+class AgentSpecError(ConfigError):
+    """An agent spec that names nothing usable (one line naming ``--agent``; a ``ValueError``)."""
+
+
+def load_agent(spec: str | Callable) -> Callable:
+    """The function ``spec`` names (``FILE.py:FUNC`` or ``MODULE:FUNC``), or ``spec`` itself when callable."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or ":" not in spec:
+        raise AgentSpecError(f"--agent {spec!r}: expected FILE.py:FUNC or MODULE:FUNC")
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise AgentSpecError(f"--agent {spec!r}: expected FILE.py:FUNC or MODULE:FUNC")
+    if where.endswith(".py"):
+        try:
+            module = import_file(where, "flashreinforce_agentfn_")
+        except FileNotFoundError:
+            raise AgentSpecError(f"--agent {spec}: {where} does not exist") from None
+        except ImportFileError as err:
+            raise AgentSpecError(f"--agent {spec}: {err}") from None
+    else:
+        try:
+            module = import_module(where)
+        except ModuleNotFoundError as err:
+            raise AgentSpecError(f"--agent {spec}: cannot import {where} ({err})") from None
+        except (Exception, SystemExit) as err:
+            raise AgentSpecError(f"--agent {spec}: {import_failure(where, err)}") from None
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise AgentSpecError(f"--agent {spec}: {where} has no {name}")
+    if not callable(fn):
+        raise AgentSpecError(f"--agent {spec}: {where}.{name} is not callable")
+    return fn
+
+
+def agent_spec(agent: Any) -> Any:
+    """How a run records an agent: a spec string as given, a module-level function as ``MODULE:FUNC``,
+    anything else (a lambda, a function defined inside another) as the object itself."""
+    if isinstance(agent, str):
+        return agent
+    qualname = getattr(agent, "__qualname__", "")
+    module = getattr(agent, "__module__", None)
+    if module and qualname and "<" not in qualname and module != "__main__":
+        return f"{module}:{qualname}"
+    return agent
+
+
+class AgentOutcome:
+    """A checked agent result: ``reward``, ``failed`` (``None``: ``reward <= 0``) and numeric ``info``."""
+
+    def __init__(self, reward: float, failed: bool | None, info: Mapping[str, float]) -> None:
+        self.reward, self.failed, self.info = reward, failed, dict(info)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def check_agent_result(value: Any, name: str) -> AgentOutcome:
+    """``value`` as an :class:`AgentOutcome`, or ``ValueError`` saying what is wrong with it."""
+    if _number(value):
+        return AgentOutcome(float(value), None, {})
+    if not isinstance(value, Mapping):
+        raise ValueError(f"agent {name} returned {type(value).__name__} {str(value)[:80]!r}; expected a finite "
+                         "number or a dict with 'reward'")
+    if "reward" not in value or not _number(value["reward"]):
+        raise ValueError(f"agent {name} returned a dict whose 'reward' is {value.get('reward')!r}; expected a "
+                         "finite number")
+    unknown = sorted(set(value) - {"reward", "failed", "info"})
+    if unknown:
+        raise ValueError(f"agent {name} returned a dict with unknown keys {unknown} (reward, failed, info)")
+    failed = value.get("failed")
+    if failed is not None and not isinstance(failed, bool):
+        raise ValueError(f"agent {name} returned 'failed' {failed!r}; expected a bool")
+    info = value.get("info") or {}
+    if not isinstance(info, Mapping) or not all(isinstance(k, str) and (_number(v) or isinstance(v, bool))
+                                                for k, v in info.items()):
+        raise ValueError(f"agent {name} returned 'info' that is not a dict of numbers")
+    return AgentOutcome(float(value["reward"]), failed, {k: float(v) for k, v in info.items()})
+
+
+class AgentEnvironment(TaskEnvironment):
+    """The rows and options of an agent run (see the module docstring); never stepped.
+
+    Args:
+        agent: the function or its spec (``FILE.py:FUNC``, ``MODULE:FUNC``).
+        tasks: the rows (from ``data.prompt_dataset``); without them each episode's row is ``{"seed": SEED}``.
+        tool_parser: how tool calls are read from the model's text (:mod:`flashreinforce.agents.toolcalls`).
+        host, port: where each rollout worker's endpoint listens (127.0.0.1; port 0: any free port,
+            else worker ``i`` listens on ``port + i``).
+        batch_wait_s: how long a call may wait for the calls of other episodes to join its batch.
+        model_name: the name ``/v1/models`` lists (any name is accepted in requests).
+        max_turns: the model calls one episode may make; a call beyond it is refused (400) and the
+            episode counts as truncated.
+    """
+
+    default_max_turns = 16
+    uses_label = False  # the label is one more field of the row
+    needs_dataset = False  # without one, each episode's row is {"seed": SEED}
+
+    def __init__(self, agent: str | Callable, tasks: Sequence[Task] | None = None, *, tool_parser: str = "hermes",
+                 host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.05, model_name: str = "policy",
+                 max_turns: int | None = None) -> None:
+        super().__init__(tasks)
+        self.agent = load_agent(agent)
+        self.agent_name = getattr(self.agent, "__qualname__", repr(self.agent))
+        self.is_async = inspect.iscoroutinefunction(self.agent) or inspect.iscoroutinefunction(
+            getattr(self.agent, "__call__", None))
+        try:
+            params = inspect.signature(self.agent).parameters
+        except (TypeError, ValueError):
+            params = {}
+        self.takes_base_url = "base_url" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                                          for p in params.values())
+        if not isinstance(tool_parser, str) or not tool_parser:
+            raise ValueError(f"tool_parser must be a parser's name, got {tool_parser!r}")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+        if not (isinstance(batch_wait_s, (int, float)) and 0 <= batch_wait_s <= 10):
+            raise ValueError(f"batch_wait_s must be a number of seconds in [0, 10], got {batch_wait_s!r}")
+        self.tool_parser, self.host, self.port = tool_parser, host, port
+        self.batch_wait_s, self.model_name = float(batch_wait_s), model_name
+        self.max_turns = max_turns if max_turns is not None else self.default_max_turns
+        self.row: dict[str, Any] = {}
+
+    def reset(self, *, seed: int) -> str:
+        if self._next_task is None and self.tasks is None:
+            self.task = Task(prompt="", index=seed)
+            self.row = {"seed": seed}
+            return ""
+        return super().reset(seed=seed)
+
+    def start(self, task: Task) -> str:
+        prompt = task.prompt if isinstance(task.prompt, str) else [dict(m) for m in task.prompt]
+        self.row = {"prompt": prompt, **dict(task.extra)}
+        return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+    def step(self, action: str) -> StepResult:
+        raise RuntimeError("AgentEnvironment is played by the agent function (AgentRolloutWorker), not stepped")
+
+
+def agent_environment(env: Any) -> AgentEnvironment | None:
+    """The :class:`AgentEnvironment` inside ``env`` (a dataset wrapper unwrapped), or ``None``."""
+    while env is not None and not isinstance(env, AgentEnvironment):
+        env = getattr(env, "env", None)
+    return env

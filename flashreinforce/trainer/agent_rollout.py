@@ -1,0 +1,527 @@
+"""Rollout workers that run agent functions: the calls they make to the worker's endpoint are sampled
+by the worker's engine and recorded token for token into trajectories.
+
+An :class:`AgentRolloutWorker` is a :class:`~flashreinforce.trainer.rollout.RolloutWorker` whose
+episodes are calls of the run's agent function (:mod:`flashreinforce.envs.agent_env`). It owns an
+:class:`~flashreinforce.agents.server.AgentServer` (started at its first episode, on 127.0.0.1) and,
+for each episode, hands the function a client whose ``base_url`` names that episode. Many episodes
+run at once (``rollout.env_parallel_calls``: each synchronous function in a thread of its own, each
+``async def`` one as a task on the worker's event loop). The worker thread alone touches the engine:
+it collects the pending calls of all its episodes and samples them in one ``generate`` call per
+sampling setting, when every running episode is waiting for the model, when the oldest call has
+waited ``batch_wait_s``, or when ``rollout.vllm_generate_batch_size`` calls are waiting. Newer
+weights are loaded before each such call, and in-flight weight updates continue paused turns as for
+environments.
+
+Trajectories (:mod:`flashreinforce.agents.chat`): the calls that continue one conversation make one
+trajectory (each call's prompt tokens not yet in it are context, its sampled tokens are actions);
+an episode whose agent started another conversation or rewrote the history gives one trajectory
+per conversation, each with the episode's reward (``info['history_rewrites']``). Tokens of a call
+sampled with other settings than the run's (``temperature`` or ``top_p`` of its own, or greedy) are
+context, not actions: the learner scores actions at the run's temperature. A response's
+``usage.completion_tokens`` is the number of its sampled tokens that are actions.
+
+Faults stay with their episode: an agent that raises, returns something that is not a reward, makes
+no model call, or spends more than ``rollout.env_timeout_s`` without calling the model or returning
+is quarantined like an environment (its thread or task abandoned; any later call of it is answered
+409); a request the endpoint cannot serve is answered with an OpenAI-style error the agent may catch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import math
+import secrets
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from flashreinforce.agents.chat import ChatRenderer, Conversations, Prompt
+from flashreinforce.agents.protocol import APIError, chat_response, completion_response
+from flashreinforce.agents.server import AgentServer, PendingCall
+from flashreinforce.agents.toolcalls import get_parser
+from flashreinforce.config import ConfigError
+from flashreinforce.engines.base import GenerationRequest, SamplingParams
+from flashreinforce.envs.agent_env import AGENT_ENVIRONMENT, AgentEnvironment, agent_environment, check_agent_result
+from flashreinforce.envs.registry import environment_class
+from flashreinforce.trainer.buffer import Ticket
+from flashreinforce.trainer.fault_records import QuarantinedEpisode
+from flashreinforce.trainer.rollout import RolloutWorker, _Stopped, episode_seed
+from flashreinforce.trainer.trajectory import Trajectory
+
+__all__ = ["AgentRolloutWorker", "is_agent_spec", "worker_class"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds an agent's client waits for an answer (the learner's evaluation may pause the rollouts).
+CLIENT_TIMEOUT_S = 3600.0
+
+
+def is_agent_spec(spec: str | None) -> bool:
+    """Whether the environment spec ``spec`` names agent functions."""
+    if spec is None:
+        return False
+    if spec == AGENT_ENVIRONMENT:
+        return True
+    try:
+        return issubclass(environment_class(spec), AgentEnvironment)
+    except Exception:
+        return False
+
+
+def worker_class(env_factory: Callable) -> type[RolloutWorker]:
+    """The rollout worker class for environments built by ``env_factory`` (an agent run's factory
+    carries its spec as ``env_spec``)."""
+    spec = getattr(getattr(env_factory, "env_spec", None), "spec", None)
+    return AgentRolloutWorker if is_agent_spec(spec) else RolloutWorker
+
+
+@dataclass
+class _Segment:
+    """The tokens of one conversation of an episode (one trajectory)."""
+
+    tokens: list[int]
+    mask: list[bool]
+    logp: list[float]
+    versions: list[int]
+    calls: int = 0
+
+    @staticmethod
+    def context_only(ids: Sequence[int]) -> "_Segment":
+        n = len(ids)
+        return _Segment(list(ids), [False] * n, [0.0] * n, [-1] * n)
+
+    def add(self, ids: Sequence[int], logp: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
+        self.tokens.extend(int(t) for t in ids)
+        acting = logp is not None
+        self.mask.extend([acting] * len(ids))
+        self.logp.extend(logp if acting else [0.0] * len(ids))
+        self.versions.extend(versions if acting else [-1] * len(ids))
+
+
+@dataclass
+class _Call:
+    """A call being served: the pending request, its episode, the prompt and what goes to the engine."""
+
+    pending: PendingCall
+    episode: "AgentEpisode"
+    prompt: Prompt
+    request: GenerationRequest
+    params: SamplingParams
+    on_policy: bool
+
+
+class AgentEpisode:
+    """One agent episode in progress (its conversations, counters and the running function)."""
+
+    def __init__(self, ticket: Ticket, sample_index: int, slot: int) -> None:
+        self.ticket, self.sample_index, self.slot = ticket, sample_index, slot
+        self.id = secrets.token_hex(12)
+        self.env: AgentEnvironment | None = None
+        self.conversations: Conversations | None = None
+        self.segments: dict[int, _Segment] = {}
+        self.pending: list[PendingCall] = []
+        self.counts = {"agent_calls": 0, "tool_calls": 0, "malformed_tool_calls": 0, "history_rewrites": 0,
+                       "mismatched_renderings": 0, "off_policy_calls": 0, "refused_calls": 0, "length_finishes": 0}
+        self.truncated = False
+        self.future: concurrent.futures.Future | None = None
+        self.last_activity = time.monotonic()
+        self.done = False
+        self.quarantined: QuarantinedEpisode | None = None
+        self.result: list[Trajectory] = []
+
+
+class AgentRolloutWorker(RolloutWorker):
+    """A rollout worker whose episodes are agent-function calls (see the module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server: AgentServer | None = None
+        self._renderer: ChatRenderer | None | bool = False  # False: not built yet (None: no chat template)
+        self._live: dict[str, AgentEpisode] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.agent_counters = {"agent_calls": 0, "tool_calls": 0, "malformed_tool_calls": 0, "history_rewrites": 0,
+                               "mismatched_renderings": 0, "agent_timeouts": 0, "agent_largest_batch": 0}
+        probe = agent_environment(self._env(0))
+        if probe is None:
+            raise TypeError("AgentRolloutWorker needs agent environments (--agent FILE.py:FUNC)")
+        try:
+            self._parser = get_parser(probe.tool_parser)
+        except ValueError as err:
+            raise ConfigError(f"--env.kwargs tool_parser: {err}") from None
+
+    # ------------------------------------------------------------------ endpoint and functions
+    def _ensure_server(self) -> AgentServer:
+        if self.server is None:
+            env = agent_environment(self._env(0))
+            port = env.port + max(0, self.worker_id) if env.port else 0
+            self.server = AgentServer(host=env.host, port=port, model_name=env.model_name)
+            self.server.start()
+            for name in ("httpx", "httpx2"):  # the agents' clients log every request at INFO
+                logging.getLogger(name).setLevel(logging.WARNING)
+            log.info("worker %d: agent endpoint on %s", self.worker_id, self.server.root_url)
+        return self.server
+
+    @property
+    def renderer(self) -> ChatRenderer | None:
+        if self._renderer is False:
+            hf = getattr(self.tokenizer, "tok", None)
+            try:
+                self._renderer = ChatRenderer(hf, self.settings.sampling.stop_token_ids) if hf is not None else None
+            except ValueError:
+                self._renderer = None
+        return self._renderer
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name=f"agent-loop-{self.worker_id}", daemon=True).start()
+            self._loop = loop
+        return self._loop
+
+    def _start(self, e: AgentEpisode) -> None:
+        import openai
+
+        env = e.env
+        url = self.server.base_url(e.id)
+        kwargs = {"base_url": url} if env.takes_base_url else {}
+        row = dict(env.row)
+        e.last_activity = time.monotonic()
+        if env.is_async:
+            async def play():
+                client = openai.AsyncOpenAI(base_url=url, api_key="flashreinforce", max_retries=0,
+                                            timeout=CLIENT_TIMEOUT_S)
+                e.last_activity = time.monotonic()  # the client's set-up is not the agent's time
+                try:
+                    return await env.agent(client, row, **kwargs)
+                finally:
+                    await client.close()
+
+            e.future = asyncio.run_coroutine_threadsafe(play(), self._event_loop())
+            return
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def play_sync() -> None:
+            client = openai.OpenAI(base_url=url, api_key="flashreinforce", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+            e.last_activity = time.monotonic()  # the client's set-up (slow on a loaded machine) is not the agent's time
+            try:
+                outcome = (future.set_result, env.agent(client, row, **kwargs))
+            except BaseException as err:  # handed to the worker, which quarantines the episode
+                outcome = (future.set_exception, err)
+            finally:
+                client.close()
+            try:
+                outcome[0](outcome[1])
+            except concurrent.futures.InvalidStateError:  # cancelled: the worker gave up on it (timeout, stop)
+                pass
+
+        e.future = future
+        threading.Thread(target=play_sync, name=f"agent-{self.worker_id}-{e.ticket.prompt_id}", daemon=True).start()
+
+    # ------------------------------------------------------------------ episode outcomes
+    def _drop(self, e: AgentEpisode, kind: str, reason: str, err: BaseException | None = None,
+              retry: bool = True) -> None:
+        """Quarantine ``e``: its calls still waiting are answered 409, later ones too."""
+        e.done = True
+        if self.server is not None:
+            self.server.live.discard(e.id)
+        e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry)
+        self.quarantined += 1
+        self.errors += 1
+        detail = "".join(traceback.format_exception(err)) if err is not None else ""
+        self.last_error = f"{reason}\n{detail}" if detail else reason
+        self._problems.report(kind, "worker %d: agent episode of prompt %d quarantined: %s%s", self.worker_id,
+                              e.ticket.prompt_id, reason, f"\n{detail}" if detail else "")
+        for call in e.pending:
+            call.fail(APIError(409, f"this episode has ended ({reason})", code="episode_ended"))
+        e.pending.clear()
+
+    def _finish(self, e: AgentEpisode) -> None:
+        err = e.future.exception()
+        name = e.env.agent_name
+        if err is not None:
+            self._drop(e, f"agent raised {type(err).__name__}", f"agent {name} raised {type(err).__name__}: {err}", err)
+            return
+        value = e.future.result()
+        try:
+            if hasattr(value, "__await__"):
+                raise ValueError(f"agent {name} returned an awaitable: declare the function async def")
+            outcome = check_agent_result(value, name)
+        except ValueError as bad:
+            self._drop(e, "agent returned a wrong type", str(bad))
+            return
+        segments = [s for s in e.segments.values() if any(s.mask)]
+        if not segments:
+            what = "made no model call" if not e.counts["agent_calls"] else "sampled no token the run trains on"
+            self._drop(e, f"agent {what}", f"agent {name} {what} (nothing to train on)", retry=False)
+            return
+        e.done = True
+        self.server.live.discard(e.id)
+        for call in e.pending:  # an async agent that returned with a call still out
+            call.fail(APIError(409, "this episode has ended (the agent returned)", code="episode_ended"))
+        e.pending.clear()
+        failed = outcome.failed if outcome.failed is not None else outcome.reward <= 0
+        info = {**outcome.info, **e.counts, "trajectories_of_episode": len(segments)}
+        for k, v in e.counts.items():
+            if k in self.agent_counters:
+                self.agent_counters[k] += v
+        for seg in segments:
+            sampled = [v for v, m in zip(seg.versions, seg.mask) if m]
+            e.result.append(Trajectory(
+                token_ids=seg.tokens, action_mask=seg.mask, behavior_log_probs=seg.logp, reward=outcome.reward,
+                failed=bool(failed), truncated=e.truncated, policy_version_min=min(sampled),
+                policy_version_max=max(sampled), prompt_id=e.ticket.prompt_id, seed=e.ticket.seed,
+                sample_index=e.sample_index, num_turns=seg.calls, worker_id=self.worker_id,
+                info={**info, "action_tokens": len(sampled)}, token_versions=list(seg.versions)))
+
+    # ------------------------------------------------------------------ calls
+    def _collect(self, timeout: float) -> None:
+        """Move the endpoint's queued calls onto their episodes (waiting up to ``timeout`` for the first)."""
+        q = self.server.calls
+        try:
+            call = q.get(timeout=timeout) if timeout > 0 else q.get_nowait()
+        except Exception:  # queue.Empty
+            return
+        while call is not None:
+            e = self._live.get(call.episode)
+            if e is None:
+                call.fail(APIError(404, "no running episode has this id (it ended, or the URL is not one the trainer "
+                                        "handed out)", code="episode_not_found"))
+            elif e.done:
+                call.fail(APIError(409, "this episode has ended", code="episode_ended"))
+            else:
+                e.pending.append(call)
+            try:
+                call = q.get_nowait()
+            except Exception:
+                call = None
+
+    def _prepare(self, call: PendingCall, e: AgentEpisode) -> _Call:
+        s, req = self.settings, call.request
+        if e.counts["agent_calls"] >= e.env.max_turns:
+            e.truncated = True
+            raise APIError(400, f"this episode has made its {e.env.max_turns} model calls (rollout.max_turns)",
+                           code="max_turns_exceeded")
+        try:
+            if req.kind == "chat":
+                if self.renderer is None:
+                    raise APIError(400, "the tokenizer has no chat template: use /v1/completions")
+                prompt = e.conversations.prompt_for_chat(req.messages, req.tools)
+            else:
+                encode = getattr(self.tokenizer, "tok", None)
+                prompt = e.conversations.prompt_for_text(
+                    req.prompt_text, req.prompt_ids,
+                    (lambda t: list(encode(t, add_special_tokens=False)["input_ids"])) if encode is not None
+                    else self.tokenizer.encode_observation)
+        except APIError:
+            raise
+        except Exception as err:  # the template or the tokenizer on what the agent sent
+            raise APIError(400, f"the messages cannot be rendered: {type(err).__name__}: {err}") from None
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in prompt.ids):
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        if len(prompt.ids) >= s.max_len:
+            e.truncated = True
+            raise APIError(400, f"the prompt has {len(prompt.ids)} tokens and leaves no room for an answer in "
+                                f"data.max_len {s.max_len}", code="context_length_exceeded", param="messages")
+        max_new = min(s.max_new_tokens, s.max_len - len(prompt.ids), req.max_tokens or s.max_new_tokens)
+        run = s.sampling
+        params = SamplingParams(run.temperature if req.temperature is None else req.temperature,
+                                run.top_p if req.top_p is None else req.top_p, run.top_k, run.stop_token_ids)
+        on_policy = params == run
+        seed = episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.counts["agent_calls"])
+        e.counts["agent_calls"] += 1
+        stop = None
+        if req.stop:
+            decode, strings = self.tokenizer.decode, list(req.stop)
+            stop = lambda ids: any(x in decode(ids) for x in strings)  # noqa: E731
+        return _Call(call, e, prompt, GenerationRequest(prompt.ids, max_new, seed, stop=stop), params, on_policy)
+
+    def _serve(self, episodes: list[AgentEpisode]) -> None:
+        """Answer every pending call of ``episodes``: one ``generate`` call per sampling setting."""
+        prepared: list[_Call] = []
+        for e in episodes:
+            calls, e.pending = e.pending, []
+            for call in calls:
+                try:
+                    prepared.append(self._prepare(call, e))
+                except APIError as err:
+                    e.counts["refused_calls"] += 1
+                    e.last_activity = time.monotonic()
+                    call.fail(err)
+        groups: dict[SamplingParams, list[_Call]] = {}
+        for c in prepared:
+            groups.setdefault(c.params, []).append(c)
+        for params, items in groups.items():
+            self.agent_counters["agent_largest_batch"] = max(self.agent_counters["agent_largest_batch"], len(items))
+            results = self._sample([c.request for c in items], params)
+            for c, result in zip(items, results):
+                if c.episode.done:
+                    c.pending.fail(APIError(409, "this episode has ended", code="episode_ended"))
+                elif isinstance(result, BaseException):
+                    c.pending.fail(APIError(500, f"the engine failed on this call: {type(result).__name__}: {result}",
+                                            type="server_error"))
+                    self._drop(c.episode, f"engine.generate raised {type(result).__name__}",
+                               f"engine.generate raised {type(result).__name__}: {result}", result)
+                else:
+                    try:
+                        self._answer(c, result)
+                    except Exception as err:  # decoding what was sampled: the episode's fault, not the run's
+                        c.pending.fail(APIError(500, f"the answer could not be built: {type(err).__name__}: {err}",
+                                                type="server_error"))
+                        self._drop(c.episode, f"building the answer raised {type(err).__name__}",
+                                   f"building the answer raised {type(err).__name__}: {err}", err)
+
+    def _answer(self, c: _Call, t) -> None:
+        e, req, prompt = c.episode, c.pending.request, c.prompt
+        ids, logps, versions = [int(x) for x in t.token_ids], [float(x) for x in t.log_probs], [int(v) for v in t.versions]
+        if not ids:
+            raise ValueError("the engine returned an empty generation")
+        finish = t.finish_reason
+        decode = self.tokenizer.decode
+        text = decode(ids)
+        if req.stop:
+            hits = [(text.find(x), x) for x in req.stop if x in text]
+            if hits:
+                lo, hi = 1, len(ids)  # the shortest prefix holding a stop string
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    if any(x in decode(ids[:mid]) for x in req.stop):
+                        hi = mid
+                    else:
+                        lo = mid + 1
+                ids, logps, versions, finish = ids[:lo], logps[:lo], versions[:lo], "stop"
+                text = text[:min(hits)[0]]
+        stops = set(self.settings.sampling.stop_token_ids)
+        ended_with_stop = bool(ids) and ids[-1] in stops
+        if finish == "length":
+            e.counts["length_finishes"] += 1
+        finish_reason = "stop" if finish == "stop" else "length"
+        content, tool_calls = text, []
+        if req.kind == "chat" and req.parse_tools:
+            parsed = self._parser(text)
+            if parsed.malformed:
+                e.counts["malformed_tool_calls"] += 1
+            content, tool_calls = parsed.content, parsed.tool_calls
+            e.counts["tool_calls"] += len(tool_calls)
+            if tool_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        # The conversation may have moved on since this prompt was made (calls of one episode at once).
+        conv = prompt.conversation
+        if conv is not None and len(e.segments[conv.index].tokens) != len(prompt.ids) - len(prompt.context):
+            prompt.conversation, prompt.context, prompt.rewrite = None, list(prompt.ids), True
+        e.counts["history_rewrites"] += int(prompt.rewrite)
+        e.counts["mismatched_renderings"] += int(prompt.mismatch)
+        e.counts["off_policy_calls"] += int(not c.on_policy)
+        seg = _Segment.context_only(prompt.ids) if prompt.conversation is None else e.segments[prompt.conversation.index]
+        if prompt.conversation is not None:
+            seg.add(prompt.context)
+        seg.add(ids, logps if c.on_policy else None, versions if c.on_policy else None)
+        seg.calls += 1
+        message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+        conv = e.conversations.answered(prompt, ids, message, text, ended_with_stop)
+        e.segments[conv.index] = seg
+        trained = len(ids) if c.on_policy else 0
+        logprobs = None
+        if req.logprobs:
+            logprobs = []
+            for tok, lp in zip(ids, logps):
+                piece = self.tokenizer.decode([tok])
+                logprobs.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")),
+                                 "top_logprobs": []})
+        model = req.model
+        if req.kind == "chat":
+            body = chat_response(model, content, tool_calls, finish_reason, len(prompt.ids), trained, logprobs)
+        else:
+            body = completion_response(model, text, finish_reason, len(prompt.ids), trained, logprobs)
+        e.last_activity = time.monotonic()
+        c.pending.answer(200, body)
+
+    # ------------------------------------------------------------------ the episodes of some tickets
+    def run_tickets(self, tickets: Sequence[Ticket],
+                    stop: threading.Event | None = None) -> list[list[Trajectory | QuarantinedEpisode]]:
+        s = self.settings
+        self._stop = stop  # a stopping run does not wait for a long generation (RolloutWorker._sample)
+        self._ensure_server()
+        episodes = [AgentEpisode(t, j, slot) for slot, (t, j) in
+                    enumerate((t, j) for t in tickets for j in range(t.group_size))]
+        for e in episodes:
+            try:
+                env = self._env(e.slot)
+                env.reset(seed=e.ticket.seed)
+                e.env = agent_environment(env)
+                e.conversations = Conversations(self.renderer)
+            except Exception as err:
+                self._drop(e, f"preparing the agent's row raised {type(err).__name__}",
+                           f"preparing the agent's row raised {type(err).__name__}: {err}", err)
+        self._live = {e.id: e for e in episodes}
+        self.server.live.update(e.id for e in episodes if not e.done)
+        to_start = [e for e in episodes if not e.done]
+        running: list[AgentEpisode] = []
+        try:
+            while to_start or running:
+                if stop is not None and stop.is_set():
+                    raise _Stopped()
+                while to_start and len(running) < s.env_parallel_calls:
+                    e = to_start.pop(0)
+                    running.append(e)
+                    self._start(e)
+                self._collect(0.005)
+                now = time.monotonic()
+                for e in list(running):
+                    if e.done:
+                        running.remove(e)
+                    elif e.future.done():
+                        self._finish(e)
+                        running.remove(e)
+                    elif not e.pending and s.env_timeout_s and now - e.last_activity > s.env_timeout_s:
+                        e.future.cancel()  # an async agent's task; a thread is abandoned
+                        self.agent_counters["agent_timeouts"] += 1
+                        self._drop(e, "agent timed out", f"agent {e.env.agent_name} neither called the model nor "
+                                   f"returned within {s.env_timeout_s:g} s (--rollout.env_timeout_s); abandoned")
+                        running.remove(e)
+                waiting = [e for e in running if e.pending]
+                if not waiting:
+                    continue
+                oldest = min(c.arrived for e in waiting for c in e.pending)
+                batch_wait = waiting[0].env.batch_wait_s
+                if len(waiting) == len(running) or now - oldest >= batch_wait or \
+                        sum(len(e.pending) for e in waiting) >= s.episodes_per_call:
+                    self._wait_while_paused(stop)
+                    self._sync_weights()
+                    self._serve(waiting)
+        except BaseException:  # stopped, or a fault of the worker itself: the tickets are handed back
+            for e in episodes:
+                if not e.done:
+                    e.done = True
+                    if e.future is not None:
+                        e.future.cancel()
+                    for call in e.pending:
+                        call.fail(APIError(503, "the rollout worker stopped", type="server_error"))
+                    e.pending.clear()
+            raise
+        finally:
+            self.server.live.difference_update(self._live)
+            self._live = {}
+        groups: dict[int, list[Trajectory | QuarantinedEpisode]] = {t.prompt_id: [] for t in tickets}
+        for e in episodes:
+            groups[e.ticket.prompt_id].extend([e.quarantined] if e.quarantined is not None else e.result)
+        return [groups[t.prompt_id] for t in tickets]
+
+    def close(self) -> None:
+        try:
+            if self.server is not None:
+                self.server.stop()
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+        finally:
+            super().close()
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        out.update(self.agent_counters)
+        return out

@@ -1,0 +1,278 @@
+"""Agent functions against the real endpoint (FastAPI under uvicorn on 127.0.0.1) with the real
+``openai`` client, a Hugging Face engine on a tiny GGUF model, and the rollout worker that batches
+their calls: token-exact trajectories, history rewrites, OpenAI-style errors, misbehaving agents."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+pytest.importorskip("gguf")
+
+from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engine  # noqa: E402
+from flashreinforce.envs.registry import EnvSpec  # noqa: E402
+from flashreinforce.trainer.agent_rollout import AgentRolloutWorker, worker_class  # noqa: E402
+from flashreinforce.trainer.buffer import Ticket  # noqa: E402
+from flashreinforce.trainer.fault_records import QuarantinedEpisode  # noqa: E402
+from flashreinforce.trainer.rollout import RolloutSettings  # noqa: E402
+from flashreinforce.trainer.trajectory import Trajectory  # noqa: E402
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+CALLS: dict[int, list] = {}  # seed -> what the agent saw (responses), for the assertions
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from flashreinforce.models.loading import build_model
+    from flashreinforce.models.tokenizers import load_tokenizer
+    from python_tests.models.gguf_tiny import write_tiny_gguf
+
+    path = Path(tmp_path_factory.mktemp("gguf")) / "tiny.gguf"
+    write_tiny_gguf(path, seed=3)
+    model, _ = build_model(str(path), device=torch.device("cpu"))
+    return model.eval(), load_tokenizer(str(path))
+
+
+def _worker(tiny, agent, *, rows=None, timeout=5.0, parallel=8, temperature=1.0, max_len=1024, **env_kwargs):
+    model, tok = tiny
+    config = {"data.prompt_dataset": rows} if rows is not None else {}
+    factory = EnvSpec("agent", config, {"agent": agent, **env_kwargs}).factory(tok)
+    assert worker_class(factory) is AgentRolloutWorker
+    engine = create_engine("hf", model, pad_token_id=tok.pad_token_id, version=0)
+    settings = RolloutSettings(max_new_tokens=6, max_len=max_len, sampling=SamplingParams(temperature, 1.0, 0,
+                                                                                          tok.eos_token_ids),
+                               env_timeout_s=timeout, env_parallel_calls=parallel, seed=11)
+    return AgentRolloutWorker(0, engine, factory, tok, None, LocalWeightStore(), settings)
+
+
+def _run(worker, seeds, group_size=1):
+    try:
+        return worker.run_tickets([Ticket(i, s, group_size) for i, s in enumerate(seeds)])
+    finally:
+        worker.close()
+
+
+# ---------------------------------------------------------------------------------------- agents
+def chatty_agent(client, row):
+    """Three calls continuing one conversation, with a tool turn; the responses are kept for the test."""
+    seen = []
+    messages = [{"role": "user", "content": f"question {row['seed']}"}]
+    for turn in range(3):
+        r = client.chat.completions.create(model="anything", messages=messages, tools=TOOLS, logprobs=True)
+        seen.append(r)
+        m = r.choices[0].message
+        messages.append(m.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": f"go on {turn}"} if turn % 2 else
+                        {"role": "tool", "tool_call_id": "c", "content": "42"})
+    CALLS[row["seed"]] = seen
+    return {"reward": 1.0, "info": {"turns_taken": 3}}
+
+
+def test_calls_of_one_conversation_make_one_token_exact_trajectory(tiny):
+    model, tok = tiny
+    worker = _worker(tiny, chatty_agent)
+    groups = _run(worker, [101, 102, 103, 104])
+    for group, seed in zip(groups, [101, 102, 103, 104]):
+        (t,) = group
+        assert isinstance(t, Trajectory) and t.problem(tok.vocab_size) is None
+        assert t.reward == 1.0 and t.num_turns == 3 and t.info["agent_calls"] == 3 and t.info["turns_taken"] == 3
+        assert t.info["history_rewrites"] == 0 and t.info["trajectories_of_episode"] == 1
+        responses = CALLS[seed]
+        # The actions are exactly the sampled tokens, with the log-probabilities the responses reported.
+        reported = [lp.logprob for r in responses for lp in r.choices[0].logprobs.content]
+        behavior = [lp for lp, m in zip(t.behavior_log_probs, t.action_mask) if m]
+        assert behavior == pytest.approx(reported, abs=1e-6)
+        assert [r.usage.completion_tokens for r in responses] == [len(r.choices[0].logprobs.content) for r in responses]
+        assert sum(r.usage.completion_tokens for r in responses) == t.num_action_tokens
+        # Each call's prompt was the trajectory up to that call: prompt_tokens are its prefix lengths.
+        starts = [k for k in range(1, len(t.action_mask)) if t.action_mask[k] and not t.action_mask[k - 1]]
+        assert [r.usage.prompt_tokens for r in responses] == starts
+        # The learner's scoring of the trajectory reproduces the behavior log-probs (nothing re-tokenized).
+        ids = torch.tensor([t.token_ids])
+        with torch.no_grad():
+            logits = model(ids).logits[0, :-1]
+        scored = torch.log_softmax(logits.float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(t.action_mask[1:])
+        assert torch.allclose(scored[mask], torch.tensor(behavior), atol=1e-4)
+    assert worker.stats()["agent_largest_batch"] > 1  # calls of several episodes shared engine calls
+
+
+def two_conversations(client, row):
+    a = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "first"}])
+    b = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "second, unrelated"}])
+    # A rewrite of the first conversation: its answer edited before going on.
+    client.chat.completions.create(model="m", messages=[
+        {"role": "user", "content": "first"}, {"role": "assistant", "content": (a.choices[0].message.content or "") + "!"},
+        {"role": "user", "content": "more"}])
+    return 0.5 if b.choices[0].finish_reason in ("stop", "length") else -1.0
+
+
+def test_rewritten_history_gives_several_trajectories_with_the_episode_reward(tiny):
+    (group,) = _run(_worker(tiny, two_conversations), [5])
+    assert len(group) == 3 and all(isinstance(t, Trajectory) and t.reward == 0.5 for t in group)
+    assert {t.info["history_rewrites"] for t in group} == {2} and group[0].info["trajectories_of_episode"] == 3
+    assert all(not t.failed for t in group)
+
+
+def picky_agent(client, row):
+    """Checks the endpoint's errors and its non-chat routes, from the agent's side."""
+    out = {}
+    for name, kwargs in (("n", {"n": 2}), ("stream", {"stream": True}), ("temperature", {"temperature": 9})):
+        try:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], **kwargs)
+        except openai.BadRequestError as err:
+            out[name] = (err.status_code, err.body.get("param") if isinstance(err.body, dict) else None)
+    out["models"] = [m.id for m in client.models.list().data]
+    try:
+        client.completions.create(model="m", prompt="x" * 1100)
+    except openai.BadRequestError as err:
+        out["long"] = err.code
+    text = client.completions.create(model="m", prompt="hello", max_tokens=3, logprobs=1)
+    out["completion"] = (text.choices[0].text, text.usage.completion_tokens, len(text.choices[0].logprobs.tokens))
+    CALLS[row["seed"]] = out
+    return 1.0
+
+
+def test_bad_requests_get_openai_errors_and_the_agent_goes_on(tiny):
+    (group,) = _run(_worker(tiny, picky_agent), [9])
+    (t,) = group
+    out = CALLS[9]
+    assert out["n"] == (400, "n") and out["stream"] == (400, "stream") and out["temperature"] == (400, "temperature")
+    assert out["models"] == ["policy"] and out["long"] == "context_length_exceeded"
+    text, used, n = out["completion"]
+    assert isinstance(text, str) and 1 <= used <= 3 and n == used
+    assert t.info["refused_calls"] == 1 and t.num_action_tokens == used
+
+
+def _http(method, url, body=None):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_unknown_routes_and_bad_json_are_openai_style_json(tiny):
+    worker = _worker(tiny, chatty_agent)
+    try:
+        server = worker._ensure_server()
+        assert server.host == "127.0.0.1"
+        status, body = _http("POST", server.root_url + "/v1/chat/completions", b"{}")
+        assert status == 404 and body["error"]["code"] == "not_found"
+        status, body = _http("POST", server.root_url + "/episodes/x/v1/chat/completions", b"{not json")
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = _http("GET", server.root_url + "/no/such/route")
+        assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+        status, body = _http("POST", server.root_url + "/episodes/unknown/v1/chat/completions",
+                             json.dumps({"model": "m", "messages": [{"role": "user", "content": "q"}]}).encode())
+        assert status == 404 and body["error"]["code"] == "episode_not_found"  # answered by the worker
+        assert _http("GET", server.root_url + "/v1/models")[1]["data"][0]["id"] == "policy"
+    finally:
+        worker.close()
+
+
+def misbehaving(client, row):
+    seed = row["seed"]
+    if seed == 0:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        raise RuntimeError("the agent's own bug")
+    if seed == 1:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        time.sleep(4)  # past env_timeout_s
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "late"}])
+        return 1.0
+    if seed == 2:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        return "a string, not a reward"
+    if seed == 3:
+        return 1.0  # never calls the model
+    if seed == 4:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+        return {"reward": float("nan")}
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    return {"reward": 1.0, "failed": False}
+
+
+def test_misbehaving_agents_are_quarantined_one_by_one(tiny):
+    worker = _worker(tiny, misbehaving, timeout=2.0)  # seed 1 sleeps 4 s; the others call at once (2 s: a loaded CI)
+    groups = _run(worker, [0, 1, 2, 3, 4, 5])
+    kinds = [g[0].kind if isinstance(g[0], QuarantinedEpisode) else "ok" for g in groups]
+    assert kinds == ["agent raised RuntimeError", "agent timed out", "agent returned a wrong type",
+                     "agent made no model call", "agent returned a wrong type", "ok"]
+    assert "the agent's own bug" in groups[0][0].reason and "2 s" in groups[1][0].reason
+    assert groups[5][0].reward == 1.0 and worker.stats()["agent_timeouts"] == 1
+
+
+async def async_agent(client, row):
+    assert isinstance(client, openai.AsyncOpenAI)
+    a, b = await asyncio.gather(*(client.chat.completions.create(model="m", messages=[{"role": "user", "content": q}])
+                                  for q in ("one", "two")))
+    return float(bool(a.id) and bool(b.id))
+
+
+def test_async_agents_run_on_the_event_loop_with_calls_at_once(tiny):
+    (group,) = _run(_worker(tiny, async_agent), [1])
+    assert len(group) == 2 and all(isinstance(t, Trajectory) and t.reward == 1.0 for t in group)
+
+
+def own_settings(client, row, base_url):
+    assert base_url == str(client.base_url).rstrip("/") and "/episodes/" in base_url
+    greedy = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], temperature=0)
+    sampled = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q2"}])
+    CALLS[row["seed"]] = (greedy.usage.completion_tokens, sampled.usage.completion_tokens)
+    return 1.0
+
+
+def test_calls_at_other_sampling_settings_are_context_not_actions(tiny):
+    (group,) = _run(_worker(tiny, own_settings), [77])
+    assert CALLS[77][0] == 0 and CALLS[77][1] > 0
+    assert len(group) == 1 and group[0].num_action_tokens == CALLS[77][1]  # the greedy call trains nothing
+    assert group[0].info["off_policy_calls"] == 1
+
+
+def always_malformed(text):
+    from flashreinforce.agents.toolcalls import ToolParse
+
+    return ToolParse(text, malformed=True, problem="test")
+
+
+def tool_user(client, row):
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], tools=TOOLS)
+    CALLS[row["seed"]] = r.choices[0].message
+    return 1.0
+
+
+def test_malformed_tool_calls_come_back_as_content_and_are_counted(tiny):
+    from flashreinforce.agents.toolcalls import register_parser
+
+    register_parser("test_always_malformed", always_malformed)
+    (group,) = _run(_worker(tiny, tool_user, tool_parser="test_always_malformed"), [8])
+    message = CALLS[8]
+    assert message.tool_calls is None and isinstance(message.content, str)
+    assert group[0].info["malformed_tool_calls"] == 1
+
+
+def test_rows_of_a_dataset_reach_the_agent(tiny):
+    seen = []
+
+    def agent(client, row):
+        seen.append(row)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": row["prompt"]}])
+        return float(row["answer"])
+
+    rows = [{"prompt": "p0", "answer": 0}, {"prompt": "p1", "answer": 1}]
+    groups = _run(_worker(tiny, agent, rows=rows), [1, 2])
+    assert sorted(r["prompt"] for r in seen) == ["p0", "p1"]
+    assert [g[0].reward for g in groups] == [1.0, 0.0] and groups[1][0].failed
