@@ -10,7 +10,9 @@ the command ends (a generation, or an environment call abandoned by a stopping r
 interpreter teardown cannot stop such a thread, and once the call returns into PyTorch's C++ code
 the thread is torn down under it, which aborts the process ("terminate called without an active
 exception", status 134). In that case the process leaves with ``os._exit`` after flushing its
-output instead (:func:`exit_past_running_calls`).
+output instead (:func:`exit_past_running_calls`). Only the command itself does that
+(:func:`console`, the console script and ``python -m flashreinforce.cli``): :func:`main` called from
+Python returns its status and never ends the caller's process.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import threading
 import traceback
 from typing import Sequence
 
-__all__ = ["COMMANDS", "ROLLOUT_THREAD_PREFIX", "exit_past_running_calls", "main"]
+__all__ = ["COMMANDS", "ROLLOUT_THREAD_PREFIX", "console", "exit_past_running_calls", "main"]
 
 #: The names of the threads that run rollouts and their environment calls start with this.
 ROLLOUT_THREAD_PREFIX = "rollout-worker-"
@@ -66,7 +68,17 @@ def _quiet_openmp_threads() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def console() -> None:
+    """The console script: :func:`main`, leaving the process with its status even past a rollout
+    thread still inside a call."""
+    sys.exit(main(leave_process=True))
+
+
+def main(argv: Sequence[str] | None = None, *, leave_process: bool = False) -> int:
+    """Run ``flashreinforce COMMAND ARGS`` (``argv``: default ``sys.argv[1:]``); returns the exit status.
+    ``leave_process``: end the process with ``os._exit`` when a rollout thread is still running (the
+    console script); from Python (tests, notebooks) the status is returned and the process lives on."""
+    leave = exit_past_running_calls if leave_process else (lambda code: None)
     _quiet_openmp_threads()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -81,14 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = getattr(importlib.import_module(module), function)(rest)
     except KeyboardInterrupt:  # a command's own handling aside (train's), one line rather than a traceback
         print(f"flashreinforce {command}: interrupted (Ctrl-C)", file=sys.stderr)
-        exit_past_running_calls(130)
+        leave(130)
         return 130
     except Exception:
-        if _running_calls():
+        if leave_process and _running_calls():
             traceback.print_exc()
-            exit_past_running_calls(1)
+            leave(1)
         raise
-    exit_past_running_calls(code)
+    leave(code)
     return code
 
 

@@ -1,7 +1,5 @@
 """``python -m flashreinforce.cli COMMAND ...`` (how torchrun launches the trainer)."""
 
-import sys
+from flashreinforce.cli import console
 
-from flashreinforce.cli import main
-
-sys.exit(main())
+console()
