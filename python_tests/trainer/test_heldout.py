@@ -77,7 +77,8 @@ def test_resume_keeps_the_recorded_split_even_with_other_eval_settings(tmp_path)
     config = _config(tmp_path, "resume", steps=4)
     config.resume = "latest"
     config.eval.num_prompts = 7  # would draw another split: the recorded one wins
-    config.seed = 5
+    config.seed = 5  # locked on resume: allowed here, the split must still be the recorded one
+    config.allow_config_change = True
     trainer = Trainer(config)
     assert trainer.run()["status"] == "completed"
     assert read_split(tmp_path / "resume") == first

@@ -126,7 +126,7 @@ def test_rollouts_are_reproducible_from_the_seeds():
 
 
 class BrokenEngine(HFEngine):
-    def generate(self, requests, params):
+    def generate(self, requests, params, **kwargs):
         raise RuntimeError("engine exploded")
 
 
