@@ -23,7 +23,7 @@ MAX_VALUES = 100_000
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 8, 8, 8, 8
-_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 200, 80, 40  # a path in a message stays whole
 
 
 def shown(value: Any, limit: int = 240) -> str:

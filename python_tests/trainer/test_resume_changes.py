@@ -237,7 +237,8 @@ def test_a_resumed_run_keeps_its_files_and_takes_a_new_learning_rate(tmp_path):
     (out / "config.yaml").write_text(yaml_text)
     (out / "config.json").write_text(json.dumps(record).replace(str(first / "rows.jsonl"), str(elsewhere / "rows.jsonl")))
     line = _error(_cli("--output", str(out), "--resume", "--train.max_steps", "5", cwd=elsewhere))  # both files edited
-    assert "against its checkpoint step_00000004" in line and "--data.prompt_dataset" in line
+    assert "this would change what the run in" in line and line.endswith("first/rows.jsonl'. Give --allow_config_change "
+                                                                       "to continue anyway, or another --output for a new run")
     (out / "config.json").write_text(json.dumps(record))
     text = (out / "metrics.jsonl").read_text()
     (out / "metrics.jsonl").write_text(text.replace('"step": 2,', '"step": 3,', 1))
