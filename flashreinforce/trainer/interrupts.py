@@ -45,7 +45,6 @@ class InterruptWatch:
         self._handled = self._watched = self._answered = 0
         self._lock = threading.Lock()
         self._old_handler = None
-        self._old_wakeup = -1
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self.installed = False

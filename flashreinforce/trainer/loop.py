@@ -258,17 +258,6 @@ class Trainer:
         append_eval_record(self.out / "eval.jsonl", self.step, metrics)
 
     # ------------------------------------------------------------------ signals
-    def _on_sigint(self, signum, frame) -> None:
-        """Stop as a first Ctrl-C does (finish the update in progress, save, return); a second raises
-        :class:`KeyboardInterrupt`. The trainer answers Ctrl-C through :class:`InterruptWatch`, which
-        calls :meth:`_interrupt` at once even while the main thread is inside a long C++ call."""
-        if self._interrupted.is_set():
-            raise KeyboardInterrupt
-        self._interrupt()
-
-    def _interrupt(self) -> None:
-        self._interrupted.set()
-
     def _interrupt_message(self) -> str:
         return (f"flashreinforce: interrupted (Ctrl-C): the run stops when update {self.step + 1} (in progress) "
                 "ends, then saves a checkpoint and exits with status 130; Ctrl-C again aborts without saving")
@@ -382,7 +371,7 @@ class Trainer:
             log.info(note)
         self.weights.publish(self.learner.policy_state(), self.learner.version,
                              frozen=self.learner.frozen_names())
-        watch = InterruptWatch(self._interrupt, self._interrupt_message)
+        watch = InterruptWatch(self._interrupted.set, self._interrupt_message)
         watch.install()  # main thread only; answers Ctrl-C at once, even inside a long learner update
         self.training_started = True
         try:

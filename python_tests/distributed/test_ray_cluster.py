@@ -274,7 +274,7 @@ def test_a_lost_node_costs_only_its_prompts_and_a_new_node_gets_the_worker_back(
         wait_until(lambda: any(w == 1 for batch in taken[n:] for _, w in batch), 300,
                    "the worker on the new node sent nothing")
     finally:
-        trainer._on_sigint(signal.SIGINT, None)  # stop as Ctrl-C does: finish the update, save, return
+        trainer._interrupted.set()  # stop as a first Ctrl-C does: finish the update, save, return
         runner.join(120)
     print(f"node c lost at update {story['lost_at']}: noticed after {story.get('noticed_after_s', -1):.1f} s, "
           f"worker back {story.get('back_after_s', -1):.1f} s after a new node joined")
