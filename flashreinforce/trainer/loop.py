@@ -50,7 +50,7 @@ from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learner import Learner, PolicyLearner
 from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, update_metrics
-from flashreinforce.trainer.prechecks import check_before_model
+from flashreinforce.trainer.prechecks import check_before_model, check_rollout_engine
 from flashreinforce.trainer.run_dir import RunLock, create_output, remove_created
 from flashreinforce.trainer.run_history import HistoryRecord
 from flashreinforce.trainer.summary import write_run_summary
@@ -104,6 +104,7 @@ class Trainer:
         np.random.seed(cfg.seed % 2**32)
         torch.manual_seed(cfg.seed)
         check_before_model(cfg, ckpt_dir=self.ckpt_dir, model_given=self._given[0] is not None)
+        check_rollout_engine(cfg)
         t0 = time.perf_counter()
         log.info("loading the model %s ...", cfg.actor.model_name_or_path)
         policy = components.load_policy(cfg, self.device, model=self._given[0], tokenizer=self._given[1])

@@ -15,7 +15,19 @@ from pathlib import Path
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.config.trainer_config import AGENT_ENVIRONMENT
 
-__all__ = ["check_before_model"]
+__all__ = ["check_before_model", "check_rollout_engine"]
+
+
+def check_rollout_engine(cfg: ResolvedConfig) -> None:
+    """Raise :class:`ConfigError` naming ``--rollout.engine`` when its engine cannot run here (vLLM
+    not installed, or installed in a way that does not load): training checks it before the model
+    loads (``flashreinforce eval`` samples with the hf engine and does not)."""
+    from flashreinforce.engines import engine_kind
+
+    try:
+        engine_kind(cfg.rollout.engine).check_installed()
+    except ImportError as err:
+        raise ConfigError(f"--rollout.engine {cfg.rollout.engine}: {err}") from None
 
 
 def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = None, model_given: bool = False) -> None:

@@ -89,10 +89,6 @@ def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_si
                          async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))
-    try:
-        engine_kind(cfg.rollout.engine).check_installed()
-    except ImportError as err:
-        raise ConfigError(f"--rollout.engine {cfg.rollout.engine}: {err}") from None
     if cfg.rollout.backend == "ray":
         from flashreinforce.distributed.ray import RayRollout, import_ray
 
