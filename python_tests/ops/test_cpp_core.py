@@ -145,10 +145,11 @@ _ISA_OBJECTS = {"generic": "isa_generic", "avx2": "isa_avx2", "avx512": "isa_avx
 
 
 def _isa_objects(build_dir: Path) -> dict:
-    found = {name: build_dir / "CMakeFiles" / "fr_core.dir" / "csrc" / "cpu" / f"main_pass_{name}.cpp.o"
-             for name in _ISA_OBJECTS}
+    # the core library is built in the binary subdirectory core/ (csrc/CMakeLists.txt)
+    objects = build_dir / "core" / "CMakeFiles" / "fr_core.dir" / "cpu"
+    found = {name: objects / f"main_pass_{name}.cpp.o" for name in _ISA_OBJECTS}
     found = {name: path for name, path in found.items() if path.exists()}
-    assert "generic" in found, f"no object files of the CPU path under {build_dir / 'CMakeFiles'}"
+    assert "generic" in found, f"no object files of the CPU path under {objects}"
     return found
 
 
