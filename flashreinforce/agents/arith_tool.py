@@ -22,7 +22,7 @@ import operator
 import re
 from typing import Any
 
-from flashreinforce.envs.arith import HELDOUT_SEED_OFFSET, problem_for_seed
+from flashreinforce.envs.arith import problem_for_seed
 from flashreinforce.envs.arith_tool import QUESTIONS, ToolArithSpec
 
 __all__ = ["MAX_CALLS", "SYSTEM_PROMPT", "TOOLS", "agent", "calculate", "problem"]

@@ -32,12 +32,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import math
 import secrets
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flashreinforce.agents.chat import ChatRenderer, Conversations, Prompt
