@@ -192,6 +192,7 @@ def reset_peak_rss() -> bool:
 # (regular expressions below, first match wins): a reading aid, not an exact attribution (a cuBLAS
 # kernel fused with an epilogue is a matrix product; the fused loss's kernels live in the
 # ``flashreinforce`` namespace).
+
 #: (category, pattern over the lower-cased kernel or operator name), first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("fused loss", r"flashreinforce|flash_reinforce"),
