@@ -41,17 +41,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_loss_cpu import print_table  # noqa: E402
-from common import SHAPES, copy_bandwidth  # noqa: E402
+from common import SHAPES, copy_bandwidth, print_table, sync  # noqa: E402
 from flashreinforce.engines.decode_attention import ATTENTION_NAME  # noqa: E402
 from flashreinforce.engines.hf import KV_CACHES  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_engine(shape: str, layers: int | None, dtype: torch.dtype, device: torch.device, max_positions: int):

@@ -41,26 +41,6 @@ import time
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _status_mib(field: str) -> float | None:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024.0  # kB -> MiB
-    except OSError:
-        return None
-    return None
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _make_inputs(torch, tokens, vocab, hidden_size, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens, hidden_size, generator=gen).to(dtype).requires_grad_()
@@ -85,6 +65,8 @@ def _worker(args) -> None:
     sys.path.insert(0, _REPO)
     from flashreinforce.ops.logprobs import sampled_token_logprobs
 
+    from common import reset_peak_rss, status_mib  # benchmarks/ is this script's directory
+
     dtype = getattr(torch, args.dtype)
 
     def step(hidden, weight, targets, coeff):
@@ -100,14 +82,14 @@ def _worker(args) -> None:
     del warm
 
     inputs = _make_inputs(torch, args.tokens, args.vocab, args.hidden, dtype, args.seed)
-    before = _status_mib("VmRSS")
-    exact = _reset_peak() and before is not None
+    before = status_mib("VmRSS")
+    exact = reset_peak_rss() and before is not None
     if not exact:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     t0, c0 = time.perf_counter(), time.process_time()
     grads = step(*inputs)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    peak = _status_mib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    peak = status_mib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
     if args.save_grads:
         torch.save({"hidden": grads[0], "weight": grads[1]}, args.save_grads)
     print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_mib": peak - before,

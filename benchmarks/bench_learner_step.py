@@ -25,7 +25,7 @@ Model shapes (random weights from a config: nothing is downloaded):
     python benchmarks/bench_learner_step.py --device cpu --shape tiny --batch 32 --mean-len 64
     python benchmarks/bench_learner_step.py --device cuda --shape qwen2.5-0.5b --profile   # where the time goes
 
-``--profile`` runs one more fused step under ``torch.profiler`` (:mod:`step_profile`) and prints
+``--profile`` runs one more fused step under ``torch.profiler`` (``common.profile_breakdown``) and prints
 its device time by category (matrix products, attention, fused loss, elementwise, copies,
 optimizer), the share of the step the device was busy, and the heaviest kernels.
 """
@@ -54,8 +54,7 @@ from flashreinforce.trainer.scoring import token_log_probs
 from flashreinforce.trainer.trajectory import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss_cpu import print_table  # noqa: E402
-from step_profile import profile_breakdown  # noqa: E402
+from common import print_table, profile_breakdown, sync  # noqa: E402
 
 SHAPES = {
     "tiny": dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -126,11 +125,6 @@ def make_trajectories(args, device: torch.device, seed: int = 1) -> list[Traject
                 t.behavior_log_probs = [float(v) if m else 0.0 for v, m in zip(noisy[lo:hi].tolist(), t.action_mask)]
     del model
     return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run(impl: str, args, trajectories, device: torch.device) -> dict:

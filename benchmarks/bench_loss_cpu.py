@@ -35,76 +35,16 @@ import time
 import torch
 
 import flashreinforce as fr
+from common import eager_loss, eager_step, fused_step, loss_batch, median_time, print_table
 from flashreinforce import _C
 
 
-# ------------------------------------------------------------------------------------------------
-# Data
-
-
-def make_batch(num_tokens: int, batch: int, seed: int = 0, dtype=torch.float32):
-    """Uneven lengths (lognormal), 90% policy tokens, behavior close to current (most admitted)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.exp(torch.randn(batch, generator=gen, dtype=torch.float64) * 1.0)
-    lengths = torch.clamp((weights / weights.sum() * num_tokens).long(), min=2)
-    lengths[-1] += num_tokens - int(lengths.sum())
-    while int(lengths[-1]) < 2:  # keep every trajectory >= 2 tokens
-        j = int(lengths.argmax())
-        lengths[j] -= 10
-        lengths[-1] += 10
-    cu = torch.zeros(batch + 1, dtype=torch.int32)
-    cu[1:] = lengths.cumsum(0)
-    mask = torch.rand(num_tokens, generator=gen) < 0.9
-    mask[cu[:-1].long()] = False  # first token of each trajectory: prompt
-    mask[cu[1:].long() - 1] = True
-    current = -(torch.rand(num_tokens, generator=gen) ** 2) * 4.0
-    behavior = (current + 0.02 * torch.randn(num_tokens, generator=gen)).clamp(max=0.0)
-    rewards = (torch.rand(batch, generator=gen) < 0.5).float()
-    entropies = torch.rand(num_tokens, generator=gen) * 5.0
-    failures = torch.zeros(batch, dtype=torch.bool)
-    failures[torch.randperm(batch, generator=gen)[: batch // 2]] = True
-    return dict(log_probs=current.to(dtype), behavior_log_probs=behavior.to(dtype), rewards=rewards,
-                cu_seqlens=cu, action_mask=mask, entropies=entropies.to(dtype), failures=failures)
-
-
-# ------------------------------------------------------------------------------------------------
-# The straightforward eager implementation (what a user would write; no entropy filter)
-
-
-def eager_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta: float = 3e-3):
-    """The straightforward eager PyTorch packed objective (any device; CUDA benchmark too)."""
-    batch = rewards.shape[0]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    segment = torch.repeat_interleave(torch.arange(batch, device=log_probs.device), lengths,
-                                      output_size=log_probs.shape[0])
-    mask = action_mask.to(log_probs.dtype)
-    counts = torch.zeros(batch, dtype=log_probs.dtype, device=log_probs.device).index_add_(0, segment, mask)
-    advantages = rewards - rewards.mean()
-    with torch.no_grad():
-        p = behavior_log_probs.exp().clamp(1e-6, 1 - 1e-6)
-        q = log_probs.exp().clamp(1e-6, 1 - 1e-6)
-        d = p * (p.log() - q.log()) + (1 - p) * (torch.log1p(-p) - torch.log1p(-q))
-        kl = torch.zeros_like(counts).index_add_(0, segment, d * mask) / counts
-        admitted = kl.clamp_min(0) <= delta
-        active = mask * admitted[segment].to(mask.dtype)
-        weight = torch.exp(log_probs - behavior_log_probs) * advantages[segment] * active
-    per_traj = torch.zeros_like(counts).index_add(0, segment, weight * log_probs)
-    return -(per_traj / counts).sum() / batch
+# The batch (common.loss_batch) and the straightforward eager implementation (common.eager_loss: what
+# a user would write; no entropy filter) are shared with bench_loss_cuda.py.
 
 
 # ------------------------------------------------------------------------------------------------
 # Timing
-
-
-def time_fn(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def time_interleaved(fns: dict, repeats: int, warmup: int = 2, threads: dict | None = None) -> dict:
@@ -128,25 +68,6 @@ def time_interleaved(fns: dict, repeats: int, warmup: int = 2, threads: dict | N
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
-def fused_step(data, **opts):
-    def run():
-        lp = data["log_probs"].requires_grad_()
-        loss, _ = fr.flashreinforce_loss_packed(lp, data["behavior_log_probs"], data["rewards"], data["cu_seqlens"],
-                                                data["action_mask"], delta=3e-3, **opts)
-        loss.backward()
-        lp.grad = None
-    return run
-
-
-def eager_step(data, fn=eager_loss):
-    def run():
-        lp = data["log_probs"].requires_grad_()
-        loss = fn(lp, data["behavior_log_probs"], data["rewards"], data["cu_seqlens"], data["action_mask"])
-        loss.backward()
-        lp.grad = None
-    return run
-
-
 def machine_parallelism(threads: int) -> float:
     """Speedup of a plain PyTorch elementwise op from 1 to `threads` threads right now: a
     reference for the thread-scaling numbers (other processes on the machine lower it)."""
@@ -155,22 +76,13 @@ def machine_parallelism(threads: int) -> float:
     times = []
     for n in (1, threads):
         torch.set_num_threads(n)
-        times.append(time_fn(lambda: torch.exp(x, out=out), 7))
+        times.append(median_time(lambda: torch.exp(x, out=out), 7, warmup=2))
     torch.set_num_threads(threads)
     return times[0] / times[1]
 
 
 def fmt_ms(seconds: float) -> str:
     return f"{seconds * 1e3:9.2f}"
-
-
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    print(f"\n{title}")
-    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -194,8 +106,8 @@ def _heap_in_use() -> int:
 
 
 def _memory_child(kind: str, num_tokens: int, batch: int) -> None:
-    data = make_batch(num_tokens, batch)
-    small = make_batch(65536, 16, seed=9)
+    data = loss_batch(num_tokens, batch)
+    small = loss_batch(65536, 16, seed=9)
 
     def forward(d):
         lp = d["log_probs"].requires_grad_()
@@ -241,14 +153,14 @@ def cpu_model() -> str:
 
 
 def _isa_child(args) -> None:
-    data = make_batch(args.tokens, args.batch)
+    data = loss_batch(args.tokens, args.batch)
     n = args.tokens
     repeats = 5 if args.quick else 9
     t = time_interleaved({"fused": fused_step(data), "eager": eager_step(data)}, repeats)
     back_to_back = {}
     for threads in (1, args.threads):
         torch.set_num_threads(threads)
-        back_to_back[threads] = time_fn(fused_step(data), repeats * 2)
+        back_to_back[threads] = median_time(fused_step(data), repeats * 2, warmup=2)
     torch.set_num_threads(args.threads)
     print(json.dumps({"isa": _C.cpu_isa(), "fused": t["fused"], "eager": t["eager"], "ns_per_token": t["fused"] / n * 1e9,
                       "b2b_1": back_to_back[1], "b2b_n": back_to_back[args.threads]}))
@@ -309,7 +221,7 @@ def main() -> None:
         print(f"\n# load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         return
 
-    data = make_batch(args.tokens, args.batch)
+    data = loss_batch(args.tokens, args.batch)
     n = args.tokens
     _, stats = fr.flashreinforce_loss_packed(data["log_probs"], data["behavior_log_probs"], data["rewards"],
                                              data["cu_seqlens"], data["action_mask"], delta=3e-3)
@@ -349,8 +261,8 @@ def main() -> None:
 
     # 1c. Without an action mask (every token a policy token), back-to-back.
     no_mask = dict(data, action_mask=None)
-    t_masked = time_fn(fused_step(data), repeats)
-    t_no_mask = time_fn(fused_step(no_mask), repeats)
+    t_masked = median_time(fused_step(data), repeats, warmup=2)
+    t_no_mask = median_time(fused_step(no_mask), repeats, warmup=2)
     print(f"fused back-to-back: with the action mask {t_masked * 1e3:.2f} ms ({t_masked / n * 1e9:.3f} ns/token), "
           f"without one {t_no_mask * 1e3:.2f} ms ({t_no_mask / n * 1e9:.3f} ns/token)")
 
@@ -362,7 +274,7 @@ def main() -> None:
     for _ in range(3):  # alternate blocks of back-to-back calls, so that drift hits both alike
         for key, count in (("1", 1), ("n", args.threads)):
             torch.set_num_threads(count)
-            b2b[key].append(time_fn(fused_step(data), repeats))
+            b2b[key].append(median_time(fused_step(data), repeats, warmup=2))
     torch.set_num_threads(args.threads)
     b2b_1, b2b_2 = statistics.median(b2b["1"]), statistics.median(b2b["n"])
     print_table("thread scaling (fused): each call after a 30 ms pause (interleaved), and back-to-back",
@@ -375,8 +287,8 @@ def main() -> None:
     sizes = [65_536, 262_144, 1_048_576, 4_194_304] + ([] if args.quick else [16_777_216])
     times = []
     for size in [8192] + sizes:
-        d = make_batch(size, args.batch, seed=1)
-        times.append(time_fn(fused_step(d), repeats * 2 if size < 16_000_000 else max(3, repeats // 2)))
+        d = loss_batch(size, args.batch, seed=1)
+        times.append(median_time(fused_step(d), repeats * 2 if size < 16_000_000 else max(3, repeats // 2), warmup=2))
     overhead, times = times[0], times[1:]
     rows = [[f"{size:,}", fmt_ms(t), f"{t / size * 1e9:.3f}", f"{(t - overhead) / (size - 8192) * 1e9:.3f}"]
             for size, t in zip(sizes, times)]

@@ -35,7 +35,7 @@ from flashreinforce import _C
 from flashreinforce.ops import fused_loss_capturable, raise_for_error, reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss_cpu import eager_loss, eager_step, fused_step, make_batch, print_table  # noqa: E402
+from common import eager_loss, eager_step, fused_step, loss_batch, print_table  # noqa: E402
 
 
 def reference_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, delta: float = 3e-3):
@@ -101,7 +101,7 @@ def main() -> None:
 
     def batch16():
         if "d16" not in state:
-            state["d16"] = to_cuda(make_batch(16 * 2**20, 4096, seed=5))
+            state["d16"] = to_cuda(loss_batch(16 * 2**20, 4096, seed=5))
         return state["d16"]
 
     # 1. Bandwidth.
@@ -111,7 +111,7 @@ def main() -> None:
         sizes = [2**20, 16 * 2**20] if args.quick else [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20]
         for n in sizes:
             for dtype, bytes_per_token in ((torch.float32, 13), (torch.bfloat16, 7)):
-                d = to_cuda(make_batch(n, 4096, seed=2), dtype)
+                d = to_cuda(loss_batch(n, 4096, seed=2), dtype)
                 t = cuda_time(fused_forward(d), repeats)
                 bw = bytes_per_token * n / t
                 rows.append([f"fused forward N={n / 2**20:.0f}M {str(dtype)[6:]}", f"{t * 1e3:.3f}", f"{bw / 1e9:,.0f}",
@@ -123,7 +123,7 @@ def main() -> None:
     # 2. Against eager PyTorch, torch.compile and the reference (forward + backward).
     def versus_eager():
         for n in [2**20, 16 * 2**20]:
-            d = to_cuda(make_batch(n, max(64, n // 4096), seed=3))
+            d = to_cuda(loss_batch(n, max(64, n // 4096), seed=3))
             compiled = torch.compile(eager_loss, dynamic=False)
             t0 = time.perf_counter()
             eager_step(d, compiled)()  # compile outside the timing
@@ -145,7 +145,7 @@ def main() -> None:
     def skewed_lengths():
         lengths = [12] * 8000
         lengths[4321] = 1_000_000
-        cpu = make_batch(sum(lengths), len(lengths), seed=4)
+        cpu = loss_batch(sum(lengths), len(lengths), seed=4)
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths).cumsum(0)
         cpu["cu_seqlens"] = cu
@@ -159,7 +159,7 @@ def main() -> None:
         loss_g, stats_g = fr.flashreinforce_loss_packed(gpu["log_probs"], gpu["behavior_log_probs"], gpu["rewards"],
                                                         gpu["cu_seqlens"], gpu["action_mask"], delta=3e-3)
         t_long = cuda_time(fused_forward(gpu), repeats)
-        uniform = to_cuda(make_batch(sum(lengths), len(lengths), seed=4))
+        uniform = to_cuda(loss_batch(sum(lengths), len(lengths), seed=4))
         t_uniform = cuda_time(fused_forward(uniform), repeats)
         kl_err = float((stats_c["sequence_kl"] - stats_g["sequence_kl"].cpu()).abs().max())
         print_table(f"one 1M-token trajectory among {len(lengths) - 1} of 12 tokens (N = {sum(lengths):,})",

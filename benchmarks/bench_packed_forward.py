@@ -29,7 +29,7 @@ Every (case, mode) runs in a fresh subprocess: one warm-up pass, then ``--repeat
 held before them (``VmHWM`` after a reset of the high-water mark; see ``bench_learner_memory.py``),
 or with ``--device cuda`` the CUDA allocator's peak above the memory held before them.
 The machine is shared: compare the rows of one run; the header gives the CPU and the load.
-``--profile`` runs each case's last timed pass under ``torch.profiler`` (``step_profile.py``) and
+``--profile`` runs each case's last timed pass under ``torch.profiler`` (``common.profile_breakdown``) and
 prints where its time went (operator self time by category, and the heaviest operators).
 """
 
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from common import SHAPES  # noqa: E402
+from common import SHAPES, profile_breakdown, reset_peak_rss, status_mib  # noqa: E402
 
 MODES = ("padded", "dense", "packed", "shared")
 
@@ -139,7 +139,6 @@ def dense_packed_log_probs(model, batch, autocast_dtype):
 def run_case(case: dict) -> dict:
     import torch
     import transformers
-    from bench_learner_memory import _reset_peak, _status_mib
 
     from flashreinforce.trainer.forward_row import forward_row
     from flashreinforce.trainer.packing import pack
@@ -178,13 +177,11 @@ def run_case(case: dict) -> dict:
         before = torch.cuda.memory_allocated() / 2**20
         torch.cuda.reset_peak_memory_stats()
     else:
-        before = _status_mib("VmRSS")
-        exact = _reset_peak()
+        before = status_mib("VmRSS")
+        exact = reset_peak_rss()
     times, profile = [], None
     for i in range(case["repeats"]):
         if case.get("profile") and i == case["repeats"] - 1:  # the last timed pass, under the profiler
-            from step_profile import profile_breakdown
-
             profile = profile_breakdown(once, device, top=8)
             times.append(profile["wall_ms"] / 1e3)
             continue
@@ -194,7 +191,7 @@ def run_case(case: dict) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = _status_mib("VmHWM") if exact else None
+        peak = status_mib("VmHWM") if exact else None
     lengths = [t.num_tokens for t in trajs]
     return {"time_s": statistics.median(times), "times": times, "peak_mib": None if peak is None else peak - before,
             "tokens": batch.num_tokens, "trajectories": len(trajs), "padded_slots": len(lengths) * max(lengths),

@@ -51,6 +51,7 @@ def main() -> int:
     from flashreinforce.envs.arith import ArithEnv
     from flashreinforce.models.loading import build_model
     from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
+    from flashreinforce.objective import LossOptions
     from flashreinforce.trainer.learner import Learner, LearnerSettings
     from flashreinforce.trainer.trajectory import Trajectory
 

@@ -41,22 +41,35 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402
-from bench_vs_trl import _fmt, _spread, preset_flags, run_ours  # noqa: E402
+from common import fmt_spread, preset_flags, run_ours, spread  # noqa: E402
 
 GRPO_FLAGS = ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt",
               "8", "--rollout.batch_size", "4", "--train.batch_size", "32"]
 SIDES = ("flashreinforce", "grpo", "trl")
+TRL_SIDE = ROOT / "benchmarks" / "trl_tool_side.py"  # run as a command, in its own interpreter
 
 
 def trl_unavailable() -> str | None:
     """Why the TRL side cannot run here, or None."""
     if importlib.util.find_spec("trl") is None:
         return "TRL is not installed (pip install -e '.[bench]')"
-    if not (ROOT / "benchmarks" / "trl_tool_side.py").is_file():
+    if not TRL_SIDE.is_file():
         return "benchmarks/trl_tool_side.py is missing"
-    import trl_tool_side
+    return None
 
-    return getattr(trl_tool_side, "UNAVAILABLE", None)
+
+def run_trl(args, seed: int, out: Path) -> dict:
+    """TRL's side of one seed: ``benchmarks/trl_tool_side.py`` in its own interpreter (so that neither
+    side inherits the other's state), in ``OUTPUT/trl_seedS_work``; its result."""
+    work = out / f"trl_seed{seed}_work"
+    cmd = [sys.executable, str(TRL_SIDE), "--output", str(work), "--model", args.model, "--seed", str(seed),
+           "--budget-min", str(args.budget_min), "--eval-every-min", str(args.eval_every_min),
+           "--eval-prompts", str(args.eval_prompts)]
+    code = subprocess.run(cmd, cwd=ROOT).returncode
+    if code:
+        raise SystemExit(f"[trl seed {seed}] failed with exit status {code}")
+    result = json.loads((work / "trl_tool.json").read_text())
+    return dict(result, side="trl", seed=seed)
 
 
 def final(run: dict, key: str):
@@ -85,10 +98,10 @@ def report(out: Path, runs: dict[str, list[dict]], args) -> dict:
           f"seeds: {seeds}; mean (min-max)")
     print("| metric | " + " | ".join(present) + " |\n|" + " --- |" * (len(present) + 1))
     for name, get, fmt in rows:
-        cells = [_fmt(_spread([get(r) for r in runs[s]]), fmt) for s in present]
+        cells = [fmt_spread(spread([get(r) for r in runs[s]]), fmt) for s in present]
         print(f"| {name} | " + " | ".join(cells) + " |")
     for side in present:
-        summary["sides"][side] = {name: _spread([get(r) for r in runs[side]]) for name, get, _ in rows}
+        summary["sides"][side] = {name: spread([get(r) for r in runs[side]]) for name, get, _ in rows}
         summary["sides"][side]["runs"] = runs[side]
         for r in runs[side]:
             pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f} ({p.get('tool_calls', float('nan')):.2f} "
@@ -134,20 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--eval-every-min", type=float, default=4.0)
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     p.add_argument("--ours-threads", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--trl-child", nargs=1, type=int, metavar="SEED", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     flags = preset_flags(args.preset, {})
-    if args.trl_child is not None:  # in its own interpreter
-        import trl_tool_side
-
-        seed = args.trl_child[0]
-        result = trl_tool_side.run_trl_tool(model=args.model, seed=seed, budget_min=args.budget_min,
-                                            eval_every_min=args.eval_every_min, eval_prompts=args.eval_prompts,
-                                            out=out / f"trl_seed{seed}_work")
-        (out / f"trl_seed{seed}.json").write_text(json.dumps(dict(result, side="trl", seed=seed), indent=1))
-        return 0
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}",
           flush=True)
@@ -163,9 +166,7 @@ def main(argv=None) -> int:
             if side == "trl":
                 if why_not_trl:
                     continue
-                code = subprocess.run([sys.executable, __file__, *argv, "--trl-child", str(seed)], cwd=ROOT).returncode
-                if code:
-                    raise SystemExit(f"[trl seed {seed}] failed with exit status {code}")
+                path.write_text(json.dumps(run_trl(args, seed, out), indent=1))
                 continue
             side_flags = GRPO_FLAGS if side == "grpo" else []
             path.write_text(json.dumps(run_ours(args, flags, out, [*side_flags, *extra], seed, name=side), indent=1))

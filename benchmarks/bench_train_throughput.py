@@ -33,8 +33,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from arith_curve import cli, read_jsonl  # noqa: E402
-from bench_loss_cpu import print_table  # noqa: E402
-from common import SHAPES  # noqa: E402
+from common import SHAPES, print_table  # noqa: E402
 
 
 def write_model_and_tokenizer(out: Path, shape: str, layers: int | None) -> tuple[Path, Path]:

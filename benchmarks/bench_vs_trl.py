@@ -47,10 +47,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -58,96 +56,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402  (scripts/arith_curve.py: jsonl reading, training-time accounting)
-
-
-# ---------------------------------------------------------------------------- shared set-up
-def preset_flags(preset: str, extra: dict) -> dict:
-    from flashreinforce.config.presets import PRESETS
-
-    flags = dict(PRESETS[preset])
-    flags.update(extra)
-    return flags
-
-
-def heldout_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed: int):
-    """An Evaluator over the preset's held-out prompts with its own copy of ``model`` (greedy)."""
-    import copy
-
-    from flashreinforce.engines import LocalWeightStore, SamplingParams
-    from flashreinforce.envs.registry import EnvSpec
-    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
-    from flashreinforce.trainer.rollout import RolloutSettings
-
-    env_spec = EnvSpec(flags["env"], {}, dict(flags["env.kwargs"]), False)
-    settings = RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],
-                               max_turns=1, episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed)
-    store = LocalWeightStore()
-    evaluator = Evaluator(env_factory=env_spec.factory(tokenizer), seeds=eval_seeds(None, num_prompts),
-                          model=copy.deepcopy(model), tokenizer=tokenizer, weights=store, rollout_settings=settings,
-                          sampling=SamplingParams(0.0, 1.0, 0, tokenizer.eos_token_ids), n_samples=1,
-                          episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed + 1)
-    return evaluator, store
-
-
-def train_trl_on_budget(trainer, evaluate, *, budget_s: float, eval_every_s: float) -> dict:
-    """Run ``trainer.train()`` (a TRL GRPOTrainer) for ``budget_s`` seconds of training time.
-
-    ``evaluate(step, train_s)`` is called for the base model before training, then after the first
-    optimizer step at or past each multiple of ``eval_every_s`` training seconds (one evaluation
-    however many multiples a long step passed) and at the end of the budget. Its time is not
-    training time. The time TRL spends in ``_generate_and_score_completions`` (sampling, the
-    rollout and scoring) is recorded apart; the rest of a step is learning (TRL is synchronous, so
-    there is no overlap and no idle time). Returns ``train_s``, ``updates``, ``generation_s``,
-    ``generations`` and ``rewards`` (the mean training reward TRL logs per step).
-    """
-    import transformers
-
-    timing = {"generation_s": 0.0, "generations": 0}
-    inner = trainer._generate_and_score_completions
-
-    def timed_generate(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **k)
-        finally:
-            timing["generation_s"] += time.perf_counter() - t0
-            timing["generations"] += 1
-
-    trainer._generate_and_score_completions = timed_generate
-    state = {"t0": None, "eval_s": 0.0, "next_eval": eval_every_s, "rewards": []}
-
-    def timed_evaluate(step: int, train_s: float) -> None:
-        t0 = time.perf_counter()
-        evaluate(step, train_s)
-        state["eval_s"] += time.perf_counter() - t0
-
-    class Clock(transformers.TrainerCallback):
-        def on_train_begin(self, *_, **__):
-            state["t0"] = time.perf_counter()
-
-        def on_log(self, _args, st, control, logs=None, **__):
-            if logs and "reward" in logs:
-                state["rewards"].append({"step": st.global_step, "reward": float(logs["reward"])})
-
-        def on_step_end(self, _args, st, control, **__):
-            train_s = time.perf_counter() - state["t0"] - state["eval_s"]
-            if train_s >= state["next_eval"] or train_s >= budget_s:
-                timed_evaluate(st.global_step, train_s)
-                while state["next_eval"] <= train_s:
-                    state["next_eval"] += eval_every_s
-            if train_s >= budget_s:
-                state["train_s"], state["updates"] = train_s, st.global_step
-                control.should_training_stop = True
-
-    trainer.add_callback(Clock())
-    evaluate(0, 0.0)  # the base model, before the clock starts
-    trainer.train()
-    train_s = state.get("train_s", time.perf_counter() - state["t0"] - state["eval_s"])
-    return {"train_s": train_s, "updates": state.get("updates", trainer.state.global_step),
-            "generation_s": timing["generation_s"], "generations": timing["generations"],
-            "rewards": state["rewards"]}
+from common import fmt_spread, heldout_evaluator, preset_flags, run_ours, spread, train_trl_on_budget  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- TRL side
@@ -237,87 +149,6 @@ def run_trl(args, flags: dict, out: Path) -> dict:
     return result
 
 
-# ---------------------------------------------------------------------------- our side
-def run_ours(args, flags: dict, out: Path, extra: list[str], seed: int, name: str = "ours") -> dict:
-    """One run of our trainer (``--preset args.preset``, ``extra`` flags) for ``args.budget_min`` training
-    minutes in ``OUTPUT/NAME_seedS``, evaluated every ``args.eval_every_min`` training minutes; its result."""
-    run_dir = out / f"{name}_seed{seed}"
-    log = out / f"{name}_seed{seed}_log.txt"
-    budget = args.budget_min * 60
-    metrics_path, eval_path = run_dir / "metrics.jsonl", run_dir / "eval.jsonl"
-    done = arith_curve.training_times(arith_curve.read_jsonl(metrics_path), arith_curve.read_jsonl(eval_path))
-    if not (done and max(done.values()) >= budget):
-        resume = ["--resume"] if (run_dir / "checkpoints" / "latest").is_file() else []
-        # The evaluation schedule of the TRL side (training minutes, rollouts paused), and no checkpoint
-        # during the budget (the run saves once, after SIGINT).
-        cmd = arith_curve.cli("train", "--preset", args.preset, "--model", args.model, "--output", str(run_dir),
-                              "--eval.steps", "0", "--eval.every_min", str(args.eval_every_min),
-                              "--eval.num_prompts", str(args.eval_prompts), "--eval.eval_at_start", "true",
-                              "--ckpt.save_steps", "0", "--seed", str(seed), "--no_progress", *resume,
-                              *(["--torch_threads", str(args.ours_threads)] if args.ours_threads else []), *extra)
-        print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
-        with open(log, "a") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
-            stopped = False
-            while proc.poll() is None:
-                time.sleep(1.0)
-                if not stopped and budget_done(arith_curve.read_jsonl(metrics_path), arith_curve.read_jsonl(eval_path),
-                                               budget, args.eval_every_min * 60):
-                    proc.send_signal(signal.SIGINT)
-                    stopped = True
-        if proc.returncode not in (0, 130):
-            raise SystemExit(f"[{name} seed {seed}] training failed with exit status {proc.returncode}; see {log}")
-    metrics = arith_curve.read_jsonl(metrics_path)
-    evals = arith_curve.read_jsonl(eval_path)
-    times = arith_curve.training_times(metrics, evals)
-    # As on TRL's side: the updates up to the first one at or past the budget, and the evaluations
-    # up to the one after that update.
-    last = next((i for i, m in enumerate(metrics) if times[int(m["step"])] >= budget - 1e-9), len(metrics) - 1)
-    kept = metrics[:last + 1]
-    train_s = times[int(kept[-1]["step"])]
-    curve = []
-    for e in evals:
-        at = 0.0 if int(e["step"]) == 0 else float(e.get("train_time_s", times.get(int(e["step"]), math.inf)))
-        if at <= train_s + 1e-9:
-            curve.append({"step": int(e["step"]), "train_min": at / 60, "accuracy": e["eval_success_rate"],
-                          **{k[len("eval_env/"):]: v for k, v in e.items() if k.startswith("eval_env/")}})
-    learner_s = sum(float(m["learner_compute_s"]) for m in kept)
-    idle_s = sum(float(m["learner_idle_s"]) for m in kept)
-    worker_busy = [1 - float(m.get("worker_idle_fraction", 0.0)) for m in kept]
-    trajectories = sum(int(m["trajectories"]) for m in kept)
-    from flashreinforce.config import read_config_file
-
-    settings = read_config_file(run_dir / "config.yaml")
-    return {
-        "side": name, "seed": seed, "train_s": train_s, "updates": len(kept), "trajectories": trajectories,
-        "prompts_per_update": settings["rollout.batch_size"],
-        "trajectories_per_prompt": settings["rollout.n_samples_per_prompt"],
-        "policy_lag_mean": arith_curve.mean(float(m.get("policy_lag_mean", 0.0)) for m in kept),
-        "trajectories_per_s": trajectories / train_s, "updates_per_s": len(kept) / train_s,
-        # The learner's own time split; generation runs in the rollout worker at the same time.
-        "learning_share": learner_s / train_s, "idle_share": idle_s / train_s,
-        "generation_share": arith_curve.mean(worker_busy),
-        "curve": curve, "rewards": [{"step": int(m["step"]), "reward": float(m["reward_mean"])} for m in kept],
-        "settings": {k: settings[k] for k in ("rollout.batch_size", "rollout.n_samples_per_prompt",
-                                              "rollout.max_new_tokens", "rollout.temperature", "actor.adam.lr",
-                                              "actor.loss_mode", "rollout.num_workers", "train.async_queue_size",
-                                              "train.max_policy_lag", "actor.flash_gate_delta")},
-    }
-
-
-def budget_done(metrics: list[dict], evals: list[dict], budget_s: float, eval_every_s: float) -> bool:
-    """Whether our run may be stopped: its training time has reached the budget and, when an
-    evaluation falls due at the budget (the budget is a multiple of the evaluation period), that
-    evaluation has been recorded, so that both sides end with an evaluation after the update that
-    passes the budget. Two evaluation periods past the budget it stops regardless."""
-    times = arith_curve.training_times(metrics, evals)
-    if not times or max(times.values()) < budget_s:
-        return False
-    due = eval_every_s > 0 and abs(budget_s / eval_every_s - round(budget_s / eval_every_s)) < 1e-9
-    evaluated = any(int(e["step"]) > 0 and times.get(int(e["step"]), 0.0) >= budget_s - 1e-9 for e in evals)
-    return not due or evaluated or max(times.values()) >= budget_s + 2 * eval_every_s
-
-
 def _run_files(out: Path, side: str) -> list[Path]:
     """``OUTPUT/SIDE_seedS.json`` (not the other JSON files beside them), by seed."""
     found = [p for p in out.glob(f"{side}_seed*.json") if re.fullmatch(rf"{side}_seed\d+\.json", p.name)]
@@ -365,26 +196,11 @@ def time_to_reach(curve: list[dict], target: float) -> float | None:
     return None
 
 
-def _spread(values: list[float]) -> dict:
-    values = [v for v in values if v is not None]
-    if not values:
-        return {"mean": None, "min": None, "max": None, "n": 0}
-    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def _fmt(stat: dict, fmt: str) -> str:
-    if stat["mean"] is None:
-        return "-"
-    if stat["n"] == 1:
-        return fmt.format(stat["mean"])
-    return f"{fmt.format(stat['mean'])} ({fmt.format(stat['min'])}-{fmt.format(stat['max'])})"
-
-
 def report(out: Path, trls: list[dict], ours: list[dict], args) -> dict:
     """Mean and spread over the seeds of each side; our time to TRL's mean final accuracy."""
-    trl_final = _spread([r["curve"][-1]["accuracy"] for r in trls])
-    trl_base = _spread([r["curve"][0]["accuracy"] for r in trls])
-    trl_minutes = _spread([r["curve"][-1]["train_min"] for r in trls])
+    trl_final = spread([r["curve"][-1]["accuracy"] for r in trls])
+    trl_base = spread([r["curve"][0]["accuracy"] for r in trls])
+    trl_minutes = spread([r["curve"][-1]["train_min"] for r in trls])
     target = trl_final["mean"]
     # Only a TRL gain over the base model makes "time to reach TRL's accuracy" meaningful.
     gain = target is not None and trl_base["mean"] is not None and target > trl_base["mean"]
@@ -395,9 +211,9 @@ def report(out: Path, trls: list[dict], ours: list[dict], args) -> dict:
         "cpu": arith_curve.cpu_name(), "cpus": os.cpu_count(), "load_average_end": arith_curve.load_average(),
         "budget_min": args.budget_min, "eval_every_min": args.eval_every_min, "eval_prompts": args.eval_prompts,
         "seeds": {side: [r["seed"] for r in runs] for side, runs in sides.items()},
-        "final_accuracy": {side: _spread([r["curve"][-1]["accuracy"] for r in runs]) for side, runs in sides.items()},
-        "base_accuracy": {side: _spread([r["curve"][0]["accuracy"] for r in runs]) for side, runs in sides.items()},
-        "trl_minutes": trl_minutes, "ours_minutes_to_trl_final": reach, "time_ratio": _spread(ratios),
+        "final_accuracy": {side: spread([r["curve"][-1]["accuracy"] for r in runs]) for side, runs in sides.items()},
+        "base_accuracy": {side: spread([r["curve"][0]["accuracy"] for r in runs]) for side, runs in sides.items()},
+        "trl_minutes": trl_minutes, "ours_minutes_to_trl_final": reach, "time_ratio": spread(ratios),
         "unreached": sum(m is None for m in reach) if gain else None, "trl": trls, "ours": ours,
     }
     (out / "results.json").write_text(json.dumps(summary, indent=1))
@@ -408,11 +224,11 @@ def report(out: Path, trls: list[dict], ours: list[dict], args) -> dict:
           f"seeds: TRL {summary['seeds']['trl']}, ours {summary['seeds']['ours']}; mean (min-max)")
     print("| metric | TRL GRPOTrainer | flashreinforce |\n| --- | --- | --- |")
     for name, key, fmt in rows:
-        print(f"| {name} | {_fmt(_spread([r[key] for r in trls]), fmt)} | {_fmt(_spread([r[key] for r in ours]), fmt)} |")
-    print(f"| held-out greedy accuracy, base | {_fmt(summary['base_accuracy']['trl'], '{:.3f}')} | "
-          f"{_fmt(summary['base_accuracy']['ours'], '{:.3f}')} |")
-    print(f"| held-out greedy accuracy, final | {_fmt(summary['final_accuracy']['trl'], '{:.3f}')} | "
-          f"{_fmt(summary['final_accuracy']['ours'], '{:.3f}')} |")
+        print(f"| {name} | {fmt_spread(spread([r[key] for r in trls]), fmt)} | {fmt_spread(spread([r[key] for r in ours]), fmt)} |")
+    print(f"| held-out greedy accuracy, base | {fmt_spread(summary['base_accuracy']['trl'], '{:.3f}')} | "
+          f"{fmt_spread(summary['base_accuracy']['ours'], '{:.3f}')} |")
+    print(f"| held-out greedy accuracy, final | {fmt_spread(summary['final_accuracy']['trl'], '{:.3f}')} | "
+          f"{fmt_spread(summary['final_accuracy']['ours'], '{:.3f}')} |")
     for side, runs in sides.items():
         for r in runs:
             pts = ", ".join(f"{p['train_min']:.1f} min: {p['accuracy']:.3f}"
@@ -423,7 +239,7 @@ def report(out: Path, trls: list[dict], ours: list[dict], args) -> dict:
         print("TRL did not improve on the base model on average: no time-to-accuracy ratio")
     else:
         print(f"TRL's mean final accuracy {target:.3f} (at {trl_minutes['mean']:.1f} min); our runs reached it after "
-              f"{[None if m is None else round(m, 1) for m in reach]} min: {_fmt(summary['time_ratio'], '{:.2f}')} of "
+              f"{[None if m is None else round(m, 1) for m in reach]} min: {fmt_spread(summary['time_ratio'], '{:.2f}')} of "
               "TRL's time (target <= 0.5)")
     try:
         import matplotlib

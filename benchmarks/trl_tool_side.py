@@ -55,16 +55,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vs_trl import train_trl_on_budget  # noqa: E402  (the budget clock shared with the arith race)
+from common import heldout_evaluator, preset_flags, train_trl_on_budget  # noqa: E402  (shared with the arith race)
 
 PRESET = "arith_tool"
 RESULT_FILE = "trl_tool.json"
-
-
-def preset_flags() -> dict:
-    from flashreinforce.config.presets import PRESETS
-
-    return dict(PRESETS[PRESET])
 
 
 def env_kwargs(flags: dict) -> dict:
@@ -82,22 +76,10 @@ def tool_tokenizer(hf_tok):
 
 def heldout_tool_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed: int):
     """An Evaluator over ArithToolEnv's held-out problems with its own copy of ``model`` (greedy, 3 turns)."""
-    from flashreinforce.engines import LocalWeightStore, SamplingParams
-    from flashreinforce.envs.registry import EnvSpec
-    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
-    from flashreinforce.trainer.rollout import RolloutSettings
-
-    env_spec = EnvSpec(flags["env"], {}, env_kwargs(flags), True)  # the environment renders the chat template
-    settings = RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],
-                               max_turns=flags["rollout.max_turns"],
-                               episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed,
-                               env_timeout_s=flags["rollout.env_timeout_s"])
-    store = LocalWeightStore()
-    evaluator = Evaluator(env_factory=env_spec.factory(tokenizer), seeds=eval_seeds(None, num_prompts),
-                          model=copy.deepcopy(model), tokenizer=tokenizer, weights=store, rollout_settings=settings,
-                          sampling=SamplingParams(0.0, 1.0, 0, tokenizer.eos_token_ids), n_samples=1,
-                          episodes_per_call=flags["rollout.vllm_generate_batch_size"], seed=seed + 1)
-    return evaluator, store
+    # the environment renders the chat template
+    return heldout_evaluator(model, tokenizer, flags, num_prompts, seed, env_kwargs=env_kwargs(flags),
+                             chat_template=True, max_turns=flags["rollout.max_turns"],
+                             env_timeout_s=flags["rollout.env_timeout_s"])
 
 
 # ---------------------------------------------------------------------------- the rollout TRL calls
@@ -301,7 +283,7 @@ def run_trl_tool(*, model: str, seed: int, budget_min: float, eval_every_min: fl
     from flashreinforce.models.loading import build_model
     from flashreinforce.models.tokenizers import load_tokenizer
 
-    flags = preset_flags()
+    flags = preset_flags(PRESET, {})
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_setup = time.perf_counter()

@@ -1,8 +1,10 @@
 // C++ tests of the framework-agnostic core (CPU path) against a double-precision computation
 // written here from docs/semantics.md, on random segments and edge cases. Run through CTest
-// (python_tests/ops/test_cpp_core.py builds and runs it). `test_core SEED` (or FR_TEST_SEED=SEED) replays a
-// run.
+// (python_tests/ops/test_cpp_core.py builds and runs it). The random cases come from a seed, fresh each run
+// and printed with the command that replays it: `test_core --seed SEED` (or `test_core SEED`, or
+// FR_TEST_SEED=SEED in the environment, which also reaches it through ctest).
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -306,25 +308,66 @@ static void check_case(const std::string& name, const Problem& P) {
   if (e.code == ErrorCode::kOk) compare(P, got, sizeof(T) == 4);
 }
 
-// test_core [SEED]: the random cases come from SEED, else from the environment variable FR_TEST_SEED
-// (as in the Python tests), else from a fresh seed; it is printed either way, so that a failure can
-// be replayed.
+// A seed as the command line or FR_TEST_SEED gives it: decimal digits only, within 64 bits.
+static bool parse_seed(const char* text, uint64_t& seed) {
+  if (text == nullptr || *text == '\0') return false;
+  for (const char* c = text; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9') return false;
+  }
+  errno = 0;
+  char* end = nullptr;
+  const unsigned long long value = std::strtoull(text, &end, 10);
+  if (errno == ERANGE || *end != '\0') return false;
+  seed = static_cast<uint64_t>(value);
+  return true;
+}
+
+static void usage(const char* program) {
+  std::fprintf(stderr,
+               "usage: %s [--seed SEED | SEED]\n"
+               "  the random cases come from SEED, else from the environment variable FR_TEST_SEED, else from a\n"
+               "  fresh seed; the seed and the command that replays it are printed either way\n",
+               program);
+}
+
+// test_core [--seed SEED | SEED]: the random cases come from SEED, else from the environment variable
+// FR_TEST_SEED (as in the Python tests; ctest passes it through), else from a fresh seed. The seed and
+// the command that replays it are printed at the start and again on failure, and the generator's next
+// draw after the last random case at the end (the same seed draws the same cases).
 int main(int argc, char** argv) {
+  const char* given = std::getenv("FR_TEST_SEED");
+  const char* from = "FR_TEST_SEED";
+  if (argc == 2 && (std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0)) {
+    usage(argv[0]);
+    return 0;
+  } else if (argc == 3 && std::strcmp(argv[1], "--seed") == 0) {
+    given = argv[2];
+    from = "--seed";
+  } else if (argc == 2 && std::strncmp(argv[1], "--seed=", 7) == 0) {
+    given = argv[1] + 7;
+    from = "--seed";
+  } else if (argc == 2 && argv[1][0] != '-') {
+    given = argv[1];
+    from = "SEED";
+  } else if (argc != 1) {
+    usage(argv[0]);
+    return 2;
+  }
   uint64_t seed = 0;
-  const char* given = argc > 1 ? argv[1] : std::getenv("FR_TEST_SEED");
   if (given != nullptr) {
-    char* end = nullptr;
-    seed = std::strtoull(given, &end, 10);
-    if (end == given || *end != '\0') {
-      std::fprintf(stderr, "usage: %s [SEED] (or FR_TEST_SEED=SEED), got '%s'\n", argv[0], given);
+    if (!parse_seed(given, seed)) {
+      std::fprintf(stderr, "%s: %s must be a whole number from 0 to 2^64 - 1, got '%s'\n", argv[0], from, given);
+      usage(argv[0]);
       return 2;
     }
   } else {
     std::mt19937_64 fresh(std::random_device{}());
     seed = fresh();
   }
+  const unsigned long long shown = static_cast<unsigned long long>(seed);
   std::mt19937_64 rng(seed);
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::printf("seed %llu (replay: %s --seed %llu)\n", shown, argv[0], shown);
+  std::fflush(stdout);
 
   // Random segments: 1 token to thousands, with and without the filter, gate on and off.
   for (int rep = 0; rep < 4; ++rep) {
@@ -576,9 +619,11 @@ int main(int argc, char** argv) {
     CHECK(math::entropy_key(-1.0f) < math::entropy_key(0.5f));
   }
 
+  std::printf("seed %llu: next draw after the random cases %016llx\n", shown,
+              static_cast<unsigned long long>(rng()));
   if (g_failures) {
-    std::fprintf(stderr, "%d check(s) failed (seed %llu; replay: %s %llu)\n", g_failures,
-                 static_cast<unsigned long long>(seed), argv[0], static_cast<unsigned long long>(seed));
+    std::fprintf(stderr, "%d check(s) failed (seed %llu; replay: %s --seed %llu)\n", g_failures, shown, argv[0],
+                 shown);
     return 1;
   }
   std::printf("all core checks passed\n");

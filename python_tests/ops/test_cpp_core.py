@@ -1,4 +1,5 @@
-"""Builds the C++ core tests (CPU only) with CMake and runs them through CTest.
+"""Builds the C++ core tests (CPU only) with CMake and runs them through CTest, and checks that a seed
+replays the C++ test's random cases.
 
 The build directory (build/cpp-tests under the repository) is reused between runs, so only the
 first run compiles. The same build also produces a CPU-only flashreinforce._C, used to check the
@@ -58,6 +59,36 @@ def test_ctest_core(build_dir):
     print(done.stdout[-3000:])
     assert done.returncode == 0, f"ctest failed:\n{done.stdout[-6000:]}\n{done.stderr[-2000:]}"
     assert "100% tests passed" in done.stdout
+
+
+def _run_core(build_dir: Path, *args: str, seed_env: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "FR_TEST_SEED"}
+    if seed_env is not None:
+        env["FR_TEST_SEED"] = seed_env
+    return subprocess.run([str(build_dir / "test_core"), *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_core_replays_a_seed(build_dir):
+    """``test_core --seed S`` draws the cases of seed S: two runs print the seed, the command that
+    replays it and the same draws, and pass; another seed draws other cases. FR_TEST_SEED is read
+    when no seed is given (an invalid one is refused, naming it), and a malformed seed is refused."""
+    seed = 20240511
+    first, again = _run_core(build_dir, "--seed", str(seed)), _run_core(build_dir, "--seed", str(seed))
+    for done in (first, again):
+        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.stdout.startswith(f"seed {seed} (replay: ") and f" --seed {seed})" in done.stdout.splitlines()[0]
+        assert "all core checks passed" in done.stdout
+    assert first.stdout == again.stdout
+    draw = [line for line in first.stdout.splitlines() if line.startswith(f"seed {seed}: next draw")]
+    assert len(draw) == 1, first.stdout
+    other = _run_core(build_dir, str(seed + 1))  # the positional form scripts/check_cpu_isas.sh uses
+    assert other.returncode == 0 and other.stdout.startswith(f"seed {seed + 1} ")
+    assert f"seed {seed + 1}: next draw" in other.stdout and draw[0].split()[-1] not in other.stdout
+    refused = _run_core(build_dir, seed_env="12x")
+    assert refused.returncode == 2 and "FR_TEST_SEED" in refused.stderr and "'12x'" in refused.stderr
+    for args in (["--seed", "-3"], ["--seed"], ["--sead", "3"]):
+        done = _run_core(build_dir, *args)
+        assert done.returncode == 2 and "usage:" in done.stderr, (args, done.stderr)
 
 
 def _load_module(build_dir: Path) -> str:
