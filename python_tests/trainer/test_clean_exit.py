@@ -14,8 +14,8 @@ import pytest
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

@@ -4,17 +4,17 @@
 (each built by its own module):
 
 * the policy, its tokenizer and the environments (:mod:`.components`);
-* the rollout side (:mod:`.workers`): rollout workers (threads, or Ray actors with
+* the rollout side (:mod:`.rollout_side`): rollout workers (threads, or Ray actors with
   ``--rollout.backend ray``, each with its own engine copy of the policy) roll out prompts the
   buffer hands out and put finished trajectories into it;
-* the learner (:mod:`.learner`): the loop takes the next batch (``rollout.batch_size`` groups in
+* the learner (:mod:`~flashreinforce.trainer.learning.learner`): the loop takes the next batch (``rollout.batch_size`` groups in
   completion order), makes one optimizer step, publishes the new weights by version and lets the
   next batch start. Under ``torchrun`` it is data-parallel
   (:mod:`flashreinforce.distributed.data_parallel`): rank 0 runs everything here and hands each
   rank its share of every batch; the other ranks only compute gradients;
-* reporting (:mod:`.metrics`, :mod:`.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
+* reporting (:mod:`~flashreinforce.trainer.reporting.metrics`, :mod:`~flashreinforce.trainer.reporting.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
   evaluation every ``eval.steps`` updates into ``OUTPUT/eval.jsonl``;
-* checkpoints (:mod:`.checkpoints`) every ``ckpt.save_steps`` updates, at the end and on Ctrl-C;
+* checkpoints (:mod:`~flashreinforce.trainer.persistence.checkpoints`) every ``ckpt.save_steps`` updates, at the end and on Ctrl-C;
   ``--resume`` continues from the newest one with the same metrics history.
 
 Environments with a finite prompt set (a dataset) play row ``seed % len``; the buffer hands out
@@ -40,24 +40,24 @@ import torch
 from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
 from flashreinforce.config.paths import absolute_paths
 from flashreinforce.config.resume import recorded_settings, review, settings_config
-from flashreinforce.trainer import components
-from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
+from flashreinforce.trainer.run import components
+from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
                                                 learner_state_to_restore, save_checkpoint)
-from flashreinforce.trainer.callbacks import CallbackList
-from flashreinforce.trainer.fault_counters import FaultMetrics
-from flashreinforce.trainer.interrupts import InterruptWatch
-from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
-from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
-from flashreinforce.trainer.learner import Learner, PolicyLearner
-from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, update_metrics
-from flashreinforce.trainer.prechecks import check_before_model, check_rollout_engine
-from flashreinforce.trainer.run_dir import RunLock, create_output, remove_created
-from flashreinforce.trainer.run_history import HistoryRecord
-from flashreinforce.trainer.summary import write_run_summary
-from flashreinforce.trainer.watchdog import Watchdog
+from flashreinforce.trainer.run.callbacks import CallbackList
+from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
+from flashreinforce.trainer.run.interrupts import InterruptWatch
+from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
+from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
+from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
+from flashreinforce.trainer.reporting.metrics import UpdateTimings, open_metrics_log, update_metrics
+from flashreinforce.trainer.run.prechecks import check_before_model, check_rollout_engine
+from flashreinforce.trainer.persistence.run_dir import RunLock, create_output, remove_created
+from flashreinforce.trainer.persistence.run_history import HistoryRecord
+from flashreinforce.trainer.reporting.summary import write_run_summary
+from flashreinforce.trainer.run.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora, merged_model, save_adapter
-from flashreinforce.trainer.rollout_pool import RolloutBackend
-from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
+from flashreinforce.trainer.rollout.thread_pool import RolloutBackend
+from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
 
 __all__ = ["Trainer"]
 
@@ -302,7 +302,7 @@ class Trainer:
                 "policy_version": self.learner.version}
 
     def _prepare_output(self) -> list[Path]:
-        """Create ``--output`` and lock it (one run at a time, :mod:`.run_dir`); an earlier run there is
+        """Create ``--output`` and lock it (one run at a time, :mod:`~flashreinforce.trainer.persistence.run_dir`); an earlier run there is
         continued only with --resume and cleared only with --overwrite (a new run never mixes its
         records into another's). Returns what --overwrite will delete once the run has started."""
         self._created = create_output(self.out)
@@ -353,7 +353,7 @@ class Trainer:
 
     def _take_batch(self, pool: RolloutBackend):
         """The next batch, or ``None`` once interrupted; checks the workers and the watchdog
-        (:class:`~flashreinforce.trainer.watchdog.Watchdog`) while waiting."""
+        (:class:`~flashreinforce.trainer.run.watchdog.Watchdog`) while waiting."""
         batch = None
         self._watchdog.start_wait()
         while batch is None and not self._interrupted.is_set():

@@ -13,16 +13,16 @@ fit is not appended (the episode ends truncated instead); text longer than the r
 at the tokenizer's longest token is not even tokenized. ``failed`` is the environment's label of
 its last step, or ``reward <= 0`` when it gave none.
 
-Faults stay with the episode that caused them (:mod:`~flashreinforce.trainer.fault_records`): an environment
+Faults stay with the episode that caused them (:mod:`~flashreinforce.trainer.rollout.fault_records`): an environment
 call that raises, returns a wrong type or does not return within ``env_timeout_s``, text the
 tokenizer cannot encode, a prompt that cannot fit, or an engine error on one request quarantines
-that episode only: the worker hands a :class:`~flashreinforce.trainer.fault_records.QuarantinedEpisode` to
+that episode only: the worker hands a :class:`~flashreinforce.trainer.rollout.fault_records.QuarantinedEpisode` to
 the buffer in its place (which retries the prompt a few times, then skips it) and keeps every other
 episode of the call. An engine call that fails on each of its requests is retried one request at a
 time; a worker whose engine failed on every request of ``MAX_ENGINE_FAILURES_IN_A_ROW`` calls in a
 row stops (the trainer stops when no worker is left).
 
-Workers run as threads (:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
+Workers run as threads (:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
 the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray`).
 """
 
@@ -40,13 +40,13 @@ from typing import Any, Callable, Mapping, Sequence
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, WeightStore
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.env_calls import EnvCalls
-from flashreinforce.trainer.episode import Episode, EpisodeFault, check_step_result
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.env_calls import EnvCalls
+from flashreinforce.trainer.rollout.episode import Episode, EpisodeFault, check_step_result
 from flashreinforce.trainer.errors import StopRequested
-from flashreinforce.trainer.fault_records import QuarantinedEpisode, RepeatedProblems
-from flashreinforce.trainer.trajectory import Trajectory
-from flashreinforce.trainer.turns import turn_cut, turn_stop
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode, RepeatedProblems
+from flashreinforce.trainer.rollout.trajectory import Trajectory
+from flashreinforce.trainer.rollout.turns import turn_cut, turn_stop
 
 __all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutSettings", "RolloutWorker", "TurnSample",
            "episode_seed", "fair_share", "max_token_chars"]

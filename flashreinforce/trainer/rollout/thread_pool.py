@@ -1,7 +1,7 @@
 """Where rollout workers run: the backend interface, and the ``local`` backend's thread pool.
 
 A :class:`RolloutBackend` starts, stops and watches a set of rollout workers running concurrently with
-the learner. :class:`ThreadRolloutPool` runs each :class:`~flashreinforce.trainer.rollout.RolloutWorker`
+the learner. :class:`ThreadRolloutPool` runs each :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker`
 in a thread of the learner's process; the Ray backend (:mod:`flashreinforce.distributed.ray`) runs them
 as actors.
 """
@@ -13,9 +13,9 @@ import threading
 import time
 from typing import Sequence
 
-from flashreinforce.trainer.buffer import RolloutBuffer
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer
 from flashreinforce.trainer.errors import RolloutFailed
-from flashreinforce.trainer.rollout import RolloutWorker, fair_share
+from flashreinforce.trainer.rollout.worker import RolloutWorker, fair_share
 
 __all__ = ["RolloutBackend", "ThreadRolloutPool"]
 

@@ -1,7 +1,7 @@
 """The rollout side of a run: the buffer, the weight store and the rollout workers, local or on Ray.
 
 ``rollout.backend local``: the buffer and the weight store live in this process and the workers are
-threads of it (:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`), each with its own engine
+threads of it (:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`), each with its own engine
 copy of the policy. ``rollout.backend ray``: the buffer is a Ray actor, weights travel through Ray's
 object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`).
 """
@@ -17,11 +17,11 @@ from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine, engine_kind
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
-from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
-from flashreinforce.trainer.agent_rollout import worker_class
-from flashreinforce.trainer.learner import PolicyLearner
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
-from flashreinforce.trainer.rollout_pool import RolloutBackend, ThreadRolloutPool
+from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
+from flashreinforce.trainer.rollout.agent_worker import worker_class
+from flashreinforce.trainer.learning.learner import PolicyLearner
+from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.thread_pool import RolloutBackend, ThreadRolloutPool
 
 __all__ = ["RolloutSide", "start_rollout_side"]
 
@@ -30,7 +30,7 @@ __all__ = ["RolloutSide", "start_rollout_side"]
 class RolloutSide:
     """The buffer and weight store of a run, and the Ray session when the backend is Ray.
 
-    ``buffer`` is a :class:`~flashreinforce.trainer.buffer.RolloutBuffer` or its Ray client; both
+    ``buffer`` is a :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer` or its Ray client; both
     offer ``take``, ``update_done``, ``stats`` and ``state_dict``/``load_state_dict``.
     """
 
