@@ -33,7 +33,8 @@ import torch
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer
 from flashreinforce.engines import Generation, GenerationRequest, LocalWeightStore, RolloutEngine, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
-from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
 from flashreinforce.models.tokenizers import CharTokenizer
 

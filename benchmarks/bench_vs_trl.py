@@ -78,7 +78,7 @@ def heldout_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed: int
     from flashreinforce.engines import LocalWeightStore, SamplingParams
     from flashreinforce.envs.registry import EnvSpec
     from flashreinforce.trainer.reporting.evaluation import Evaluator, eval_seeds
-    from flashreinforce.trainer.rollout.worker import RolloutSettings
+    from flashreinforce.trainer.rollout.settings import RolloutSettings
 
     env_spec = EnvSpec(flags["env"], {}, dict(flags["env.kwargs"]), False)
     settings = RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],

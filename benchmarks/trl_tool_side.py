@@ -85,7 +85,7 @@ def heldout_tool_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed
     from flashreinforce.engines import LocalWeightStore, SamplingParams
     from flashreinforce.envs.registry import EnvSpec
     from flashreinforce.trainer.reporting.evaluation import Evaluator, eval_seeds
-    from flashreinforce.trainer.rollout.worker import RolloutSettings
+    from flashreinforce.trainer.rollout.settings import RolloutSettings
 
     env_spec = EnvSpec(flags["env"], {}, env_kwargs(flags), True)  # the environment renders the chat template
     settings = RolloutSettings(max_new_tokens=flags["rollout.max_new_tokens"], max_len=flags["data.max_len"],

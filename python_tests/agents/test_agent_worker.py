@@ -22,7 +22,7 @@ from flashreinforce.envs.registry import EnvSpec  # noqa: E402
 from flashreinforce.trainer.rollout.agent_worker import AgentRolloutWorker, worker_class  # noqa: E402
 from flashreinforce.trainer.rollout.buffer import Ticket  # noqa: E402
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode  # noqa: E402
-from flashreinforce.trainer.rollout.worker import RolloutSettings  # noqa: E402
+from flashreinforce.trainer.rollout.settings import RolloutSettings  # noqa: E402
 from flashreinforce.trainer.rollout.trajectory import Trajectory  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]

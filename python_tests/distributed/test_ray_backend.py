@@ -17,7 +17,8 @@ from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
 from flashreinforce.distributed.ray import (ActorClient, ActorGone, OwnedBuffer, RayRollout, StaleIncarnation,
                                            WorkerRecipe)
 from flashreinforce.engines import SamplingParams
-from flashreinforce.trainer.rollout.worker import RolloutSettings, fair_share
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.backend import fair_share
 from flashreinforce.models.tokenizers import load_tokenizer
 from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.models.loading import build_model

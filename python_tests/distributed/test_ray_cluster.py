@@ -32,7 +32,7 @@ from flashreinforce.models.loading import build_model  # noqa: E402
 from flashreinforce.models.tokenizers import load_tokenizer  # noqa: E402
 from flashreinforce.trainer import Trainer  # noqa: E402
 from flashreinforce.trainer.persistence.checkpoints import latest_checkpoint  # noqa: E402
-from flashreinforce.trainer.rollout.worker import RolloutSettings  # noqa: E402
+from flashreinforce.trainer.rollout.settings import RolloutSettings  # noqa: E402
 from python_tests.distributed.worker_freeze import frozen_holding  # noqa: E402
 
 TOY = "flashreinforce.envs.toy:ToyCopyEnv"

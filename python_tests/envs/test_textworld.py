@@ -324,7 +324,8 @@ def test_rollout_with_a_tiny_model(cache):
     from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
     from flashreinforce.models.tokenizers import CharTokenizer
     from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
-    from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+    from flashreinforce.trainer.rollout.settings import RolloutSettings
+    from flashreinforce.trainer.rollout.worker import RolloutWorker
     from python_tests.builders import tiny_causal_lm
 
     tok = CharTokenizer()

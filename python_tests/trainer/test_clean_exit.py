@@ -15,7 +15,8 @@ from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

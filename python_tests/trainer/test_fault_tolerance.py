@@ -23,7 +23,8 @@ from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer, T
 from flashreinforce.trainer.errors import RunStalled
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 from flashreinforce.trainer.run.watchdog import Watchdog

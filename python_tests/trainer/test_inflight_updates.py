@@ -10,7 +10,8 @@ from flashreinforce.engines.base import Generation, RolloutEngine
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

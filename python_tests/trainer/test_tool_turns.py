@@ -13,7 +13,8 @@ from flashreinforce.envs.arith_tool import ArithToolEnv
 from flashreinforce.envs.tasks import Task
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

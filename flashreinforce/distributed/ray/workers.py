@@ -16,7 +16,7 @@ import torch
 from flashreinforce.distributed.ray.buffer import WorkerBufferClient
 from flashreinforce.distributed.ray.calls import import_ray
 from flashreinforce.distributed.ray.weights import RayWeightStore
-from flashreinforce.trainer.rollout.worker import RolloutSettings
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["RolloutWorkerActor", "WorkerRecipe"]
 
@@ -28,11 +28,11 @@ class WorkerRecipe:
     model_config: the policy's ``transformers`` config (weights come from the weight store).
     engine / engine_options: :func:`~flashreinforce.engines.create_engine`'s kind and options.
     tokenizer: the run's tokenizer object. env: the :class:`~flashreinforce.envs.registry.EnvSpec`.
-    settings: the :class:`~flashreinforce.trainer.rollout.worker.RolloutSettings`. group_size: samples per prompt
+    settings: the :class:`~flashreinforce.trainer.rollout.settings.RolloutSettings`. group_size: samples per prompt
     (the buffer's). engine_options: extra engine arguments (vLLM). torch_threads: intra-op threads
     of the worker process (``None``: torch's default). max_prompts_per_call: the worker's share of
     the prompts that may be in flight (set by the pool, see
-    :func:`~flashreinforce.trainer.rollout.worker.fair_share`).
+    :func:`~flashreinforce.trainer.rollout.backend.fair_share`).
     """
 
     model_config: Any

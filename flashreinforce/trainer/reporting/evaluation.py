@@ -21,7 +21,7 @@ from flashreinforce.trainer.rollout.buffer import Ticket
 from flashreinforce.trainer.rollout.agent_worker import worker_class
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.reporting.outcomes import episode_means
-from flashreinforce.trainer.rollout.worker import RolloutSettings
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds", "progress_lines"]
 

@@ -50,7 +50,8 @@ from flashreinforce.envs.agent_env import AGENT_ENVIRONMENT, AgentEnvironment, a
 from flashreinforce.envs.registry import environment_class
 from flashreinforce.trainer.rollout.buffer import Ticket
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.rollout.worker import RolloutWorker, _Stopped, episode_seed
+from flashreinforce.trainer.rollout.settings import episode_seed
+from flashreinforce.trainer.rollout.worker import RolloutWorker, _Stopped
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["AgentRolloutWorker", "is_agent_spec", "worker_class"]

@@ -25,7 +25,7 @@ from flashreinforce.models.loading import adopt_model, build_model
 from flashreinforce.models.lora import LoraSettings, apply_lora
 from flashreinforce.models.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
 from flashreinforce.trainer.learning.learner import LearnerSettings
-from flashreinforce.trainer.rollout.worker import RolloutSettings
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
            "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",

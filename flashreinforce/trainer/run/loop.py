@@ -56,7 +56,7 @@ from flashreinforce.trainer.persistence.run_history import HistoryRecord
 from flashreinforce.trainer.reporting.summary import write_run_summary
 from flashreinforce.trainer.run.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora, merged_model, save_adapter
-from flashreinforce.trainer.rollout.thread_pool import RolloutBackend
+from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
 
 __all__ = ["Trainer"]

@@ -20,8 +20,10 @@ from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
 from flashreinforce.trainer.rollout.agent_worker import worker_class
 from flashreinforce.trainer.learning.learner import PolicyLearner
-from flashreinforce.trainer.rollout.worker import RolloutSettings, RolloutWorker
-from flashreinforce.trainer.rollout.thread_pool import RolloutBackend, ThreadRolloutPool
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
+from flashreinforce.trainer.rollout.backend import RolloutBackend
+from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
 
 __all__ = ["RolloutSide", "start_rollout_side"]
 
