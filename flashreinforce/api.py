@@ -150,6 +150,7 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
     if eval_dataset is not None:
         cfg.eval.dataset = eval_dataset
     validate(cfg)
+    from flashreinforce.distributed.scale_out import DistributedScaleOut
     from flashreinforce.trainer import Trainer
     from flashreinforce.trainer.run.callbacks import CallbackList
 
@@ -157,4 +158,5 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
         hooks = CallbackList(callbacks)
     except TypeError as err:
         raise ConfigError(f"train(): {err}") from None
-    return Trainer(cfg, model=model_object, tokenizer=tokenizer, callbacks=hooks).run()
+    return Trainer(cfg, model=model_object, tokenizer=tokenizer, callbacks=hooks,
+                   scale_out=DistributedScaleOut()).run()

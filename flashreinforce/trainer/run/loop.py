@@ -10,7 +10,8 @@
 * the learner (:mod:`~flashreinforce.trainer.learning.learner`): the loop takes the next batch (``rollout.batch_size`` groups in
   completion order), makes one optimizer step, publishes the new weights by version and lets the
   next batch start. Under ``torchrun`` it is data-parallel
-  (:mod:`flashreinforce.distributed.data_parallel`): rank 0 runs everything here and hands each
+  (:mod:`flashreinforce.distributed.data_parallel`, given as the run's ``scale_out``,
+  :mod:`.scale_out`): rank 0 runs everything here and hands each
   rank its share of every batch; the other ranks only compute gradients;
 * reporting (:mod:`~flashreinforce.trainer.reporting.metrics`, :mod:`~flashreinforce.trainer.reporting.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
   evaluation every ``eval.steps`` updates into ``OUTPUT/eval.jsonl``;
@@ -58,6 +59,7 @@ from flashreinforce.trainer.run.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora, merged_model, save_adapter
 from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
+from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 
 __all__ = ["Trainer"]
 
@@ -67,11 +69,16 @@ log = logging.getLogger("flashreinforce.trainer")
 class Trainer:
     """One training run. ``run()`` returns a summary dict; see the module docstring."""
 
-    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = ()) -> None:
+    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = (),
+                 scale_out: ScaleOut | None = None) -> None:
         """``model`` / ``tokenizer``: objects given in Python in place of ``--model`` / ``--tokenizer``;
-        ``callbacks``: see :mod:`.callbacks`."""
+        ``callbacks``: see :mod:`.callbacks`; ``scale_out``: the Ray rollout side and the torchrun
+        learner (:mod:`.scale_out`; without it, one process with local rollout threads)."""
         if not cfg.output:
             raise ConfigError("--output DIR is required")
+        if cfg.rollout.backend == "ray":
+            require_scale_out(scale_out, "--rollout.backend ray")
+        self.scale_out = scale_out
         absolute_paths(cfg)  # recorded as absolute: resumed elsewhere, the run reads the same files
         self.cfg = cfg
         self._given = (model, tokenizer)
@@ -122,10 +129,8 @@ class Trainer:
         if cfg.resume:  # the weights go in before any sharding of the model, on every rank
             self._resume_point = ResumePoint.load(self.ckpt_dir, cfg.resume, self.model)
         if self.dist is not None:
-            from flashreinforce.distributed.data_parallel import DataParallelLearner
-
-            self.learner = DataParallelLearner(self.model, settings, self.dist, pad_token_id=self.tokenizer.pad_token_id,
-                                               strategy=cfg.fsdp.strategy)
+            self.learner = require_scale_out(self.scale_out, "torchrun").data_parallel_learner(
+                self.model, settings, self.dist, pad_token_id=self.tokenizer.pad_token_id, strategy=cfg.fsdp.strategy)
         else:
             self.learner = Learner(self.model, settings, pad_token_id=self.tokenizer.pad_token_id)
         self.step = 0
@@ -133,7 +138,8 @@ class Trainer:
         if not self._leads:
             return
         self.rollout = start_rollout_side(cfg, num_prompts=self.envs.num_prompts, vocab_size=self.tokenizer.vocab_size,
-                                          seed=cfg.seed, exclude=self.split.rows if self.split else ())
+                                          seed=cfg.seed, exclude=self.split.rows if self.split else (),
+                                          scale_out=self.scale_out)
         self.buffer, self.weights = self.rollout.buffer, self.rollout.weights
         self.rollout_settings = components.rollout_settings(cfg, self.tokenizer, cfg.seed)
 
@@ -267,9 +273,8 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train; returns the summary (torchrun ranks > 0 return ``status: follower``)."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from flashreinforce.distributed.data_parallel import distributed_context
-
-            self.dist = distributed_context(self.cfg.device)
+            self.dist = require_scale_out(self.scale_out, "torchrun (WORLD_SIZE > 1)").data_parallel_context(
+                self.cfg.device)
             self.device = self.dist.device
         try:
             return self._run() if self._leads else self._run_follower()

@@ -3,7 +3,8 @@
 ``rollout.backend local``: the buffer and the weight store live in this process and the workers are
 threads of it (:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`), each with its own engine
 copy of the policy. ``rollout.backend ray``: the buffer is a Ray actor, weights travel through Ray's
-object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`).
+object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`), built through
+the run's :class:`~flashreinforce.trainer.run.scale_out.ScaleOut` (the trainer does not import them).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from flashreinforce.trainer.rollout.settings import RolloutSettings
 from flashreinforce.trainer.rollout.worker import RolloutWorker
 from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
+from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 
 __all__ = ["RolloutSide", "start_rollout_side"]
 
@@ -39,6 +41,7 @@ class RolloutSide:
     buffer: Any
     weights: WeightStore
     ray: Any = None
+    scale_out: ScaleOut | None = None
 
     def make_workers(self, cfg: ResolvedConfig, *, learner: PolicyLearner, model_config, tokenizer,
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
@@ -52,11 +55,10 @@ class RolloutSide:
             if worker_class(env_factory) is not RolloutWorker:
                 raise ConfigError("--agent runs on --rollout.backend local (each worker serves its agents' calls "
                                   "from its own endpoint); give --rollout.backend local")
-            from flashreinforce.distributed.ray import WorkerRecipe
-
-            recipe = WorkerRecipe(model_config=model_config, engine=kind.name, tokenizer=tokenizer, env=env_spec,
-                                  settings=settings, group_size=cfg.rollout.n_samples_per_prompt,
-                                  engine_options=engine_options, torch_threads=torch_threads)
+            recipe = require_scale_out(self.scale_out, "--rollout.backend ray").worker_recipe(
+                model_config=model_config, engine=kind.name, tokenizer=tokenizer, env=env_spec,
+                settings=settings, group_size=cfg.rollout.n_samples_per_prompt, engine_options=engine_options,
+                torch_threads=torch_threads)
             gpus = cfg.ray.num_gpus_per_worker
             if gpus is None:
                 gpus = kind.gpus_per_worker(cfg)
@@ -83,21 +85,21 @@ class RolloutSide:
 
 
 def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
-                       seed: int, exclude: Sequence[int] = ()) -> RolloutSide:
+                       seed: int, exclude: Sequence[int] = (), scale_out: ScaleOut | None = None) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
     ``train.async_queue_size`` batches ahead, ``train.max_policy_lag``) over the shuffled prompt
-    stream (without the held-out rows ``exclude``), and the weight store, on the configured backend."""
+    stream (without the held-out rows ``exclude``), and the weight store, on the configured backend
+(``ray``: built by ``scale_out``)."""
     buffer_kwargs = dict(batch_groups=cfg.rollout.batch_size, group_size=cfg.rollout.n_samples_per_prompt,
                          async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))
     if cfg.rollout.backend == "ray":
-        from flashreinforce.distributed.ray import RayRollout, import_ray
-
+        scale_out = require_scale_out(scale_out, "--rollout.backend ray")
         try:
-            import_ray()
+            scale_out.require_ray()
         except ImportError as err:
             raise ConfigError(f"--rollout.backend ray: {err}") from None
-        ray = RayRollout.create(address=cfg.ray.address, buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
-        return RolloutSide(ray.buffer, ray.weights, ray)
+        ray = scale_out.ray_rollout(address=cfg.ray.address, buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
+        return RolloutSide(ray.buffer, ray.weights, ray, scale_out)
     return RolloutSide(RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs)), LocalWeightStore())
