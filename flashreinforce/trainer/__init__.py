@@ -6,7 +6,9 @@
 * :mod:`.persistence`: checkpoints and the run's output directory;
 * :mod:`.run`: the loop (:class:`Trainer`) that builds the parts and drives them.
 
-:mod:`.errors` holds the exceptions every part raises.
+:mod:`.errors` holds the exceptions every part raises. Ray rollout workers and the torchrun
+learner live a layer above, in :mod:`flashreinforce.distributed`, which the trainer never imports:
+a run receives them as a :class:`~flashreinforce.trainer.run.scale_out.ScaleOut`.
 """
 
 from flashreinforce.trainer.run.loop import Trainer
