@@ -49,7 +49,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flashreinforce.trainer.learning.flops import utilization
-from flashreinforce.trainer.learning.learner import BatchTotals, GradientParts, Learner, LearnerSettings, summarize_parts
+from flashreinforce.trainer.learning.learner import (BatchTotals, GradientParts, Learner, LearnerSettings,
+                                                     summarize_parts)
 from flashreinforce.trainer.learning.scoring import PolicyLogProbs
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
@@ -200,8 +201,8 @@ def _all_reduce_gradients(params: Sequence[torch.nn.Parameter]) -> None:
 
 
 class DataParallelLearner:
-    """A :class:`~flashreinforce.trainer.learning.learner.Learner` across the ranks of ``ctx`` (see the module docstring);
-    implements :class:`~flashreinforce.trainer.learning.learner.PolicyLearner` on rank 0.
+    """A :class:`~flashreinforce.trainer.learning.learner.Learner` across the ranks of ``ctx`` (see the
+    module docstring); implements :class:`~flashreinforce.trainer.learning.learner.PolicyLearner` on rank 0.
 
     Every rank builds it the same way, with the same model (rank 0's parameters are broadcast).
     Rank 0 calls :meth:`step`, :meth:`policy_state`, :meth:`state_dict` and finally :meth:`stop`;

@@ -19,7 +19,7 @@ import torch
 import flashreinforce.trainer.persistence.checkpoints as checkpoints
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.persistence.checkpoints import (CheckpointSaveError, ResumePoint, clean_interrupted_saves,
-                                                save_checkpoint, trim_history)
+                                                            save_checkpoint, trim_history)
 from flashreinforce.trainer.errors import RunFailure
 from python_tests.trainer.checkpoint_helpers import learner_state, run_state, save, same, tiny_model, weights
 

@@ -17,8 +17,9 @@ from flashreinforce.trainer.reporting.diagnostics import ZeroSignalWatch, has_re
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
 from flashreinforce.trainer.reporting.loggers import TensorBoardSink, WandbSink, flat_scalars, open_sinks
 from flashreinforce.trainer.reporting.metrics import (MetricsLog, UpdateTimings, failure_kinds, no_answer_fraction,
-                                            update_metrics)
-from flashreinforce.trainer.reporting.samples import SampleLog, clip_text, decode_turns, pick_rows, read_samples, short_sample
+                                                      update_metrics)
+from flashreinforce.trainer.reporting.samples import (SampleLog, clip_text, decode_turns, pick_rows, read_samples,
+                                                      short_sample)
 from flashreinforce.trainer.reporting.summary import config_hash, write_run_summary
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.builders import random_trajectory, tiny_causal_lm

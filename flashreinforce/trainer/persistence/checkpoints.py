@@ -53,11 +53,12 @@ import torch
 from safetensors.torch import save_file, save_model
 
 from flashreinforce.config import ConfigError
-from flashreinforce.trainer.persistence.checkpoint_rng import check_rng_state, legacy_rng_state, rng_state, set_rng_state
+from flashreinforce.trainer.persistence.checkpoint_rng import (check_rng_state, legacy_rng_state, rng_state,
+                                                              set_rng_state)
 from flashreinforce.models.lora import has_lora
 from flashreinforce.trainer.persistence.checkpoint_validation import (CheckpointError, check_optimizer, check_scheduler,
-                                                          check_state, checkpoint_tensors, first_non_finite,
-                                                          read_weights)
+                                                                      check_state, checkpoint_tensors, first_non_finite,
+                                                                      read_weights)
 from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.persistence.run_history import trim_history
 

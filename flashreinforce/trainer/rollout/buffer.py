@@ -83,8 +83,8 @@ class PromptStream:
     With ``num_prompts`` (a finite prompt set, e.g. a dataset), each pass is a fresh seeded
     permutation of ``range(num_prompts)`` (one pass = one episode in Molt's ``train.num_episodes``);
     without it, seeds are ``seed_offset + prompt_id`` (every prompt new). ``exclude``: rows of the
-    finite set never handed out (the held-out split, :mod:`flashreinforce.trainer.reporting.heldout`); a pass is then a permutation of
-    the other rows. Prompts given back with :meth:`requeue` come out first, in the order given.
+    finite set never handed out (the held-out split, :mod:`flashreinforce.trainer.reporting.heldout`); a
+    pass is then a permutation of the other rows. Prompts given back with :meth:`requeue` come out first, in the order given.
     """
 
     def __init__(self, *, num_prompts: int | None = None, seed: int = 0, seed_offset: int = 0,

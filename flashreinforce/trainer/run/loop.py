@@ -7,16 +7,18 @@
 * the rollout side (:mod:`.rollout_side`): rollout workers (threads, or Ray actors with
   ``--rollout.backend ray``, each with its own engine copy of the policy) roll out prompts the
   buffer hands out and put finished trajectories into it;
-* the learner (:mod:`~flashreinforce.trainer.learning.learner`): the loop takes the next batch (``rollout.batch_size`` groups in
-  completion order), makes one optimizer step, publishes the new weights by version and lets the
-  next batch start. Under ``torchrun`` it is data-parallel
-  (:mod:`flashreinforce.distributed.data_parallel`, given as the run's ``scale_out``,
-  :mod:`.scale_out`): rank 0 runs everything here and hands each
-  rank its share of every batch; the other ranks only compute gradients;
-* reporting (:mod:`~flashreinforce.trainer.reporting.metrics`, :mod:`~flashreinforce.trainer.reporting.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
+* the learner (:mod:`~flashreinforce.trainer.learning.learner`): the loop takes the next batch
+  (``rollout.batch_size`` groups in completion order), makes one optimizer step, publishes the new
+  weights by version and lets the next batch start. Under ``torchrun`` it is data-parallel
+  (:mod:`flashreinforce.distributed.data_parallel`, handed in as the run's ``scale_out``,
+  :mod:`.scale_out`): rank 0 runs everything here and hands each rank its share of every batch;
+  the other ranks only compute gradients;
+* reporting (:mod:`~flashreinforce.trainer.reporting.metrics`,
+  :mod:`~flashreinforce.trainer.reporting.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
   evaluation every ``eval.steps`` updates into ``OUTPUT/eval.jsonl``;
-* checkpoints (:mod:`~flashreinforce.trainer.persistence.checkpoints`) every ``ckpt.save_steps`` updates, at the end and on Ctrl-C;
-  ``--resume`` continues from the newest one with the same metrics history.
+* checkpoints (:mod:`~flashreinforce.trainer.persistence.checkpoints`) every ``ckpt.save_steps``
+  updates, at the end and on Ctrl-C; ``--resume`` continues from the newest one with the same
+  metrics history.
 
 Environments with a finite prompt set (a dataset) play row ``seed % len``; the buffer hands out
 seeds as shuffled passes over that set (``train.num_episodes`` passes).
@@ -42,8 +44,9 @@ from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
 from flashreinforce.config.paths import absolute_paths
 from flashreinforce.config.resume import recorded_settings, review, settings_config
 from flashreinforce.trainer.run import components
-from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
-                                                learner_state_to_restore, save_checkpoint)
+from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
+                                                            existing_run_files, learner_state_to_restore,
+                                                            save_checkpoint)
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
 from flashreinforce.trainer.run.interrupts import InterruptWatch
@@ -307,9 +310,9 @@ class Trainer:
                 "policy_version": self.learner.version}
 
     def _prepare_output(self) -> list[Path]:
-        """Create ``--output`` and lock it (one run at a time, :mod:`~flashreinforce.trainer.persistence.run_dir`); an earlier run there is
-        continued only with --resume and cleared only with --overwrite (a new run never mixes its
-        records into another's). Returns what --overwrite will delete once the run has started."""
+        """Create ``--output`` and lock it (one run at a time,
+        :mod:`~flashreinforce.trainer.persistence.run_dir`); an earlier run there is continued only with
+        --resume and cleared only with --overwrite (a new run never mixes its records into another's). Returns what --overwrite will delete once the run has started."""
         self._created = create_output(self.out)
         self._lock.acquire()
         if self.cfg.resume:
