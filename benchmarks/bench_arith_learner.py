@@ -75,9 +75,9 @@ def step_case(path: Path, extra: list[str], threads: int) -> dict:
     from flashreinforce.config import parse_train_args
     from flashreinforce.config.presets import PRESETS
     from flashreinforce.models.loading import build_model
-    from flashreinforce.trainer.components import learner_settings
-    from flashreinforce.trainer.learner import Learner
-    from flashreinforce.trainer.trajectory import Trajectory
+    from flashreinforce.trainer.run.components import learner_settings
+    from flashreinforce.trainer.learning.learner import Learner
+    from flashreinforce.trainer.rollout.trajectory import Trajectory
 
     cfg = parse_train_args(["--preset", "arith", *extra], PRESETS)
     # This build's learner_settings takes the typed configuration; builds before it, the flat flags.

@@ -1,8 +1,8 @@
 """Async vs synchronous rollout schedule on the trainer's real rollout/buffer/learner machinery.
 
-What is real: :class:`~flashreinforce.trainer.buffer.RolloutBuffer` (staleness bound, lag drops),
-:class:`~flashreinforce.trainer.rollout.RolloutWorker` threads in a
-:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`, the episode loop, the environment interface,
+What is real: :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer` (staleness bound, lag drops),
+:class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` threads in a
+:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`, the episode loop, the environment interface,
 :class:`~flashreinforce.engines.LocalWeightStore` weight publication by version, and the learner
 loop's take / update / publish / release sequence. What is simulated: the engine (each trajectory
 takes a lognormal time, median ``--median-ms``, sigma ``--sigma``: about 1% of trajectories take 20x
@@ -30,11 +30,12 @@ from typing import Mapping, Sequence
 
 import torch
 
-from flashreinforce.trainer.buffer import RolloutBuffer
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer
 from flashreinforce.engines import Generation, GenerationRequest, LocalWeightStore, RolloutEngine, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
-from flashreinforce.trainer.rollout_pool import ThreadRolloutPool
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
+from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
 from flashreinforce.models.tokenizers import CharTokenizer
 
 

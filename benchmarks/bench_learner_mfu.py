@@ -8,9 +8,9 @@ full fine-tuning and LoRA, side by side.
 The peak is measured here, not taken from a data sheet: the best of square matrix products of a few
 sizes in the learner's compute dtype (float32, or bf16 for a bf16 learner), all cores
 (``benchmarks/common.py``). Then, for full fine-tuning and for LoRA adapters of ``--lora-rank`` on the
-attention and MLP projections, the real learner step (:meth:`flashreinforce.trainer.learner.Learner.step`:
+attention and MLP projections, the real learner step (:meth:`flashreinforce.trainer.learning.learner.Learner.step`:
 packed forward, fused loss, backward, AdamW) on the same random batch: median step time over
-``--steps``, the learner's own model FLOPs (``flashreinforce/trainer/flops.py``; a frozen weight counts two
+``--steps``, the learner's own model FLOPs (``flashreinforce/trainer/learning/flops.py``; a frozen weight counts two
 forwards, a trained one three) over that time, its fraction of the measured peak (``mfu``), the learner's
 peak memory (resident set growth during the steps on a CPU, the CUDA allocator's peak on a GPU) and the
 bytes a weight sync sends after the first (the trainable tensors: the whole model, or the adapters).
@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import SHAPES, gemm_peak, machine_line, print_table  # noqa: E402
 
 from flashreinforce.objective import LossOptions  # noqa: E402
-from flashreinforce.trainer.learner import Learner, LearnerSettings  # noqa: E402
-from flashreinforce.trainer.trajectory import Trajectory  # noqa: E402
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings  # noqa: E402
+from flashreinforce.trainer.rollout.trajectory import Trajectory  # noqa: E402
 
 
 def measured_peak(device: torch.device, dtype: torch.dtype) -> float:

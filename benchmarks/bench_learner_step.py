@@ -1,6 +1,6 @@
 """One real learner step with the fused loss against the same step with the eager PyTorch loss.
 
-The learner step is :meth:`flashreinforce.trainer.learner.Learner.step` as the trainer calls it:
+The learner step is :meth:`flashreinforce.trainer.learning.learner.Learner.step` as the trainer calls it:
 packed micro-batches, the model's forward, the chunked log-probabilities of the sampled tokens,
 the loss, backward, gradient clipping and one AdamW step. Two loss implementations are compared
 inside it, on the same model weights and the same batch:
@@ -12,7 +12,7 @@ inside it, on the same model weights and the same batch:
 For each it prints the median step time, the time of the loss alone (forward + backward on the
 step's first micro-batch, outside the step), the loss's share of the step, the model TFLOP/s and
 MFU of the step (the learner's ``model_flops`` over the median step time; MFU where the GPU's peak
-is known, :mod:`flashreinforce.trainer.flops`), and the first step's loss and gradient norm (the
+is known, :mod:`flashreinforce.trainer.learning.flops`), and the first step's loss and gradient norm (the
 two implementations must agree: same weights, same batch).
 
 Model shapes (random weights from a config: nothing is downloaded):
@@ -48,10 +48,10 @@ from flashreinforce.objective import LossOptions
 from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops import reference
 from flashreinforce.ops.loss_modes import FlashReinforceLoss, get_loss_mode, register_loss_mode
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.packing import micro_batches
-from flashreinforce.trainer.scoring import token_log_probs
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.learning.packing import micro_batches
+from flashreinforce.trainer.learning.scoring import token_log_probs
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, profile_breakdown, sync  # noqa: E402

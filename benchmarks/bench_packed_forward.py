@@ -4,7 +4,7 @@
     python benchmarks/bench_packed_forward.py                             # the default table
     python benchmarks/bench_packed_forward.py --shapes smollm2-135m --batches lognormal:8192 --modes packed padded
 
-What is timed is the learner's real scoring path, :func:`flashreinforce.trainer.scoring.token_log_probs`
+What is timed is the learner's real scoring path, :func:`flashreinforce.trainer.learning.scoring.token_log_probs`
 (model body, sampled-token log-probabilities and entropies from the output projection, bf16
 autocast by default), then the backward of a loss that weights every token, on a model built from
 a config with random weights:
@@ -14,7 +14,7 @@ a config with random weights:
   ``position_ids``, transformers' SDPA and the block-diagonal ``[S, S]`` mask it derives;
 * ``packed``: the packed row with per-document attention (:mod:`flashreinforce.models.attention`);
 * ``shared``: the same, each prefix that several trajectories share computed once
-  (:mod:`flashreinforce.trainer.forward_row`; the default learner forward).
+  (:mod:`flashreinforce.trainer.learning.forward_row`; the default learner forward).
 
 Shapes: ``smollm2-135m`` (hidden 576, 9 heads, 3 KV heads, vocabulary 49,152) and
 ``qwen2.5-0.5b`` (hidden 896, 14 heads, 2 KV heads, vocabulary 151,936), with ``--layers`` of
@@ -69,7 +69,7 @@ def _lognormal_lengths(rng: random.Random, tokens: int) -> list[int]:
 
 def make_batch(kind: str, tokens: int, vocab: int, seed: int = 0):
     """Trajectories of about ``tokens`` tokens (see the module docstring); ``None`` when unavailable."""
-    from flashreinforce.trainer.trajectory import Trajectory
+    from flashreinforce.trainer.rollout.trajectory import Trajectory
 
     rng = random.Random(seed)
 
@@ -140,9 +140,9 @@ def run_case(case: dict) -> dict:
     import torch
     import transformers
 
-    from flashreinforce.trainer.forward_row import forward_row
-    from flashreinforce.trainer.packing import pack
-    from flashreinforce.trainer.scoring import token_log_probs
+    from flashreinforce.trainer.learning.forward_row import forward_row
+    from flashreinforce.trainer.learning.packing import pack
+    from flashreinforce.trainer.learning.scoring import token_log_probs
 
     torch.set_num_threads(case["threads"])
     shape = dict(SHAPES[case["shape"]], num_hidden_layers=case["layers"])

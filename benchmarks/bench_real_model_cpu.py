@@ -52,8 +52,8 @@ def main() -> int:
     from flashreinforce.models.loading import build_model
     from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
     from flashreinforce.objective import LossOptions
-    from flashreinforce.trainer.learner import Learner, LearnerSettings
-    from flashreinforce.trainer.trajectory import Trajectory
+    from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+    from flashreinforce.trainer.rollout.trajectory import Trajectory
 
     preset = PRESETS["arith"]
     flags_note = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""

@@ -16,7 +16,7 @@ rendering (the model's chat template), ``max_new_tokens`` (TRL's ``max_completio
 sampling temperature, the learning rate and Adam settings, the trajectories per optimizer update,
 the cores (2: TRL's one training thread with 2 torch threads; our learner and rollout worker with
 one each, the arith preset's split), the training-time budget, and the evaluation schedule: the
-same :class:`~flashreinforce.trainer.evaluation.Evaluator` (greedy, same held-out prompts) before
+same :class:`~flashreinforce.trainer.reporting.evaluation.Evaluator` (greedy, same held-out prompts) before
 training and every ``--eval-every-min`` minutes of *training* time on both sides, each after the
 first update at or past the mark; a run ends after the update that passes the budget and, when the
 budget is a multiple of the period, the evaluation that follows it. Evaluations are

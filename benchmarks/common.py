@@ -354,8 +354,8 @@ def heldout_evaluator(model, tokenizer, flags: dict, num_prompts: int, seed: int
 
     from flashreinforce.engines import LocalWeightStore, SamplingParams
     from flashreinforce.envs.registry import EnvSpec
-    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds
-    from flashreinforce.trainer.rollout import RolloutSettings
+    from flashreinforce.trainer.reporting.evaluation import Evaluator, eval_seeds
+    from flashreinforce.trainer.rollout.settings import RolloutSettings
 
     kwargs = dict(flags["env.kwargs"]) if env_kwargs is None else env_kwargs
     env_spec = EnvSpec(flags["env"], {}, kwargs, chat_template)

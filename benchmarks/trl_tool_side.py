@@ -37,7 +37,7 @@ TRL is configured as in ``benchmarks/bench_vs_trl.py``: ``use_cpu=True``, ``use_
 when the preset uses it, ``num_generations`` = ``group_size`` (8), ``per_device_train_batch_size`` =
 ``trajectories_per_update`` (one generation call and one optimizer step per batch), ``num_iterations=1``,
 ``beta=0``, the preset's learning rate, Adam betas, weight decay and ``max_norm``, a constant schedule.
-The held-out evaluation is our :class:`~flashreinforce.trainer.evaluation.Evaluator` over ArithToolEnv
+The held-out evaluation is our :class:`~flashreinforce.trainer.reporting.evaluation.Evaluator` over ArithToolEnv
 (greedy, 3 turns, the same prompts as our side), run every ``eval_every_min`` training minutes and at the
 end; its time is excluded from the budget. Results: ``OUTPUT/trl_tool.json``.
 """
@@ -176,7 +176,7 @@ class ArithToolRollout:
         return rows
 
     def _record(self, e: _Episode, ids: list[int]) -> str:
-        from flashreinforce.trainer.turns import turn_cut
+        from flashreinforce.trainer.rollout.turns import turn_cut
 
         cut = turn_cut(e.env, self.tokenizer, ids)
         e.turn_ended = cut is not None and ids[cut - 1] not in self.eos

@@ -2,7 +2,7 @@
 
 * ``train``, ``TrainerConfig``, ``load_config``, ``Trainer``: training from Python
   (:mod:`flashreinforce.api`), the same run as ``flashreinforce train``; ``Callback``: the base
-  class of a callback (:mod:`flashreinforce.trainer.callbacks`);
+  class of a callback (:mod:`flashreinforce.trainer.run.callbacks`);
 * ``flashreinforce_loss_packed``, ``flashreinforce_loss``: the fused loss;
   ``flashreinforce.loss`` holds the pure-PyTorch reference of the objective;
 * ``LossOptions``: the objective's options (:mod:`flashreinforce.objective`).
@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS = {"flashreinforce_loss_packed": "flashreinforce.ops", "flashreinforce_loss": "flashreinforce.ops",
             "train": "flashreinforce.api", "load_config": "flashreinforce.api",
             "TrainerConfig": "flashreinforce.config", "Trainer": "flashreinforce.trainer",
-            "LossOptions": "flashreinforce.objective", "Callback": "flashreinforce.trainer.callbacks"}
+            "LossOptions": "flashreinforce.objective", "Callback": "flashreinforce.trainer.run.callbacks"}
 
 __all__ = sorted(_EXPORTS)
 

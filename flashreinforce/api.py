@@ -98,7 +98,7 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
             a ``datasets`` ``save_to_disk`` folder), a list of dicts, or a ``datasets.Dataset``.
         callbacks: objects with ``on_update(metrics)`` (return True to stop), ``on_eval(step, metrics)``,
             ``on_save(step, path)``, ``on_train_begin(info)``, ``on_train_end(summary)`` (any of them; a
-            plain function is ``on_update``): :mod:`flashreinforce.trainer.callbacks`.
+            plain function is ``on_update``): :mod:`flashreinforce.trainer.run.callbacks`.
         run_options: ``output`` (required), ``seed``, ``resume``, ``overwrite``, ``device``,
             ``torch_threads``, ``tokenizer`` (also a tokenizer object), ``env_kwargs``, ``progress``,
             ``allow_config_change``.
@@ -150,11 +150,13 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
     if eval_dataset is not None:
         cfg.eval.dataset = eval_dataset
     validate(cfg)
+    from flashreinforce.distributed.scale_out import DistributedScaleOut
     from flashreinforce.trainer import Trainer
-    from flashreinforce.trainer.callbacks import CallbackList
+    from flashreinforce.trainer.run.callbacks import CallbackList
 
     try:
         hooks = CallbackList(callbacks)
     except TypeError as err:
         raise ConfigError(f"train(): {err}") from None
-    return Trainer(cfg, model=model_object, tokenizer=tokenizer, callbacks=hooks).run()
+    return Trainer(cfg, model=model_object, tokenizer=tokenizer, callbacks=hooks,
+                   scale_out=DistributedScaleOut()).run()

@@ -11,7 +11,7 @@ import random
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["random_trajectory", "tiny_causal_lm"]
 

@@ -1,6 +1,8 @@
 """The import rules of docs/architecture.md: each package, imported alone in a fresh interpreter,
-pulls in nothing it must not depend on; no modules import each other in a circle, not even inside
-functions; no module is over 600 lines."""
+pulls in nothing it must not depend on; the trainer's subpackages import each other only in
+data-flow order, and the trainer never imports the scale-out layer, not even inside functions; no
+modules import each other in a circle; no module is over 600 lines and no package folder holds more
+than 12 modules."""
 
 import ast
 import json
@@ -188,3 +190,112 @@ def test_no_module_is_over_the_line_limit():
     long = {name: n for name, path in _module_files().items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
     assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+# ------------------------------------------------------------------ layers inside the package, counting lazy imports
+# package -> (prefixes its modules must not import, even inside functions; the exceptions to them).
+# The trainer's subpackages in data-flow order: rollout (workers, the buffer, the trajectory record)
+# -> learning (packing, scoring, the optimizer step) -> reporting and persistence beside the loop ->
+# run (the loop and the parts it builds), the only one that imports the others. ``errors`` is below
+# them all. The scale-out layer (``distributed``) sits above the trainer: a run receives it as a
+# ``ScaleOut`` from its caller.
+TRAINER = "flashreinforce.trainer"
+LAYER_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    TRAINER: (("flashreinforce.distributed", "flashreinforce.cli", "flashreinforce.api"), ()),
+    f"{TRAINER}.errors": ((f"{TRAINER}.rollout", f"{TRAINER}.learning", f"{TRAINER}.reporting",
+                           f"{TRAINER}.persistence", f"{TRAINER}.run"), ()),
+    # Rollout knows nothing downstream of the buffer.
+    f"{TRAINER}.rollout": ((f"{TRAINER}.learning", f"{TRAINER}.reporting", f"{TRAINER}.persistence",
+                            f"{TRAINER}.run"), ()),
+    # The learner reads the trajectory record, not the workers or the buffer; it reports nothing itself.
+    f"{TRAINER}.learning": ((f"{TRAINER}.rollout", f"{TRAINER}.reporting", f"{TRAINER}.persistence",
+                             f"{TRAINER}.run"), (f"{TRAINER}.rollout.trajectory",)),
+    # Reporting reads records and plays evaluation episodes with rollout workers; the learner hands it
+    # plain statistics.
+    f"{TRAINER}.reporting": ((f"{TRAINER}.learning", f"{TRAINER}.persistence", f"{TRAINER}.run"), ()),
+    # Checkpoints and the output directory know only the model and the run's errors.
+    f"{TRAINER}.persistence": ((f"{TRAINER}.rollout", f"{TRAINER}.learning", f"{TRAINER}.reporting",
+                                f"{TRAINER}.run"), ()),
+}
+
+MAX_FOLDER_MODULES = 12
+# Folders over the limit before it was set, with their module count then: they may shrink, not grow.
+KNOWN_LARGE_FOLDERS = {"flashreinforce.config": 13, "flashreinforce.envs": 14, "flashreinforce.envs.sandbox": 13}
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def layer_violations(graph: dict[str, set[str]], rules=LAYER_RULES) -> list[str]:
+    """``"importer -> imported"`` for every import in ``graph`` that a rule of ``rules`` forbids."""
+    bad = []
+    for package, (forbidden, allowed) in rules.items():
+        for module in sorted(m for m in graph if _under(m, package)):
+            bad += [f"{module} -> {target}" for target in sorted(graph[module])
+                    if any(_under(target, f) for f in forbidden) and not any(_under(target, a) for a in allowed)]
+    return sorted(set(bad))
+
+
+def folder_sizes(files: dict[str, Path]) -> dict[str, int]:
+    """``{package: the module files directly in its folder}`` (``{name: file}`` as
+    :func:`_module_files` gives them); a package's ``__init__`` and its subpackages are not counted."""
+    sizes: dict[str, int] = {}
+    for name, path in files.items():
+        if path.name != "__init__.py":
+            parent = name.rpartition(".")[0]
+            sizes[parent] = sizes.get(parent, 0) + 1
+    return sizes
+
+
+def oversized_folders(sizes: dict[str, int], known=KNOWN_LARGE_FOLDERS) -> dict[str, int]:
+    return {p: n for p, n in sizes.items() if n > max(MAX_FOLDER_MODULES, known.get(p, 0))}
+
+
+def test_layer_rules_name_packages_that_exist():
+    modules = set(_module_files())
+    for package, (forbidden, allowed) in LAYER_RULES.items():
+        for name in (package, *forbidden, *allowed):
+            assert name in modules, f"{name} (a layer rule of {package}) is not a module of the package"
+
+
+def test_layers_hold_counting_lazy_imports():
+    bad = layer_violations(import_graph())
+    assert bad == [], "imports across the layers of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_layer_rules_catch_a_planted_import():
+    graph = {f"{TRAINER}.rollout.worker": {f"{TRAINER}.learning.learner", f"{TRAINER}.rollout.buffer"},
+             f"{TRAINER}.learning.packing": {f"{TRAINER}.rollout.trajectory"},
+             f"{TRAINER}.learning.learner": {f"{TRAINER}.rollout.buffer", f"{TRAINER}.reporting.metrics"},
+             f"{TRAINER}.reporting.metrics": {f"{TRAINER}.persistence.checkpoints"},
+             f"{TRAINER}.persistence.checkpoints": {f"{TRAINER}.errors", f"{TRAINER}.run.loop"},
+             f"{TRAINER}.errors": {f"{TRAINER}.rollout.trajectory"},
+             f"{TRAINER}.run.loop": {"flashreinforce.distributed.data_parallel", f"{TRAINER}.learning.learner"}}
+    assert layer_violations(graph) == [
+        f"{TRAINER}.errors -> {TRAINER}.rollout.trajectory",
+        f"{TRAINER}.learning.learner -> {TRAINER}.reporting.metrics",
+        f"{TRAINER}.learning.learner -> {TRAINER}.rollout.buffer",
+        f"{TRAINER}.persistence.checkpoints -> {TRAINER}.run.loop",
+        f"{TRAINER}.reporting.metrics -> {TRAINER}.persistence.checkpoints",
+        f"{TRAINER}.rollout.worker -> {TRAINER}.learning.learner",
+        f"{TRAINER}.run.loop -> flashreinforce.distributed.data_parallel",
+    ]
+
+
+def test_no_package_folder_holds_more_than_the_limit():
+    sizes = folder_sizes(_module_files())
+    assert oversized_folders(sizes) == {}, f"package folders over {MAX_FOLDER_MODULES} modules"
+    shrunk = {p: sizes.get(p, 0) for p, n in KNOWN_LARGE_FOLDERS.items() if sizes.get(p, 0) < n}
+    assert shrunk == {}, f"lower these counts in KNOWN_LARGE_FOLDERS (or drop them at {MAX_FOLDER_MODULES} or less)"
+
+
+def test_the_folder_limit_catches_a_planted_module():
+    files = {"pkg": Path("pkg/__init__.py"), "pkg.sub": Path("pkg/sub/__init__.py"),
+             **{f"pkg.sub.m{i}": Path(f"pkg/sub/m{i}.py") for i in range(MAX_FOLDER_MODULES)}}
+    assert folder_sizes(files) == {"pkg.sub": MAX_FOLDER_MODULES}
+    assert oversized_folders(folder_sizes(files), known={}) == {}
+    planted = {**files, "pkg.sub.extra": Path("pkg/sub/extra.py")}
+    assert oversized_folders(folder_sizes(planted), known={}) == {"pkg.sub": MAX_FOLDER_MODULES + 1}
+    assert oversized_folders(folder_sizes(planted), known={"pkg.sub": MAX_FOLDER_MODULES + 1}) == {}
+

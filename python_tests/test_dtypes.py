@@ -6,7 +6,7 @@ import pytest
 
 from flashreinforce import dtypes
 from flashreinforce.config import TrainerConfig
-from flashreinforce.trainer import components
+from flashreinforce.trainer.run import components
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@
 It takes the training flags (the same preset, environment and lengths as training, so the
 prompts, chat template and limits are the ones the training loop evaluates with) and plays the
 evaluation seeds of the environment (for :mod:`flashreinforce.envs.arith`: its held-out split)
-twice with :class:`~flashreinforce.trainer.evaluation.Evaluator`:
+twice with :class:`~flashreinforce.trainer.reporting.evaluation.Evaluator`:
 
 * greedy (temperature 0, one sample per prompt): ``accuracy`` is its success rate;
 * sampled at ``eval.temperature`` (or, when that is 0, at ``rollout.temperature``, the training
@@ -17,7 +17,7 @@ A preset's ``torch_threads`` (a training run's split of the cores) is not applie
 runs in one thread with torch's default thread count unless ``--torch_threads`` is given.
 
 With a finite prompt set and no ``eval.dataset``, the prompts are the held-out rows of that set
-(:mod:`flashreinforce.trainer.heldout`): for a run's model, the rows the run recorded in its
+(:mod:`flashreinforce.trainer.reporting.heldout`): for a run's model, the rows the run recorded in its
 ``heldout.json`` and never trained on; for any other model, the rows a run with the same ``--seed``
 and prompt set holds out, so that a base model and the trained one are scored on the same rows (a
 set of fewer than 5 rows, which no run can split, is played whole). ``--eval.dataset FILE`` plays
@@ -111,10 +111,10 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     from flashreinforce.config import ConfigError
     from flashreinforce.engines import LocalWeightStore, SamplingParams
     from flashreinforce.models.loading import resolve_model_spec
-    from flashreinforce.trainer import components
-    from flashreinforce.trainer.evaluation import Evaluator, eval_seeds, progress_lines
-    from flashreinforce.trainer.heldout import HELDOUT_FILE, MAX_HELDOUT_SHARE, run_split
-    from flashreinforce.trainer.prechecks import check_before_model
+    from flashreinforce.trainer.run import components
+    from flashreinforce.trainer.reporting.evaluation import Evaluator, eval_seeds, progress_lines
+    from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, MAX_HELDOUT_SHARE, run_split
+    from flashreinforce.trainer.run.prechecks import check_before_model
 
     if cfg.torch_threads:
         torch.set_num_threads(int(cfg.torch_threads))

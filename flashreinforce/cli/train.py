@@ -32,10 +32,11 @@ def train(argv: Sequence[str]) -> int:
                         stream=sys.stderr)
     trainer = None
     try:
+        from flashreinforce.distributed.scale_out import DistributedScaleOut
         from flashreinforce.trainer import Trainer
         from flashreinforce.trainer.errors import RunFailure
 
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, scale_out=DistributedScaleOut())
         summary = trainer.run()
     except KeyboardInterrupt:  # first: a Ctrl-C may come before the names below exist
         if trainer is None or not trainer.training_started:

@@ -7,7 +7,7 @@ the other ranks *follow* (:meth:`DataParallelLearner.serve`) and only compute gr
 
 One update on a batch of B trajectories:
 
-1. rank 0 computes the batch totals once (:class:`~flashreinforce.trainer.learner.BatchTotals`: B, the
+1. rank 0 computes the batch totals once (:class:`~flashreinforce.trainer.learning.learner.BatchTotals`: B, the
    float64 mean reward used as the baseline, the policy-token count, GRPO group advantages) and
    partitions the trajectories over the ranks balanced by tokens (:func:`partition_by_tokens`);
    one ``scatter_object_list`` hands each rank its trajectories, their batch rows and the totals;
@@ -28,7 +28,7 @@ Strategies:
 * ``replicate`` (default): each rank holds the whole model and optimizer; gradients are summed
   with bucketed all-reduces after the last micro-batch (no overlap with the backward pass).
 * ``fully_shard``: FSDP2 (``torch.distributed.fsdp.fully_shard``) on every decoder layer and on the
-  :class:`~flashreinforce.trainer.scoring.PolicyLogProbs` root, for models that do not fit one device.
+  :class:`~flashreinforce.trainer.learning.scoring.PolicyLogProbs` root, for models that do not fit one device.
   Parameters, gradients and optimizer moments are sharded; every rank runs the same number of
   forward passes (ranks with fewer micro-batches run zero-gradient placeholder passes), since each
   forward gathers parameters collectively. Full weights for publication and checkpoints are
@@ -48,10 +48,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from flashreinforce.trainer.flops import utilization
-from flashreinforce.trainer.learner import BatchTotals, GradientParts, Learner, LearnerSettings, summarize_parts
-from flashreinforce.trainer.scoring import PolicyLogProbs
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.flops import utilization
+from flashreinforce.trainer.learning.learner import (BatchTotals, GradientParts, Learner, LearnerSettings,
+                                                     summarize_parts)
+from flashreinforce.trainer.learning.scoring import PolicyLogProbs
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["STRATEGIES", "DataParallelLearner", "DistContext", "distributed_context", "partition_by_tokens"]
 
@@ -200,8 +201,8 @@ def _all_reduce_gradients(params: Sequence[torch.nn.Parameter]) -> None:
 
 
 class DataParallelLearner:
-    """A :class:`~flashreinforce.trainer.learner.Learner` across the ranks of ``ctx`` (see the module docstring);
-    implements :class:`~flashreinforce.trainer.learner.PolicyLearner` on rank 0.
+    """A :class:`~flashreinforce.trainer.learning.learner.Learner` across the ranks of ``ctx`` (see the
+    module docstring); implements :class:`~flashreinforce.trainer.learning.learner.PolicyLearner` on rank 0.
 
     Every rank builds it the same way, with the same model (rank 0's parameters are broadcast).
     Rank 0 calls :meth:`step`, :meth:`policy_state`, :meth:`state_dict` and finally :meth:`stop`;
@@ -338,7 +339,7 @@ class DataParallelLearner:
         set_optimizer_state_dict(self.learner.scorer, self.learner.optimizer, state["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
         self.learner.scheduler.load_state_dict(state["scheduler"])
-        from flashreinforce.trainer.schedule import apply_settings
+        from flashreinforce.trainer.learning.schedule import apply_settings
 
         apply_settings(self.learner.optimizer, self.learner.scheduler, self.learner.settings)
         self.learner.version = int(state["version"])

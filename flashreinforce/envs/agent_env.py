@@ -11,7 +11,7 @@ a ``base_url`` parameter also gets the URL (for frameworks that build their own 
 
 This module holds what the environments layer knows of an agent: the function (loaded from its
 spec), the rows, the endpoint's options and the check of what the function returned. The episodes
-are run by :class:`flashreinforce.trainer.agent_rollout.AgentRolloutWorker`, which serves the calls
+are run by :class:`flashreinforce.trainer.rollout.agent_worker.AgentRolloutWorker`, which serves the calls
 with the worker's engine (:mod:`flashreinforce.agents`).
 """
 

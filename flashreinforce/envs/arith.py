@@ -22,7 +22,7 @@ Problems (:class:`ArithSpec`, all deterministic functions of ``seed``):
 
 Seeds: ``reset(seed=i)`` plays train problem ``i``; ``reset(seed=HELDOUT_SEED_OFFSET + i)`` plays
 held-out problem ``i``. The trainer hands out train seeds counting from 0 and evaluates on seeds
-from :data:`flashreinforce.trainer.evaluation.EVAL_SEED_OFFSET` (the same number), so training
+from :data:`flashreinforce.trainer.reporting.evaluation.EVAL_SEED_OFFSET` (the same number), so training
 never sees a held-out problem and ``flashreinforce eval`` scores the held-out split.
 """
 

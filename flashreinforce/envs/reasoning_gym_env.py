@@ -17,7 +17,7 @@ single-turn episodes:
 * the reward is the task's own ``score_answer`` of the last ``<answer>...</answer>`` of the
   completion (0 without one), in [0, 1]; an episode scoring below 1 is failed.
 
-Being a finite prompt set, it is split like a dataset by :mod:`flashreinforce.trainer.heldout`: a
+Being a finite prompt set, it is split like a dataset by :mod:`flashreinforce.trainer.reporting.heldout`: a
 run that evaluates holds some items out (``OUTPUT/heldout.json``) and never trains on them, and
 ``flashreinforce eval`` plays those items. ``info``: ``score``, ``answer_extraction`` (``tags``, or
 ``none``: counted in the ``no_answer_fraction`` metric), ``task``; ``failure_kind`` ``no_answer``.

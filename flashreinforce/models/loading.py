@@ -90,7 +90,7 @@ def run_checkpoint(directory: str | Path) -> Path | None:
 
     A run directory is recognised by the trainer's ``config.json`` record (it has ``"flags"``); its
     checkpoints are under ``ckpt.path`` as recorded (default ``OUTPUT/checkpoints``), and the file
-    ``latest`` there names the newest (the layout of :mod:`flashreinforce.trainer.checkpoints`, read
+    ``latest`` there names the newest (the layout of :mod:`flashreinforce.trainer.persistence.checkpoints`, read
     here without importing the trainer, which ``models`` must not).
     """
     directory = Path(directory)

@@ -17,7 +17,7 @@ class RunFailure(RuntimeError):
 
 
 class RunStalled(RunFailure):
-    """Nothing could be trained on for too long (see :class:`~flashreinforce.trainer.watchdog.Watchdog`)."""
+    """Nothing could be trained on for too long (see :class:`~flashreinforce.trainer.run.watchdog.Watchdog`)."""
 
 
 class RolloutFailed(RunFailure):

@@ -83,7 +83,7 @@ def test_a_bad_agent_spec_is_one_line_naming_the_flag(tmp_path, gguf_path):
 
 
 def test_a_missing_agent_package_is_named_before_the_model_loads(monkeypatch):
-    from flashreinforce.trainer.prechecks import check_before_model
+    from flashreinforce.trainer.run.prechecks import check_before_model
 
     cfg = TrainerConfig.from_layers({"agent": "flashreinforce.agents.arith_tool:agent", "model": "tiny-qwen2"})
     check_before_model(cfg)  # everything there

@@ -19,11 +19,11 @@ pytest.importorskip("gguf")
 
 from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engine  # noqa: E402
 from flashreinforce.envs.registry import EnvSpec  # noqa: E402
-from flashreinforce.trainer.agent_rollout import AgentRolloutWorker, worker_class  # noqa: E402
-from flashreinforce.trainer.buffer import Ticket  # noqa: E402
-from flashreinforce.trainer.fault_records import QuarantinedEpisode  # noqa: E402
-from flashreinforce.trainer.rollout import RolloutSettings  # noqa: E402
-from flashreinforce.trainer.trajectory import Trajectory  # noqa: E402
+from flashreinforce.trainer.rollout.agent_worker import AgentRolloutWorker, worker_class  # noqa: E402
+from flashreinforce.trainer.rollout.buffer import Ticket  # noqa: E402
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode  # noqa: E402
+from flashreinforce.trainer.rollout.settings import RolloutSettings  # noqa: E402
+from flashreinforce.trainer.rollout.trajectory import Trajectory  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
 CALLS: dict[int, list] = {}  # seed -> what the agent saw (responses), for the assertions

@@ -132,7 +132,7 @@ def test_eval_of_a_run_plays_its_heldout_rows_says_what_it_does_and_records_the_
     import flashreinforce as fr
     from flashreinforce.analysis import load_run
     from flashreinforce.cli.eval import eval_command
-    from flashreinforce.trainer.heldout import read_split
+    from flashreinforce.trainer.reporting.heldout import read_split
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))
@@ -159,7 +159,7 @@ def test_eval_of_a_run_plays_its_heldout_rows_says_what_it_does_and_records_the_
 
 def test_eval_of_a_base_model_plays_the_rows_a_run_holds_out_and_a_tiny_set_whole(tmp_path, capsys):
     from flashreinforce.cli.eval import eval_command
-    from flashreinforce.trainer.heldout import heldout_rows
+    from flashreinforce.trainer.reporting.heldout import heldout_rows
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))

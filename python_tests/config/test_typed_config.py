@@ -63,7 +63,7 @@ def test_one_loss_options_type_from_the_flags_to_the_op():
 
     from flashreinforce import objective
     from flashreinforce.ops import contract, loss_modes
-    from flashreinforce.trainer.components import learner_settings
+    from flashreinforce.trainer.run.components import learner_settings
 
     cfg = parse_train_args(["--preset", "toy", "--output", "x", "--actor.flash_neg_topq", "0.25",
                             "--actor.flash_gate_delta", "0.02"], PRESETS)

@@ -1,7 +1,7 @@
 """Run under ``torchrun --nproc-per-node 2`` by ``test_distributed_learner.py`` (not a test module itself).
 
 Every case builds the same tiny model and batch on every rank; rank 0 also runs the one-process
-:class:`~flashreinforce.trainer.learner.Learner` on a copy of the model and the whole batch, then compares
+:class:`~flashreinforce.trainer.learning.learner.Learner` on a copy of the model and the whole batch, then compares
 the data-parallel update with it: the summed gradient (captured just before the optimizer step),
 the reported loss and gradient norm, and the parameters after the step. Results go to a JSON file
 (``argv[1]``) that the test reads; the check itself asserts nothing.
@@ -21,8 +21,8 @@ from transformers import Qwen2ForCausalLM
 
 from flashreinforce.objective import LossOptions
 from flashreinforce.distributed.data_parallel import DataParallelLearner, distributed_context
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.builders import tiny_causal_lm
 
 VOCAB = 48

@@ -1,7 +1,7 @@
 """The data-parallel learner: two gloo ranks (launched with torchrun) against one process on the same batch.
 
 ``distributed_learner_check.py`` runs every case under ``torchrun --nproc-per-node 2``; rank 0 also
-runs the one-process :class:`~flashreinforce.trainer.learner.Learner` (itself tested against a float64
+runs the one-process :class:`~flashreinforce.trainer.learning.learner.Learner` (itself tested against a float64
 computation of the objective (docs/semantics.md) in ``test_trainer_learner.py``) and records the differences.
 """
 

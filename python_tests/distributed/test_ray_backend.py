@@ -13,15 +13,16 @@ import time
 import pytest
 import torch
 
-from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
+from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
 from flashreinforce.distributed.ray import (ActorClient, ActorGone, OwnedBuffer, RayRollout, StaleIncarnation,
                                            WorkerRecipe)
 from flashreinforce.engines import SamplingParams
-from flashreinforce.trainer.rollout import RolloutSettings, fair_share
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.backend import fair_share
 from flashreinforce.models.tokenizers import load_tokenizer
 from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.models.loading import build_model
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.distributed.worker_freeze import frozen_holding
 
 TOY = "flashreinforce.envs.toy:ToyCopyEnv"
@@ -243,7 +244,7 @@ def test_a_killed_worker_loses_only_its_unfinished_prompts_and_is_restarted(ray_
 
 @pytest.mark.slow
 def test_ray_workers_report_their_environment_call_timeouts_by_call_kind(ray_instance, tmp_path):
-    from flashreinforce.trainer.fault_counters import FaultMetrics
+    from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
 
     env_file = tmp_path / "sometimes_slow_env.py"
     env_file.write_text(SOMETIMES_SLOW_ENV)

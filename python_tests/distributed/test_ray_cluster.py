@@ -30,9 +30,10 @@ from flashreinforce.engines import SamplingParams  # noqa: E402
 from flashreinforce.envs.registry import EnvSpec  # noqa: E402
 from flashreinforce.models.loading import build_model  # noqa: E402
 from flashreinforce.models.tokenizers import load_tokenizer  # noqa: E402
+from flashreinforce.distributed.scale_out import DistributedScaleOut  # noqa: E402
 from flashreinforce.trainer import Trainer  # noqa: E402
-from flashreinforce.trainer.checkpoints import latest_checkpoint  # noqa: E402
-from flashreinforce.trainer.rollout import RolloutSettings  # noqa: E402
+from flashreinforce.trainer.persistence.checkpoints import latest_checkpoint  # noqa: E402
+from flashreinforce.trainer.rollout.settings import RolloutSettings  # noqa: E402
 from python_tests.distributed.worker_freeze import frozen_holding  # noqa: E402
 
 TOY = "flashreinforce.envs.toy:ToyCopyEnv"
@@ -171,7 +172,7 @@ def test_toy_preset_learns_with_workers_spread_over_two_nodes(nodes, tmp_path):
     cfg = parse_train_args(train_args(out, "--ray.address", nodes.cluster.address, "--ray.scheduling_strategy",
                                       "spread", "--train.max_steps", "150", "--rollout.vllm_generate_batch_size",
                                       "64"), PRESETS)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, scale_out=DistributedScaleOut())
     seen: dict = {"workers": [], "weights": set()}
     done = threading.Event()
 
@@ -226,7 +227,7 @@ def test_a_lost_node_costs_only_its_prompts_and_a_new_node_gets_the_worker_back(
     cfg = parse_train_args(train_args(out, "--ray.worker_resources", json.dumps([{"node_a": 1}, {"node_c": 1}]),
                                       "--train.max_steps", "100000", "--rollout.vllm_generate_batch_size", "32"),
                            PRESETS)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, scale_out=DistributedScaleOut())
     story: dict = {}
     result: dict = {}
 

@@ -21,6 +21,7 @@ pytest.importorskip("ray", reason="the Ray backend tests need ray (pip install '
 
 from flashreinforce.config import parse_train_args  # noqa: E402
 from flashreinforce.config.presets import PRESETS  # noqa: E402
+from flashreinforce.distributed.scale_out import DistributedScaleOut  # noqa: E402
 from flashreinforce.trainer import Trainer  # noqa: E402
 from python_tests.distributed.worker_freeze import frozen_holding  # noqa: E402
 
@@ -96,7 +97,7 @@ def test_a_killed_rollout_worker_does_not_stop_training(tmp_path):
                             "--train.max_steps", "60", "--rollout.vllm_generate_batch_size", "32",
                             "--eval.eval_at_start", "false", "--eval.steps", "0", "--ckpt.save_steps", "0",
                             "--no_progress"], PRESETS)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, scale_out=DistributedScaleOut())
     killed: dict = {}
 
     def kill_worker_0_mid_run() -> None:

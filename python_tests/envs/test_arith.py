@@ -8,7 +8,7 @@ import pytest
 
 from flashreinforce.envs.arith import (HELDOUT_SEED_OFFSET, ArithEnv, ArithProblem, ArithSpec, final_answer,
                                        problem_for_seed)
-from flashreinforce.trainer.evaluation import EVAL_SEED_OFFSET
+from flashreinforce.trainer.reporting.evaluation import EVAL_SEED_OFFSET
 
 
 class ExactGrader:

@@ -60,7 +60,7 @@ def test_a_second_task_through_the_chat_template():
 @needs_rg
 def test_flashreinforce_eval_plays_the_heldout_rows(tmp_path, capsys):
     from flashreinforce.cli.eval import eval_command
-    from flashreinforce.trainer.heldout import heldout_rows
+    from flashreinforce.trainer.reporting.heldout import heldout_rows
     from python_tests.cli.test_eval import constant_answer_model
 
     model = constant_answer_model(tmp_path / "m", "7")
@@ -88,7 +88,7 @@ def test_without_the_package_the_error_names_the_extra(monkeypatch):
 @needs_rg
 def test_bad_names_and_configurations_are_one_line_config_errors(tmp_path, capsys, monkeypatch):
     from flashreinforce.cli.eval import eval_command
-    from flashreinforce.trainer import components
+    from flashreinforce.trainer.run import components
 
     with pytest.raises(ConfigError, match=r"reasoning_gym:basic_arithmetc: reasoning-gym has no task "
                                           r"'basic_arithmetc'; close names: basic_arithmetic") as err:

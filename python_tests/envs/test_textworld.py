@@ -89,7 +89,7 @@ def test_generation_seeds_are_fixed_and_distinct_per_pool():
 
 
 def test_the_trainer_evaluates_on_the_heldout_pool():
-    from flashreinforce.trainer.evaluation import eval_seeds
+    from flashreinforce.trainer.reporting.evaluation import eval_seeds
 
     # TextWorldEnv has no finite prompt set: the evaluation seeds start at the held-out offset, and
     # training seeds count up from 0, far below it.
@@ -323,8 +323,9 @@ def test_preset_turn_limits_agree():
 def test_rollout_with_a_tiny_model(cache):
     from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
     from flashreinforce.models.tokenizers import CharTokenizer
-    from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-    from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+    from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+    from flashreinforce.trainer.rollout.settings import RolloutSettings
+    from flashreinforce.trainer.rollout.worker import RolloutWorker
     from python_tests.builders import tiny_causal_lm
 
     tok = CharTokenizer()

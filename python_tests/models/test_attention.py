@@ -19,10 +19,10 @@ import transformers
 
 from flashreinforce.models import attention
 from flashreinforce.models.attention import ATTENTION_NAME, DocumentLayout, attend, use_document_attention
-from flashreinforce.trainer.forward_row import forward_row
-from flashreinforce.trainer.packing import pack
-from flashreinforce.trainer.scoring import token_log_probs
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.forward_row import forward_row
+from flashreinforce.trainer.learning.packing import pack
+from flashreinforce.trainer.learning.scoring import token_log_probs
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 VOCAB = 97
 

@@ -49,8 +49,8 @@ def test_varlen_and_sdpa_backends_agree_with_float64(dtype):
 def test_packed_and_padded_learner_forwards_agree_on_cuda():
     import transformers
 
-    from flashreinforce.trainer.packing import pack
-    from flashreinforce.trainer.scoring import token_log_probs
+    from flashreinforce.trainer.learning.packing import pack
+    from flashreinforce.trainer.learning.scoring import token_log_probs
     from python_tests.models.test_attention import _agentic_batch, _config
 
     torch.manual_seed(0)

@@ -20,8 +20,8 @@ from flashreinforce.engines import GenerationRequest, SamplingParams, create_eng
 from flashreinforce.loss import flashreinforce_loss_packed  # noqa: E402
 from flashreinforce.models.lora import (LoraSettings, adapter_state, apply_lora, has_lora, merged_model,  # noqa: E402
                                         save_adapter)
-from flashreinforce.trainer.packing import pack  # noqa: E402
-from flashreinforce.trainer.scoring import token_log_probs  # noqa: E402
+from flashreinforce.trainer.learning.packing import pack  # noqa: E402
+from flashreinforce.trainer.learning.scoring import token_log_probs  # noqa: E402
 from python_tests.builders import random_trajectory, tiny_causal_lm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

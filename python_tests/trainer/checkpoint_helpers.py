@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from flashreinforce.trainer.checkpoints import save_checkpoint
+from flashreinforce.trainer.persistence.checkpoints import save_checkpoint
 from python_tests.builders import tiny_causal_lm
 
 VOCAB = 40

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 
 def traj(prompt_id=0, version=0, reward=1.0, length=4, **kw):

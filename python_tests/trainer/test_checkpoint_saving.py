@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import flashreinforce.trainer.checkpoints as checkpoints
+import flashreinforce.trainer.persistence.checkpoints as checkpoints
 from flashreinforce.config import ConfigError
-from flashreinforce.trainer.checkpoints import (CheckpointSaveError, ResumePoint, clean_interrupted_saves,
-                                                save_checkpoint, trim_history)
+from flashreinforce.trainer.persistence.checkpoints import (CheckpointSaveError, ResumePoint, clean_interrupted_saves,
+                                                            save_checkpoint, trim_history)
 from flashreinforce.trainer.errors import RunFailure
 from python_tests.trainer.checkpoint_helpers import learner_state, run_state, save, same, tiny_model, weights
 

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_model
 
 from flashreinforce.config import ConfigError
-from flashreinforce.trainer.checkpoints import (CheckpointError, ResumePoint, clear_run, find_checkpoint,
-                                                latest_checkpoint, load_checkpoint)
+from flashreinforce.trainer.persistence.checkpoints import (CheckpointError, ResumePoint, clear_run, find_checkpoint,
+                                                            latest_checkpoint, load_checkpoint)
 from python_tests.trainer.checkpoint_helpers import save, same, tiny_model, weights
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from flashreinforce.config import ConfigError
-from flashreinforce.trainer.checkpoints import (CheckpointError, ResumePoint, latest_checkpoint, load_checkpoint,
-                                                trim_history)
+from flashreinforce.trainer.persistence.checkpoints import (CheckpointError, ResumePoint, latest_checkpoint,
+                                                            load_checkpoint, trim_history)
 from python_tests.trainer.checkpoint_helpers import save as _save
 from python_tests.trainer.checkpoint_helpers import same as _same
 from python_tests.trainer.checkpoint_helpers import tiny_model as _model

@@ -14,8 +14,9 @@ import pytest
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

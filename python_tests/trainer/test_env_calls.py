@@ -11,10 +11,10 @@ import pytest
 
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.tasks import DatasetEnvironment, Task
-from flashreinforce.trainer.buffer import Ticket
-from flashreinforce.trainer.env_calls import EnvCalls
+from flashreinforce.trainer.rollout.buffer import Ticket
+from flashreinforce.trainer.rollout.env_calls import EnvCalls
 from flashreinforce.trainer.errors import StopRequested
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.trainer.test_fault_tolerance import _worker
 
 class _Concurrency:

@@ -7,8 +7,8 @@ import torch
 from flashreinforce.engines import LocalWeightStore, SamplingParams
 from flashreinforce.envs.toy import ToyCopyEnv
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.evaluation import EVAL_SEED_OFFSET, Evaluator, eval_seeds
-from flashreinforce.trainer.rollout import RolloutSettings
+from flashreinforce.trainer.reporting.evaluation import EVAL_SEED_OFFSET, Evaluator, eval_seeds
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 from python_tests.builders import tiny_causal_lm
 
 

@@ -19,14 +19,15 @@ from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyEnv
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer, Ticket
 from flashreinforce.trainer.errors import RunStalled
-from flashreinforce.trainer.fault_counters import FaultMetrics
-from flashreinforce.trainer.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
-from flashreinforce.trainer.rollout_pool import ThreadRolloutPool
-from flashreinforce.trainer.trajectory import Trajectory
-from flashreinforce.trainer.watchdog import Watchdog
+from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
+from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
+from flashreinforce.trainer.rollout.trajectory import Trajectory
+from flashreinforce.trainer.run.watchdog import Watchdog
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()
@@ -197,7 +198,7 @@ def test_a_huge_observation_or_prompt_is_cut_before_tokenizing():
 
 
 def test_an_evaluation_episode_that_fails_is_left_out_and_counted():
-    from flashreinforce.trainer.evaluation import Evaluator
+    from flashreinforce.trainer.reporting.evaluation import Evaluator
 
     model = tiny_causal_lm(TOK.vocab_size, seed=0, layers=1, tied=False)
     store = LocalWeightStore()
@@ -426,7 +427,7 @@ def test_a_failed_run_whose_last_checkpoint_fails_too_reports_the_first_error(tm
                                                                               monkeypatch):
     # What a lost Ray cluster does: the run fails, and saving the checkpoint after it fails as well
     # (the buffer lives on the lost cluster). The user must see why the run stopped, on one line.
-    from flashreinforce.trainer.loop import Trainer
+    from flashreinforce.trainer.run.loop import Trainer
 
     def lost(self):
         raise ConnectionError("the buffer is unreachable")

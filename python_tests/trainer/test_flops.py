@@ -8,12 +8,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from flashreinforce.models.attention import DocumentLayout
-from flashreinforce.trainer import flops as flops_module
-from flashreinforce.trainer.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
-from flashreinforce.trainer.forward_row import forward_row
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.packing import pack
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning import flops as flops_module
+from flashreinforce.trainer.learning.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
+from flashreinforce.trainer.learning.forward_row import forward_row
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.learning.packing import pack
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.builders import random_trajectory, tiny_causal_lm
 
 VOCAB = 50

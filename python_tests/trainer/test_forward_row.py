@@ -1,4 +1,4 @@
-"""The learner's forward row (flashreinforce.trainer.forward_row): shared prefixes found from the
+"""The learner's forward row (flashreinforce.trainer.learning.forward_row): shared prefixes found from the
 token ids, each computed once, with every packed token mapped to the row position that holds it;
 and the learner's update unchanged by the sharing."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from flashreinforce.objective import LossOptions
-from flashreinforce.trainer.forward_row import forward_row
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.packing import micro_batches, pack
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.forward_row import forward_row
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.learning.packing import micro_batches, pack
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.builders import tiny_causal_lm
 
 

@@ -10,8 +10,8 @@ import pytest
 import flashreinforce as fr
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer import Trainer
-from flashreinforce.trainer.buffer import PromptStream
-from flashreinforce.trainer.heldout import HELDOUT_FILE, heldout_rows, read_split
+from flashreinforce.trainer.rollout.buffer import PromptStream
+from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, heldout_rows, read_split
 
 ROWS = [{"prompt": f"say {t}:", "target": t, "row": i} for i, t in enumerate("abcdefgh" * 5)]  # 40 rows
 

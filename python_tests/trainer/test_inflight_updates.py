@@ -9,8 +9,9 @@ from flashreinforce.engines import GenerationRequest, HFEngine, LocalWeightStore
 from flashreinforce.engines.base import Generation, RolloutEngine
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

@@ -13,7 +13,7 @@ import time
 
 CHILD = textwrap.dedent(r"""
     import hashlib, sys, threading, time
-    from flashreinforce.trainer.interrupts import InterruptWatch
+    from flashreinforce.trainer.run.interrupts import InterruptWatch
 
     stop = threading.Event()
     watch = InterruptWatch(stop.set, lambda: "ACK first Ctrl-C")
@@ -88,7 +88,7 @@ def test_a_third_ctrl_c_exits_at_once_with_status_130():
 
 
 def test_the_second_ctrl_c_raises_keyboard_interrupt_once_back_in_python():
-    from flashreinforce.trainer.interrupts import InterruptWatch
+    from flashreinforce.trainer.run.interrupts import InterruptWatch
 
     before = signal.getsignal(signal.SIGINT)
     hits = []

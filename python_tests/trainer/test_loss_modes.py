@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flashreinforce.ops.loss_modes import LOSS_MODES, LossMode, get_loss_mode, register_loss_mode
-from flashreinforce.trainer.learner import Learner, LearnerSettings, PolicyLearner
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings, PolicyLearner
 from python_tests.builders import random_trajectory, tiny_causal_lm
 
 VOCAB = 40

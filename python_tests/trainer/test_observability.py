@@ -13,14 +13,15 @@ import pytest
 from flashreinforce.objective import LossOptions
 from flashreinforce.config.resolution import resolve
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.diagnostics import ZeroSignalWatch, has_reward_signal
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.loggers import TensorBoardSink, WandbSink, flat_scalars, open_sinks
-from flashreinforce.trainer.metrics import (MetricsLog, UpdateTimings, failure_kinds, no_answer_fraction,
-                                            update_metrics)
-from flashreinforce.trainer.samples import SampleLog, clip_text, decode_turns, pick_rows, read_samples, short_sample
-from flashreinforce.trainer.summary import config_hash, write_run_summary
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.reporting.diagnostics import ZeroSignalWatch, has_reward_signal
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.reporting.loggers import TensorBoardSink, WandbSink, flat_scalars, open_sinks
+from flashreinforce.trainer.reporting.metrics import (MetricsLog, UpdateTimings, failure_kinds, no_answer_fraction,
+                                                      update_metrics)
+from flashreinforce.trainer.reporting.samples import (SampleLog, clip_text, decode_turns, pick_rows, read_samples,
+                                                      short_sample)
+from flashreinforce.trainer.reporting.summary import config_hash, write_run_summary
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.builders import random_trajectory, tiny_causal_lm
 
 TOK = CharTokenizer()
@@ -311,7 +312,7 @@ def test_wandb_sink_logs_the_record_keys_against_the_step_and_resumes_the_same_r
     runs = []
     fake = types.SimpleNamespace(init=lambda **kw: runs.append(_FakeRun(**kw)) or runs[-1])
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setattr("flashreinforce.trainer.loggers._require", lambda *a: None)
+    monkeypatch.setattr("flashreinforce.trainer.reporting.loggers._require", lambda *a: None)
     sink = WandbSink("proj", out=tmp_path, run_name=None, config={"seed": 3})
     rec = record_of([episode("q", [("a", "")], reward=1.0), episode("q", [("b", "")])], step=7)
     sink.log(7, rec)

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from flashreinforce.trainer.packing import micro_batches, pack, to_padded
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.packing import micro_batches, pack, to_padded
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 
 def random_traj(rng, turns=3):

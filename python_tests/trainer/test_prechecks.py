@@ -9,7 +9,7 @@ import pytest
 
 from flashreinforce.cli.eval import eval_command
 from flashreinforce.cli.train import train as train_command
-from flashreinforce.trainer import components
+from flashreinforce.trainer.run import components
 
 REWARD = "def first_letter(prompt, completion, target, **row):\n    return float(completion[:1] == target)\n"
 

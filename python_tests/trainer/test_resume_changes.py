@@ -21,9 +21,9 @@ from flashreinforce.config.flags import FLAGS
 from flashreinforce.config.paths import absolute_paths
 from flashreinforce.config.presets import PRESETS
 from flashreinforce.config.resume import LOCKED, RUN_SETTINGS, rule
-from flashreinforce.trainer.buffer import PromptStream
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.run_history import HistoryRecord, trim_history
+from flashreinforce.trainer.rollout.buffer import PromptStream
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.persistence.run_history import HistoryRecord, trim_history
 from python_tests.builders import random_trajectory, tiny_causal_lm
 
 ROOT = Path(__file__).resolve().parents[2]

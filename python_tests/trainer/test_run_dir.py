@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flashreinforce.config import ConfigError
-from flashreinforce.trainer.run_dir import LOCK_NAME, RunLock, create_output, remove_created
+from flashreinforce.trainer.persistence.run_dir import LOCK_NAME, RunLock, create_output, remove_created
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICK = ["--preset", "toy", "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false",
@@ -38,7 +38,7 @@ def _holder(tmp_path: Path) -> subprocess.Popen:
     """Another process that takes the lock of ``tmp_path`` and keeps it until killed."""
     code = textwrap.dedent(f"""
         import sys, time
-        from flashreinforce.trainer.run_dir import RunLock
+        from flashreinforce.trainer.persistence.run_dir import RunLock
         lock = RunLock({str(tmp_path)!r})
         lock.acquire()
         print("locked", flush=True)
@@ -172,7 +172,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
 
 _INTERRUPTED_SAVE = '''
 import os, signal, sys
-from flashreinforce.trainer import loop
+from flashreinforce.trainer.run import loop
 
 presses = int(sys.argv[1])
 real_save = loop.save_checkpoint

@@ -12,8 +12,9 @@ from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEn
 from flashreinforce.envs.arith_tool import ArithToolEnv
 from flashreinforce.envs.tasks import Task
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 from python_tests.builders import tiny_causal_lm
 
 TOK = CharTokenizer()

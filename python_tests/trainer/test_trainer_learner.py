@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from flashreinforce.objective import LossOptions
-from flashreinforce.trainer.learner import Learner, LearnerSettings
-from flashreinforce.trainer.schedule import lr_factor
-from flashreinforce.trainer.scoring import token_log_probs
-from flashreinforce.trainer.packing import pack
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
+from flashreinforce.trainer.learning.schedule import lr_factor
+from flashreinforce.trainer.learning.scoring import token_log_probs
+from flashreinforce.trainer.learning.packing import pack
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 from python_tests.builders import tiny_causal_lm
 
 VOCAB = 50
@@ -280,7 +280,7 @@ def test_deferred_loss_errors_give_the_same_update_and_the_same_error():
 
 def test_deferred_loss_errors_with_collective_forwards_are_kept_not_raised():
     """A data-parallel rank must finish its passes: the deferred error lands in ``error``."""
-    from flashreinforce.trainer.learner import BatchTotals
+    from flashreinforce.trainer.learning.learner import BatchTotals
 
     base = tiny_model(9)
     trajs = random_batch(5, base, n=4)

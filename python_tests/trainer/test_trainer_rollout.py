@@ -6,13 +6,14 @@ import time
 import pytest
 import torch
 
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.envs.toy import ToyCopyChainEnv
 from flashreinforce.trainer.errors import RolloutFailed
-from flashreinforce.trainer.rollout import MAX_ENGINE_FAILURES_IN_A_ROW, RolloutSettings, RolloutWorker
-from flashreinforce.trainer.rollout_pool import ThreadRolloutPool
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import MAX_ENGINE_FAILURES_IN_A_ROW, RolloutWorker
+from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
 from flashreinforce.models.tokenizers import CharTokenizer
 from python_tests.builders import tiny_causal_lm
 

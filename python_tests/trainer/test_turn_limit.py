@@ -5,7 +5,7 @@ import pytest
 
 from flashreinforce.config import ConfigError, resolve
 from flashreinforce.envs.base import Environment, StepResult, resolve_max_turns
-from flashreinforce.trainer import components
+from flashreinforce.trainer.run import components
 
 SPEC = f"{__name__}:TurnsEnv"
 

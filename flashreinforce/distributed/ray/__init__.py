@@ -3,7 +3,7 @@
 Everything is created by the learner process (the Ray *driver*) and owned by it: when the driver
 disconnects, Ray removes it. One module per role:
 
-* :mod:`.buffer`: the buffer actor (one :class:`~flashreinforce.trainer.buffer.RolloutBuffer` whose
+* :mod:`.buffer`: the buffer actor (one :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer` whose
   tickets remember the worker *incarnation* holding them) and its clients, the learner's
   :class:`RemoteBuffer` and a worker's :class:`WorkerBufferClient`;
 * :mod:`.weights`: policy weights by version through the object store (:class:`RayWeightStore`,

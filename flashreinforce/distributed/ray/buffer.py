@@ -1,6 +1,6 @@
 """The buffer actor and its two clients: who holds which ticket, by worker and incarnation.
 
-* :class:`OwnedBuffer`: a :class:`~flashreinforce.trainer.buffer.RolloutBuffer` whose tickets remember
+* :class:`OwnedBuffer`: a :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer` whose tickets remember
   the worker *incarnation* holding them (no Ray needed; tested on its own).
 * :class:`BufferActor`: the Ray actor body hosting one (threaded, ``num_cpus=0``, pinned to the
   driver's node by :class:`~flashreinforce.distributed.ray.session.RayRollout`).
@@ -17,7 +17,7 @@ import time
 from typing import Any, Mapping
 
 from flashreinforce.distributed.ray.calls import ActorClient, delegate, import_ray
-from flashreinforce.trainer.buffer import Batch, RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.buffer import Batch, RolloutBuffer, Ticket
 
 __all__ = ["BufferActor", "MAX_BLOCK_S", "OwnedBuffer", "RemoteBuffer", "StaleIncarnation", "WorkerBufferClient"]
 
@@ -37,7 +37,7 @@ class StaleIncarnation(RuntimeError):
 
 
 class OwnedBuffer:
-    """A :class:`~flashreinforce.trainer.buffer.RolloutBuffer` whose tickets remember who holds them.
+    """A :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer` whose tickets remember who holds them.
 
     Workers identify themselves by ``(worker_id, incarnation)``; an incarnation is one run of a
     worker's loop (a restarted actor starts a new one). :meth:`release` hands out again every
@@ -132,7 +132,7 @@ class BufferActor(OwnedBuffer):
     (:data:`LEARNER_CALLS`, run on its ``RolloutBuffer``). Create it threaded with :func:`ray.remote`."""
 
     def __init__(self, buffer_kwargs: Mapping[str, Any], prompt_kwargs: Mapping[str, Any]) -> None:
-        from flashreinforce.trainer.buffer import PromptStream
+        from flashreinforce.trainer.rollout.buffer import PromptStream
 
         super().__init__(RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs)))
 
@@ -142,7 +142,7 @@ class BufferActor(OwnedBuffer):
 
 
 class RemoteBuffer(ActorClient):
-    """The learner's side of the buffer actor, with :class:`~flashreinforce.trainer.buffer.RolloutBuffer`'s
+    """The learner's side of the buffer actor, with :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer`'s
     learner-side interface: ``take`` waits in slices of at most :data:`MAX_BLOCK_S`; ``update_done``,
     ``close``, ``stats``, ``in_flight``, ``state_dict``, ``load_state_dict``, ``release``, ``held``,
     ``held_prompts`` are calls to the actor (:class:`~flashreinforce.distributed.ray.calls.ActorClient`)."""

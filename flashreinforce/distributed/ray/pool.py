@@ -28,8 +28,7 @@ from flashreinforce.distributed.ray.calls import ActorGone, import_ray
 from flashreinforce.distributed.ray.placement import WorkerPlacement, describe_nodes
 from flashreinforce.distributed.ray.workers import RolloutWorkerActor, WorkerRecipe
 from flashreinforce.trainer.errors import RolloutFailed
-from flashreinforce.trainer.rollout import fair_share
-from flashreinforce.trainer.rollout_pool import RolloutBackend
+from flashreinforce.trainer.rollout.backend import RolloutBackend, fair_share
 
 __all__ = ["RayRolloutBackend"]
 

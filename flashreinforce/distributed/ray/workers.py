@@ -1,5 +1,5 @@
 """Rollout worker actors: each builds its own engine and environments from a :class:`WorkerRecipe`
-and runs the same :class:`~flashreinforce.trainer.rollout.RolloutWorker` loop as the local backend,
+and runs the same :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` loop as the local backend,
 against the buffer actor (:class:`~flashreinforce.distributed.ray.buffer.WorkerBufferClient`) and the
 weight registry (:class:`~flashreinforce.distributed.ray.weights.RayWeightStore`)."""
 
@@ -16,7 +16,7 @@ import torch
 from flashreinforce.distributed.ray.buffer import WorkerBufferClient
 from flashreinforce.distributed.ray.calls import import_ray
 from flashreinforce.distributed.ray.weights import RayWeightStore
-from flashreinforce.trainer.rollout import RolloutSettings
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["RolloutWorkerActor", "WorkerRecipe"]
 
@@ -28,11 +28,11 @@ class WorkerRecipe:
     model_config: the policy's ``transformers`` config (weights come from the weight store).
     engine / engine_options: :func:`~flashreinforce.engines.create_engine`'s kind and options.
     tokenizer: the run's tokenizer object. env: the :class:`~flashreinforce.envs.registry.EnvSpec`.
-    settings: the :class:`~flashreinforce.trainer.rollout.RolloutSettings`. group_size: samples per prompt
+    settings: the :class:`~flashreinforce.trainer.rollout.settings.RolloutSettings`. group_size: samples per prompt
     (the buffer's). engine_options: extra engine arguments (vLLM). torch_threads: intra-op threads
     of the worker process (``None``: torch's default). max_prompts_per_call: the worker's share of
     the prompts that may be in flight (set by the pool, see
-    :func:`~flashreinforce.trainer.rollout.fair_share`).
+    :func:`~flashreinforce.trainer.rollout.backend.fair_share`).
     """
 
     model_config: Any
@@ -68,7 +68,7 @@ class RolloutWorkerActor:
         import transformers
 
         from flashreinforce.engines import create_engine, engine_kind
-        from flashreinforce.trainer.rollout import RolloutWorker
+        from flashreinforce.trainer.rollout.worker import RolloutWorker
 
         ray = import_ray()
         # The recipe comes by reference (the driver keeps it alive), so a restarted actor finds it again.

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashreinforce.trainer.diagnostics import ZeroSignalWatch
-from flashreinforce.trainer.loggers import close_sinks, open_sinks
-from flashreinforce.trainer.outcomes import episode_means, failure_kind
-from flashreinforce.trainer.samples import SampleLog, short_sample
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.reporting.diagnostics import ZeroSignalWatch
+from flashreinforce.trainer.reporting.loggers import close_sinks, open_sinks
+from flashreinforce.trainer.reporting.outcomes import episode_means, failure_kind
+from flashreinforce.trainer.reporting.samples import SampleLog, short_sample
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["MetricsLog", "UpdateTimings", "failure_kinds", "mean", "no_answer_fraction",
            "open_metrics_log", "std", "update_metrics"]

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["PackedBatch", "micro_batches", "pack", "to_padded"]
 

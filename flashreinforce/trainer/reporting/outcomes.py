@@ -9,7 +9,7 @@ one (:mod:`.diagnostics`). :func:`episode_means` averages what the environments 
 
 from __future__ import annotations
 
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["episode_means", "failure_kind"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Sequence
 
-from flashreinforce.trainer.outcomes import failure_kind
-from flashreinforce.trainer.samples import clip_text, decode_turns
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.reporting.outcomes import failure_kind
+from flashreinforce.trainer.reporting.samples import clip_text, decode_turns
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["ZeroSignalWatch", "has_reward_signal"]
 

@@ -3,7 +3,7 @@
 An :class:`Episode` grows token by token (``prompt | action | observation | action | ...``): each
 token's id, whether the policy sampled it, the log-probability it was sampled with, and the weight
 version that sampled it (-1 on tokens the policy did not sample). :meth:`Episode.trajectory` turns it
-into the :class:`~flashreinforce.trainer.trajectory.Trajectory` the buffer takes.
+into the :class:`~flashreinforce.trainer.rollout.trajectory.Trajectory` the buffer takes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from flashreinforce.envs.base import Environment, StepResult
-from flashreinforce.trainer.buffer import Ticket
-from flashreinforce.trainer.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.buffer import Ticket
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["Episode", "EpisodeFault", "check_step_result"]
 

@@ -53,13 +53,14 @@ import torch
 from safetensors.torch import save_file, save_model
 
 from flashreinforce.config import ConfigError
-from flashreinforce.trainer.checkpoint_rng import check_rng_state, legacy_rng_state, rng_state, set_rng_state
+from flashreinforce.trainer.persistence.checkpoint_rng import (check_rng_state, legacy_rng_state, rng_state,
+                                                              set_rng_state)
 from flashreinforce.models.lora import has_lora
-from flashreinforce.trainer.checkpoint_validation import (CheckpointError, check_optimizer, check_scheduler,
-                                                          check_state, checkpoint_tensors, first_non_finite,
-                                                          read_weights)
+from flashreinforce.trainer.persistence.checkpoint_validation import (CheckpointError, check_optimizer, check_scheduler,
+                                                                      check_state, checkpoint_tensors, first_non_finite,
+                                                                      read_weights)
 from flashreinforce.trainer.errors import RunFailure
-from flashreinforce.trainer.run_history import trim_history
+from flashreinforce.trainer.persistence.run_history import trim_history
 
 __all__ = ["CheckpointError", "CheckpointSaveError", "ResumePoint", "RUN_FILES", "clean_interrupted_saves", "clear_run",
            "existing_run_files", "find_checkpoint", "latest_checkpoint", "learner_state_to_restore", "load_checkpoint",

@@ -4,18 +4,21 @@
 (each built by its own module):
 
 * the policy, its tokenizer and the environments (:mod:`.components`);
-* the rollout side (:mod:`.workers`): rollout workers (threads, or Ray actors with
+* the rollout side (:mod:`.rollout_side`): rollout workers (threads, or Ray actors with
   ``--rollout.backend ray``, each with its own engine copy of the policy) roll out prompts the
   buffer hands out and put finished trajectories into it;
-* the learner (:mod:`.learner`): the loop takes the next batch (``rollout.batch_size`` groups in
-  completion order), makes one optimizer step, publishes the new weights by version and lets the
-  next batch start. Under ``torchrun`` it is data-parallel
-  (:mod:`flashreinforce.distributed.data_parallel`): rank 0 runs everything here and hands each
-  rank its share of every batch; the other ranks only compute gradients;
-* reporting (:mod:`.metrics`, :mod:`.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
+* the learner (:mod:`~flashreinforce.trainer.learning.learner`): the loop takes the next batch
+  (``rollout.batch_size`` groups in completion order), makes one optimizer step, publishes the new
+  weights by version and lets the next batch start. Under ``torchrun`` it is data-parallel
+  (:mod:`flashreinforce.distributed.data_parallel`, handed in as the run's ``scale_out``,
+  :mod:`.scale_out`): rank 0 runs everything here and hands each rank its share of every batch;
+  the other ranks only compute gradients;
+* reporting (:mod:`~flashreinforce.trainer.reporting.metrics`,
+  :mod:`~flashreinforce.trainer.reporting.evaluation`): one ``OUTPUT/metrics.jsonl`` line per update,
   evaluation every ``eval.steps`` updates into ``OUTPUT/eval.jsonl``;
-* checkpoints (:mod:`.checkpoints`) every ``ckpt.save_steps`` updates, at the end and on Ctrl-C;
-  ``--resume`` continues from the newest one with the same metrics history.
+* checkpoints (:mod:`~flashreinforce.trainer.persistence.checkpoints`) every ``ckpt.save_steps``
+  updates, at the end and on Ctrl-C; ``--resume`` continues from the newest one with the same
+  metrics history.
 
 Environments with a finite prompt set (a dataset) play row ``seed % len``; the buffer hands out
 seeds as shuffled passes over that set (``train.num_episodes`` passes).
@@ -40,24 +43,26 @@ import torch
 from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
 from flashreinforce.config.paths import absolute_paths
 from flashreinforce.config.resume import recorded_settings, review, settings_config
-from flashreinforce.trainer import components
-from flashreinforce.trainer.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run, existing_run_files,
-                                                learner_state_to_restore, save_checkpoint)
-from flashreinforce.trainer.callbacks import CallbackList
-from flashreinforce.trainer.fault_counters import FaultMetrics
-from flashreinforce.trainer.interrupts import InterruptWatch
-from flashreinforce.trainer.heldout import HELDOUT_FILE, run_split
-from flashreinforce.trainer.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
-from flashreinforce.trainer.learner import Learner, PolicyLearner
-from flashreinforce.trainer.metrics import UpdateTimings, open_metrics_log, update_metrics
-from flashreinforce.trainer.prechecks import check_before_model, check_rollout_engine
-from flashreinforce.trainer.run_dir import RunLock, create_output, remove_created
-from flashreinforce.trainer.run_history import HistoryRecord
-from flashreinforce.trainer.summary import write_run_summary
-from flashreinforce.trainer.watchdog import Watchdog
+from flashreinforce.trainer.run import components
+from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
+                                                            existing_run_files, learner_state_to_restore,
+                                                            save_checkpoint)
+from flashreinforce.trainer.run.callbacks import CallbackList
+from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
+from flashreinforce.trainer.run.interrupts import InterruptWatch
+from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
+from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
+from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
+from flashreinforce.trainer.reporting.metrics import UpdateTimings, open_metrics_log, update_metrics
+from flashreinforce.trainer.run.prechecks import check_before_model, check_rollout_engine
+from flashreinforce.trainer.persistence.run_dir import RunLock, create_output, remove_created
+from flashreinforce.trainer.persistence.run_history import HistoryRecord
+from flashreinforce.trainer.reporting.summary import write_run_summary
+from flashreinforce.trainer.run.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora, merged_model, save_adapter
-from flashreinforce.trainer.rollout_pool import RolloutBackend
-from flashreinforce.trainer.workers import RolloutSide, start_rollout_side
+from flashreinforce.trainer.rollout.backend import RolloutBackend
+from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
+from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 
 __all__ = ["Trainer"]
 
@@ -67,11 +72,16 @@ log = logging.getLogger("flashreinforce.trainer")
 class Trainer:
     """One training run. ``run()`` returns a summary dict; see the module docstring."""
 
-    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = ()) -> None:
+    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = (),
+                 scale_out: ScaleOut | None = None) -> None:
         """``model`` / ``tokenizer``: objects given in Python in place of ``--model`` / ``--tokenizer``;
-        ``callbacks``: see :mod:`.callbacks`."""
+        ``callbacks``: see :mod:`.callbacks`; ``scale_out``: the Ray rollout side and the torchrun
+        learner (:mod:`.scale_out`; without it, one process with local rollout threads)."""
         if not cfg.output:
             raise ConfigError("--output DIR is required")
+        if cfg.rollout.backend == "ray":
+            require_scale_out(scale_out, "--rollout.backend ray")
+        self.scale_out = scale_out
         absolute_paths(cfg)  # recorded as absolute: resumed elsewhere, the run reads the same files
         self.cfg = cfg
         self._given = (model, tokenizer)
@@ -122,10 +132,8 @@ class Trainer:
         if cfg.resume:  # the weights go in before any sharding of the model, on every rank
             self._resume_point = ResumePoint.load(self.ckpt_dir, cfg.resume, self.model)
         if self.dist is not None:
-            from flashreinforce.distributed.data_parallel import DataParallelLearner
-
-            self.learner = DataParallelLearner(self.model, settings, self.dist, pad_token_id=self.tokenizer.pad_token_id,
-                                               strategy=cfg.fsdp.strategy)
+            self.learner = require_scale_out(self.scale_out, "torchrun").data_parallel_learner(
+                self.model, settings, self.dist, pad_token_id=self.tokenizer.pad_token_id, strategy=cfg.fsdp.strategy)
         else:
             self.learner = Learner(self.model, settings, pad_token_id=self.tokenizer.pad_token_id)
         self.step = 0
@@ -133,7 +141,8 @@ class Trainer:
         if not self._leads:
             return
         self.rollout = start_rollout_side(cfg, num_prompts=self.envs.num_prompts, vocab_size=self.tokenizer.vocab_size,
-                                          seed=cfg.seed, exclude=self.split.rows if self.split else ())
+                                          seed=cfg.seed, exclude=self.split.rows if self.split else (),
+                                          scale_out=self.scale_out)
         self.buffer, self.weights = self.rollout.buffer, self.rollout.weights
         self.rollout_settings = components.rollout_settings(cfg, self.tokenizer, cfg.seed)
 
@@ -267,9 +276,8 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train; returns the summary (torchrun ranks > 0 return ``status: follower``)."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            from flashreinforce.distributed.data_parallel import distributed_context
-
-            self.dist = distributed_context(self.cfg.device)
+            self.dist = require_scale_out(self.scale_out, "torchrun (WORLD_SIZE > 1)").data_parallel_context(
+                self.cfg.device)
             self.device = self.dist.device
         try:
             return self._run() if self._leads else self._run_follower()
@@ -302,9 +310,9 @@ class Trainer:
                 "policy_version": self.learner.version}
 
     def _prepare_output(self) -> list[Path]:
-        """Create ``--output`` and lock it (one run at a time, :mod:`.run_dir`); an earlier run there is
-        continued only with --resume and cleared only with --overwrite (a new run never mixes its
-        records into another's). Returns what --overwrite will delete once the run has started."""
+        """Create ``--output`` and lock it (one run at a time,
+        :mod:`~flashreinforce.trainer.persistence.run_dir`); an earlier run there is continued only with
+        --resume and cleared only with --overwrite (a new run never mixes its records into another's). Returns what --overwrite will delete once the run has started."""
         self._created = create_output(self.out)
         self._lock.acquire()
         if self.cfg.resume:
@@ -353,7 +361,7 @@ class Trainer:
 
     def _take_batch(self, pool: RolloutBackend):
         """The next batch, or ``None`` once interrupted; checks the workers and the watchdog
-        (:class:`~flashreinforce.trainer.watchdog.Watchdog`) while waiting."""
+        (:class:`~flashreinforce.trainer.run.watchdog.Watchdog`) while waiting."""
         batch = None
         self._watchdog.start_wait()
         while batch is None and not self._interrupted.is_set():

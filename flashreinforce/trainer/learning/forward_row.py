@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from flashreinforce.models.attention import DocumentLayout
-from flashreinforce.trainer.packing import PackedBatch
+from flashreinforce.trainer.learning.packing import PackedBatch
 
 __all__ = ["DEFAULT_MIN_SHARED_TOKENS", "ForwardRow", "forward_row"]
 

@@ -1,7 +1,7 @@
 """Rollout workers that run agent functions: the calls they make to the worker's endpoint are sampled
 by the worker's engine and recorded token for token into trajectories.
 
-An :class:`AgentRolloutWorker` is a :class:`~flashreinforce.trainer.rollout.RolloutWorker` whose
+An :class:`AgentRolloutWorker` is a :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` whose
 episodes are calls of the run's agent function (:mod:`flashreinforce.envs.agent_env`). It owns an
 :class:`~flashreinforce.agents.server.AgentServer` (started at its first episode, on 127.0.0.1) and,
 for each episode, hands the function a client whose ``base_url`` names that episode. Many episodes
@@ -47,10 +47,11 @@ from flashreinforce.config import ConfigError
 from flashreinforce.engines.base import GenerationRequest, SamplingParams
 from flashreinforce.envs.agent_env import AGENT_ENVIRONMENT, AgentEnvironment, agent_environment, check_agent_result
 from flashreinforce.envs.registry import environment_class
-from flashreinforce.trainer.buffer import Ticket
-from flashreinforce.trainer.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.rollout import RolloutWorker, _Stopped, episode_seed
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.buffer import Ticket
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
+from flashreinforce.trainer.rollout.settings import episode_seed
+from flashreinforce.trainer.rollout.worker import RolloutWorker, _Stopped
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["AgentRolloutWorker", "is_agent_spec", "worker_class"]
 

@@ -1,9 +1,10 @@
 """The rollout side of a run: the buffer, the weight store and the rollout workers, local or on Ray.
 
 ``rollout.backend local``: the buffer and the weight store live in this process and the workers are
-threads of it (:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`), each with its own engine
+threads of it (:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`), each with its own engine
 copy of the policy. ``rollout.backend ray``: the buffer is a Ray actor, weights travel through Ray's
-object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`).
+object store and the workers are Ray actors (:mod:`flashreinforce.distributed.ray`), built through
+the run's :class:`~flashreinforce.trainer.run.scale_out.ScaleOut` (the trainer does not import them).
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine, engine_kind
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
-from flashreinforce.trainer.buffer import PromptStream, RolloutBuffer
-from flashreinforce.trainer.agent_rollout import worker_class
-from flashreinforce.trainer.learner import PolicyLearner
-from flashreinforce.trainer.rollout import RolloutSettings, RolloutWorker
-from flashreinforce.trainer.rollout_pool import RolloutBackend, ThreadRolloutPool
+from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
+from flashreinforce.trainer.rollout.agent_worker import worker_class
+from flashreinforce.trainer.learning.learner import PolicyLearner
+from flashreinforce.trainer.rollout.settings import RolloutSettings
+from flashreinforce.trainer.rollout.worker import RolloutWorker
+from flashreinforce.trainer.rollout.backend import RolloutBackend
+from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
+from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 
 __all__ = ["RolloutSide", "start_rollout_side"]
 
@@ -30,13 +34,14 @@ __all__ = ["RolloutSide", "start_rollout_side"]
 class RolloutSide:
     """The buffer and weight store of a run, and the Ray session when the backend is Ray.
 
-    ``buffer`` is a :class:`~flashreinforce.trainer.buffer.RolloutBuffer` or its Ray client; both
+    ``buffer`` is a :class:`~flashreinforce.trainer.rollout.buffer.RolloutBuffer` or its Ray client; both
     offer ``take``, ``update_done``, ``stats`` and ``state_dict``/``load_state_dict``.
     """
 
     buffer: Any
     weights: WeightStore
     ray: Any = None
+    scale_out: ScaleOut | None = None
 
     def make_workers(self, cfg: ResolvedConfig, *, learner: PolicyLearner, model_config, tokenizer,
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
@@ -50,11 +55,10 @@ class RolloutSide:
             if worker_class(env_factory) is not RolloutWorker:
                 raise ConfigError("--agent runs on --rollout.backend local (each worker serves its agents' calls "
                                   "from its own endpoint); give --rollout.backend local")
-            from flashreinforce.distributed.ray import WorkerRecipe
-
-            recipe = WorkerRecipe(model_config=model_config, engine=kind.name, tokenizer=tokenizer, env=env_spec,
-                                  settings=settings, group_size=cfg.rollout.n_samples_per_prompt,
-                                  engine_options=engine_options, torch_threads=torch_threads)
+            recipe = require_scale_out(self.scale_out, "--rollout.backend ray").worker_recipe(
+                model_config=model_config, engine=kind.name, tokenizer=tokenizer, env=env_spec,
+                settings=settings, group_size=cfg.rollout.n_samples_per_prompt, engine_options=engine_options,
+                torch_threads=torch_threads)
             gpus = cfg.ray.num_gpus_per_worker
             if gpus is None:
                 gpus = kind.gpus_per_worker(cfg)
@@ -81,21 +85,21 @@ class RolloutSide:
 
 
 def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
-                       seed: int, exclude: Sequence[int] = ()) -> RolloutSide:
+                       seed: int, exclude: Sequence[int] = (), scale_out: ScaleOut | None = None) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
     ``train.async_queue_size`` batches ahead, ``train.max_policy_lag``) over the shuffled prompt
-    stream (without the held-out rows ``exclude``), and the weight store, on the configured backend."""
+    stream (without the held-out rows ``exclude``), and the weight store, on the configured backend
+(``ray``: built by ``scale_out``)."""
     buffer_kwargs = dict(batch_groups=cfg.rollout.batch_size, group_size=cfg.rollout.n_samples_per_prompt,
                          async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))
     if cfg.rollout.backend == "ray":
-        from flashreinforce.distributed.ray import RayRollout, import_ray
-
+        scale_out = require_scale_out(scale_out, "--rollout.backend ray")
         try:
-            import_ray()
+            scale_out.require_ray()
         except ImportError as err:
             raise ConfigError(f"--rollout.backend ray: {err}") from None
-        ray = RayRollout.create(address=cfg.ray.address, buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
-        return RolloutSide(ray.buffer, ray.weights, ray)
+        ray = scale_out.ray_rollout(address=cfg.ray.address, buffer_kwargs=buffer_kwargs, prompt_kwargs=prompt_kwargs)
+        return RolloutSide(ray.buffer, ray.weights, ray, scale_out)
     return RolloutSide(RolloutBuffer(**buffer_kwargs, prompts=PromptStream(**prompt_kwargs)), LocalWeightStore())

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from flashreinforce.models.attention import DocumentLayout
-from flashreinforce.trainer.scoring import model_body
+from flashreinforce.trainer.learning.scoring import model_body
 
 __all__ = ["PEAK_TFLOPS_BF16", "ModelFlops", "causal_pairs", "peak_flops_per_device", "utilization"]
 

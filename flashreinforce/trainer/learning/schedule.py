@@ -16,7 +16,7 @@ def lr_factor(step: int, settings) -> float:
     """Multiplier of the base learning rate at optimizer step ``step`` (0-based).
 
     ``settings`` has ``scheduler``, ``warmup_ratio``, ``min_lr_ratio`` and ``total_steps`` (a
-    :class:`~flashreinforce.trainer.learner.LearnerSettings`).
+    :class:`~flashreinforce.trainer.learning.learner.LearnerSettings`).
 
     ``cosine_with_min_lr``: linear warmup over ``ceil(warmup_ratio * total_steps)`` steps, then a
     half cosine from 1 down to ``min_lr_ratio`` at ``total_steps``. ``constant``: 1 (warmup ignored,

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashreinforce.trainer.outcomes import failure_kind
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.reporting.outcomes import failure_kind
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["SampleLog", "clip_text", "decode_turns", "pick_rows", "read_samples", "sample_record", "short_sample"]
 

@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 from flashreinforce.engines import SamplingParams, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
-from flashreinforce.trainer.buffer import Ticket
-from flashreinforce.trainer.agent_rollout import worker_class
-from flashreinforce.trainer.fault_records import QuarantinedEpisode
-from flashreinforce.trainer.outcomes import episode_means
-from flashreinforce.trainer.rollout import RolloutSettings
+from flashreinforce.trainer.rollout.buffer import Ticket
+from flashreinforce.trainer.rollout.agent_worker import worker_class
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
+from flashreinforce.trainer.reporting.outcomes import episode_means
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["EVAL_SEED_OFFSET", "Evaluator", "append_eval_record", "eval_seeds", "progress_lines"]
 
@@ -93,7 +93,7 @@ class Evaluator:
 
         ``sampling`` / ``n_samples`` replace the evaluator's own for this call only (``flashreinforce
         eval`` scores greedy and sampled with one engine). ``trajectories``: a list that receives
-        the evaluation :class:`~flashreinforce.trainer.trajectory.Trajectory` objects, in seed order.
+        the evaluation :class:`~flashreinforce.trainer.rollout.trajectory.Trajectory` objects, in seed order.
         ``eval_response_tokens_mean`` is the mean number of sampled tokens per trajectory and
         ``eval_truncated_fraction`` the share with a turn cut at ``max_new_tokens`` or an episode
         stopped by the turn or context limit. Episodes the worker had to quarantine (an environment

@@ -5,7 +5,7 @@ log-probability of each action token comes from the hidden state before it and t
 projection (:func:`flashreinforce.ops.logprobs.sampled_token_logprobs`), without materialising
 ``[tokens, vocab]`` logits. The forward is *packed* or *padded*; both give the same numbers.
 
-* Packed: one row (:mod:`flashreinforce.trainer.forward_row`), ``position_ids`` of each token's own
+* Packed: one row (:mod:`flashreinforce.trainer.learning.forward_row`), ``position_ids`` of each token's own
   trajectory, per-document attention (:mod:`flashreinforce.models.attention`: no ``[S, S]`` mask,
   cost sum of L² over documents), and each prefix that several trajectories share computed once.
   The model is switched to document attention on first use
@@ -20,8 +20,8 @@ from torch import Tensor
 
 from flashreinforce.models.attention import ATTENTION_NAME, use_document_attention
 from flashreinforce.ops.logprobs import sampled_token_logprobs
-from flashreinforce.trainer.forward_row import DEFAULT_MIN_SHARED_TOKENS, ForwardRow, forward_row
-from flashreinforce.trainer.packing import PackedBatch, to_padded
+from flashreinforce.trainer.learning.forward_row import DEFAULT_MIN_SHARED_TOKENS, ForwardRow, forward_row
+from flashreinforce.trainer.learning.packing import PackedBatch, to_padded
 
 __all__ = ["PolicyLogProbs", "model_body", "token_log_probs"]
 
@@ -61,7 +61,7 @@ def token_log_probs(model: torch.nn.Module, batch: PackedBatch, *, temperature: 
     Non-action slots hold 0 (the loss ignores them). Token t is scored from the hidden state at t-1
     of the same trajectory, at ``temperature``. Gradients flow to the model's parameters.
     ``share_prefixes``, ``min_shared_tokens`` and ``attention_backend`` shape the packed forward
-    (:func:`flashreinforce.trainer.forward_row.forward_row`); the padded forward ignores them.
+    (:func:`flashreinforce.trainer.learning.forward_row.forward_row`); the padded forward ignores them.
     ``row``: the packed row of ``batch`` already planned (the learner counts its FLOPs first); it
     replaces those three options. ``head_operand_dtype``: bf16 / fp16 operands for the output
     projection's GEMMs when its weight is float32 (float32 accumulation and logits;

@@ -13,43 +13,44 @@ fit is not appended (the episode ends truncated instead); text longer than the r
 at the tokenizer's longest token is not even tokenized. ``failed`` is the environment's label of
 its last step, or ``reward <= 0`` when it gave none.
 
-Faults stay with the episode that caused them (:mod:`~flashreinforce.trainer.fault_records`): an environment
+Faults stay with the episode that caused them (:mod:`~flashreinforce.trainer.rollout.fault_records`): an environment
 call that raises, returns a wrong type or does not return within ``env_timeout_s``, text the
 tokenizer cannot encode, a prompt that cannot fit, or an engine error on one request quarantines
-that episode only: the worker hands a :class:`~flashreinforce.trainer.fault_records.QuarantinedEpisode` to
+that episode only: the worker hands a :class:`~flashreinforce.trainer.rollout.fault_records.QuarantinedEpisode` to
 the buffer in its place (which retries the prompt a few times, then skips it) and keeps every other
 episode of the call. An engine call that fails on each of its requests is retried one request at a
 time; a worker whose engine failed on every request of ``MAX_ENGINE_FAILURES_IN_A_ROW`` calls in a
 row stops (the trainer stops when no worker is left).
 
-Workers run as threads (:class:`~flashreinforce.trainer.rollout_pool.ThreadRolloutPool`, the ``local`` backend), or as Ray actors running
-the same :class:`RolloutWorker` against a buffer actor (:mod:`flashreinforce.distributed.ray`).
+A worker is built with :class:`~flashreinforce.trainer.rollout.settings.RolloutSettings`. Workers run
+as threads (:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`, the ``local``
+backend), or as Ray actors running the same :class:`RolloutWorker` against a buffer actor
+(:mod:`flashreinforce.distributed.ray`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, WeightStore
 from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.buffer import RolloutBuffer, Ticket
-from flashreinforce.trainer.env_calls import EnvCalls
-from flashreinforce.trainer.episode import Episode, EpisodeFault, check_step_result
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
+from flashreinforce.trainer.rollout.env_calls import EnvCalls
+from flashreinforce.trainer.rollout.episode import Episode, EpisodeFault, check_step_result
 from flashreinforce.trainer.errors import StopRequested
-from flashreinforce.trainer.fault_records import QuarantinedEpisode, RepeatedProblems
-from flashreinforce.trainer.trajectory import Trajectory
-from flashreinforce.trainer.turns import turn_cut, turn_stop
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode, RepeatedProblems
+from flashreinforce.trainer.rollout.settings import RolloutSettings, episode_seed
+from flashreinforce.trainer.rollout.trajectory import Trajectory
+from flashreinforce.trainer.rollout.turns import turn_cut, turn_stop
 
-__all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutSettings", "RolloutWorker", "TurnSample",
-           "episode_seed", "fair_share", "max_token_chars"]
+__all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutWorker", "TurnSample", "max_token_chars"]
 
 log = logging.getLogger(__name__)
 
@@ -57,57 +58,6 @@ EnvFactory = Callable[[], Environment]
 
 #: A worker stops after this many engine calls in a row failed on every one of their requests.
 MAX_ENGINE_FAILURES_IN_A_ROW = 10
-
-
-def episode_seed(run_seed: int, prompt_id: int, sample_index: int, turn: int) -> int:
-    """The sampling seed of one turn: a fixed function of the run seed, the prompt and the sample,
-    so a rollout is reproducible whatever worker or batch it lands in."""
-    x = (run_seed * 0x9E3779B1 + prompt_id) * 0x85EBCA77 + sample_index * 0xC2B2AE3D + turn * 0x27D4EB2F
-    return x % (2**63 - 1)
-
-
-def fair_share(batch_groups: int, async_queue_size: int, num_workers: int) -> int:
-    """Prompts one worker may take in one call so that ``num_workers`` workers can all have work:
-    the prompts that may be in flight at once (``batch_groups * (1 + async_queue_size)``) divided
-    among the workers, rounded up (at least 1)."""
-    if num_workers <= 0:
-        raise ValueError(f"num_workers must be positive, got {num_workers}")
-    return max(1, -(-batch_groups * (1 + async_queue_size) // num_workers))
-
-
-@dataclass
-class RolloutSettings:
-    """How workers roll out.
-
-    max_new_tokens: sampled tokens per turn at most. max_len: tokens per trajectory at most
-    (prompt, actions and observations). max_turns: policy turns per episode at most.
-    sampling: temperature / top-p / top-k and stop tokens. episodes_per_call: episodes a worker
-    runs together (one ``generate`` call samples a turn of each). seed: run seed for sampling.
-    env_timeout_s: seconds one environment call (``reset``, ``step``) may take before its episode is
-    quarantined and the environment instance abandoned (0: no limit). env_parallel_calls: the calls
-    of a worker's episodes that run at once, each in its own thread (1: one after another; an
-    environment class with ``parallel_calls = False`` is always called one after another).
-    inflight_weight_updates: when newer weights are published while a turn is being sampled, an
-    engine that can pause (``RolloutEngine.can_pause``) stops the turn, the worker loads the weights
-    and the engine continues the turn under them; every token keeps the version that sampled it.
-    """
-
-    max_new_tokens: int
-    max_len: int
-    max_turns: int = 1
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    episodes_per_call: int = 1
-    seed: int = 0
-    env_timeout_s: float = 30.0
-    env_parallel_calls: int = 32
-    inflight_weight_updates: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")
-        if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):
-            raise ValueError(f"RolloutSettings.env_timeout_s must be a finite number >= 0, got {self.env_timeout_s}")
 
 
 @dataclass

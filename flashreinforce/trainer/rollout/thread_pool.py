@@ -1,40 +1,22 @@
-"""Where rollout workers run: the backend interface, and the ``local`` backend's thread pool.
+"""The ``local`` rollout backend: the rollout workers as threads of the learner's process.
 
-A :class:`RolloutBackend` starts, stops and watches a set of rollout workers running concurrently with
-the learner. :class:`ThreadRolloutPool` runs each :class:`~flashreinforce.trainer.rollout.RolloutWorker`
-in a thread of the learner's process; the Ray backend (:mod:`flashreinforce.distributed.ray`) runs them
-as actors.
+:class:`ThreadRolloutPool` (a :class:`~flashreinforce.trainer.rollout.backend.RolloutBackend`) runs
+each :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` in a thread of the learner's process;
+the Ray backend (:mod:`flashreinforce.distributed.ray`) runs them as actors.
 """
 
 from __future__ import annotations
 
-import abc
 import threading
 import time
 from typing import Sequence
 
-from flashreinforce.trainer.buffer import RolloutBuffer
+from flashreinforce.trainer.rollout.buffer import RolloutBuffer
 from flashreinforce.trainer.errors import RolloutFailed
-from flashreinforce.trainer.rollout import RolloutWorker, fair_share
+from flashreinforce.trainer.rollout.backend import RolloutBackend, fair_share
+from flashreinforce.trainer.rollout.worker import RolloutWorker
 
-__all__ = ["RolloutBackend", "ThreadRolloutPool"]
-
-
-class RolloutBackend(abc.ABC):
-    """A set of rollout workers running concurrently with the learner."""
-
-    @abc.abstractmethod
-    def start(self) -> None: ...
-
-    @abc.abstractmethod
-    def stop(self, timeout: float = 30.0) -> None: ...
-
-    @abc.abstractmethod
-    def check(self) -> None:
-        """Raise ``RuntimeError`` if no worker is alive any more (with the last worker error)."""
-
-    @abc.abstractmethod
-    def stats(self) -> list[dict[str, float]]: ...
+__all__ = ["ThreadRolloutPool"]
 
 
 class ThreadRolloutPool(RolloutBackend):

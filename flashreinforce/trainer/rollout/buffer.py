@@ -23,7 +23,7 @@ counted (``rejected_trajectories``), kept in ``buffer.quarantine`` with its reas
 ``quarantine_size``) and never reaches the learner; training goes on with the valid ones. A group
 with no valid trajectory frees its slot and its prompt is not retried (the problem is in the data).
 
-Failed episodes: a worker hands in a :class:`~flashreinforce.trainer.fault_records.QuarantinedEpisode` in
+Failed episodes: a worker hands in a :class:`~flashreinforce.trainer.rollout.fault_records.QuarantinedEpisode` in
 place of a trajectory it could not finish (counted as ``quarantined_episodes``). A prompt none of
 whose samples could be finished is handed out again (``retried_prompts``), at most
 ``max_prompt_attempts`` times in all, then skipped (``skipped_prompts``). Each kind of problem is
@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from flashreinforce.trainer.fault_records import QuarantinedEpisode, RepeatedProblems
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode, RepeatedProblems
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["Batch", "PromptStream", "RolloutBuffer", "Ticket"]
 
@@ -83,8 +83,8 @@ class PromptStream:
     With ``num_prompts`` (a finite prompt set, e.g. a dataset), each pass is a fresh seeded
     permutation of ``range(num_prompts)`` (one pass = one episode in Molt's ``train.num_episodes``);
     without it, seeds are ``seed_offset + prompt_id`` (every prompt new). ``exclude``: rows of the
-    finite set never handed out (the held-out split, :mod:`.heldout`); a pass is then a permutation of
-    the other rows. Prompts given back with :meth:`requeue` come out first, in the order given.
+    finite set never handed out (the held-out split, :mod:`flashreinforce.trainer.reporting.heldout`); a
+    pass is then a permutation of the other rows. Prompts given back with :meth:`requeue` come out first, in the order given.
     """
 
     def __init__(self, *, num_prompts: int | None = None, seed: int = 0, seed_offset: int = 0,

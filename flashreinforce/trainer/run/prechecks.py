@@ -96,7 +96,7 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
 
 
 def _check_resume(resume: str, ckpt_dir: Path) -> None:
-    from flashreinforce.trainer.checkpoints import find_checkpoint
+    from flashreinforce.trainer.persistence.checkpoints import find_checkpoint
 
     if resume != "latest":
         find_checkpoint(ckpt_dir, resume)  # a ConfigError naming --resume when there is nothing there

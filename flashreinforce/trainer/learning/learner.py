@@ -4,8 +4,8 @@ For a batch of B trajectories (FlashREINFORCE: one per prompt; GRPO: groups of s
 
 1. the batch totals, once (:class:`BatchTotals`: B, the float64 mean reward, the policy-token
    count, and the loss mode's advantages when it needs them);
-2. per micro-batch (:func:`flashreinforce.trainer.packing.micro_batches`): the current
-   log-probabilities (:mod:`flashreinforce.trainer.scoring`), the loss mode's loss as a summand of
+2. per micro-batch (:func:`flashreinforce.trainer.learning.packing.micro_batches`): the current
+   log-probabilities (:mod:`flashreinforce.trainer.learning.scoring`), the loss mode's loss as a summand of
    the batch's loss (:mod:`flashreinforce.ops.loss_modes`: the fused FlashREINFORCE op or the
    clipped PPO loss), and its backward;
 3. gradient-norm clipping, one AdamW step, one scheduler step (:mod:`.schedule`); the policy
@@ -36,12 +36,12 @@ from flashreinforce.models.attention import use_document_attention
 from flashreinforce.objective import LossOptions
 from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
-from flashreinforce.trainer.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
-from flashreinforce.trainer.forward_row import forward_row
-from flashreinforce.trainer.packing import PackedBatch, micro_batches, pack
-from flashreinforce.trainer.schedule import SCHEDULERS, apply_settings, make_scheduler
-from flashreinforce.trainer.scoring import PolicyLogProbs
-from flashreinforce.trainer.trajectory import Trajectory
+from flashreinforce.trainer.learning.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
+from flashreinforce.trainer.learning.forward_row import forward_row
+from flashreinforce.trainer.learning.packing import PackedBatch, micro_batches, pack
+from flashreinforce.trainer.learning.schedule import SCHEDULERS, apply_settings, make_scheduler
+from flashreinforce.trainer.learning.scoring import PolicyLogProbs
+from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["BatchTotals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
 
@@ -62,7 +62,7 @@ class LearnerSettings:
     several trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype;
     master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint]; peak_tflops
     [train.peak_tflops]: dense peak TFLOP/s of one learner device for ``mfu`` (0: the device table of
-    :func:`flashreinforce.trainer.flops.peak_flops_per_device`); head_operand_dtype
+    :func:`flashreinforce.trainer.learning.flops.peak_flops_per_device`); head_operand_dtype
     [train.head_operand_dtype]: operands of the output projection's GEMMs (``float32``; ``bf16`` /
     ``fp16``: rounded operands, float32 accumulation and logits; ``auto``: see
     :meth:`head_operands`).
@@ -475,7 +475,7 @@ class Learner:
         return None, self.flops.training(mb.num_tokens, sum(n * (n + 1) // 2 for n in lengths), scored)
 
     def _scoring_options(self, with_entropy: bool) -> dict:
-        """The keyword arguments of :func:`flashreinforce.trainer.scoring.token_log_probs` for this learner."""
+        """The keyword arguments of :func:`flashreinforce.trainer.learning.scoring.token_log_probs` for this learner."""
         s = self.settings
         return {"temperature": s.temperature, "with_entropy": with_entropy, "packed_forward": s.packed_forward,
                 "pad_token_id": self.pad_token_id, "autocast_dtype": s.autocast_dtype,

@@ -24,8 +24,8 @@ from flashreinforce.models.attention import document_attention_unsupported
 from flashreinforce.models.loading import adopt_model, build_model
 from flashreinforce.models.lora import LoraSettings, apply_lora
 from flashreinforce.models.tokenizers import CharTokenizer, HFTokenizer, load_tokenizer
-from flashreinforce.trainer.learner import LearnerSettings
-from flashreinforce.trainer.rollout import RolloutSettings
+from flashreinforce.trainer.learning.learner import LearnerSettings
+from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
            "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",

@@ -1,0 +1,53 @@
+"""How rollout workers roll out (:class:`RolloutSettings`) and the sampling seed of each turn
+(:func:`episode_seed`): what every worker, local or on Ray, is built with."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from flashreinforce.engines.base import SamplingParams
+
+__all__ = ["RolloutSettings", "episode_seed"]
+
+
+def episode_seed(run_seed: int, prompt_id: int, sample_index: int, turn: int) -> int:
+    """The sampling seed of one turn: a fixed function of the run seed, the prompt and the sample,
+    so a rollout is reproducible whatever worker or batch it lands in."""
+    x = (run_seed * 0x9E3779B1 + prompt_id) * 0x85EBCA77 + sample_index * 0xC2B2AE3D + turn * 0x27D4EB2F
+    return x % (2**63 - 1)
+
+
+@dataclass
+class RolloutSettings:
+    """How workers roll out.
+
+    max_new_tokens: sampled tokens per turn at most. max_len: tokens per trajectory at most
+    (prompt, actions and observations). max_turns: policy turns per episode at most.
+    sampling: temperature / top-p / top-k and stop tokens. episodes_per_call: episodes a worker
+    runs together (one ``generate`` call samples a turn of each). seed: run seed for sampling.
+    env_timeout_s: seconds one environment call (``reset``, ``step``) may take before its episode is
+    quarantined and the environment instance abandoned (0: no limit). env_parallel_calls: the calls
+    of a worker's episodes that run at once, each in its own thread (1: one after another; an
+    environment class with ``parallel_calls = False`` is always called one after another).
+    inflight_weight_updates: when newer weights are published while a turn is being sampled, an
+    engine that can pause (``RolloutEngine.can_pause``) stops the turn, the worker loads the weights
+    and the engine continues the turn under them; every token keeps the version that sampled it.
+    """
+
+    max_new_tokens: int
+    max_len: int
+    max_turns: int = 1
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    episodes_per_call: int = 1
+    seed: int = 0
+    env_timeout_s: float = 30.0
+    env_parallel_calls: int = 32
+    inflight_weight_updates: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")
+        if not (math.isfinite(self.env_timeout_s) and self.env_timeout_s >= 0):
+            raise ValueError(f"RolloutSettings.env_timeout_s must be a finite number >= 0, got {self.env_timeout_s}")
