@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from flashreinforce.models.lora import frozen_state_names
 from flashreinforce.trainer.learning.flops import utilization
 from flashreinforce.trainer.learning.learner import (BatchTotals, GradientParts, Learner, LearnerSettings,
                                                      summarize_parts)
@@ -291,7 +292,7 @@ class DataParallelLearner:
 
     def frozen_names(self) -> set[str]:
         """Names of :meth:`policy_state` that never change (the parameters that do not train)."""
-        return {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        return frozen_state_names(self.model)
 
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """Rank 0: an unsharded copy of the current policy (float32 on ``device``). Under

@@ -26,8 +26,8 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_name", "has_lora",
-           "is_adapter_name", "load_adapter_dir", "merged_model", "peft_adapter_state", "save_adapter",
+__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_name", "frozen_state_names",
+           "has_lora", "is_adapter_name", "load_adapter_dir", "merged_model", "peft_adapter_state", "save_adapter",
            "write_adapter"]
 
 #: ``lora.target_modules default``: the attention and MLP projections of the Llama / Qwen / Mistral
@@ -128,6 +128,13 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' tensors under the model's own names (``...lora_A.default.weight``)."""
     return {n: p for n, p in model.named_parameters() if is_adapter_name(n)}
+
+
+def frozen_state_names(model: torch.nn.Module) -> set[str]:
+    """Names in ``model.state_dict()`` of the parameters that do not train (the base weights under
+    LoRA), each tied alias included: a tied output projection (``lm_head.weight``) is the input
+    embedding under a second name, and a weight store that missed it would send it after every update."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def peft_adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

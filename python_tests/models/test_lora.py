@@ -16,10 +16,11 @@ import torch
 peft = pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'flashreinforce[lora]'")
 
 from flashreinforce.config import ConfigError  # noqa: E402
-from flashreinforce.engines import GenerationRequest, SamplingParams, create_engine, sampling_log_probs  # noqa: E402
+from flashreinforce.engines import (GenerationRequest, LocalWeightStore, SamplingParams, create_engine,  # noqa: E402
+                                    sampling_log_probs)
 from flashreinforce.loss import flashreinforce_loss_packed  # noqa: E402
-from flashreinforce.models.lora import (LoraSettings, adapter_state, apply_lora, has_lora, merged_model,  # noqa: E402
-                                        save_adapter)
+from flashreinforce.models.lora import (LoraSettings, adapter_state, apply_lora, frozen_state_names,  # noqa: E402
+                                        has_lora, merged_model, save_adapter)
 from flashreinforce.trainer.learning.packing import pack  # noqa: E402
 from flashreinforce.trainer.learning.scoring import token_log_probs  # noqa: E402
 from python_tests.builders import random_trajectory, tiny_causal_lm  # noqa: E402
@@ -125,6 +126,22 @@ def test_the_hf_engine_serves_the_adapters_it_is_sent():
         for k, tok in enumerate(g.token_ids):
             logits = reference(input_ids=torch.tensor([list(req.token_ids) + g.token_ids[:k]])).logits[0, -1:]
             assert g.log_probs[k] == pytest.approx(float(sampling_log_probs(logits, params)[0, tok]), abs=1e-4)
+
+
+def test_frozen_names_cover_a_tied_output_projection_so_only_adapters_travel_after_the_first_load():
+    model = lora_model(dtype=torch.float32)
+    assert model.config.tie_word_embeddings and "lm_head.weight" in model.state_dict()
+    frozen = frozen_state_names(model)
+    # Every state-dict entry is either an adapter or frozen: the tied lm_head.weight is frozen too.
+    assert "lm_head.weight" in frozen and "model.embed_tokens.weight" in frozen
+    assert set(model.state_dict()) - frozen == set(adapter_state(model))
+    store = LocalWeightStore()
+    store.publish(model.state_dict(), 0, frozen)
+    first = dict(store.fetch(-1)[1])
+    store.publish(model.state_dict(), 1, frozen)
+    second = store.fetch(0)[1]
+    kept = {k for k in second if second[k] is first[k]}
+    assert kept == frozen
 
 
 def test_an_adapter_folder_loads_with_peft_and_as_a_model(tmp_path):

@@ -33,6 +33,7 @@ from torch import Tensor
 from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.dtypes import torch_dtype
 from flashreinforce.models.attention import use_document_attention
+from flashreinforce.models.lora import frozen_state_names
 from flashreinforce.objective import LossOptions
 from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
@@ -520,7 +521,7 @@ class Learner:
     def frozen_names(self) -> set[str]:
         """Names of :meth:`policy_state` that never change (parameters that do not train, such as the
         base weights under LoRA): a weight store may publish them once."""
-        return {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        return frozen_state_names(self.model)
 
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """A copy of the current policy on ``device`` (for an engine or an export), with the model's
