@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from flashreinforce.config.schema import option, section
 from flashreinforce.dtypes import DTYPE_NAMES
-from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
+from flashreinforce.objective import LOSS_AGGREGATIONS, LossOptions, loss_mode_names
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
@@ -52,19 +52,20 @@ class ActorConfig:
     loss_mode: str = option("str", "flash_reinforce", "loss mode, a name registered in flashreinforce.objective."
                             "LOSS_MODE_REGISTRY: flash_reinforce (the fused loss) or ppo (GRPO comparison)",
                             choices=loss_mode_names)
-    # 1e-3 is the published runs' shared value (the settings' common flags), which a trainer launched
-    # without a setting inherits; the loss functions' own default, 3e-3, is the value of the published
-    # math settings (R1, Qwen2.5-Math) that override it (docs/semantics.md).
-    # The loss options' values are checked once, by flashreinforce.objective.LossOptions (config.rules).
-    flash_gate_delta: float = option("float", 1e-3, "trust threshold delta of the sequence Bernoulli-KL gate "
-                                     "(inf: off)")
+    # The loss options' defaults are LossOptions' own (flashreinforce.objective), so the command line,
+    # a config file and the Python loss functions gate alike; their values are checked once, by
+    # LossOptions (config.rules). The published settings give actor.flash_gate_delta explicitly.
+    flash_gate_delta: float = option("float", LossOptions.delta, "trust threshold delta of the sequence "
+                                     "Bernoulli-KL gate (inf: off)")
     flash_gate_level: str = option("str", "seq", "gate level; only seq (whole trajectories) exists", choices=("seq",))
-    flash_neg_topq: float = option("float", 1.0, "entropy filter q in [0, 1]: failed trajectories keep ceil(q T) "
-                                   "tokens (1: off)")
-    flash_loss_agg: str = option("str", LOSS_AGGREGATIONS[0], "loss aggregation", choices=LOSS_AGGREGATIONS)
-    loss_scale_factor: float | None = option("float", None, "constant divisor of seq-mean-token-sum-norm")
-    flash_no_is: bool = option("bool", False, "no importance correction (ratio 1; the gate admits everything)")
-    eps_clip_low_high: tuple[float, float] = option("float2", (0.2, 0.2), "PPO ratio clip range (low high), "
+    flash_neg_topq: float = option("float", LossOptions.negative_token_fraction, "entropy filter q in [0, 1]: failed "
+                                   "trajectories keep ceil(q T) tokens (1: off)")
+    flash_loss_agg: str = option("str", LossOptions.loss_agg, "loss aggregation", choices=LOSS_AGGREGATIONS)
+    loss_scale_factor: float | None = option("float", LossOptions.loss_scale_factor, "constant divisor of "
+                                             "seq-mean-token-sum-norm")
+    flash_no_is: bool = option("bool", LossOptions.no_is, "no importance correction (ratio 1; the gate admits "
+                               "everything)")
+    eps_clip_low_high: tuple[float, float] = option("float2", LossOptions.eps_clip, "PPO ratio clip range (low high), "
                                                     "loss_mode ppo")
     entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")
     optim: str = option("str", "adam", "optimizer: adam (decoupled weight decay, i.e. AdamW) or adamw",

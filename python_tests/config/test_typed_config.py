@@ -87,6 +87,30 @@ def test_one_loss_options_type_from_the_flags_to_the_op():
         parse_train_args(["--preset", "toy", "--output", "x", "--actor.flash_gate_delta", "-1"], PRESETS)
 
 
+def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
+    """The trust threshold (and every other loss option) defaults alike on the command line, in the
+    Python loss functions and in the C++ core's options struct."""
+    import re
+    from dataclasses import fields
+
+    from flashreinforce import objective
+    from flashreinforce.ops import contract
+
+    cfg = TrainerConfig()
+    defaults = objective.LossOptions()
+    for option, flag in objective.OPTION_FLAGS.items():
+        if option != "whiten":  # the flag is its negation, algo.advantage.no_whiten
+            assert cfg[flag] == getattr(defaults, option), flag
+    for f in fields(contract.Defaults):
+        if hasattr(defaults, f.name):
+            assert getattr(contract.DEFAULTS, f.name) == getattr(defaults, f.name), f.name
+    core = (ROOT / "csrc" / "flashreinforce" / "core.h").read_text()
+    for name in ("delta", "negative_token_fraction"):
+        found = re.search(rf"^\s*double {name} = ([0-9.eE+-]+);", core, re.M)
+        assert found is not None and float(found.group(1)) == getattr(defaults, name), name
+    assert defaults.delta == 3e-3
+
+
 def test_loss_mode_names_are_asked_of_the_registry():
     from flashreinforce import objective
     from flashreinforce.ops.loss_modes import FlashReinforceLoss, register_loss_mode
