@@ -159,7 +159,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     sampled_params = SamplingParams(temperature, top_p, cfg.rollout.top_k, stop)
     evaluator = Evaluator(env_factory=factory, seeds=seeds, model=model, tokenizer=tokenizer,
                           weights=LocalWeightStore(), rollout_settings=settings, sampling=greedy, n_samples=1,
-                          episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=cfg.seed + 1)
+                          episodes_per_call=cfg.rollout.episodes_per_call, seed=cfg.seed + 1)
     try:
         trajectories: list = []
         what = "held-out rows of the prompt set" if split is not None else "evaluation prompts"

@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from flashreinforce.config.rules import rule_violations
-from flashreinforce.config.schema import ConfigError, flag_table
+from flashreinforce.config.schema import FLAG_SPELLINGS, ConfigError, flag_table
 from flashreinforce.config.sections import ENGINE_SECTIONS
 from flashreinforce.config.values import shown, value_problem
 
@@ -69,6 +69,9 @@ def validate(cfg) -> None:
     """Check ``cfg`` (a :class:`~flashreinforce.config.trainer_config.TrainerConfig`) as a whole (every field against its flag, each section, the rules across
     sections) and record the flags without effect; ``ConfigError`` naming every broken rule."""
     errors: list[str] = []
+    for f in dataclasses.fields(cfg):
+        if "section" in f.metadata:
+            _stray_attributes(getattr(cfg, f.name), f.name, errors)
     for f in _flags(type(cfg)):  # a Python user may have set fields directly
         try:
             cfg.set(f.name, cfg[f.name])
@@ -97,6 +100,21 @@ def validate(cfg) -> None:
     _check(cfg, errors)
     if errors:
         raise_errors(errors)
+
+
+def _stray_attributes(section: Any, path: str, errors: list[str]) -> None:
+    """An attribute set from Python on a section that is none of its fields (a typo, or a flag's
+    published spelling used as a field name) would be silently ignored: one error each."""
+    names = {f.name for f in dataclasses.fields(section)}
+    for key in vars(section):
+        if key not in names:
+            dotted = f"{path}.{key}"
+            field = FLAG_SPELLINGS.get(dotted)
+            errors.append(f"config.{dotted} is not a field: the flag --{dotted} is config.{field}" if field else
+                          f"config.{dotted} is not a field of the {path} section")
+    for f in dataclasses.fields(section):
+        if "section" in f.metadata:
+            _stray_attributes(getattr(section, f.name), f"{path}.{f.name}", errors)
 
 
 def _check(cfg, errors: list[str]) -> None:

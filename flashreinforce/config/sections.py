@@ -1,7 +1,9 @@
 """The sections of a run's configuration, one dataclass each: every field is a flag.
 
-``TrainerConfig.rollout.batch_size`` is ``--rollout.batch_size`` and ``rollout: {batch_size: 128}``
-in a config file (Molt's dotted names, so users move between the two trainers unchanged). Each
+``TrainerConfig.rollout.max_new_tokens`` is ``--rollout.max_new_tokens`` and ``rollout: {max_new_tokens: 512}``
+in a config file (Molt's dotted names, so users move between the two trainers unchanged); the few
+fields whose flag keeps a published spelling are listed once, in
+:data:`flashreinforce.config.schema.FLAG_SPELLINGS` (``--rollout.batch_size`` is ``rollout.batch_groups``). Each
 field carries its help, kind and bounds (:func:`flashreinforce.config.schema.option`); a section's
 :meth:`validate` adds the checks that involve several of its fields. Checks across sections and the
 notes on flags without effect are :mod:`flashreinforce.config.resolution`'s.
@@ -165,8 +167,8 @@ class EvalConfig:
 class FsdpConfig:
     attn_implementation: str | None = option("str", None, "attention implementation of the models (eager, sdpa, "
                                              "flash_attention_2; default: transformers' choice)")
-    packing_samples: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
-                                   "attention (no [S, S] mask), no padding; false: padded rows")
+    packed_forward: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
+                                  "attention (no [S, S] mask), no padding; false: padded rows")
     param_dtype: str = option("str", "fp32", "learner compute dtype (autocast; float32 master weights): fp32, bf16, "
                               "fp16, or auto (bf16 on a GPU with bf16 and on a CPU that computes bf16 natively and "
                               "faster than float32, checked by a short probe; float32 elsewhere)",
@@ -207,7 +209,7 @@ class LoggerConfig:
 
 @dataclass
 class RolloutConfig:
-    batch_size: int = option("int", 128, "prompts per learner batch", minimum=1)
+    batch_groups: int = option("int", 128, "prompts (groups of n_samples_per_prompt) per learner batch", minimum=1)
     n_samples_per_prompt: int = option("int", 1, "samples per prompt (1 for flash_reinforce)", minimum=1)
     max_new_tokens: int = option("int", 512, "sampled tokens per turn at most", minimum=1)
     max_turns: int | None = option("int", None, "policy turns per episode at most (default: $MAX_AGENT_TURNS if set, "
@@ -218,7 +220,7 @@ class RolloutConfig:
     top_k: int = option("int", 0, "sampling top-k (0: off)", minimum=0)
     micro_batch_size: int = option("int", 1, "Molt's rollout forward micro-batch", minimum=0,
                                    no_effect="behavior log-probs come from the sampler; there is no rollout forward pass")
-    vllm_generate_batch_size: int = option("int", 16, "episodes a rollout worker samples together", minimum=1)
+    episodes_per_call: int = option("int", 16, "episodes a rollout worker samples together (any engine)", minimum=1)
     num_workers: int = option("int", 2, "rollout workers running concurrently with the learner (engine vllm: "
                               "vllm.num_engines)", minimum=1)
     backend: str = option("str", "local", "where workers run: local (threads of the learner process) or ray (Ray "
@@ -276,7 +278,7 @@ class TrainConfig:
                                     "or a shipped name (math, python_tool); alias --env")
     batch_size: int = option("int", 128, "trajectories per update = rollout.batch_size * n_samples_per_prompt",
                              minimum=1)
-    micro_batch_size: int = option("int", 1, "trajectories per learner micro-batch (0: all)", minimum=0)
+    micro_batch_trajectories: int = option("int", 1, "trajectories per learner micro-batch (0: all)", minimum=0)
     micro_batch_tokens: int = option("int", 0, "tokens per learner micro-batch at most (0: no limit)", minimum=0)
     share_prefixes: bool = option("bool", True, "packed forward: compute once a token prefix that several "
                                   "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, "

@@ -98,7 +98,7 @@ def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None,
     if tokenizer.vocab_size > emb:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                           f"{emb} rows; use a matching --tokenizer")
-    if cfg.fsdp.packing_samples:
+    if cfg.fsdp.packed_forward:
         problem = document_attention_unsupported(model)
         if problem is not None:
             raise ConfigError(f"--fsdp.packing_samples (the default): {problem}; give --fsdp.packing_samples false "
@@ -228,10 +228,10 @@ def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
     if prompts is None:
         raise ConfigError(f"--train.max_steps {steps} means train.num_episodes passes over a finite prompt set, but "
                           "this environment has no finite prompt set (endless seeds): give --train.max_steps N > 0")
-    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_size
+    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_groups
     if steps <= 0:
         raise ConfigError(f"train.num_episodes {cfg.train.num_episodes} passes over {prompts} prompts "
-                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_size}")
+                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_groups}")
     return int(steps)
 
 
@@ -243,8 +243,8 @@ def learner_settings(cfg: ResolvedConfig, total_steps: int, device: torch.device
         loss_mode=a.loss_mode, loss=cfg.loss_options(), lr=a.adam.lr, weight_decay=a.adam.weight_decay,
         betas=tuple(a.adam.betas), scheduler=a.lr_scheduler, warmup_ratio=a.lr_warmup_ratio, min_lr_ratio=a.min_lr_ratio,
         total_steps=total_steps, max_norm=a.max_norm, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
-        micro_batch_trajectories=cfg.train.micro_batch_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
-        packed_forward=cfg.fsdp.packing_samples, share_prefixes=cfg.train.share_prefixes,
+        micro_batch_trajectories=cfg.train.micro_batch_trajectories, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        packed_forward=cfg.fsdp.packed_forward, share_prefixes=cfg.train.share_prefixes,
         param_dtype=resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype"),
         gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
         peak_tflops=cfg.train.peak_tflops, head_operand_dtype=cfg.train.head_operand_dtype)
@@ -261,7 +261,7 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
     """How workers roll out: lengths, turns, sampling, episodes per engine call."""
     return RolloutSettings(max_new_tokens=cfg.rollout.max_new_tokens, max_len=cfg.data.max_len,
                            max_turns=cfg.rollout.max_turns, sampling=sampling_params(cfg, tokenizer),
-                           episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=seed,
+                           episodes_per_call=cfg.rollout.episodes_per_call, seed=seed,
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            env_parallel_calls=cfg.rollout.env_parallel_calls,
                            inflight_weight_updates=cfg.rollout.inflight_weight_updates)

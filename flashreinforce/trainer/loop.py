@@ -229,7 +229,7 @@ class Trainer:
                 env_factory=envs.factory, seeds=seeds, model=self.learner.full_model(self.device),
                 tokenizer=self.tokenizer, weights=self.weights, rollout_settings=self.rollout_settings,
                 sampling=components.sampling_params(cfg, self.tokenizer, evaluation=True),
-                n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.vllm_generate_batch_size,
+                n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.episodes_per_call,
                 seed=self.cfg.seed + 1)
         note = getattr(self, "_note", None)
         return self._evaluator.evaluate(self.learner.version,

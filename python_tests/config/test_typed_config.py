@@ -11,6 +11,7 @@ import pytest
 
 from flashreinforce.config import FLAGS, ConfigError, TrainerConfig, build_parser, parse_train_args, validate
 from flashreinforce.config.presets import PRESETS
+from flashreinforce.config.flags import FLAG_BY_NAME as FLAGS_BY_NAME
 from flashreinforce.config.schema import KINDS, get_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ def test_every_flag_is_a_field_with_its_default_and_its_help():
     helps = {a.dest: a.help for a in build_parser()._actions}
     for f in FLAGS:
         assert f.type in KINDS
-        assert get_path(cfg, f.name) == f.default, f.name
+        assert get_path(cfg, f.attribute) == f.default, f.name
         assert f.help in helps[f.name], f.name
     assert cfg.flags == {f.name: f.default for f in FLAGS}
     assert len(FLAGS) == len({f.name for f in FLAGS}) > 90
@@ -85,6 +86,25 @@ def test_one_loss_options_type_from_the_flags_to_the_op():
     assert str(op_err.value) == str(options_err.value)
     with pytest.raises(ConfigError, match=r"^actor\.flash_gate_delta must be a non-negative number"):
         parse_train_args(["--preset", "toy", "--output", "x", "--actor.flash_gate_delta", "-1"], PRESETS)
+
+
+def test_a_flag_keeps_its_published_spelling_and_its_field_says_what_it_is():
+    from flashreinforce.config.schema import FLAG_SPELLINGS
+
+    cfg = parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8", "--train.batch_size", "8",
+                            "--train.micro_batch_size", "2", "--rollout.vllm_generate_batch_size", "4",
+                            "--fsdp.packing_samples", "false"], PRESETS)
+    assert (cfg.rollout.batch_groups, cfg.train.micro_batch_trajectories, cfg.rollout.episodes_per_call,
+            cfg.fsdp.packed_forward) == (8, 2, 4, False)
+    assert cfg["rollout.batch_size"] == 8 and cfg.flags["fsdp.packing_samples"] is False
+    assert cfg.to_file()["rollout"]["batch_size"] == 8 and "batch_groups" not in cfg.to_file()["rollout"]
+    for flag, field in FLAG_SPELLINGS.items():
+        assert FLAGS_BY_NAME[flag].attribute == field and field not in FLAGS_BY_NAME
+    # the published spelling set as a Python field would be ignored: refused, naming the field
+    cfg.rollout.batch_size = 4
+    with pytest.raises(ConfigError, match=r"config\.rollout\.batch_size is not a field: the flag --rollout\.batch_size "
+                                          r"is config\.rollout\.batch_groups"):
+        validate(cfg)
 
 
 def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
