@@ -18,6 +18,7 @@ from flashreinforce.config.rules import rule_violations
 from flashreinforce.config.schema import FLAG_SPELLINGS, ConfigError, flag_table
 from flashreinforce.config.sections import ENGINE_SECTIONS
 from flashreinforce.config.values import shown, value_problem
+from flashreinforce.objective import loss_mode_config
 
 __all__ = ["SEED_LIMIT", "parse_worker_resources", "raise_errors", "validate"]
 
@@ -137,16 +138,8 @@ def _check(cfg, errors: list[str]) -> None:
     for n, size in (("fsdp.tp_size", fsdp.tp_size), ("fsdp.ep_size", fsdp.ep_size), ("fsdp.cp_size", fsdp.cp_size)):
         if size not in (None, 1) and size > 1:
             errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")
-    mode = actor.loss_mode
-    if mode == "flash_reinforce":
-        agg, lsf = actor.flash_loss_agg, actor.loss_scale_factor
-        if agg != "seq-mean-token-sum-norm" and lsf is not None:
-            inactive["actor.loss_scale_factor"] = f"only used by flash_loss_agg seq-mean-token-sum-norm (agg is {agg})"
-        for n in ("actor.eps_clip_low_high", "algo.advantage.no_whiten"):
-            inactive[n] = "only used by actor.loss_mode ppo"
-    else:
-        for n in [f.name for f in _flags(type(cfg)) if f.name.startswith("actor.flash_")] + ["actor.loss_scale_factor"]:
-            inactive[n] = f"dropped: actor.loss_mode is {mode}"
+    # The flags the selected loss mode does not read (the mode says which, and why).
+    inactive.update(loss_mode_config(actor.loss_mode).inactive(cfg.flags))
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
     cfg.lora.check_selected(cfg, errors, inactive)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from flashreinforce.config.schema import option, section
 from flashreinforce.dtypes import DTYPE_NAMES
-from flashreinforce.objective import LOSS_AGGREGATIONS, LossOptions, loss_mode_names
+from flashreinforce.objective import (DEFAULT_LOSS_MODE, LOSS_AGGREGATIONS, LOSS_MODE_REGISTRY, LossOptions,
+                                      advantage_estimators, loss_mode_names)
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
@@ -51,7 +52,7 @@ class ActorConfig:
         "str", None, "policy model: a local Hugging Face checkpoint directory, a .gguf file, the alias "
         "smollm2-135m-instruct, a run directory (its newest checkpoint), a model config JSON, or a built-in tiny "
         "config name (tiny-qwen2); alias --model")
-    loss_mode: str = option("str", "flash_reinforce", "loss mode, a name registered in flashreinforce.objective."
+    loss_mode: str = option("str", DEFAULT_LOSS_MODE, "loss mode, a name registered in flashreinforce.objective."
                             "LOSS_MODE_REGISTRY: flash_reinforce (the fused loss) or ppo (GRPO comparison)",
                             choices=loss_mode_names)
     # The loss options' defaults are LossOptions' own (flashreinforce.objective), so the command line,
@@ -102,8 +103,9 @@ class RefConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = option("str", "flash_reinforce", "flash_reinforce (reward minus batch mean) or grpo (reward "
-                            "minus prompt-group mean)", choices=("flash_reinforce", "grpo"))
+    estimator: str = option("str", LOSS_MODE_REGISTRY[DEFAULT_LOSS_MODE].estimator, "flash_reinforce (reward minus "
+                            "batch mean) or grpo (reward minus prompt-group mean): the one the loss mode goes with",
+                            choices=advantage_estimators)
     is_correction_level: str = option("str", "off", "external importance correction; must be off (the fused loss "
                                       "does its own behavior correction)")
     no_whiten: bool = option("bool", False, "grpo: do not divide advantages by the group std")

@@ -144,9 +144,16 @@ def test_loss_mode_names_are_asked_of_the_registry():
 
     try:
         assert "config_test_mode" in flag.allowed()
-        cfg = parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "config_test_mode",
-                                "--algo.advantage.estimator", "grpo"], PRESETS)
+        cfg = parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "config_test_mode"], PRESETS)
         assert cfg.actor.loss_mode == "config_test_mode"
+        # a subclass of the FlashREINFORCE mode owns its flags and rules: the same estimator, its options checked
+        config = objective.LOSS_MODE_REGISTRY["config_test_mode"]
+        assert config.implementation is ConfigTestMode and config.flags == objective.LOSS_MODE_REGISTRY[
+            "flash_reinforce"].flags
+        assert "actor.flash_gate_delta" not in cfg.inactive and "actor.eps_clip_low_high" in cfg.inactive
+        with pytest.raises(ConfigError, match="actor.loss_mode config_test_mode needs algo.advantage.estimator"):
+            parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "config_test_mode",
+                              "--algo.advantage.estimator", "grpo"], PRESETS)
     finally:
         del objective.LOSS_MODE_REGISTRY["config_test_mode"]
 
