@@ -1,6 +1,8 @@
 """The import rules of docs/architecture.md: each package, imported alone in a fresh interpreter,
 pulls in nothing it must not depend on; no modules import each other in a circle, not even inside
-functions; no module is over 600 lines."""
+functions; no module is over 600 lines. The vocabulary rules: the typed configuration is read by
+attribute past the boundary that reads flat flag names; no module names a loss mode but the registry
+and the modes' own module."""
 
 import ast
 import json
@@ -188,3 +190,87 @@ def test_no_module_is_over_the_line_limit():
     long = {name: n for name, path in _module_files().items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
     assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+# ------------------------------------------------------------------ one vocabulary
+# The modules that read settings by their flat flag names (``flags["actor.loss_mode"]``): the
+# boundary between the published launchers' flat flags and the typed configuration.
+FLAT_FLAG_BOUNDARY = {
+    "flashreinforce.config.trainer_config": "resolves the layers of flat flags into the typed configuration",
+    "flashreinforce.config.rules": "the rules of the published settings, which are flat Molt flags",
+    "flashreinforce.objective": "each loss mode's rules, over the same flat flags",
+    "flashreinforce.experiments.resolve": "the published settings themselves",
+    "flashreinforce.models.loading": "a run directory's record on disk (config.json's flags), not a configuration",
+}
+# Modules that still read a flat mapping past the boundary; remove an entry when it reads a typed view.
+KNOWN_FLAT_READERS = {
+    "flashreinforce.envs.registry": "environments receive the flat flags (env_config) and read their data.* keys",
+}
+# The modules that may name a loss mode: the registry and the modes' own module.
+LOSS_MODE_MODULES = {"flashreinforce.objective", "flashreinforce.ops.loss_modes"}
+
+
+def flat_flag_reads(path: Path, flag_names: set[str]) -> list[tuple[int, str]]:
+    """``(line, flag)`` of each read of a flag by its flat name in ``path``: ``x["section.name"]`` (not as
+    an assignment target) and ``x.get("section.name")`` / ``.pop`` / ``.setdefault``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        key = None
+        if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Store):
+            if isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("get", "pop", "setdefault") and node.args and isinstance(node.args[0], ast.Constant)):
+            key = node.args[0].value
+        if isinstance(key, str) and key in flag_names:
+            found.append((node.lineno, key))
+    return sorted(found)
+
+
+def loss_mode_names_in(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of each string constant in ``path`` that is exactly a loss mode's name (or the
+    name of its advantage estimator or implementation)."""
+    return sorted((node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names)
+
+
+def _loss_mode_vocabulary() -> set[str]:
+    from flashreinforce.objective import LOSS_MODE_REGISTRY, advantage_estimators
+    from flashreinforce.ops.loss_modes import LossImplementation, get_loss_mode
+
+    names = set(LOSS_MODE_REGISTRY) | set(advantage_estimators())
+    for name in LOSS_MODE_REGISTRY:
+        impl = get_loss_mode(name).implementation()
+        if isinstance(impl, LossImplementation):
+            names.add(impl.name)
+    return names
+
+
+def test_the_vocabulary_finders_see_a_planted_violation(tmp_path):
+    plant = tmp_path / "plant.py"
+    plant.write_text("def f(cfg, v):\n"
+                     "    v['other'] = cfg.flags['actor.loss_mode']\n"
+                     "    cfg.inactive['rollout.batch_size'] = 'written, not read'\n"
+                     "    if v.get('rollout.batch_size') == 'ppo':\n"
+                     "        return 'a ppo run'\n")
+    assert flat_flag_reads(plant, {"actor.loss_mode", "rollout.batch_size"}) == [(2, "actor.loss_mode"),
+                                                                                 (4, "rollout.batch_size")]
+    assert loss_mode_names_in(plant, {"ppo", "flash_reinforce"}) == [(4, "ppo")]
+
+
+def test_the_typed_config_is_read_by_attribute_past_the_flat_flag_boundary():
+    from flashreinforce.config.flags import FLAG_BY_NAME
+
+    readers = {name: reads for name, path in _module_files().items()
+               if name not in FLAT_FLAG_BOUNDARY and (reads := flat_flag_reads(path, set(FLAG_BY_NAME)))}
+    unexpected = {name: reads for name, reads in readers.items() if name not in KNOWN_FLAT_READERS}
+    assert unexpected == {}, f"settings read by flag name past the boundary (read the typed attribute): {unexpected}"
+    assert set(readers) == set(KNOWN_FLAT_READERS), f"remove from KNOWN_FLAT_READERS: {set(KNOWN_FLAT_READERS) - set(readers)}"
+
+
+def test_no_module_names_a_loss_mode_but_the_registry_and_the_modes_module():
+    names = _loss_mode_vocabulary()
+    assert {"flash_reinforce", "ppo", "grpo", "fused"} <= names
+    named = {name: found for name, path in _module_files().items()
+             if name not in LOSS_MODE_MODULES and (found := loss_mode_names_in(path, names))}
+    assert named == {}, f"modules that name a loss mode (ask the selected mode instead): {named}"
