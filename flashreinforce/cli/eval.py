@@ -133,6 +133,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     _say(f"model loaded in {load_s:.1f} s; building the environments ...")
     eval_split = bool(cfg.eval.dataset)
     train_envs = components.load_environments(cfg, policy)
+    cfg = components.settled_config(cfg, policy, train_envs)
     envs = components.eval_environments(cfg, train_envs, tokenizer)
     factory, rows = envs.factory, envs.num_prompts
     # The training loop's evaluation seeds: every row of eval.dataset; else the held-out rows of a finite

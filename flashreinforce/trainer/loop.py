@@ -111,6 +111,8 @@ class Trainer:
         log.info("model loaded in %.1f s; building the environments ...", time.perf_counter() - t0)
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.envs = components.load_environments(cfg, policy)
+        # What the loaded parts decided (the turn limit, moot flags and warnings): a new configuration.
+        self.cfg = cfg = components.settled_config(cfg, policy, self.envs)
         # The evaluation rows are read now, so that a bad --eval.dataset stops the run before it starts.
         evaluates = cfg.eval.steps or cfg.eval.every_min or cfg.eval.eval_at_start
         self.eval_envs = components.eval_environments(cfg, self.envs, self.tokenizer) if evaluates else self.envs
