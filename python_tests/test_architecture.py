@@ -201,11 +201,10 @@ FLAT_FLAG_BOUNDARY = {
     "flashreinforce.objective": "each loss mode's rules, over the same flat flags",
     "flashreinforce.experiments.resolve": "the published settings themselves",
     "flashreinforce.models.loading": "a run directory's record on disk (config.json's flags), not a configuration",
+    "flashreinforce.envs.registry": "make_environment's public mapping form, read once into the typed EnvConfig",
 }
 # Modules that still read a flat mapping past the boundary; remove an entry when it reads a typed view.
-KNOWN_FLAT_READERS = {
-    "flashreinforce.envs.registry": "environments receive the flat flags (env_config) and read their data.* keys",
-}
+KNOWN_FLAT_READERS: dict[str, str] = {}
 # The modules that may name a loss mode: the registry and the modes' own module.
 LOSS_MODE_MODULES = {"flashreinforce.objective", "flashreinforce.ops.loss_modes"}
 

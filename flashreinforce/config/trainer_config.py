@@ -10,7 +10,8 @@ Python user builds directly::
     train(config)
 
 ``config.flags`` is the same configuration as a flat mapping of dotted flag names, which the
-cross-section rules (shared with the published settings) and the environments read.
+cross-section rules (shared with the published settings) read; past this boundary the configuration
+is read by attribute (environments get a small typed view, ``flashreinforce.envs.registry.EnvConfig``).
 """
 
 from __future__ import annotations
@@ -280,14 +281,6 @@ class TrainerConfig:
                     "tokenizer": self.tokenizer,
                     "seed": self.seed, "device": self.device, "torch_threads": self.torch_threads})
         return out
-
-    def env_config(self, *, eval_split: bool = False) -> dict[str, Any]:
-        """The flat config an environment factory receives (dotted flags plus ``env.kwargs``)."""
-        cfg = self.flags
-        cfg["env.kwargs"] = dict(self.env_kwargs)
-        if eval_split:
-            cfg["data.prompt_dataset"] = self.data.prompt_dataset if self.eval.dataset is None else self.eval.dataset
-        return cfg
 
 
 def reward_spec(reward: Any) -> str:

@@ -21,8 +21,8 @@ from flashreinforce.config.values import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
-from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
-                                          num_prompts)
+from flashreinforce.envs.registry import (EnvConfig, EnvironmentSpecError, EnvSpec, accepts_chat_template,
+                                          environment_class, num_prompts)
 from flashreinforce.models.attention import document_attention_unsupported
 from flashreinforce.models.loading import adopt_model, build_model
 from flashreinforce.models.lora import LoraSettings, apply_lora
@@ -169,7 +169,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         kwargs["rewards"] = _reward_functions(cfg)
     max_turns = episode_turn_limit(cfg, env_cls, kwargs)
     moot = _moot_kwargs_warnings(cfg, env_cls)
-    env_spec = EnvSpec(spec, cfg.env_config(), kwargs, policy.env_renders_prompt)
+    env_spec = EnvSpec(spec, EnvConfig.of_run(cfg), kwargs, policy.env_renders_prompt)
     factory = env_spec.factory(policy.tokenizer)  # the class resolved above, so the spec is good
     try:
         inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
@@ -231,7 +231,7 @@ def eval_environments(cfg: ResolvedConfig, envs: RunEnvironments, tokenizer) -> 
     """The evaluation environments: ``eval.dataset`` rows when given, else the training ones."""
     if not cfg.eval.dataset:
         return envs
-    spec = EnvSpec(envs.spec.spec, cfg.env_config(eval_split=True), envs.spec.kwargs, envs.spec.chat_template)
+    spec = EnvSpec(envs.spec.spec, EnvConfig.of_run(cfg, eval_split=True), envs.spec.kwargs, envs.spec.chat_template)
     factory = spec.factory(tokenizer)
     probe = factory()
     try:
