@@ -133,7 +133,7 @@ def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
 
 def test_loss_mode_names_are_asked_of_the_registry():
     from flashreinforce import objective
-    from flashreinforce.ops.loss_modes import FlashReinforceLoss, register_loss_mode
+    from flashreinforce.ops.loss_modes import LOSS_MODES, FlashReinforceLoss, register_loss_mode
 
     flag = next(f for f in FLAGS if f.name == "actor.loss_mode")
     assert flag.allowed() == objective.loss_mode_names() == ("flash_reinforce", "ppo", *flag.allowed()[2:])
@@ -156,6 +156,7 @@ def test_loss_mode_names_are_asked_of_the_registry():
                               "--algo.advantage.estimator", "grpo"], PRESETS)
     finally:
         del objective.LOSS_MODE_REGISTRY["config_test_mode"]
+        del LOSS_MODES["config_test_mode"]
 
 
 def test_a_mistyped_flag_is_one_line_with_the_closest_names():
