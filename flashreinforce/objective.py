@@ -8,35 +8,54 @@ configuration, which must not import PyTorch, uses them too):
   one; the learner's loss modes receive one; the trainer's flags map onto one
   (:data:`OPTION_FLAGS` names the flag of each field).
 * :data:`LOSS_AGGREGATIONS`: the loss aggregations (``loss_agg``, ``actor.flash_loss_agg``).
-* :data:`LOSS_MODE_REGISTRY`: the learner's loss modes (``actor.loss_mode``) by name. Each entry is
-  the implementation class or, for the shipped ones, where it lives (``"module:Class"``, imported
-  on first use); :func:`flashreinforce.ops.loss_modes.register_loss_mode` adds more.
+* :data:`LOSS_MODE_REGISTRY`: the learner's loss modes (``actor.loss_mode``) by name, each a
+  :class:`LossModeConfig` (after prime-rl's per-variant loss configurations): the flags and options
+  the mode owns, the advantage estimator it goes with, its own rules, and where its implementation
+  lives (``"module:Class"``, imported on first use; :func:`flashreinforce.ops.loss_modes.register_loss_mode`
+  adds more). The configuration, the published settings and the learner ask the selected mode; none
+  of them names one. This module and :mod:`flashreinforce.ops.loss_modes` are the only ones that do.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from numbers import Real
-from typing import Any
+from typing import Any, Mapping
 
-__all__ = ["LOSS_AGGREGATIONS", "LOSS_MODE_REGISTRY", "OPTION_FLAGS", "LossOptions", "loss_mode_names"]
+__all__ = ["DEFAULT_LOSS_MODE", "LOSS_AGGREGATIONS", "LOSS_MODE_REGISTRY", "OPTION_FLAGS", "LossModeConfig",
+           "LossOptions", "advantage_estimators", "loss_mode_config", "loss_mode_names", "owned_flags"]
 
 #: Supported values of ``loss_agg``: mean over each trajectory's policy tokens then over B (the
 #: method); one mean over all policy tokens of the batch; each trajectory's sum divided by the
 #: constant ``loss_scale_factor``, then the mean over B.
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 
-#: The loss modes by name: the implementation class, or ``"module:Class"`` imported on first use.
-LOSS_MODE_REGISTRY: dict[str, Any] = {
-    "flash_reinforce": "flashreinforce.ops.loss_modes:FlashReinforceLoss",
-    "ppo": "flashreinforce.ops.loss_modes:PPOClippedLoss",
-}
-
-
 def loss_mode_names() -> tuple[str, ...]:
     """The registered loss modes' names, in registration order."""
     return tuple(LOSS_MODE_REGISTRY)
+
+
+def loss_mode_config(name: str) -> "LossModeConfig":
+    """The registered mode ``name``'s configuration; ``ValueError`` listing the known names otherwise."""
+    config = LOSS_MODE_REGISTRY.get(name) if isinstance(name, str) else None
+    if config is None:
+        raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODE_REGISTRY)}, got {name!r}")
+    return config
+
+
+def advantage_estimators() -> tuple[str, ...]:
+    """The advantage estimators (``algo.advantage.estimator``) the registered modes go with."""
+    return tuple(dict.fromkeys(c.estimator for c in LOSS_MODE_REGISTRY.values() if c.estimator))
+
+
+def owned_flags() -> dict[str, str]:
+    """Each flag a registered mode owns -> the first mode that owns it."""
+    owners: dict[str, str] = {}
+    for config in LOSS_MODE_REGISTRY.values():
+        for flag in config.flags:
+            owners.setdefault(flag, config.name)
+    return owners
 
 
 def _is_bool(value: Any) -> bool:
@@ -126,3 +145,88 @@ OPTION_FLAGS = {"delta": "actor.flash_gate_delta", "negative_token_fraction": "a
                 "no_is": "actor.flash_no_is", "eps_clip": "actor.eps_clip_low_high",
                 "whiten": "algo.advantage.no_whiten"}
 assert set(OPTION_FLAGS) == {f.name for f in fields(LossOptions)}
+
+
+@dataclass(frozen=True)
+class LossModeConfig:
+    """What one loss mode owns on the configuration side.
+
+    name: its ``actor.loss_mode`` value. implementation: its :class:`flashreinforce.ops.loss_modes.LossMode`
+    class, or where it lives (``"module:Class"``). estimator: the ``algo.advantage.estimator`` it goes
+    with (``None``: any). flags: the flags only this mode reads (recorded as inactive under another
+    mode, and not allowed in a published setting of another mode). options: the :class:`LossOptions`
+    fields it reads, checked by ``LossOptions`` when the mode is selected. one_sample_per_prompt: it
+    needs ``rollout.n_samples_per_prompt 1``. own_behavior_correction: it corrects for the behavior
+    policy itself, so ``algo.advantage.is_correction_level`` must be off.
+    """
+
+    name: str
+    implementation: Any
+    estimator: str | None = None
+    flags: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
+    one_sample_per_prompt: bool = False
+    own_behavior_correction: bool = False
+    notes: tuple[tuple[str, str], ...] = field(default=())
+
+    def rule_violations(self, flags: Mapping[str, Any]) -> list[str]:
+        """The mode's own rules over flat dotted ``flags`` (the published settings' names): one message each."""
+        errors = []
+        estimator = flags.get("algo.advantage.estimator")
+        if self.estimator is not None and estimator != self.estimator:
+            errors.append(f"actor.loss_mode {self.name} needs algo.advantage.estimator {self.estimator}, got "
+                          f"{estimator!r}")
+        correction = flags.get("algo.advantage.is_correction_level")
+        if self.own_behavior_correction and not (correction is None or str(correction).lower() in
+                                                 ("off", "none", "false", "0", "")):
+            errors.append(f"algo.advantage.is_correction_level must be off with actor.loss_mode {self.name} (the "
+                          f"loss does its own behavior correction), got {correction!r}")
+        samples = flags.get("rollout.n_samples_per_prompt")
+        if self.one_sample_per_prompt and samples != 1:
+            errors.append(f"actor.loss_mode {self.name} uses one sample per prompt; got rollout.n_samples_per_prompt "
+                          f"{samples}")
+        values = {opt: flags[OPTION_FLAGS[opt]] for opt in self.options if OPTION_FLAGS[opt] in flags}
+        if "eps_clip" in values and values["eps_clip"] is not None:
+            values["eps_clip"] = tuple(values["eps_clip"])
+        values.pop("whiten", None)  # a switch of the flag's own kind, checked as a flag
+        if values.get("loss_agg", LOSS_AGGREGATIONS[0]) != "seq-mean-token-sum-norm":
+            values.pop("loss_scale_factor", None)  # inactive with another aggregation
+        try:
+            LossOptions(**values)
+        except (TypeError, ValueError) as err:
+            text = str(err)
+            option = text.split(" ", 1)[0]
+            errors.append(OPTION_FLAGS.get(option, option) + text[len(option):])
+        return errors
+
+    def inactive(self, flags: Mapping[str, Any]) -> dict[str, str]:
+        """The flags without effect when this mode is selected, with the reason: the other modes' own
+        flags, and this mode's ``notes`` (``(flag, condition)``: inactive unless the condition, a
+        ``flag=value`` pair, holds)."""
+        out = {flag: f"dropped: actor.loss_mode is {self.name} (only used by actor.loss_mode {owner})"
+               for flag, owner in owned_flags().items() if flag not in self.flags}
+        for flag, condition in self.notes:
+            key, _, value = condition.partition("=")
+            if flags.get(key) != value and flags.get(flag) is not None:
+                out[flag] = f"only used by {key} {value} ({key} is {flags.get(key)})"
+        return out
+
+
+#: The loss mode a run uses unless ``actor.loss_mode`` says otherwise.
+DEFAULT_LOSS_MODE = "flash_reinforce"
+
+#: The loss modes by name (registration order; :func:`flashreinforce.ops.loss_modes.register_loss_mode`
+#: adds more, and puts the implementation class in place of its ``"module:Class"`` on first use).
+LOSS_MODE_REGISTRY: dict[str, LossModeConfig] = {
+    "flash_reinforce": LossModeConfig(
+        name="flash_reinforce", implementation="flashreinforce.ops.loss_modes:FlashReinforceLoss",
+        estimator="flash_reinforce",
+        flags=("actor.flash_gate_delta", "actor.flash_gate_level", "actor.flash_neg_topq", "actor.flash_loss_agg",
+               "actor.loss_scale_factor", "actor.flash_no_is"),
+        options=("delta", "negative_token_fraction", "loss_agg", "loss_scale_factor", "no_is"),
+        one_sample_per_prompt=True, own_behavior_correction=True,
+        notes=(("actor.loss_scale_factor", "actor.flash_loss_agg=seq-mean-token-sum-norm"),)),
+    "ppo": LossModeConfig(
+        name="ppo", implementation="flashreinforce.ops.loss_modes:PPOClippedLoss", estimator="grpo",
+        flags=("actor.eps_clip_low_high", "algo.advantage.no_whiten"), options=("eps_clip", "whiten")),
+}

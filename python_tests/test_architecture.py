@@ -2,7 +2,8 @@
 pulls in nothing it must not depend on; the trainer's subpackages import each other only in
 data-flow order, and the trainer never imports the scale-out layer, not even inside functions; no
 modules import each other in a circle; no module is over 600 lines and no package folder holds more
-than 12 modules."""
+than 12 modules. The vocabulary rules: the typed configuration is read by attribute past the boundary
+that reads flat flag names; no module names a loss mode but the registry and the modes' own module."""
 
 import ast
 import json
@@ -299,3 +300,89 @@ def test_the_folder_limit_catches_a_planted_module():
     assert oversized_folders(folder_sizes(planted), known={}) == {"pkg.sub": MAX_FOLDER_MODULES + 1}
     assert oversized_folders(folder_sizes(planted), known={"pkg.sub": MAX_FOLDER_MODULES + 1}) == {}
 
+
+
+# ------------------------------------------------------------------ one vocabulary
+# The modules that read settings by their flat flag names (``flags["actor.loss_mode"]``): the
+# boundary between the published launchers' flat flags and the typed configuration.
+FLAT_FLAG_BOUNDARY = {
+    "flashreinforce.config.trainer_config": "resolves the layers of flat flags into the typed configuration",
+    "flashreinforce.config.rules": "the rules of the published settings, which are flat Molt flags",
+    "flashreinforce.objective": "each loss mode's rules, over the same flat flags",
+    "flashreinforce.experiments.resolve": "the published settings themselves",
+    "flashreinforce.models.loading": "a run directory's record on disk (config.json's flags), not a configuration",
+    "flashreinforce.envs.registry": "make_environment's public mapping form, read once into the typed EnvConfig",
+}
+# Modules that still read a flat mapping past the boundary; remove an entry when it reads a typed view.
+KNOWN_FLAT_READERS: dict[str, str] = {}
+# The modules that may name a loss mode: the registry and the modes' own module.
+LOSS_MODE_MODULES = {"flashreinforce.objective", "flashreinforce.ops.loss_modes"}
+
+
+def flat_flag_reads(path: Path, flag_names: set[str]) -> list[tuple[int, str]]:
+    """``(line, flag)`` of each read of a flag by its flat name in ``path``: ``x["section.name"]`` (not as
+    an assignment target) and ``x.get("section.name")`` / ``.pop`` / ``.setdefault``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        key = None
+        if isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Store):
+            if isinstance(node.slice, ast.Constant):
+                key = node.slice.value
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("get", "pop", "setdefault") and node.args and isinstance(node.args[0], ast.Constant)):
+            key = node.args[0].value
+        if isinstance(key, str) and key in flag_names:
+            found.append((node.lineno, key))
+    return sorted(found)
+
+
+def loss_mode_names_in(path: Path, names: set[str]) -> list[tuple[int, str]]:
+    """``(line, name)`` of each string constant in ``path`` that is exactly a loss mode's name (or the
+    name of its advantage estimator or implementation)."""
+    return sorted((node.lineno, node.value) for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names)
+
+
+def _loss_mode_vocabulary() -> set[str]:
+    from flashreinforce.objective import LOSS_MODE_REGISTRY, advantage_estimators
+    from flashreinforce.ops.loss_modes import LossImplementation, get_loss_mode
+
+    shipped = [name for name, entry in LOSS_MODE_REGISTRY.items()  # not modes a test registered for itself
+               if getattr(entry.implementation, "__module__", entry.implementation).startswith("flashreinforce.")]
+    names = set(shipped) | {LOSS_MODE_REGISTRY[name].estimator for name in shipped} - {None}
+    assert set(advantage_estimators()) >= names - set(shipped)
+    for name in shipped:
+        impl = get_loss_mode(name).implementation()
+        if isinstance(impl, LossImplementation):
+            names.add(impl.name)
+    return names
+
+
+def test_the_vocabulary_finders_see_a_planted_violation(tmp_path):
+    plant = tmp_path / "plant.py"
+    plant.write_text("def f(cfg, v):\n"
+                     "    v['other'] = cfg.flags['actor.loss_mode']\n"
+                     "    cfg.inactive['rollout.batch_size'] = 'written, not read'\n"
+                     "    if v.get('rollout.batch_size') == 'ppo':\n"
+                     "        return 'a ppo run'\n")
+    assert flat_flag_reads(plant, {"actor.loss_mode", "rollout.batch_size"}) == [(2, "actor.loss_mode"),
+                                                                                 (4, "rollout.batch_size")]
+    assert loss_mode_names_in(plant, {"ppo", "flash_reinforce"}) == [(4, "ppo")]
+
+
+def test_the_typed_config_is_read_by_attribute_past_the_flat_flag_boundary():
+    from flashreinforce.config.flags import FLAG_BY_NAME
+
+    readers = {name: reads for name, path in _module_files().items()
+               if name not in FLAT_FLAG_BOUNDARY and (reads := flat_flag_reads(path, set(FLAG_BY_NAME)))}
+    unexpected = {name: reads for name, reads in readers.items() if name not in KNOWN_FLAT_READERS}
+    assert unexpected == {}, f"settings read by flag name past the boundary (read the typed attribute): {unexpected}"
+    assert set(readers) == set(KNOWN_FLAT_READERS), f"remove from KNOWN_FLAT_READERS: {set(KNOWN_FLAT_READERS) - set(readers)}"
+
+
+def test_no_module_names_a_loss_mode_but_the_registry_and_the_modes_module():
+    names = _loss_mode_vocabulary()
+    assert {"flash_reinforce", "ppo", "grpo", "fused"} <= names
+    named = {name: found for name, path in _module_files().items()
+             if name not in LOSS_MODE_MODULES and (found := loss_mode_names_in(path, names))}
+    assert named == {}, f"modules that name a loss mode (ask the selected mode instead): {named}"

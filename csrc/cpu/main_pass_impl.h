@@ -45,7 +45,7 @@ struct KlScratch {
   alignas(64) float P[kBlock];
   alignas(64) float near[kBlock];
   alignas(64) float far[kBlock];
-  alignas(64) float exp_delta[kBlock];
+  alignas(64) float exp_log_ratio[kBlock];
 };
 
 // Stage 1 over [a, b) (b - a <= kBlock): kl[t - a] = the token's KL term (0 where the behavior
@@ -60,7 +60,7 @@ struct KlScratch {
 // byte mask is vectorized 32 tokens per iteration (the width of its narrowest type), which spills
 // most registers and packs every flag to bytes. So: a light loop turns the mask into floats, then
 // the validation with the first half of the KL, then its second half with the ratio, which comes
-// from the KL's e^delta (math::ratio_from_kl) unless a log-prob of the block is below ln 1e-6: then
+// from the KL's e^log_ratio (math::ratio_from_kl) unless a log-prob of the block is below ln 1e-6: then
 // a fourth loop computes the block's ratios with exp.
 template <class LP, class BLP, bool kMask, bool kNoIs>
 static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
@@ -106,7 +106,7 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
     float* __restrict P = scratch.P;
     float* __restrict near = scratch.near;
     float* __restrict far = scratch.far;
-    float* __restrict exp_delta = scratch.exp_delta;
+    float* __restrict exp_log_ratio = scratch.exp_log_ratio;
     if (kMask) {
 #pragma omp simd
       for (int64_t u = 0; u < len; ++u) pol[u] = mask[u] != 0 ? 1.0f : 0.0f;
@@ -123,7 +123,7 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
       P[u] = k.P;
       near[u] = k.near;
       far[u] = k.far;
-      exp_delta[u] = k.exp_delta;
+      exp_log_ratio[u] = k.exp_log_ratio;
     }
     int inexact = 0;
 #pragma omp simd reduction(max : max_rho) reduction(| : inexact)
@@ -139,7 +139,7 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
       const float x = math::to_compute(lp[u], float());
       const float y = math::to_compute(blp[u], float());
       float ratio;
-      const bool exact = math::ratio_from_kl(y, x, exp_delta[u], &ratio);
+      const bool exact = math::ratio_from_kl(y, x, exp_log_ratio[u], &ratio);
       inexact |= static_cast<int>(policy & !exact);
       const float r = policy ? ratio : 0.0f;
       rho[u] = r;

@@ -61,7 +61,7 @@ enum class LossAgg : int32_t {
 
 // The keyword options of the objective, already validated by the caller.
 struct LossOptions {
-  double delta = 3e-3;                    // trust threshold (inclusive); inf disables the gate
+  double delta = 3e-3;                    // trust threshold (inclusive; the Python LossOptions.delta default); inf disables the gate
   double negative_token_fraction = 1.0;  // q in [0, 1]; < 1 enables the entropy filter
   bool has_reward_baseline = false;
   double reward_baseline = 0.0;

@@ -227,10 +227,10 @@ FR_HD double exp_c(double x) { return ::exp(x); }
 //   d = p (log p - log q) + (1 - p) (log(1-p) - log(1-q)),  p = clamp(exp(behavior)),
 //   q = clamp(exp(current)), clamps to [1e-6, 1 - 1e-6].
 // Written that way, its two terms cancel to first order when p is close to q (d ~ (p-q)^2), and a
-// float32 evaluation loses most digits of a small KL. With delta = log p - log q,
-// z = q expm1(delta) / (1 - q) (so that 1 - z = (1-p)/(1-q)) and h(z) = -z - log(1 - z) >= 0,
+// float32 evaluation loses most digits of a small KL. With log_ratio = log p - log q,
+// z = q expm1(log_ratio) / (1 - q) (so that 1 - z = (1-p)/(1-q)) and h(z) = -z - log(1 - z) >= 0,
 // the same quantity is
-//   d = q g(delta) + q z expm1(delta) - (1 - p) h(z),   g = delta e^delta - expm1(delta) >= 0,
+//   d = q g(log_ratio) + q z expm1(log_ratio) - (1 - p) h(z),   g = log_ratio e^log_ratio - expm1(log_ratio) >= 0,
 // whose three terms have the same order of magnitude when |z| is small (then h comes from a
 // series) and keep a few-ulp accuracy. Where |z| is large the two terms of the direct form no
 // longer cancel badly, and the direct form is used. 1 - p and 1 - q never come from 1 - p.
@@ -268,11 +268,11 @@ FR_HD float clamp_log_prob(float x) {
 // (bernoulli_kl runs both). The CPU main pass runs them in two loops: each loop's dependency chain
 // is short enough for the core to overlap several vector iterations.
 struct KlPartial {
-  float z;          // q expm1(delta) / (1 - q)
+  float z;          // q expm1(log_ratio) / (1 - q)
   float P;          // 1 - p
-  float near;       // q g(delta) + q z expm1(delta): the stable form without its -(1-p) h(z)
-  float far;        // p delta: the direct form's first term
-  float exp_delta;  // e^delta = p / q (ratio_from_kl)
+  float near;       // q g(log_ratio) + q z expm1(log_ratio): the stable form without its -(1-p) h(z)
+  float far;        // p log_ratio: the direct form's first term
+  float exp_log_ratio;  // e^log_ratio = p / q (ratio_from_kl)
 };
 
 FR_HD KlPartial kl_partial(float behavior, float current) {
@@ -284,21 +284,21 @@ FR_HD KlPartial kl_partial(float behavior, float current) {
   const float scale = exp2_int(eq.n);
   const float q = scale * s + scale;
   const float Q = (1.0f - scale) - scale * s;
-  // expm1(delta) and its excess expm1(delta) - delta (= delta^2/2 + ...) without cancellation
-  // (|delta| <= 14); with n == 0, r == delta exactly and the excess is the polynomial part.
-  const float delta = log_p - log_q;
-  const ExpReduction ed = exp_reduce(delta);
+  // expm1(log_ratio) and its excess expm1(log_ratio) - log_ratio (= log_ratio^2/2 + ...) without cancellation
+  // (|log_ratio| <= 14); with n == 0, r == log_ratio exactly and the excess is the polynomial part.
+  const float log_ratio = log_p - log_q;
+  const ExpReduction ed = exp_reduce(log_ratio);
   const float sd = ed.poly * ed.r2 + ed.r;
   const float scale_d = exp2_int(ed.n);
   const float em = scale_d * sd + (scale_d - 1.0f);
-  const float excess = ed.n == 0u ? ed.poly * ed.r2 : em - delta;
+  const float excess = ed.n == 0u ? ed.poly * ed.r2 : em - log_ratio;
   const float qem = q * em;  // p - q
   KlPartial k;
   k.z = qem / Q;
   k.P = Q - qem;
-  k.near = q * (delta * em - excess) + k.z * qem;
-  k.far = (q + qem) * delta;
-  k.exp_delta = scale_d * sd + scale_d;
+  k.near = q * (log_ratio * em - excess) + k.z * qem;
+  k.far = (q + qem) * log_ratio;
+  k.exp_log_ratio = scale_d * sd + scale_d;
   return k;
 }
 
@@ -327,15 +327,15 @@ FR_HD float kl_finish(const KlPartial& k) {
 
 FR_HD float bernoulli_kl(float behavior, float current) { return kl_finish(kl_partial(behavior, current)); }
 
-// The importance ratio exp(current - behavior) from the KL's e^delta, without an exp of its own:
-// exp(current - behavior) = exp(c) / e^delta, where c = (current - log_q) - (behavior - log_p) is
+// The importance ratio exp(current - behavior) from the KL's e^log_ratio, without an exp of its own:
+// exp(current - behavior) = exp(c) / e^log_ratio, where c = (current - log_q) - (behavior - log_p) is
 // the difference of the two clamping corrections. c is 0 when neither log-prob was clamped and
 // below 2.1e-6 in magnitude when only the upper bound clamped them; exp(c) is then 1 + c to float32
 // precision, and the ratio is within about 2 ulp. Returns false when |c| >= 2^-14 (a log-prob below
 // ln 1e-6, or an invalid one): the ratio is then exp_fast(current - behavior).
-FR_HD bool ratio_from_kl(float behavior, float current, float exp_delta, float* ratio) {
+FR_HD bool ratio_from_kl(float behavior, float current, float exp_log_ratio, float* ratio) {
   const float c = (current - clamp_log_prob(current)) - (behavior - clamp_log_prob(behavior));
-  const float inv = 1.0f / exp_delta;
+  const float inv = 1.0f / exp_log_ratio;
   *ratio = c * inv + inv;
   return (c < 6.103515625e-05f) & (c > -6.103515625e-05f);
 }
@@ -349,12 +349,12 @@ FR_HD double bernoulli_kl(double behavior, double current) {
   const double log_q = current < K::kLogLo ? K::kLogLo : (current > K::kLogHi ? K::kLogHi : current);
   const double p = ::exp(log_p), one_minus_p = -::expm1(log_p);
   const double q = ::exp(log_q), one_minus_q = -::expm1(log_q);
-  const double delta = log_p - log_q;
-  const double em = ::expm1(delta);
+  const double log_ratio = log_p - log_q;
+  const double em = ::expm1(log_ratio);
   const double series =
-      delta * delta *
-      (0.5 + delta * (1.0 / 6 + delta * (1.0 / 24 + delta * (1.0 / 120 + delta * (1.0 / 720 + delta * (1.0 / 5040))))));
-  const double excess = (delta < 0.01 && delta > -0.01) ? series : em - delta;  // expm1(delta) - delta
+      log_ratio * log_ratio *
+      (0.5 + log_ratio * (1.0 / 6 + log_ratio * (1.0 / 24 + log_ratio * (1.0 / 120 + log_ratio * (1.0 / 720 + log_ratio * (1.0 / 5040))))));
+  const double excess = (log_ratio < 0.01 && log_ratio > -0.01) ? series : em - log_ratio;  // expm1(log_ratio) - log_ratio
   const double inv_one_minus_q = 1.0 / one_minus_q;
   const double z = q * em * inv_one_minus_q;
   if (z <= 0.25 && z >= -0.25) {
@@ -364,9 +364,9 @@ FR_HD double bernoulli_kl(double behavior, double current) {
     const double atanh_tail =
         1.0 / 3 + w2 * (1.0 / 5 + w2 * (1.0 / 7 + w2 * (1.0 / 9 + w2 * (1.0 / 11 + w2 * (1.0 / 13 + w2 * (1.0 / 15 + w2 * (1.0 / 17)))))));
     const double h = z * z * inv - 2.0 * w * w2 * atanh_tail;
-    return q * (delta * em - excess) + z * q * em - one_minus_p * h;
+    return q * (log_ratio * em - excess) + z * q * em - one_minus_p * h;
   }
-  return p * delta + one_minus_p * ::log(one_minus_p * inv_one_minus_q);
+  return p * log_ratio + one_minus_p * ::log(one_minus_p * inv_one_minus_q);
 }
 
 // A policy-token log probability is valid when finite and <= 0 (NaN fails both comparisons).

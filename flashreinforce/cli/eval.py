@@ -133,6 +133,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     _say(f"model loaded in {load_s:.1f} s; building the environments ...")
     eval_split = bool(cfg.eval.dataset)
     train_envs = components.load_environments(cfg, policy)
+    cfg = components.settled_config(cfg, policy, train_envs)
     envs = components.eval_environments(cfg, train_envs, tokenizer)
     factory, rows = envs.factory, envs.num_prompts
     # The training loop's evaluation seeds: every row of eval.dataset; else the held-out rows of a finite
@@ -159,7 +160,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
     sampled_params = SamplingParams(temperature, top_p, cfg.rollout.top_k, stop)
     evaluator = Evaluator(env_factory=factory, seeds=seeds, model=model, tokenizer=tokenizer,
                           weights=LocalWeightStore(), rollout_settings=settings, sampling=greedy, n_samples=1,
-                          episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=cfg.seed + 1)
+                          episodes_per_call=cfg.rollout.episodes_per_call, seed=cfg.seed + 1)
     try:
         trajectories: list = []
         what = "held-out rows of the prompt set" if split is not None else "evaluation prompts"

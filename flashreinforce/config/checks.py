@@ -15,9 +15,10 @@ from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from flashreinforce.config.rules import rule_violations
-from flashreinforce.config.schema import ConfigError, flag_table
+from flashreinforce.config.schema import FLAG_SPELLINGS, ConfigError, flag_table
 from flashreinforce.config.sections import ENGINE_SECTIONS
 from flashreinforce.config.values import shown, value_problem
+from flashreinforce.objective import loss_mode_config
 
 __all__ = ["SEED_LIMIT", "parse_worker_resources", "raise_errors", "validate"]
 
@@ -69,6 +70,9 @@ def validate(cfg) -> None:
     """Check ``cfg`` (a :class:`~flashreinforce.config.trainer_config.TrainerConfig`) as a whole (every field against its flag, each section, the rules across
     sections) and record the flags without effect; ``ConfigError`` naming every broken rule."""
     errors: list[str] = []
+    for f in dataclasses.fields(cfg):
+        if "section" in f.metadata:
+            _stray_attributes(getattr(cfg, f.name), f.name, errors)
     for f in _flags(type(cfg)):  # a Python user may have set fields directly
         try:
             cfg.set(f.name, cfg[f.name])
@@ -99,13 +103,28 @@ def validate(cfg) -> None:
         raise_errors(errors)
 
 
+def _stray_attributes(section: Any, path: str, errors: list[str]) -> None:
+    """An attribute set from Python on a section that is none of its fields (a typo, or a flag's
+    published spelling used as a field name) would be silently ignored: one error each."""
+    names = {f.name for f in dataclasses.fields(section)}
+    for key in vars(section):
+        if key not in names:
+            dotted = f"{path}.{key}"
+            field = FLAG_SPELLINGS.get(dotted)
+            errors.append(f"config.{dotted} is not a field: the flag --{dotted} is config.{field}" if field else
+                          f"config.{dotted} is not a field of the {path} section")
+    for f in dataclasses.fields(section):
+        if "section" in f.metadata:
+            _stray_attributes(getattr(section, f.name), f"{path}.{f.name}", errors)
+
+
 def _check(cfg, errors: list[str]) -> None:
-    v = cfg.flags
     inactive = cfg.inactive
     warn = cfg.warnings
-    if v["ray.worker_resources"] is not None:
+    actor, rollout, ray, fsdp, evaluation, data = cfg.actor, cfg.rollout, cfg.ray, cfg.fsdp, cfg.eval, cfg.data
+    if ray.worker_resources is not None:
         try:
-            parse_worker_resources(v["ray.worker_resources"])
+            parse_worker_resources(ray.worker_resources)
         except ValueError as err:
             errors.append(str(err))
     if "env.kwargs" in inactive:  # a preset's environment arguments, dropped with its environment
@@ -114,25 +133,17 @@ def _check(cfg, errors: list[str]) -> None:
         if f.no_effect:
             inactive[f.name] = f.no_effect
 
-    # The rules every run obeys (shared with the published experiment settings).
-    errors.extend(rule_violations(v, native=True))
-    for n in ("fsdp.tp_size", "fsdp.ep_size", "fsdp.cp_size"):
-        if v[n] not in (None, 1) and v[n] > 1:
-            errors.append(f"--{n} {v[n]}: the native learner runs on one device; only 1 is supported")
-    mode = v["actor.loss_mode"]
-    if mode == "flash_reinforce":
-        agg, lsf = v["actor.flash_loss_agg"], v["actor.loss_scale_factor"]
-        if agg != "seq-mean-token-sum-norm" and lsf is not None:
-            inactive["actor.loss_scale_factor"] = f"only used by flash_loss_agg seq-mean-token-sum-norm (agg is {agg})"
-        for n in ("actor.eps_clip_low_high", "algo.advantage.no_whiten"):
-            inactive[n] = "only used by actor.loss_mode ppo"
-    else:
-        for n in [f.name for f in _flags(type(cfg)) if f.name.startswith("actor.flash_")] + ["actor.loss_scale_factor"]:
-            inactive[n] = f"dropped: actor.loss_mode is {mode}"
+    # The rules every run obeys (shared with the published experiment settings, which are flat flags).
+    errors.extend(rule_violations(cfg.flags, native=True))
+    for n, size in (("fsdp.tp_size", fsdp.tp_size), ("fsdp.ep_size", fsdp.ep_size), ("fsdp.cp_size", fsdp.cp_size)):
+        if size not in (None, 1) and size > 1:
+            errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")
+    # The flags the selected loss mode does not read (the mode says which, and why).
+    inactive.update(loss_mode_config(actor.loss_mode).inactive(cfg.flags))
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
     cfg.lora.check_selected(cfg, errors, inactive)
-    engine = v["rollout.engine"]
+    engine = rollout.engine
     for name, section_name in ENGINE_SECTIONS.items():
         section = getattr(cfg, section_name)
         if name == engine:
@@ -142,36 +153,36 @@ def _check(cfg, errors: list[str]) -> None:
         for f in _flags(type(cfg)):
             if f.name.startswith(section_name + "."):
                 inactive[f.name] = f"no {name} engine (rollout.engine is {engine})"
-    if v["rollout.backend"] != "ray":
+    if rollout.backend != "ray":
         for n in ("ray.address", "ray.num_cpus_per_worker", "ray.num_gpus_per_worker", "ray.max_restarts",
                   "ray.worker_resources", "ray.scheduling_strategy"):
             inactive[n] = "rollout.backend is local (workers are threads of this process)"
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
-    for n in ("actor.num_nodes", "actor.num_gpus_per_node"):
+    for n, value in (("actor.num_nodes", actor.num_nodes), ("actor.num_gpus_per_node", actor.num_gpus_per_node)):
         inactive[n] = ("the learner's ranks are torchrun's (WORLD_SIZE): launch with torchrun --nnodes N "
                        "--nproc-per-node G")
-        if v[n] > 1 and ranks <= 1:
-            warn.append(f"--{n} {v[n]}: this run has one learner process; launch with torchrun for a data-parallel "
+        if value > 1 and ranks <= 1:
+            warn.append(f"--{n} {value}: this run has one learner process; launch with torchrun for a data-parallel "
                         "learner (the update is the same, only slower)")
     if ranks <= 1:
         inactive["fsdp.strategy"] = "one learner process (not launched by torchrun)"
-    inactive["actor.optim"] = "adam and adamw both mean torch.optim.AdamW (decoupled weight decay)" \
-        if v["actor.optim"] == "adam" else inactive.get("actor.optim", "")
-    if not inactive["actor.optim"]:
-        del inactive["actor.optim"]
-    if v["eval.steps"] == 0 and v["eval.every_min"] == 0 and not v["eval.eval_at_start"]:
+    if actor.optim == "adam":
+        inactive["actor.optim"] = "adam and adamw both mean torch.optim.AdamW (decoupled weight decay)"
+    if evaluation.steps == 0 and evaluation.every_min == 0 and not evaluation.eval_at_start:
         for n in ("eval.dataset", "eval.n_samples_per_prompt", "eval.temperature", "eval.top_p", "eval.num_prompts"):
             inactive[n] = "no evaluation (eval.steps 0 and no eval.eval_at_start)"
-    if v["data.prompt_dataset"] is None:
+    if data.prompt_dataset is None:
         for n in ("data.input_key", "data.label_key", "data.max_samples"):
             inactive[n] = "no data.prompt_dataset"
-    if v["train.max_steps"]:
+    if cfg.train.max_steps:
         inactive["train.num_episodes"] = "train.max_steps sets the number of updates"
-    if v["logger.wandb.run_name"] is not None and not v["logger.wandb.project"]:
+    wandb = cfg.logger.wandb
+    if wandb.run_name is not None and not wandb.project:
         inactive["logger.wandb.run_name"] = "no W&B logging (logger.wandb.project not given)"
-    if v["logger.log_samples_steps"] == 0:
+    if cfg.logger.log_samples_steps == 0:
         inactive["logger.log_samples_num"] = "no samples (logger.log_samples_steps 0)"
-    for n, package in (("logger.tensorboard.dir", "tensorboard"), ("logger.wandb.project", "wandb")):
-        if v[n] and importlib.util.find_spec(package) is None:
+    for n, value, package in (("logger.tensorboard.dir", cfg.logger.tensorboard.dir, "tensorboard"),
+                              ("logger.wandb.project", wandb.project, "wandb")):
+        if value and importlib.util.find_spec(package) is None:
             errors.append(f"--{n} needs the {package} package, which is not installed: "
                           f"pip install 'flashreinforce[{package}]'  (or: pip install {package})")

@@ -4,8 +4,11 @@ command-line flag and the config-file key, with one help text, one type and one 
 A section is a dataclass whose fields are made with :func:`option` (a value) or :func:`section` (a
 nested section). The dotted path of a field is its flag's name: ``TrainerConfig.actor.adam.lr`` is
 ``--actor.adam.lr`` and ``actor: {adam: {lr: ...}}`` (or ``actor.adam.lr: ...``) in a config file.
-:func:`flag_table` walks the sections into :class:`Flag` rows; :func:`check_value` checks one value
-against its row (kind, choices, bounds) and returns it normalized.
+The one exception is :data:`FLAG_SPELLINGS`: a few flags keep the spelling of the published
+launchers (Molt's) while their field, and every name after it, says what the value is
+(``--rollout.batch_size`` is ``TrainerConfig.rollout.batch_groups``). :func:`flag_table` walks the
+sections into :class:`Flag` rows (the flag's name and its field's path); :func:`check_value` checks
+one value against its row (kind, choices, bounds) and returns it normalized.
 
 Kinds: ``float`` (``inf`` allowed), ``int``, ``str``, ``bool``, ``float2`` (two floats), ``json`` (any
 JSON value); ``nullable`` fields also take ``None`` (``none`` on the command line).
@@ -21,13 +24,23 @@ from typing import Any, Callable
 
 from flashreinforce.config.values import shown
 
-__all__ = ["INT_LIMIT", "KINDS", "ConfigError", "Flag", "check_value", "flag_table", "get_path", "option", "section",
-           "set_path"]
+__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "check_value", "flag_table",
+           "get_path", "option", "section", "set_path"]
 
 #: Kinds of flag values.
 KINDS = ("float", "int", "str", "bool", "float2", "json")
 #: Integer flags are bounded (a count beyond this is a typo, not a plan).
 INT_LIMIT = 2**31 - 1
+#: The flags that keep a published launcher's spelling -> the field that holds the value (the only
+#: place the two names differ; past the flag, code, settings and records of the field use its name).
+FLAG_SPELLINGS = {
+    "rollout.batch_size": "rollout.batch_groups",                        # prompts (groups) per learner batch
+    "rollout.vllm_generate_batch_size": "rollout.episodes_per_call",     # episodes sampled together (any engine)
+    "train.micro_batch_size": "train.micro_batch_trajectories",          # trajectories per learner micro-batch
+    "fsdp.packing_samples": "fsdp.packed_forward",                       # one packed row per micro-batch
+}
+#: The field path -> its flag's name, for the fields of :data:`FLAG_SPELLINGS`.
+FIELD_FLAGS = {attribute: flag for flag, attribute in FLAG_SPELLINGS.items()}
 
 
 class ConfigError(ValueError):
@@ -42,7 +55,8 @@ class Flag:
     registry). minimum/maximum: numeric bounds (``above``: the minimum itself is excluded).
     nullable: ``None`` allowed. no_effect: why the flag never changes anything on this runtime (the
     value is recorded as inactive with this reason). objects: a ``str`` flag that also takes a Python
-    object set from Python (a dataset given as rows or a ``datasets.Dataset``).
+    object set from Python (a dataset given as rows or a ``datasets.Dataset``). field: the field's
+    path when it differs from the flag's name (:data:`FLAG_SPELLINGS`; read :attr:`attribute`).
     """
 
     name: str
@@ -56,6 +70,12 @@ class Flag:
     nullable: bool = False
     no_effect: str | None = None
     objects: bool = False
+    field: str = ""
+
+    @property
+    def attribute(self) -> str:
+        """The dotted path of the field that holds the value (the flag's name but for :data:`FLAG_SPELLINGS`)."""
+        return self.field or self.name
 
     def allowed(self) -> tuple | None:
         """The allowed values, asked of the registry when the choices are a function."""
@@ -82,14 +102,16 @@ def section(cls: type, help: str = "") -> Any:
 
 
 def flag_table(root: type, prefix: str = "") -> tuple[Flag, ...]:
-    """Every option under the dataclass ``root``, as :class:`Flag` rows named by their dotted path."""
+    """Every option under the dataclass ``root``, as :class:`Flag` rows named by their dotted path
+    (the published spelling for the fields of :data:`FLAG_SPELLINGS`)."""
     rows: list[Flag] = []
     for f in dataclasses.fields(root):
         name = f"{prefix}{f.name}"
         if "section" in f.metadata:
             rows.extend(flag_table(f.default_factory, f"{name}."))
         elif "flag" in f.metadata:
-            rows.append(Flag(name=name, **f.metadata["flag"]))
+            flag = FIELD_FLAGS.get(name)
+            rows.append(Flag(name=flag or name, **f.metadata["flag"], field=name if flag else ""))
     return tuple(rows)
 
 

@@ -1,7 +1,9 @@
 """The sections of a run's configuration, one dataclass each: every field is a flag.
 
-``TrainerConfig.rollout.batch_size`` is ``--rollout.batch_size`` and ``rollout: {batch_size: 128}``
-in a config file (Molt's dotted names, so users move between the two trainers unchanged). Each
+``TrainerConfig.rollout.max_new_tokens`` is ``--rollout.max_new_tokens`` and ``rollout: {max_new_tokens: 512}``
+in a config file (Molt's dotted names, so users move between the two trainers unchanged); the few
+fields whose flag keeps a published spelling are listed once, in
+:data:`flashreinforce.config.schema.FLAG_SPELLINGS` (``--rollout.batch_size`` is ``rollout.batch_groups``). Each
 field carries its help, kind and bounds (:func:`flashreinforce.config.schema.option`); a section's
 :meth:`validate` adds the checks that involve several of its fields. Checks across sections and the
 notes on flags without effect are :mod:`flashreinforce.config.resolution`'s.
@@ -14,7 +16,8 @@ from dataclasses import dataclass
 
 from flashreinforce.config.schema import option, section
 from flashreinforce.dtypes import DTYPE_NAMES
-from flashreinforce.objective import LOSS_AGGREGATIONS, loss_mode_names
+from flashreinforce.objective import (DEFAULT_LOSS_MODE, LOSS_AGGREGATIONS, LOSS_MODE_REGISTRY, LossOptions,
+                                      advantage_estimators, loss_mode_names)
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
@@ -49,22 +52,23 @@ class ActorConfig:
         "str", None, "policy model: a local Hugging Face checkpoint directory, a .gguf file, the alias "
         "smollm2-135m-instruct, a run directory (its newest checkpoint), a model config JSON, or a built-in tiny "
         "config name (tiny-qwen2); alias --model")
-    loss_mode: str = option("str", "flash_reinforce", "loss mode, a name registered in flashreinforce.objective."
+    loss_mode: str = option("str", DEFAULT_LOSS_MODE, "loss mode, a name registered in flashreinforce.objective."
                             "LOSS_MODE_REGISTRY: flash_reinforce (the fused loss) or ppo (GRPO comparison)",
                             choices=loss_mode_names)
-    # 1e-3 is the published runs' shared value (the settings' common flags), which a trainer launched
-    # without a setting inherits; the loss functions' own default, 3e-3, is the value of the published
-    # math settings (R1, Qwen2.5-Math) that override it (docs/semantics.md).
-    # The loss options' values are checked once, by flashreinforce.objective.LossOptions (config.rules).
-    flash_gate_delta: float = option("float", 1e-3, "trust threshold delta of the sequence Bernoulli-KL gate "
-                                     "(inf: off)")
+    # The loss options' defaults are LossOptions' own (flashreinforce.objective), so the command line,
+    # a config file and the Python loss functions gate alike; their values are checked once, by
+    # LossOptions (config.rules). The published settings give actor.flash_gate_delta explicitly.
+    flash_gate_delta: float = option("float", LossOptions.delta, "trust threshold delta of the sequence "
+                                     "Bernoulli-KL gate (inf: off)")
     flash_gate_level: str = option("str", "seq", "gate level; only seq (whole trajectories) exists", choices=("seq",))
-    flash_neg_topq: float = option("float", 1.0, "entropy filter q in [0, 1]: failed trajectories keep ceil(q T) "
-                                   "tokens (1: off)")
-    flash_loss_agg: str = option("str", LOSS_AGGREGATIONS[0], "loss aggregation", choices=LOSS_AGGREGATIONS)
-    loss_scale_factor: float | None = option("float", None, "constant divisor of seq-mean-token-sum-norm")
-    flash_no_is: bool = option("bool", False, "no importance correction (ratio 1; the gate admits everything)")
-    eps_clip_low_high: tuple[float, float] = option("float2", (0.2, 0.2), "PPO ratio clip range (low high), "
+    flash_neg_topq: float = option("float", LossOptions.negative_token_fraction, "entropy filter q in [0, 1]: failed "
+                                   "trajectories keep ceil(q T) tokens (1: off)")
+    flash_loss_agg: str = option("str", LossOptions.loss_agg, "loss aggregation", choices=LOSS_AGGREGATIONS)
+    loss_scale_factor: float | None = option("float", LossOptions.loss_scale_factor, "constant divisor of "
+                                             "seq-mean-token-sum-norm")
+    flash_no_is: bool = option("bool", LossOptions.no_is, "no importance correction (ratio 1; the gate admits "
+                               "everything)")
+    eps_clip_low_high: tuple[float, float] = option("float2", LossOptions.eps_clip, "PPO ratio clip range (low high), "
                                                     "loss_mode ppo")
     entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")
     optim: str = option("str", "adam", "optimizer: adam (decoupled weight decay, i.e. AdamW) or adamw",
@@ -99,8 +103,9 @@ class RefConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = option("str", "flash_reinforce", "flash_reinforce (reward minus batch mean) or grpo (reward "
-                            "minus prompt-group mean)", choices=("flash_reinforce", "grpo"))
+    estimator: str = option("str", LOSS_MODE_REGISTRY[DEFAULT_LOSS_MODE].estimator, "flash_reinforce (reward minus "
+                            "batch mean) or grpo (reward minus prompt-group mean): the one the loss mode goes with",
+                            choices=advantage_estimators)
     is_correction_level: str = option("str", "off", "external importance correction; must be off (the fused loss "
                                       "does its own behavior correction)")
     no_whiten: bool = option("bool", False, "grpo: do not divide advantages by the group std")
@@ -164,8 +169,8 @@ class EvalConfig:
 class FsdpConfig:
     attn_implementation: str | None = option("str", None, "attention implementation of the models (eager, sdpa, "
                                              "flash_attention_2; default: transformers' choice)")
-    packing_samples: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
-                                   "attention (no [S, S] mask), no padding; false: padded rows")
+    packed_forward: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
+                                  "attention (no [S, S] mask), no padding; false: padded rows")
     param_dtype: str = option("str", "fp32", "learner compute dtype (autocast; float32 master weights): fp32, bf16, "
                               "fp16, or auto (bf16 on a GPU with bf16 and on a CPU that computes bf16 natively and "
                               "faster than float32, checked by a short probe; float32 elsewhere)",
@@ -206,7 +211,7 @@ class LoggerConfig:
 
 @dataclass
 class RolloutConfig:
-    batch_size: int = option("int", 128, "prompts per learner batch", minimum=1)
+    batch_groups: int = option("int", 128, "prompts (groups of n_samples_per_prompt) per learner batch", minimum=1)
     n_samples_per_prompt: int = option("int", 1, "samples per prompt (1 for flash_reinforce)", minimum=1)
     max_new_tokens: int = option("int", 512, "sampled tokens per turn at most", minimum=1)
     max_turns: int | None = option("int", None, "policy turns per episode at most (default: $MAX_AGENT_TURNS if set, "
@@ -217,7 +222,7 @@ class RolloutConfig:
     top_k: int = option("int", 0, "sampling top-k (0: off)", minimum=0)
     micro_batch_size: int = option("int", 1, "Molt's rollout forward micro-batch", minimum=0,
                                    no_effect="behavior log-probs come from the sampler; there is no rollout forward pass")
-    vllm_generate_batch_size: int = option("int", 16, "episodes a rollout worker samples together", minimum=1)
+    episodes_per_call: int = option("int", 16, "episodes a rollout worker samples together (any engine)", minimum=1)
     num_workers: int = option("int", 2, "rollout workers running concurrently with the learner (engine vllm: "
                               "vllm.num_engines)", minimum=1)
     backend: str = option("str", "local", "where workers run: local (threads of the learner process) or ray (Ray "
@@ -275,7 +280,7 @@ class TrainConfig:
                                     "or a shipped name (math, python_tool); alias --env")
     batch_size: int = option("int", 128, "trajectories per update = rollout.batch_size * n_samples_per_prompt",
                              minimum=1)
-    micro_batch_size: int = option("int", 1, "trajectories per learner micro-batch (0: all)", minimum=0)
+    micro_batch_trajectories: int = option("int", 1, "trajectories per learner micro-batch (0: all)", minimum=0)
     micro_batch_tokens: int = option("int", 0, "tokens per learner micro-batch at most (0: no limit)", minimum=0)
     share_prefixes: bool = option("bool", True, "packed forward: compute once a token prefix that several "
                                   "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, "

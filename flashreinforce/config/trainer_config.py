@@ -10,7 +10,8 @@ Python user builds directly::
     train(config)
 
 ``config.flags`` is the same configuration as a flat mapping of dotted flag names, which the
-cross-section rules (shared with the published settings) and the environments read.
+cross-section rules (shared with the published settings) read; past this boundary the configuration
+is read by attribute (environments get a small typed view, ``flashreinforce.envs.registry.EnvConfig``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flashreinforce.config.checks import raise_errors, validate
-from flashreinforce.config.schema import ConfigError, check_value, flag_table, get_path, section, set_path
+from flashreinforce.config.schema import (FIELD_FLAGS, ConfigError, check_value, flag_table, get_path, section,
+                                          set_path)
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
                                             TrainConfig, VllmConfig)
@@ -223,19 +225,19 @@ class TrainerConfig:
     @property
     def flags(self) -> dict[str, Any]:
         """Every flag's value by dotted name (a fresh dict: set values with :meth:`set`)."""
-        return {f.name: get_path(self, f.name) for f in FLAGS}
+        return {f.name: get_path(self, f.attribute) for f in FLAGS}
 
     def __getitem__(self, name: str) -> Any:
         if name not in FLAG_BY_NAME:
             raise KeyError(name)
-        return get_path(self, name)
+        return get_path(self, FLAG_BY_NAME[name].attribute)
 
     def set(self, name: str, value: Any) -> None:
         """Set flag ``name`` (dotted) to ``value``, checked and normalized (``ConfigError`` naming it)."""
         flag = FLAG_BY_NAME.get(name)
         if flag is None:
             raise ConfigError(unknown_flag_message(name))
-        set_path(self, name, check_value(flag, value))
+        set_path(self, flag.attribute, check_value(flag, value))
 
     def loss_options(self) -> LossOptions:
         """The loss options of the actor's flags (``ConfigError`` naming the flag of a bad value)."""
@@ -260,7 +262,7 @@ class TrainerConfig:
     def to_json(self) -> dict[str, Any]:
         """The record written to ``OUTPUT/config.json`` (a dataset or reward function given as a Python
         object as its description, as in :meth:`to_file`)."""
-        flags = {f.name: file_value(get_path(self, f.name), f.objects) for f in FLAGS}
+        flags = {f.name: file_value(get_path(self, f.attribute), f.objects) for f in FLAGS}
         return {"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
                 "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
                 "tokenizer": self.tokenizer,
@@ -274,19 +276,11 @@ class TrainerConfig:
         out: dict[str, Any] = {"preset": self.preset}
         for f in dataclasses.fields(self):
             if "section" in f.metadata:
-                out[f.name] = _section_dict(getattr(self, f.name))
+                out[f.name] = _section_dict(getattr(self, f.name), f.name)
         out.update({"env.kwargs": dict(self.env_kwargs), "reward": [reward_spec(r) for r in self.rewards],
                     "tokenizer": self.tokenizer,
                     "seed": self.seed, "device": self.device, "torch_threads": self.torch_threads})
         return out
-
-    def env_config(self, *, eval_split: bool = False) -> dict[str, Any]:
-        """The flat config an environment factory receives (dotted flags plus ``env.kwargs``)."""
-        cfg = self.flags
-        cfg["env.kwargs"] = dict(self.env_kwargs)
-        if eval_split:
-            cfg["data.prompt_dataset"] = self.data.prompt_dataset if self.eval.dataset is None else self.eval.dataset
-        return cfg
 
 
 def reward_spec(reward: Any) -> str:
@@ -310,12 +304,16 @@ def file_value(value: Any, objects: bool = False) -> Any:
     return value
 
 
-def _section_dict(obj: Any) -> dict[str, Any]:
+def _section_dict(obj: Any, path: str) -> dict[str, Any]:
+    """A section as config-file keys: its flags' names (a published spelling for the fields of
+    ``FLAG_SPELLINGS``), nested sections nested."""
     out = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         objects = "flag" in f.metadata and f.metadata["flag"]["objects"]
-        out[f.name] = _section_dict(value) if "section" in f.metadata else file_value(value, objects)
+        name = f"{path}.{f.name}"
+        key = FIELD_FLAGS.get(name, name).rsplit(".", 1)[-1]
+        out[key] = _section_dict(value, name) if "section" in f.metadata else file_value(value, objects)
     return out
 
 

@@ -551,7 +551,7 @@ class VLLMEngineKind(EngineKind):
         v = cfg.vllm
         return {"tensor_parallel_size": v.tensor_parallel_size, "gpu_memory_utilization": v.gpu_memory_utilization,
                 "dtype": dtype, "seed": seed, "max_model_len": cfg.data.max_len,
-                "max_num_seqs": cfg.rollout.vllm_generate_batch_size, "enforce_eager": v.enforce_eager,
+                "max_num_seqs": cfg.rollout.episodes_per_call, "enforce_eager": v.enforce_eager,
                 "kv_cache_bytes": int(v.kv_cache_gib * 2**30) or None, "cpu_threads": v.cpu_threads or None,
                 "pause_check_tokens": cfg.rollout.inflight_check_tokens, "weight_sync": v.weight_sync}
 

@@ -18,6 +18,7 @@ _LAZY_EXPORTS = {
     "load_tasks": "flashreinforce.envs.tasks",
     "make_environment": "flashreinforce.envs.registry",
     "EnvSpec": "flashreinforce.envs.registry",
+    "EnvConfig": "flashreinforce.envs.registry",
     "ALFWorldEnv": "flashreinforce.envs.alfworld",
 }
 __all__ += list(_LAZY_EXPORTS)

@@ -11,7 +11,9 @@ A module or file whose import fails is an :class:`EnvironmentSpecError` of one l
 exception names the module, the exception's type and message and where it was raised. A
 ``MODULE`` that is not installed at all stays a ``ModuleNotFoundError``.
 
-:func:`make_environment` builds one environment from a spec and the run's flat configuration;
+:func:`make_environment` builds one environment from a spec and what it reads of the run's
+configuration (:class:`EnvConfig`, a small frozen view; the trainer's flags as a mapping are read into
+one, the only place here that reads flags by name);
 :class:`EnvSpec` is the picklable recipe the trainer hands to rollout workers (threads or Ray
 actors), and :func:`num_prompts` tells whether an environment has a finite prompt set::
 
@@ -37,7 +39,7 @@ from flashreinforce.envs.base import Environment
 from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, TaskEnvironment,
                                        chat_template_from_tokenizer, load_tasks)
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "dataset_tasks",
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvConfig", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "dataset_tasks",
            "environment_class",
            "ImportFileError", "import_failure", "import_file", "import_module", "make_environment", "num_prompts"]
 
@@ -167,10 +169,9 @@ def _cached_tasks(source: Any, input_key: str, label_key: str | None, max_sample
     return cached[1]
 
 
-def _dataset_flag(flat: Mapping[str, Any], dataset: Any) -> str:
+def _dataset_flag(eval_dataset: Any, dataset: Any) -> str:
     """The flag that named ``dataset`` for messages: ``eval.dataset`` for the evaluation split (the
-    factory's config then carries it as ``data.prompt_dataset``), both when they name the same file."""
-    eval_dataset = flat.get("eval.dataset")
+    environments then read it as their prompt dataset), both when they name the same file."""
     if eval_dataset is None:
         return "data.prompt_dataset"
     if isinstance(eval_dataset, (str, os.PathLike)) and isinstance(dataset, (str, os.PathLike)):
@@ -180,14 +181,54 @@ def _dataset_flag(flat: Mapping[str, Any], dataset: Any) -> str:
     return "eval.dataset" if same else "data.prompt_dataset"
 
 
-def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
+@dataclass(frozen=True)
+class EnvConfig:
+    """What the environments read of a run's configuration: a small typed view, frozen.
+
+    prompt_dataset: the prompt rows (a path, a list of dicts or a ``datasets.Dataset``; ``None``: the
+    environment makes its own prompts). input_key / label_key: the row's keys (``label_key`` ``None``:
+    the environment's own, ``reward_model`` or ALFWorld's ``game_file``). max_samples: the first rows
+    only. dataset_flag: the flag that named the dataset, for messages. max_turns: the turn limit handed
+    to the constructor (``None``: the environment's own).
+    """
+
+    prompt_dataset: Any = None
+    input_key: str = "prompt"
+    label_key: str | None = None
+    max_samples: int | None = None
+    dataset_flag: str = "data.prompt_dataset"
+    max_turns: int | None = None
+
+    @classmethod
+    def of_run(cls, cfg: Any, *, eval_split: bool = False) -> "EnvConfig":
+        """The view of a resolved :class:`~flashreinforce.config.TrainerConfig` (read by attribute); the
+        evaluation split reads ``eval.dataset`` when one is given."""
+        dataset = cfg.data.prompt_dataset if not eval_split or cfg.eval.dataset is None else cfg.eval.dataset
+        return cls(dataset, cfg.data.input_key, cfg.data.label_key, cfg.data.max_samples,
+                   _dataset_flag(cfg.eval.dataset, dataset))
+
+    @classmethod
+    def of(cls, config: "EnvConfig | Mapping[str, Any] | None") -> "EnvConfig":
+        """``config`` as the view: a view as it is; a mapping of the trainer's flags, flat with dotted
+        keys (``{"data.max_samples": 10}``) or nested, read once here (other keys are ignored)."""
+        if isinstance(config, EnvConfig):
+            return config
+        flat = _flatten(config or {})
+        dataset = flat.get("data.prompt_dataset")
+        return cls(dataset, flat.get("data.input_key", "prompt"), flat.get("data.label_key"),
+                   flat.get("data.max_samples"), _dataset_flag(flat.get("eval.dataset"), dataset),
+                   flat.get("max_turns"))
+
+
+def make_environment(spec: str, config: EnvConfig | Mapping[str, Any] | None = None, *,
                      apply_chat_template: ChatTemplate | None = None, **env_kwargs: Any) -> Environment:
     """Build one environment from a name or ``module:Class`` and the trainer's configuration.
 
     spec: ``"math"``, ``"python_tool"``, ``"alfworld"``, or ``"module:Class"`` naming any
         :class:`Environment` subclass.
-    config: the trainer configuration, flat with dotted keys (``{"data.max_samples": 10}``) or
-        nested (``{"data": {"max_samples": 10}}``). Read keys (others are ignored):
+    config: an :class:`EnvConfig` (what the trainer passes), or the trainer's flags, flat with dotted
+        keys (``{"data.max_samples": 10}``) or nested (``{"data": {"max_samples": 10}}``). Read keys
+        (others are ignored):
         ``data.prompt_dataset`` (required for the shipped task environments: a path, a list of
         dicts or a ``datasets.Dataset``; see :func:`~flashreinforce.envs.tasks.load_tasks`),
         ``eval.dataset`` (only to name the flag in messages when it is the dataset given),
@@ -205,27 +246,27 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
     """
     if not isinstance(spec, str):
         raise TypeError(f"spec must be str, got {type(spec).__name__}")
-    flat = _flatten(config or {})
+    view = EnvConfig.of(config)
     builtin = spec in BUILTIN_ENVIRONMENTS
     cls = environment_class(spec)
     kwargs = dict(env_kwargs)
     if spec.startswith(REASONING_GYM_PREFIX):  # the task's own generator makes the prompt set
         kwargs["task"] = spec[len(REASONING_GYM_PREFIX):]
-        if flat.get("data.prompt_dataset") is not None:
+        if view.prompt_dataset is not None:
             raise ValueError(f"environment {spec!r} makes its own prompt set (size and seed in env.kwargs); it takes "
                              "no data.prompt_dataset or eval.dataset")
-    if flat.get("max_turns") is not None:
-        kwargs.setdefault("max_turns", flat["max_turns"])
+    if view.max_turns is not None:
+        kwargs.setdefault("max_turns", view.max_turns)
     if apply_chat_template is not None:
         kwargs.setdefault("apply_chat_template", apply_chat_template)
-    dataset = flat.get("data.prompt_dataset")
+    dataset = view.prompt_dataset
     # textworld generates its own games; an agent without a dataset gets the seed as its row
     if dataset is None and builtin and issubclass(cls, TaskEnvironment) and getattr(cls, "needs_dataset", True):
         raise ValueError(f"environment {spec!r} needs data.prompt_dataset (a JSONL/JSON/Parquet file, a datasets "
                          "save_to_disk folder, a list of dicts or a datasets.Dataset)")
     if dataset is None:
         return cls(**kwargs)
-    tasks = dataset_tasks(spec, flat)  # before the environment: a bad dataset builds nothing
+    tasks = dataset_tasks(spec, view)  # before the environment: a bad dataset builds nothing
     env = cls(**kwargs)
     try:
         return DatasetEnvironment(env, tasks)
@@ -234,21 +275,21 @@ def make_environment(spec: str, config: Mapping[str, Any] | None = None, *,
         raise
 
 
-def dataset_tasks(spec: str, config: Mapping[str, Any] | None) -> list | None:
-    """The tasks of the prompt dataset ``config`` gives environment ``spec`` (``data.prompt_dataset``
-    with ``data.input_key`` / ``data.label_key`` / ``data.max_samples``; read once per process), or
-    None without one. Raises :class:`~flashreinforce.envs.tasks.DatasetError` naming the flag."""
-    flat = _flatten(config or {})
-    dataset = flat.get("data.prompt_dataset")
+def dataset_tasks(spec: str, config: EnvConfig | Mapping[str, Any] | None) -> list | None:
+    """The tasks of the prompt dataset ``config`` (see :func:`make_environment`) gives environment
+    ``spec`` (``data.prompt_dataset`` with ``data.input_key`` / ``data.label_key`` /
+    ``data.max_samples``; read once per process), or None without one. Raises
+    :class:`~flashreinforce.envs.tasks.DatasetError` naming the flag."""
+    view = EnvConfig.of(config)
+    dataset = view.prompt_dataset
     if dataset is None:
         return None
-    label_key = flat.get("data.label_key", "reward_model")
-    if spec == "alfworld" and "data.label_key" not in flat:
-        label_key = "game_file"
+    label_key = view.label_key
+    if label_key is None:
+        label_key = "game_file" if spec == "alfworld" else "reward_model"
     if not getattr(environment_class(spec), "uses_label", True):  # one more field of the row (reward functions)
         label_key = None
-    return _cached_tasks(dataset, flat.get("data.input_key", "prompt"), label_key, flat.get("data.max_samples"),
-                         _dataset_flag(flat, dataset))
+    return _cached_tasks(dataset, view.input_key, label_key, view.max_samples, view.dataset_flag)
 
 
 class ImportFileError(ImportError):
@@ -349,13 +390,14 @@ def num_prompts(env: Environment) -> int | None:
 class EnvSpec:
     """How to build a run's environments anywhere (picklable: Ray workers rebuild them from it).
 
-    spec: the ``--env`` value. config: the run's flat flags (what :func:`make_environment` reads).
+    spec: the ``--env`` value. config: what the environments read of the run's configuration (an
+    :class:`EnvConfig`; a mapping of flags is read into one).
     kwargs: constructor arguments (``--env.kwargs``). chat_template: the environment renders its
     prompt itself with the tokenizer's chat template (it takes ``apply_chat_template``).
     """
 
     spec: str
-    config: dict[str, Any]
+    config: EnvConfig | Mapping[str, Any]
     kwargs: dict[str, Any]
     chat_template: bool = False
 
@@ -365,7 +407,7 @@ class EnvSpec:
         chat = chat_template_from_tokenizer(tokenizer.tok) if self.chat_template else None
         spec = self.spec
         environment_class(spec)  # fail early, in the caller, on a bad spec
-        config, kwargs = dict(self.config), dict(self.kwargs)
+        config, kwargs = EnvConfig.of(self.config), dict(self.kwargs)
 
         def build() -> Environment:
             if chat is not None:

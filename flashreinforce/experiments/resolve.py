@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from flashreinforce.config.rules import rule_violations
+from flashreinforce.objective import LOSS_MODE_REGISTRY, owned_flags
 
 SETTINGS_DIR = Path(__file__).resolve().parent / "settings"
 _SHARED = "common"
@@ -85,10 +86,12 @@ def load_setting(name: str, variants: Iterable[str] = ()) -> ResolvedSetting:
     flags = {key: _parse_value(value) for key, value in flags.items()}
 
     dropped: dict[str, str] = {}
-    if flags["actor.loss_mode"] != "flash_reinforce":
-        for key in [k for k in flags if k.startswith("actor.flash_")]:
-            del flags[key]
-            dropped[key] = f"actor.loss_mode is {flags['actor.loss_mode']!r}, not 'flash_reinforce'"
+    mode = LOSS_MODE_REGISTRY.get(flags["actor.loss_mode"])
+    if mode is not None:  # the flags another loss mode owns (an unknown mode is check_rules' error)
+        for key, owner in owned_flags().items():
+            if key in flags and key not in mode.flags:
+                del flags[key]
+                dropped[key] = f"actor.loss_mode is {mode.name!r}, not {owner!r}"
     where = f"setting {name!r}" + (f" with variants {list(variants)}" if variants else "")
     check_rules(flags, where=where)
     return ResolvedSetting(name=name, variants=variants, description=data.get("description", ""),

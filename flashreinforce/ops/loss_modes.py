@@ -10,29 +10,51 @@ The learner knows no particular mode. For one batch of B trajectories it asks th
 3. once, for the batch's statistics from everything the micro-batches reported
    (:meth:`LossMode.summarize`).
 
+Each mode also owns what the learner would otherwise have to know about it: what computes its loss
+(:meth:`LossMode.implementation`, a :class:`LossImplementation` that names itself, loads its compiled
+code when the learner starts, and may leave its value errors to one check per step), and, through its
+:class:`flashreinforce.objective.LossModeConfig`, its flags, options and rules.
+
 A new mode is one subclass decorated with :func:`register_loss_mode`; the names live in one registry,
 :data:`flashreinforce.objective.LOSS_MODE_REGISTRY` (which the configuration reads without PyTorch), and
-every mode receives the same :class:`flashreinforce.objective.LossOptions`. This module works on
-tensors only: it imports neither the trainer nor ``transformers``.
+every mode receives the same :class:`flashreinforce.objective.LossOptions`. A subclass of a registered
+mode inherits its configuration (flags, options, rules). This module works on tensors only: it imports
+neither the trainer nor ``transformers``.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import Tensor
 
-from flashreinforce.objective import LOSS_MODE_REGISTRY, LossOptions
+from flashreinforce.objective import LOSS_MODE_REGISTRY, LossModeConfig, LossOptions
 from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
 
-__all__ = ["LOSS_MODES", "BatchContext", "FlashReinforceLoss", "LossMode", "LossOptions", "MicroBatch",
-           "PPOClippedLoss", "get_loss_mode", "register_loss_mode"]
+__all__ = ["LOSS_MODES", "BatchContext", "FlashReinforceLoss", "LossImplementation", "LossMode", "LossOptions",
+           "MicroBatch", "PPOClippedLoss", "get_loss_mode", "register_loss_mode"]
+
+
+@dataclass(frozen=True)
+class LossImplementation:
+    """What computes a mode's loss: a packed loss function, the name runs record it by (``loss_impl``),
+    and optionally its deferred form.
+
+    deferred: ``deferred(pending, *args, **kwargs)`` computes the same as ``function`` but leaves its
+    value errors in ``pending`` (made by ``pending_errors()``), checked once per step by the learner.
+    """
+
+    name: str
+    function: Callable[..., Any]
+    deferred: Callable[..., Any] | None = None
+    pending_errors: Callable[[], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,9 +80,8 @@ class MicroBatch:
     entropies ``[N]`` or ``None``; rewards ``[b]``, failures ``[b]`` bool, rows ``[b]`` int64 (each
     trajectory's row in the whole batch); cu_seqlens ``[b+1]``.
 
-    pending_errors: a :class:`flashreinforce.ops.fused.PendingErrors` when the learner checks the
-    loss's value errors once per step instead of once per micro-batch (a mode that records none
-    ignores it); ``None``: raise them at once.
+    pending_errors: what the mode's :meth:`LossMode.pending_errors` made when the learner checks the
+    loss's value errors once per step instead of once per micro-batch; ``None``: raise them at once.
     """
 
     log_probs: Tensor
@@ -90,6 +111,39 @@ class LossMode(abc.ABC):
         """Whether :meth:`loss` reads ``MicroBatch.entropies``."""
         return False
 
+    def implementation(self) -> LossImplementation | Callable[..., Any] | None:
+        """What computes the loss: a :class:`LossImplementation`, a plain packed loss function (which
+        defers nothing), or ``None`` (:meth:`loss` computes it itself)."""
+        return None
+
+    @property
+    def implementation_name(self) -> str:
+        """The name runs record the loss implementation by: its own, else the mode's."""
+        impl = self.implementation()
+        return impl.name if isinstance(impl, LossImplementation) else self.name
+
+    def prepare(self) -> None:
+        """Load what the loss needs (a compiled extension) when the learner starts, so that a missing
+        one fails then rather than at the first step."""
+        self.implementation()
+
+    def pending_errors(self) -> Any:
+        """A new collector of deferred value errors (see :class:`MicroBatch`), or ``None`` when the
+        implementation checks its errors at once; the learner calls its ``check()`` once per step."""
+        impl = self.implementation()
+        if isinstance(impl, LossImplementation) and impl.deferred is not None and impl.pending_errors is not None:
+            return impl.pending_errors()
+        return None
+
+    def loss_function(self, mb: MicroBatch) -> Callable[..., Any]:
+        """The packed loss function for ``mb``: the deferred form when ``mb`` carries pending errors."""
+        impl = self.implementation()
+        if not isinstance(impl, LossImplementation):
+            return impl
+        if mb.pending_errors is not None and impl.deferred is not None:
+            return functools.partial(impl.deferred, mb.pending_errors)
+        return impl.function
+
     def advantages(self, rewards: Tensor, group_ids: Tensor, options: LossOptions) -> Tensor | None:
         """``[B]`` advantages of the batch from float64 ``rewards`` and int64 ``group_ids``, or ``None``."""
         return None
@@ -112,18 +166,25 @@ LOSS_MODES: dict[str, LossMode] = {}
 
 def register_loss_mode(cls: type[LossMode]) -> type[LossMode]:
     """Class decorator: register ``cls`` under ``cls.name`` in :data:`flashreinforce.objective.LOSS_MODE_REGISTRY`
-    and :data:`LOSS_MODES` (a shipped mode takes the name the registry gives its ``module:Class``)."""
+    and :data:`LOSS_MODES` (a shipped mode takes the name the registry gives its ``module:Class``). Its
+    configuration is the registry's entry for a shipped mode, else that of the nearest registered
+    base class (renamed), else one that owns no flags or options."""
     path = f"{cls.__module__}:{cls.__qualname__}"
-    declared = [name for name, entry in LOSS_MODE_REGISTRY.items() if entry == path]
+    declared = [name for name, entry in LOSS_MODE_REGISTRY.items() if entry.implementation == path]
     name = cls.__dict__.get("name") or (declared[0] if declared else None)
     if not name:
         raise TypeError(f"{cls.__name__} needs a class attribute 'name'")
     entry = LOSS_MODE_REGISTRY.get(name)
-    if entry is not None and entry not in (path, cls):
-        shown = entry if isinstance(entry, str) else entry.__name__
+    if entry is not None and entry.implementation not in (path, cls):
+        shown = entry.implementation if isinstance(entry.implementation, str) else entry.implementation.__name__
         raise ValueError(f"loss mode {name!r} is already registered ({shown})")
+    if entry is None:
+        bases = [LOSS_MODE_REGISTRY.get(getattr(base, "name", None)) for base in cls.__mro__[1:]]
+        base = next((c for c, b in zip(bases, cls.__mro__[1:]) if c is not None and c.implementation is b), None)
+        entry = dataclasses.replace(base, name=name) if base is not None else LossModeConfig(name=name,
+                                                                                             implementation=cls)
     cls.name = name
-    LOSS_MODE_REGISTRY[name] = cls
+    LOSS_MODE_REGISTRY[name] = dataclasses.replace(entry, implementation=cls)
     LOSS_MODES[name] = cls()
     return cls
 
@@ -136,8 +197,8 @@ def get_loss_mode(name: str) -> LossMode:
     entry = LOSS_MODE_REGISTRY.get(name) if isinstance(name, str) else None
     if entry is None:
         raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODE_REGISTRY)}, got {name!r}")
-    if isinstance(entry, str):  # a mode registered by where it lives: importing it registers it
-        module, _, attr = entry.partition(":")
+    if isinstance(entry.implementation, str):  # a mode registered by where it lives: importing it registers it
+        module, _, attr = entry.implementation.partition(":")
         getattr(importlib.import_module(module), attr)
     return LOSS_MODES[name]
 
@@ -151,21 +212,17 @@ class FlashReinforceLoss(LossMode):
     def needs_entropy(self, options: LossOptions) -> bool:
         return options.entropy_filter
 
-    def implementation(self):
-        """The packed loss function this mode calls: the fused op (a benchmark may swap in the reference,
-        which has the same signature)."""
-        from flashreinforce.ops.fused import flashreinforce_loss_packed
+    def implementation(self) -> LossImplementation:
+        """The fused op, whose value errors may wait for one check per step (a benchmark may return the
+        reference instead, which has the same signature)."""
+        from flashreinforce.ops import fused
 
-        return flashreinforce_loss_packed
+        return LossImplementation("fused", fused.flashreinforce_loss_packed, deferred=fused.fused_loss_deferred,
+                                  pending_errors=fused.PendingErrors)
 
     def loss(self, mb, batch, options):
         use_filter = options.entropy_filter
-        function = self.implementation()
-        if mb.pending_errors is not None:  # the fused op can leave its value errors to a later check
-            from flashreinforce.ops import fused
-
-            if function is fused.flashreinforce_loss_packed:
-                function = functools.partial(fused.fused_loss_deferred, mb.pending_errors)
+        function = self.loss_function(mb)
         loss, stats = function(
             mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask,
             entropies=mb.entropies if use_filter else None, failures=mb.failures if use_filter else None,

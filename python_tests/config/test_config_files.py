@@ -41,10 +41,10 @@ env:
     cfg = parse("--config", str(cfg_file), "--output", "x", "--train.micro_batch_size", "2")
     assert cfg.preset == "toy" and cfg.train.agent_path == PRESETS["toy"]["env"]
     assert cfg.train.max_steps == 20                  # the file over the preset (400)
-    assert cfg.train.micro_batch_size == 2            # the flag over the file
+    assert cfg.train.micro_batch_trajectories == 2            # the flag over the file
     assert cfg.actor.adam.lr == 2e-4 and cfg.logger.logging_steps == 3
     assert cfg.env_kwargs == {"alphabet": "abc", "turns": 1}
-    assert cfg.rollout.batch_size == PRESETS["toy"]["rollout.batch_size"]  # the preset under the file
+    assert cfg.rollout.batch_groups == PRESETS["toy"]["rollout.batch_size"]  # the preset under the file
     assert parse("--config", str(cfg_file), "--preset", "toy_multiturn", "--output", "x").preset == "toy_multiturn"
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from flashreinforce.config import FLAGS, ConfigError, TrainerConfig, build_parser, parse_train_args, validate
 from flashreinforce.config.presets import PRESETS
+from flashreinforce.config.flags import FLAG_BY_NAME as FLAGS_BY_NAME
 from flashreinforce.config.schema import KINDS, get_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +27,7 @@ def test_every_flag_is_a_field_with_its_default_and_its_help():
     helps = {a.dest: a.help for a in build_parser()._actions}
     for f in FLAGS:
         assert f.type in KINDS
-        assert get_path(cfg, f.name) == f.default, f.name
+        assert get_path(cfg, f.attribute) == f.default, f.name
         assert f.help in helps[f.name], f.name
     assert cfg.flags == {f.name: f.default for f in FLAGS}
     assert len(FLAGS) == len({f.name for f in FLAGS}) > 90
@@ -87,9 +88,52 @@ def test_one_loss_options_type_from_the_flags_to_the_op():
         parse_train_args(["--preset", "toy", "--output", "x", "--actor.flash_gate_delta", "-1"], PRESETS)
 
 
+def test_a_flag_keeps_its_published_spelling_and_its_field_says_what_it_is():
+    from flashreinforce.config.schema import FLAG_SPELLINGS
+
+    cfg = parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8", "--train.batch_size", "8",
+                            "--train.micro_batch_size", "2", "--rollout.vllm_generate_batch_size", "4",
+                            "--fsdp.packing_samples", "false"], PRESETS)
+    assert (cfg.rollout.batch_groups, cfg.train.micro_batch_trajectories, cfg.rollout.episodes_per_call,
+            cfg.fsdp.packed_forward) == (8, 2, 4, False)
+    assert cfg["rollout.batch_size"] == 8 and cfg.flags["fsdp.packing_samples"] is False
+    assert cfg.to_file()["rollout"]["batch_size"] == 8 and "batch_groups" not in cfg.to_file()["rollout"]
+    for flag, field in FLAG_SPELLINGS.items():
+        assert FLAGS_BY_NAME[flag].attribute == field and field not in FLAGS_BY_NAME
+    # the published spelling set as a Python field would be ignored: refused, naming the field
+    cfg.rollout.batch_size = 4
+    with pytest.raises(ConfigError, match=r"config\.rollout\.batch_size is not a field: the flag --rollout\.batch_size "
+                                          r"is config\.rollout\.batch_groups"):
+        validate(cfg)
+
+
+def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
+    """The trust threshold (and every other loss option) defaults alike on the command line, in the
+    Python loss functions and in the C++ core's options struct."""
+    import re
+    from dataclasses import fields
+
+    from flashreinforce import objective
+    from flashreinforce.ops import contract
+
+    cfg = TrainerConfig()
+    defaults = objective.LossOptions()
+    for option, flag in objective.OPTION_FLAGS.items():
+        if option != "whiten":  # the flag is its negation, algo.advantage.no_whiten
+            assert cfg[flag] == getattr(defaults, option), flag
+    for f in fields(contract.Defaults):
+        if hasattr(defaults, f.name):
+            assert getattr(contract.DEFAULTS, f.name) == getattr(defaults, f.name), f.name
+    core = (ROOT / "csrc" / "flashreinforce" / "core.h").read_text()
+    for name in ("delta", "negative_token_fraction"):
+        found = re.search(rf"^\s*double {name} = ([0-9.eE+-]+);", core, re.M)
+        assert found is not None and float(found.group(1)) == getattr(defaults, name), name
+    assert defaults.delta == 3e-3
+
+
 def test_loss_mode_names_are_asked_of_the_registry():
     from flashreinforce import objective
-    from flashreinforce.ops.loss_modes import FlashReinforceLoss, register_loss_mode
+    from flashreinforce.ops.loss_modes import LOSS_MODES, FlashReinforceLoss, register_loss_mode
 
     flag = next(f for f in FLAGS if f.name == "actor.loss_mode")
     assert flag.allowed() == objective.loss_mode_names() == ("flash_reinforce", "ppo", *flag.allowed()[2:])
@@ -100,11 +144,19 @@ def test_loss_mode_names_are_asked_of_the_registry():
 
     try:
         assert "config_test_mode" in flag.allowed()
-        cfg = parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "config_test_mode",
-                                "--algo.advantage.estimator", "grpo"], PRESETS)
+        cfg = parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "config_test_mode"], PRESETS)
         assert cfg.actor.loss_mode == "config_test_mode"
+        # a subclass of the FlashREINFORCE mode owns its flags and rules: the same estimator, its options checked
+        config = objective.LOSS_MODE_REGISTRY["config_test_mode"]
+        assert config.implementation is ConfigTestMode and config.flags == objective.LOSS_MODE_REGISTRY[
+            "flash_reinforce"].flags
+        assert "actor.flash_gate_delta" not in cfg.inactive and "actor.eps_clip_low_high" in cfg.inactive
+        with pytest.raises(ConfigError, match="actor.loss_mode config_test_mode needs algo.advantage.estimator"):
+            parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "config_test_mode",
+                              "--algo.advantage.estimator", "grpo"], PRESETS)
     finally:
         del objective.LOSS_MODE_REGISTRY["config_test_mode"]
+        del LOSS_MODES["config_test_mode"]
 
 
 def test_a_mistyped_flag_is_one_line_with_the_closest_names():

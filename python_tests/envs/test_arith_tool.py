@@ -12,7 +12,7 @@ from flashreinforce.config import parse_train_args
 from flashreinforce.config.presets import PRESETS
 from flashreinforce.envs.arith import HELDOUT_SEED_OFFSET, problem_for_seed
 from flashreinforce.envs.arith_tool import DEMONSTRATION, ArithToolEnv, ToolArithSpec
-from flashreinforce.envs.registry import make_environment
+from flashreinforce.envs.registry import EnvConfig, make_environment
 
 
 def test_problems_follow_the_mix_and_the_digits_and_the_splits_are_disjoint():
@@ -66,7 +66,7 @@ def test_the_dataset_route_plays_the_rows_with_the_same_protocol(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"prompt": "What is 12 * 12?", "reward_model": {"ground_truth": "144"}}) + "\n")
     cfg = parse_train_args(["--preset", "arith_tool", "--data.prompt_dataset", str(rows), "--output", "x"], PRESETS)
-    env = make_environment(cfg.train.agent_path, cfg.env_config(), **cfg.env_kwargs)
+    env = make_environment(cfg.train.agent_path, EnvConfig.of_run(cfg), **cfg.env_kwargs)
     prompt = env.reset(seed=0)
     assert "What is 12 * 12?" in prompt and "banana" in prompt  # the row, after the demonstration
     env.step("```python\nprint(12 * 12)\n```")

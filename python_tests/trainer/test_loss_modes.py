@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from flashreinforce.objective import LOSS_MODE_REGISTRY
 from flashreinforce.ops.loss_modes import LOSS_MODES, LossMode, get_loss_mode, register_loss_mode
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings, PolicyLearner
 from python_tests.builders import random_trajectory, tiny_causal_lm
@@ -57,6 +58,7 @@ def plain_reinforce():
     register_loss_mode(_MeanRewardReinforce)
     yield _MeanRewardReinforce.name
     del LOSS_MODES[_MeanRewardReinforce.name]
+    del LOSS_MODE_REGISTRY[_MeanRewardReinforce.name]
 
 
 def test_a_registered_mode_drives_the_learner(plain_reinforce):

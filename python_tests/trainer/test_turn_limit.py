@@ -64,4 +64,6 @@ def test_the_trainer_records_the_resolved_limit(monkeypatch):
     cfg = resolve({"model": "tiny-qwen2", "tokenizer": "char", "env": SPEC, "train.max_steps": 1})
     policy = components.load_policy(cfg, components.device_of("cpu"))
     envs = components.load_environments(cfg, policy)
-    assert cfg.flags["rollout.max_turns"] == 2 and envs.factory().max_turns == 2
+    settled = components.settled_config(cfg, policy, envs)
+    assert settled.rollout.max_turns == envs.max_turns == 2 and envs.factory().max_turns == 2
+    assert settled.flags["rollout.max_turns"] == 2 and cfg.rollout.max_turns is None  # derived, not edited

@@ -34,7 +34,7 @@ from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.dtypes import torch_dtype
 from flashreinforce.models.attention import use_document_attention
 from flashreinforce.models.lora import frozen_state_names
-from flashreinforce.objective import LossOptions
+from flashreinforce.objective import DEFAULT_LOSS_MODE, LossOptions
 from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
 from flashreinforce.trainer.learning.flops import ModelFlops, causal_pairs, peak_flops_per_device, utilization
@@ -69,7 +69,7 @@ class LearnerSettings:
     :meth:`head_operands`).
     """
 
-    loss_mode: str = "flash_reinforce"
+    loss_mode: str = DEFAULT_LOSS_MODE
     loss: LossOptions = field(default_factory=LossOptions)
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -341,13 +341,13 @@ class Learner:
         #: Peak FLOP/s of this learner's device at its precision (None: no MFU).
         self.peak_flops = peak_flops_per_device(self.device, settings.autocast_dtype, settings.peak_tflops)
         self.head_operand_dtype = settings.head_operands(self.device)
-        self.loss_impl = "fused" if settings.loss_mode == "flash_reinforce" else settings.loss_mode
-        #: Whether the fused loss's value errors are read back once per step rather than once per
-        #: micro-batch (each read-back waits for the device): on CUDA devices, where that wait
-        #: stalls the queueing of the next micro-batch; on a CPU the check costs nothing.
+        self.loss_impl = self.loss_mode.implementation_name
+        #: Whether the loss's value errors are read back once per step rather than once per
+        #: micro-batch (each read-back waits for the device), where the loss mode's implementation can
+        #: defer them: on CUDA devices, where that wait stalls the queueing of the next micro-batch; on
+        #: a CPU the check costs nothing.
         self.defer_loss_errors = self.device.type == "cuda"
-        if settings.loss_mode == "flash_reinforce":
-            import flashreinforce.ops.fused  # noqa: F401  (the compiled extension: fail now, not at the first step)
+        self.loss_mode.prepare()  # e.g. the compiled extension: fail now, not at the first step
 
     @property
     def sharded(self) -> bool:
@@ -431,10 +431,8 @@ class Learner:
         # not one per micro-batch (each read waits for the device to finish what was queued).
         pending = _PendingStats()
         errors = None
-        if self.defer_loss_errors and self.loss_impl == "fused":
-            from flashreinforce.ops.fused import PendingErrors
-
-            errors = PendingErrors()
+        if self.defer_loss_errors:
+            errors = self.loss_mode.pending_errors()
         for mb in mbs:
             row, flops = self._plan(mb)
             out.flops += flops
@@ -485,7 +483,7 @@ class Learner:
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
                    pending: "_PendingStats", errors=None) -> Tensor:
         """The loss of micro-batch ``mb`` as a summand of the whole batch's; its statistics go to
-        ``pending``, the loss's unchecked error records to ``errors`` (a ``PendingErrors``; ``None``:
+        ``pending``, the loss's unchecked error records to ``errors`` (the loss mode's ``pending_errors()``; ``None``:
         raised at once)."""
         s = self.settings
         dev = logp.device

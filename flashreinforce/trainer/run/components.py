@@ -2,13 +2,16 @@
 environments, the learner's and the rollout's settings.
 
 Each function reads the configuration sections it names and nothing else, so the mapping from a
-flag to the setting it controls is written once, here.
+flag to the setting it controls is written once, here. None of them changes the configuration: what
+only the loaded parts can decide (the environment's turn limit, a note on a flag the tokenizer makes
+moot, a warning the environment makes moot) comes back with the part, and :func:`settled_config`
+derives the run's configuration with it, as a new object.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -18,8 +21,8 @@ from flashreinforce.config.values import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
-from flashreinforce.envs.registry import (EnvironmentSpecError, EnvSpec, accepts_chat_template, environment_class,
-                                          num_prompts)
+from flashreinforce.envs.registry import (EnvConfig, EnvironmentSpecError, EnvSpec, accepts_chat_template,
+                                          environment_class, num_prompts)
 from flashreinforce.models.attention import document_attention_unsupported
 from flashreinforce.models.loading import adopt_model, build_model
 from flashreinforce.models.lora import LoraSettings, apply_lora
@@ -29,7 +32,7 @@ from flashreinforce.trainer.rollout.settings import RolloutSettings
 
 __all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
            "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",
-           "lora_settings", "rollout_settings", "sampling_params", "total_updates"]
+           "lora_settings", "rollout_settings", "sampling_params", "settled_config", "total_updates"]
 
 
 def device_of(name: str) -> torch.device:
@@ -55,12 +58,13 @@ class Policy:
     """The policy model (float32 master weights on its device) and its tokenizer.
 
     env_renders_prompt: the environment renders prompts with the chat template itself, so the
-    tokenizer does not wrap them again.
+    tokenizer does not wrap them again. inactive: flags this policy makes moot, with the reason.
     """
 
     model: torch.nn.Module
     tokenizer: Any
     env_renders_prompt: bool = False
+    inactive: dict[str, str] = field(default_factory=dict)
 
 
 def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None, tokenizer: Any = None) -> Policy:
@@ -89,23 +93,24 @@ def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None,
                           "--tokenizer char or a directory holding a tokenizer)") from None
     spec = cfg.train.agent_path
     env_renders = False
+    inactive = {}
     if cfg.data.apply_chat_template and isinstance(tokenizer, HFTokenizer):
         env_renders = spec is not None and accepts_chat_template(spec)
         tokenizer = HFTokenizer(tokenizer.tok, chat_prompt=not env_renders, chat_observations=True)
     elif cfg.data.apply_chat_template:
-        cfg.inactive["data.apply_chat_template"] = "the character tokenizer has no chat template"
+        inactive["data.apply_chat_template"] = "the character tokenizer has no chat template"
     emb = model.get_input_embeddings().weight.shape[0]
     if tokenizer.vocab_size > emb:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                           f"{emb} rows; use a matching --tokenizer")
-    if cfg.fsdp.packing_samples:
+    if cfg.fsdp.packed_forward:
         problem = document_attention_unsupported(model)
         if problem is not None:
             raise ConfigError(f"--fsdp.packing_samples (the default): {problem}; give --fsdp.packing_samples false "
                               "for the padded learner forward")
     if cfg.lora.rank > 0:
         apply_lora(model, lora_settings(cfg))
-    return Policy(model, tokenizer, env_renders)
+    return Policy(model, tokenizer, env_renders, inactive)
 
 
 def lora_settings(cfg: ResolvedConfig) -> LoraSettings:
@@ -118,11 +123,14 @@ def lora_settings(cfg: ResolvedConfig) -> LoraSettings:
 @dataclass
 class RunEnvironments:
     """The run's environments: the picklable recipe, a factory for this process, and the size of the
-    prompt set (``None``: endless seeds)."""
+    prompt set (``None``: endless seeds); the run's turn limit (:func:`episode_turn_limit`) and the
+    configuration's warnings that do not apply to these environments."""
 
     spec: EnvSpec
     factory: Callable[[], Environment]
     num_prompts: int | None
+    max_turns: int | None = None
+    moot_warnings: tuple[str, ...] = ()
 
 
 def episode_turn_limit(cfg: ResolvedConfig, env_cls: type, env_kwargs: dict[str, Any]) -> int:
@@ -159,9 +167,9 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         raise ConfigError(f"--env {spec!r}: {err}") from None
     if cfg.rewards:
         kwargs["rewards"] = _reward_functions(cfg)
-    cfg.rollout.max_turns = episode_turn_limit(cfg, env_cls, kwargs)
-    _drop_irrelevant_kwargs_warning(cfg, env_cls)
-    env_spec = EnvSpec(spec, cfg.env_config(), kwargs, policy.env_renders_prompt)
+    max_turns = episode_turn_limit(cfg, env_cls, kwargs)
+    moot = _moot_kwargs_warnings(cfg, env_cls)
+    env_spec = EnvSpec(spec, EnvConfig.of_run(cfg), kwargs, policy.env_renders_prompt)
     factory = env_spec.factory(policy.tokenizer)  # the class resolved above, so the spec is good
     try:
         inspect.signature(env_cls).bind_partial(**cfg.env_kwargs)
@@ -173,7 +181,18 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
         prompts = num_prompts(probe)
     finally:
         probe.close()
-    return RunEnvironments(env_spec, factory, prompts)
+    return RunEnvironments(env_spec, factory, prompts, max_turns, moot)
+
+
+def settled_config(cfg: ResolvedConfig, policy: Policy, envs: RunEnvironments) -> ResolvedConfig:
+    """The run's configuration once its parts are loaded, as a new object (``cfg`` is left as it is):
+    ``rollout.max_turns`` the environments' turn limit, the policy's notes on flags it makes moot, and
+    without the warnings the environments make moot."""
+    settled = cfg.copy()
+    settled.rollout.max_turns = envs.max_turns
+    settled.inactive.update(policy.inactive)
+    settled.warnings = [w for w in cfg.warnings if w not in envs.moot_warnings]
+    return settled
 
 
 def _reward_functions(cfg: ResolvedConfig) -> list:
@@ -192,32 +211,34 @@ def _reward_functions(cfg: ResolvedConfig) -> list:
     return list(cfg.rewards)
 
 
-def _drop_irrelevant_kwargs_warning(cfg: ResolvedConfig, env_cls: type) -> None:
+def _moot_kwargs_warnings(cfg: ResolvedConfig, env_cls: type) -> tuple[str, ...]:
     """The warning that a preset's ``env.kwargs`` were dropped with its environment matters only when the
-    replacing environment could have taken some of them; otherwise it stays a note in ``inactive``."""
+    replacing environment could have taken some of them; otherwise it is moot (it stays a note in
+    ``inactive``)."""
     note = cfg.inactive.get("env.kwargs")
     if note is None or note not in cfg.warnings:
-        return
+        return ()
     from flashreinforce.config.presets import PRESETS
 
     dropped = PRESETS.get(cfg.preset or "", {}).get("env.kwargs") or {}
     params = inspect.signature(env_cls).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and not set(dropped) & set(params):
-        cfg.warnings.remove(note)
+        return (note,)
+    return ()
 
 
 def eval_environments(cfg: ResolvedConfig, envs: RunEnvironments, tokenizer) -> RunEnvironments:
     """The evaluation environments: ``eval.dataset`` rows when given, else the training ones."""
     if not cfg.eval.dataset:
         return envs
-    spec = EnvSpec(envs.spec.spec, cfg.env_config(eval_split=True), envs.spec.kwargs, envs.spec.chat_template)
+    spec = EnvSpec(envs.spec.spec, EnvConfig.of_run(cfg, eval_split=True), envs.spec.kwargs, envs.spec.chat_template)
     factory = spec.factory(tokenizer)
     probe = factory()
     try:
         prompts = num_prompts(probe)
     finally:
         probe.close()
-    return RunEnvironments(spec, factory, prompts)
+    return RunEnvironments(spec, factory, prompts, envs.max_turns, envs.moot_warnings)
 
 
 def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
@@ -228,10 +249,10 @@ def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
     if prompts is None:
         raise ConfigError(f"--train.max_steps {steps} means train.num_episodes passes over a finite prompt set, but "
                           "this environment has no finite prompt set (endless seeds): give --train.max_steps N > 0")
-    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_size
+    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_groups
     if steps <= 0:
         raise ConfigError(f"train.num_episodes {cfg.train.num_episodes} passes over {prompts} prompts "
-                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_size}")
+                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_groups}")
     return int(steps)
 
 
@@ -243,8 +264,8 @@ def learner_settings(cfg: ResolvedConfig, total_steps: int, device: torch.device
         loss_mode=a.loss_mode, loss=cfg.loss_options(), lr=a.adam.lr, weight_decay=a.adam.weight_decay,
         betas=tuple(a.adam.betas), scheduler=a.lr_scheduler, warmup_ratio=a.lr_warmup_ratio, min_lr_ratio=a.min_lr_ratio,
         total_steps=total_steps, max_norm=a.max_norm, entropy_coef=a.entropy_coef, temperature=cfg.rollout.temperature,
-        micro_batch_trajectories=cfg.train.micro_batch_size, micro_batch_tokens=cfg.train.micro_batch_tokens,
-        packed_forward=cfg.fsdp.packing_samples, share_prefixes=cfg.train.share_prefixes,
+        micro_batch_trajectories=cfg.train.micro_batch_trajectories, micro_batch_tokens=cfg.train.micro_batch_tokens,
+        packed_forward=cfg.fsdp.packed_forward, share_prefixes=cfg.train.share_prefixes,
         param_dtype=resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype"),
         gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
         peak_tflops=cfg.train.peak_tflops, head_operand_dtype=cfg.train.head_operand_dtype)
@@ -261,7 +282,7 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
     """How workers roll out: lengths, turns, sampling, episodes per engine call."""
     return RolloutSettings(max_new_tokens=cfg.rollout.max_new_tokens, max_len=cfg.data.max_len,
                            max_turns=cfg.rollout.max_turns, sampling=sampling_params(cfg, tokenizer),
-                           episodes_per_call=cfg.rollout.vllm_generate_batch_size, seed=seed,
+                           episodes_per_call=cfg.rollout.episodes_per_call, seed=seed,
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            env_parallel_calls=cfg.rollout.env_parallel_calls,
                            inflight_weight_updates=cfg.rollout.inflight_weight_updates)

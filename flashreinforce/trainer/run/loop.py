@@ -121,6 +121,8 @@ class Trainer:
         log.info("model loaded in %.1f s; building the environments ...", time.perf_counter() - t0)
         self.model, self.tokenizer = policy.model, policy.tokenizer
         self.envs = components.load_environments(cfg, policy)
+        # What the loaded parts decided (the turn limit, moot flags and warnings): a new configuration.
+        self.cfg = cfg = components.settled_config(cfg, policy, self.envs)
         # The evaluation rows are read now, so that a bad --eval.dataset stops the run before it starts.
         evaluates = cfg.eval.steps or cfg.eval.every_min or cfg.eval.eval_at_start
         self.eval_envs = components.eval_environments(cfg, self.envs, self.tokenizer) if evaluates else self.envs
@@ -238,7 +240,7 @@ class Trainer:
                 env_factory=envs.factory, seeds=seeds, model=self.learner.full_model(self.device),
                 tokenizer=self.tokenizer, weights=self.weights, rollout_settings=self.rollout_settings,
                 sampling=components.sampling_params(cfg, self.tokenizer, evaluation=True),
-                n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.vllm_generate_batch_size,
+                n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.episodes_per_call,
                 seed=self.cfg.seed + 1)
         note = getattr(self, "_note", None)
         return self._evaluator.evaluate(self.learner.version,

@@ -37,7 +37,7 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
     rows are cached for it), ``--resume`` (a checkpoint to resume from under ``ckpt_dir``), the
     model (an alias's package, a run directory's checkpoint, a path that exists; skipped with
     ``model_given``: a model object) and ``--tokenizer``."""
-    from flashreinforce.envs.registry import (REASONING_GYM_PREFIX, EnvironmentSpecError, dataset_tasks,
+    from flashreinforce.envs.registry import (REASONING_GYM_PREFIX, EnvConfig, EnvironmentSpecError, dataset_tasks,
                                               environment_class)
 
     spec = cfg.train.agent_path
@@ -80,9 +80,9 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
                 load_reward(reward)
             except RewardSpecError as err:
                 raise ConfigError(str(err)) from None
-    dataset_tasks(spec, cfg.env_config())  # DatasetError is a ConfigError naming the flag
+    dataset_tasks(spec, EnvConfig.of_run(cfg))  # DatasetError is a ConfigError naming the flag
     if cfg.eval.dataset is not None:
-        dataset_tasks(spec, cfg.env_config(eval_split=True))
+        dataset_tasks(spec, EnvConfig.of_run(cfg, eval_split=True))
     if cfg.resume and ckpt_dir is not None:
         _check_resume(cfg.resume, Path(ckpt_dir))
     if not model_given:
