@@ -5,13 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import types
 
 import pytest
 import torch
 
 from flashreinforce.config.flags import ConfigError
-from flashreinforce.models import loading
 from flashreinforce.models.loading import MODEL_ALIASES, build_model, resolve_model_spec, run_checkpoint
 from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 

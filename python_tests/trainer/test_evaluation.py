@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from flashreinforce.engines import LocalWeightStore, SamplingParams
 from flashreinforce.envs.toy import ToyCopyEnv

@@ -6,7 +6,6 @@ import json
 import random
 import sys
 import types
-from pathlib import Path
 
 import pytest
 

@@ -2,7 +2,6 @@
 learning, overlap of rollouts and learner, checkpoint/resume reproducibility, Ctrl-C."""
 
 import json
-import os
 import shutil
 import signal
 import statistics

@@ -4,7 +4,6 @@
 import time
 
 import pytest
-import torch
 
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
 from flashreinforce.engines import HFEngine, LocalWeightStore, SamplingParams

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, WeightStore
 from flashreinforce.envs.base import Environment, StepResult
