@@ -149,7 +149,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.adam.lr": 2e-5,
     },
     # The same task as an agent written against the OpenAI chat API (flashreinforce.agents.arith_tool): a
-    # calculator declared in tools=, called through tool_calls, at most 3 model calls (no measured results yet).
+    # calculator declared in tools=, called through tool_calls, at most 3 model calls. Measured: SmolLM2-135M never
+    # calls the tool from this prompt, so it does not learn yet (docs/results.md).
     "arith_tool_agent": {
         **_SMOLLM2_CPU,
         "model": "smollm2-135m-instruct",
