@@ -106,7 +106,8 @@ def train_for(budget_s: float, run_dir: Path, args: argparse.Namespace, extra: l
         while proc.poll() is None:
             time.sleep(2.0)
             peak = max(peak, process_peak_mib(proc.pid))
-            (run_dir / "peak_rss.json").write_text(json.dumps({"peak_rss_mib": peak}))
+            if run_dir.is_dir():  # the trainer makes it once its model is loaded; the peak is its lifetime's
+                (run_dir / "peak_rss.json").write_text(json.dumps({"peak_rss_mib": peak}))
             times = training_times(read_jsonl(metrics_path), read_jsonl(eval_path))
             trained = max(times.values()) if times else 0.0
             if times and time.time() - last_report > 60:

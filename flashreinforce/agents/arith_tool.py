@@ -6,8 +6,9 @@ trainer's evaluation seeds play the held-out split), but the program is an ordin
 declares a ``calculator`` tool in ``tools=``, sends the conversation with
 ``client.chat.completions.create``, runs each ``tool_calls`` entry itself and sends the result back
 as a ``tool`` message, and grades the final ``\boxed{}`` answer. At most :data:`MAX_CALLS` model
-calls. One worked episode (seconds in three hours: a tool call, its result, the boxed answer) comes
-before the problem as earlier messages, as the Environment version shows one.
+calls. Three worked episodes (a tool call, its result, the boxed answer; operands outside the task's
+ranges) come before the problem as earlier messages: SmolLM2's template has no tool syntax, and with
+the one example the Environment version shows, the model never wrote a tool call.
 
 Reward 1 for the right integer in the last ``\boxed{}`` of the final answer, else 0; ``info``:
 ``calculator_calls``, ``calculator_errors``, ``answer_from_tool`` (the boxed number is a result the
@@ -37,13 +38,26 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"expression": {"type": "string",
                                                                    "description": "e.g. 12 * (3 + 4)"}},
                    "required": ["expression"]}}}]
+
+
+def _worked_episode(question: str, expression: str, value: str, call_id: str) -> list[dict[str, Any]]:
+    """One worked episode as earlier messages: the question, a calculator call, its result, the boxed answer."""
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"name": "calculator", "arguments": json.dumps({"expression": expression})}}]},
+            {"role": "tool", "tool_call_id": call_id, "content": value},
+            {"role": "assistant", "content": f"\\boxed{{{value}}}"}]
+
+
+#: Three worked episodes shown before the problem. Their operands lie outside the task's ranges (a
+#: one-digit factor, four-digit operands), so no held-out or training problem appears among them. With
+#: one example (the first) SmolLM2-135M-Instruct wrote a parseable call in 0 of 32 sampled replies
+#: (temperature 0.7); with three, in about half (docs/results.md).
 DEMONSTRATION = [
-    {"role": "user", "content": "How many seconds are in 3 hours?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_demo", "type": "function",
-         "function": {"name": "calculator", "arguments": json.dumps({"expression": "3 * 60 * 60"})}}]},
-    {"role": "tool", "tool_call_id": "call_demo", "content": "10800"},
-    {"role": "assistant", "content": "\\boxed{10800}"},
+    *_worked_episode("How many seconds are in 3 hours?", "3 * 60 * 60", "10800", "call_demo1"),
+    *_worked_episode("What is 7 * 125?", "7 * 125", "875", "call_demo2"),
+    *_worked_episode("What is 1204 - 389?", "1204 - 389", "815", "call_demo3"),
 ]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

@@ -21,7 +21,7 @@ from flashreinforce.config import ConfigError
 from flashreinforce.trainer.persistence.checkpoints import (CheckpointSaveError, ResumePoint, clean_interrupted_saves,
                                                             save_checkpoint, trim_history)
 from flashreinforce.trainer.errors import RunFailure
-from python_tests.trainer.checkpoint_helpers import learner_state, run_state, save, same, tiny_model, weights
+from python_tests.trainer.persistence.checkpoint_helpers import learner_state, run_state, save, same, tiny_model, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,10 +17,10 @@ import torch
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.persistence.checkpoints import (CheckpointError, ResumePoint, latest_checkpoint,
                                                             load_checkpoint, trim_history)
-from python_tests.trainer.checkpoint_helpers import save as _save
-from python_tests.trainer.checkpoint_helpers import same as _same
-from python_tests.trainer.checkpoint_helpers import tiny_model as _model
-from python_tests.trainer.checkpoint_helpers import weights as _weights
+from python_tests.trainer.persistence.checkpoint_helpers import save as _save
+from python_tests.trainer.persistence.checkpoint_helpers import same as _same
+from python_tests.trainer.persistence.checkpoint_helpers import tiny_model as _model
+from python_tests.trainer.persistence.checkpoint_helpers import weights as _weights
 
 
 class _RunsCode:

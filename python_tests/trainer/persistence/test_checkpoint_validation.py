@@ -20,7 +20,7 @@ from safetensors.torch import save_model
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.persistence.checkpoints import (CheckpointError, ResumePoint, clear_run, find_checkpoint,
                                                             latest_checkpoint, load_checkpoint)
-from python_tests.trainer.checkpoint_helpers import save, same, tiny_model, weights
+from python_tests.trainer.persistence.checkpoint_helpers import save, same, tiny_model, weights
 
 
 def _refused(path: Path, pattern: str, model: torch.nn.Module | None = None) -> str:
