@@ -108,7 +108,7 @@ def _stray_attributes(section: Any, path: str, errors: list[str]) -> None:
     published spelling used as a field name) would be silently ignored: one error each."""
     names = {f.name for f in dataclasses.fields(section)}
     for key in vars(section):
-        if key not in names:
+        if key not in names and key != "_frozen":
             dotted = f"{path}.{key}"
             field = FLAG_SPELLINGS.get(dotted)
             errors.append(f"config.{dotted} is not a field: the flag --{dotted} is config.{field}" if field else

@@ -149,8 +149,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "actor.adam.lr": 2e-5,
     },
     # The same task as an agent written against the OpenAI chat API (flashreinforce.agents.arith_tool): a
-    # calculator declared in tools=, called through tool_calls, at most 3 model calls. Measured: SmolLM2-135M never
-    # calls the tool from this prompt, so it does not learn yet (docs/results.md).
+    # calculator declared in tools=, called through tool_calls, at most 3 model calls, three worked episodes before
+    # the problem. Measured (one seed, 10 training minutes): held-out greedy accuracy 0.83 -> 0.98, calculator calls
+    # per sampled episode 0.38 -> 1.00 (docs/results.md).
     "arith_tool_agent": {
         **_SMOLLM2_CPU,
         "model": "smollm2-135m-instruct",

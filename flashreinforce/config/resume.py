@@ -158,18 +158,20 @@ def settings_config(settings: Mapping[str, Any], source: str) -> TrainerConfig:
     return resolve({}, preset, flat)
 
 
-def review(cfg: TrainerConfig, saved: TrainerConfig, output: Any, against: str) -> list[Change]:
-    """Apply the resume table to ``cfg`` against the run's ``saved`` settings: locked changes are
-    refused (:class:`ConfigError`, one line) unless ``cfg.allow_config_change``, then kept as a
-    warning; changes that take effect are listed in one warning. Returns every change."""
+def review(cfg: TrainerConfig, saved: TrainerConfig, output: Any, against: str) -> list[str]:
+    """The resume table applied to ``cfg`` against the run's ``saved`` settings: locked changes are
+    refused (:class:`ConfigError`, one line) unless ``cfg.allow_config_change``. Returns the warnings
+    the run records (``cfg`` is not changed): the locked changes allowed, and in one line the changes
+    that take effect."""
     found = changes(saved, cfg)
     locked = [c for c in found if c.rule == "locked"]
     if locked and not cfg.allow_config_change:
         raise locked_changes_error(locked, output, against)
+    warnings = []
     if locked:
-        cfg.warnings.append("--resume --allow_config_change: " + "; ".join(map(str, locked)))
+        warnings.append("--resume --allow_config_change: " + "; ".join(map(str, locked)))
     effective = [c for c in found if c.rule == "takes effect"]
     if effective:
-        cfg.warnings.append("--resume: changed since the run's checkpoint, in effect from its next update: "
-                            + "; ".join(map(str, effective)))
-    return found
+        warnings.append("--resume: changed since the run's checkpoint, in effect from its next update: "
+                        + "; ".join(map(str, effective)))
+    return warnings

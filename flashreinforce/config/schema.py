@@ -10,6 +10,11 @@ launchers (Molt's) while their field, and every name after it, says what the val
 sections into :class:`Flag` rows (the flag's name and its field's path); :func:`check_value` checks
 one value against its row (kind, choices, bounds) and returns it normalized.
 
+A validated configuration is frozen for its run (:func:`freeze`): every section and the config
+itself are :class:`Freezable`, so assigning a field raises :class:`FrozenConfigError`, and its lists
+and dicts become read-only (:class:`FrozenList`, :class:`FrozenDict`; equal to, and instances of,
+``list`` and ``dict``). :func:`thaw` undoes it on a copy that is to be changed and validated again.
+
 Kinds: ``float`` (``inf`` allowed), ``int``, ``str``, ``bool``, ``float2`` (two floats), ``json`` (any
 JSON value); ``nullable`` fields also take ``None`` (``none`` on the command line).
 """
@@ -24,8 +29,9 @@ from typing import Any, Callable
 
 from flashreinforce.config.values import shown
 
-__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "check_value", "flag_table",
-           "get_path", "option", "section", "set_path"]
+__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "Freezable",
+           "FrozenConfigError", "FrozenDict", "FrozenList", "check_value", "flag_table", "freeze", "get_path", "option",
+           "section", "set_path", "thaw", "thawed"]
 
 #: Kinds of flag values.
 KINDS = ("float", "int", "str", "bool", "float2", "json")
@@ -203,3 +209,100 @@ def check_value(flag: Flag, value: Any) -> Any:
     if allowed is not None and value not in allowed:
         raise ConfigError(f"--{flag.name} must be one of {', '.join(map(str, allowed))}; got {shown(value)}")
     return value
+
+
+# ---------------------------------------------------------------------- freezing
+_FROZEN_HINT = ("the configuration was validated and is frozen for its run: change a copy (cfg.copy() is "
+                "unfrozen) and validate that")
+
+
+class FrozenConfigError(AttributeError):
+    """A change to a frozen configuration (its message names the field and the way out)."""
+
+
+class Freezable:
+    """Base of the configuration's dataclasses: once :func:`freeze` has run, setting or deleting an
+    attribute raises :class:`FrozenConfigError`."""
+
+    _frozen = False
+
+    @property
+    def frozen(self) -> bool:
+        """Whether :func:`freeze` has run on this object."""
+        return self._frozen
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._frozen:
+            raise FrozenConfigError(f"cannot set {type(self).__name__}.{name}: {_FROZEN_HINT}")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._frozen:
+            raise FrozenConfigError(f"cannot delete {type(self).__name__}.{name}: {_FROZEN_HINT}")
+        object.__delattr__(self, name)
+
+
+def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+    raise FrozenConfigError(f"cannot change a {type(self).__name__} of the configuration: {_FROZEN_HINT}")
+
+
+class FrozenDict(dict):
+    """A read-only ``dict`` inside a frozen configuration (pickles and deep-copies as itself)."""
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self) -> tuple:
+        return FrozenDict, (dict(self),)
+
+
+class FrozenList(list):
+    """A read-only ``list`` inside a frozen configuration (pickles and deep-copies as itself)."""
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = clear = extend = insert = pop = remove = _refuse
+    reverse = sort = _refuse
+
+    def __reduce__(self) -> tuple:
+        return FrozenList, (list(self),)
+
+
+def _frozen_value(value: Any) -> Any:
+    if type(value) is dict:
+        return FrozenDict({k: _frozen_value(v) for k, v in value.items()})
+    if type(value) is list:
+        return FrozenList(_frozen_value(v) for v in value)
+    return value
+
+
+def thawed(value: Any) -> Any:
+    """``value`` with every :class:`FrozenDict` and :class:`FrozenList` in it (recursively, through
+    plain dicts, lists and tuples) a plain ``dict`` and ``list`` again; other objects as they are."""
+    if isinstance(value, dict) and type(value) in (dict, FrozenDict):
+        return {k: thawed(v) for k, v in value.items()}
+    if isinstance(value, list) and type(value) in (list, FrozenList):
+        return [thawed(v) for v in value]
+    if type(value) is tuple:
+        return tuple(thawed(v) for v in value)
+    return value
+
+
+def freeze(obj: Freezable) -> None:
+    """Freeze the dataclass ``obj`` and its nested sections in place (see the module docstring)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Freezable):
+            freeze(value)
+        else:
+            object.__setattr__(obj, f.name, _frozen_value(value))
+    object.__setattr__(obj, "_frozen", True)
+
+
+def thaw(obj: Freezable) -> None:
+    """Undo :func:`freeze` on ``obj`` in place (use it on a copy: a running trainer relies on its
+    configuration staying as validated)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, Freezable):
+            thaw(value)
+        else:
+            object.__setattr__(obj, f.name, thawed(value))
+    object.__setattr__(obj, "_frozen", False)

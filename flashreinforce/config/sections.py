@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flashreinforce.config.schema import option, section
+from flashreinforce.config.schema import Freezable, option, section
 from flashreinforce.dtypes import DTYPE_NAMES
 from flashreinforce.objective import (DEFAULT_LOSS_MODE, LOSS_AGGREGATIONS, LOSS_MODE_REGISTRY, LossOptions,
                                       advantage_estimators, loss_mode_names)
@@ -31,7 +31,7 @@ _ONE_DEVICE = "the native learner runs on one device per process; only 1 is supp
 
 
 @dataclass
-class AdamConfig:
+class AdamConfig(Freezable):
     lr: float = option("float", 1e-6, "learning rate", minimum=0, maximum=math.inf)
     weight_decay: float = option("float", 0.1, "decoupled weight decay", minimum=0)
     betas: tuple[float, float] = option("float2", (0.9, 0.95), "Adam betas (two numbers in [0, 1))", minimum=0)
@@ -45,7 +45,7 @@ class AdamConfig:
 
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Freezable):
     """The policy: model, loss, optimizer and schedule."""
 
     model_name_or_path: str | None = option(
@@ -94,7 +94,7 @@ class ActorConfig:
 
 
 @dataclass
-class RefConfig:
+class RefConfig(Freezable):
     num_nodes: int = option("int", 1, "reference-model nodes", minimum=1,
                             no_effect="no reference model (algo.kl.init_coef is 0)")
     num_gpus_per_node: int = option("int", 1, "reference-model GPUs per node", minimum=1,
@@ -102,28 +102,30 @@ class RefConfig:
 
 
 @dataclass
-class AdvantageConfig:
+class AdvantageConfig(Freezable):
     estimator: str = option("str", LOSS_MODE_REGISTRY[DEFAULT_LOSS_MODE].estimator, "flash_reinforce (reward minus "
                             "batch mean) or grpo (reward minus prompt-group mean): the one the loss mode goes with",
                             choices=advantage_estimators)
     is_correction_level: str = option("str", "off", "external importance correction; must be off (the fused loss "
                                       "does its own behavior correction)")
-    no_whiten: bool = option("bool", False, "grpo: do not divide advantages by the group std")
+    no_whiten: bool = option("bool", True, "grpo: advantages are reward minus the group mean (true, the default, "
+                             "as every published grpo launcher sets it); false also divides them by the group "
+                             "std + 1e-6")
 
 
 @dataclass
-class KLConfig:
+class KLConfig(Freezable):
     init_coef: float = option("float", 0.0, "KL-to-reference coefficient; must be 0 (no reference model)")
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Freezable):
     advantage: AdvantageConfig = section(AdvantageConfig)
     kl: KLConfig = section(KLConfig)
 
 
 @dataclass
-class CkptConfig:
+class CkptConfig(Freezable):
     path: str | None = option("str", None, "training-state checkpoints directory (default OUTPUT/checkpoints)")
     output_dir: str | None = option("str", None, "final Hugging Face model export directory (default OUTPUT/hf)")
     save_steps: int = option("int", 10, "checkpoint every this many updates (0: only at the end and on Ctrl-C)",
@@ -132,7 +134,7 @@ class CkptConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     prompt_dataset: str | None = option("str", None, "prompt dataset (JSONL/JSON/Parquet file, or a datasets "
                                         "save_to_disk folder; from Python also a list of dicts or a "
                                         "datasets.Dataset) for dataset-driven environments and --reward",
@@ -145,7 +147,7 @@ class DataConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(Freezable):
     dataset: str | None = option("str", None, "evaluation prompt dataset (default: rows held out of a finite prompt "
                                  "set and never trained on, else the environment's own eval seeds); the forms of "
                                  "data.prompt_dataset", objects=True)
@@ -166,7 +168,7 @@ class EvalConfig:
 
 
 @dataclass
-class FsdpConfig:
+class FsdpConfig(Freezable):
     attn_implementation: str | None = option("str", None, "attention implementation of the models (eager, sdpa, "
                                              "flash_attention_2; default: transformers' choice)")
     packed_forward: bool = option("bool", True, "packed learner forward: one row per micro-batch, per-document "
@@ -184,20 +186,20 @@ class FsdpConfig:
 
 
 @dataclass
-class TensorBoardConfig:
+class TensorBoardConfig(Freezable):
     dir: str | None = option("str", None, "write TensorBoard event files (the metrics.jsonl keys) to this directory "
                              "(optional extra flashreinforce[tensorboard])")
 
 
 @dataclass
-class WandbConfig:
+class WandbConfig(Freezable):
     project: str | None = option("str", None, "log the metrics.jsonl keys to this Weights & Biases project "
                                  "(optional extra flashreinforce[wandb]; WANDB_MODE=offline works without network)")
     run_name: str | None = option("str", None, "W&B run name (default: the output directory's name)")
 
 
 @dataclass
-class LoggerConfig:
+class LoggerConfig(Freezable):
     logging_steps: int = option("int", 1, "print a log line every this many updates (metrics.jsonl gets every "
                                 "update)", minimum=1)
     tensorboard: TensorBoardConfig = section(TensorBoardConfig)
@@ -210,7 +212,7 @@ class LoggerConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Freezable):
     batch_groups: int = option("int", 128, "prompts (groups of n_samples_per_prompt) per learner batch", minimum=1)
     n_samples_per_prompt: int = option("int", 1, "samples per prompt (1 for flash_reinforce)", minimum=1)
     max_new_tokens: int = option("int", 512, "sampled tokens per turn at most", minimum=1)
@@ -256,7 +258,7 @@ class RolloutConfig:
 
 
 @dataclass
-class RayConfig:
+class RayConfig(Freezable):
     address: str | None = option("str", None, "Ray cluster to join (auto, HOST:PORT, ray://...; default "
                                  "$RAY_ADDRESS); without one a local Ray instance is started for the run and stopped "
                                  "after it")
@@ -275,7 +277,7 @@ class RayConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     agent_path: str | None = option("str", None, "environment: MODULE:CLASS, a .py file (optionally FILE.py:CLASS), "
                                     "or a shipped name (math, python_tool); alias --env")
     batch_size: int = option("int", 128, "trajectories per update = rollout.batch_size * n_samples_per_prompt",
@@ -320,7 +322,7 @@ class TrainConfig:
 
 
 @dataclass
-class VllmConfig:
+class VllmConfig(Freezable):
     num_engines: int = option("int", 1, "vLLM engines, one per rollout worker (rollout.engine vllm)", minimum=1)
     tensor_parallel_size: int = option("int", 1, "GPUs per vLLM engine", minimum=1)
     sync_backend: str = option("str", "nccl", "Molt's weight-sync backend (weights reach vLLM through shared memory or "
@@ -367,7 +369,7 @@ def engine_names() -> tuple[str, ...]:
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(Freezable):
     rank: int = option("int", 0, "LoRA adapter rank (0: full fine-tuning); with a rank, only adapters train "
                        "(PEFT, extra flashreinforce[lora]) and only adapters reach the rollout engines",
                        minimum=0, maximum=4096)

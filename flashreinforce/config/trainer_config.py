@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flashreinforce.config.checks import raise_errors, validate
-from flashreinforce.config.schema import (FIELD_FLAGS, ConfigError, check_value, flag_table, get_path, section,
-                                          set_path)
+from flashreinforce.config.schema import (FIELD_FLAGS, ConfigError, Freezable, check_value, flag_table, freeze,
+                                          get_path, section, set_path, thaw, thawed)
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
                                             TrainConfig, VllmConfig)
@@ -61,7 +61,7 @@ RUN_OPTIONS = {
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Freezable):
     """A run's configuration.
 
     Sections (``actor``, ``algo``, ``ckpt``, ``data``, ``eval``, ``fsdp``, ``logger``, ``ray``,
@@ -70,6 +70,10 @@ class TrainerConfig:
     ``device``, ``torch_threads``, ``progress``, ``overwrite``, ``allow_config_change``. Set by the
     resolution: ``inactive`` (flag -> why it has no effect here), ``warnings``, ``explicit`` (flags
     given on the command line), ``config_file``.
+
+    The trainer freezes its copy once validated (:meth:`freeze`): from then on setting a field raises
+    :class:`~flashreinforce.config.schema.FrozenConfigError`; :meth:`copy` gives an unfrozen copy
+    to derive another configuration from.
     """
 
     actor: ActorConfig = section(ActorConfig)
@@ -212,13 +216,13 @@ class TrainerConfig:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
         cfg = cls.from_layers({}, dict(PRESETS[name], preset=name))
-        validate(cfg)
         for key, value in run_options.items():
             if key not in RUN_FIELDS:
                 raise ConfigError(f"TrainerConfig.from_preset: unknown run option {key!r}; run options: "
                                   f"{', '.join(sorted(RUN_FIELDS))} (set flags on the sections, e.g. "
                                   "config.train.max_steps = 20)")
             setattr(cfg, key, value)
+        validate(cfg)
         return cfg
 
     # ------------------------------------------------------------------ flat access
@@ -256,19 +260,28 @@ class TrainerConfig:
             raise ConfigError(text) from None
 
     def copy(self) -> "TrainerConfig":
-        return copy.deepcopy(self)
+        """A deep copy, unfrozen (a frozen configuration's copy can be changed and validated again)."""
+        out = copy.deepcopy(self)
+        thaw(out)
+        return out
+
+    def freeze(self) -> "TrainerConfig":
+        """Make this configuration read-only (fields, sections, and the lists and dicts they hold), in
+        place; returns it. The trainer does this once it has validated and completed its own copy."""
+        freeze(self)
+        return self
 
     # ------------------------------------------------------------------ records
     def to_json(self) -> dict[str, Any]:
         """The record written to ``OUTPUT/config.json`` (a dataset or reward function given as a Python
         object as its description, as in :meth:`to_file`)."""
         flags = {f.name: file_value(get_path(self, f.attribute), f.objects) for f in FLAGS}
-        return {"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
+        return thawed({"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
                 "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
                 "tokenizer": self.tokenizer,
                 "output": self.output, "resume": self.resume, "seed": self.seed, "device": self.device,
                 "torch_threads": self.torch_threads, "explicit_flags": self.explicit,
-                "config_file": self.config_file}
+                "config_file": self.config_file})
 
     def to_file(self) -> dict[str, Any]:
         """The resolved settings in the config-file format (``--config``): nested by section, run options
@@ -280,7 +293,7 @@ class TrainerConfig:
         out.update({"env.kwargs": dict(self.env_kwargs), "reward": [reward_spec(r) for r in self.rewards],
                     "tokenizer": self.tokenizer,
                     "seed": self.seed, "device": self.device, "torch_threads": self.torch_threads})
-        return out
+        return thawed(out)
 
 
 def reward_spec(reward: Any) -> str:
@@ -300,7 +313,8 @@ def file_value(value: Any, objects: bool = False) -> Any:
     if isinstance(value, tuple):
         return list(value)
     if objects and value is not None and not isinstance(value, str):
-        return f"<{type(value).__name__} given in Python>"
+        kind = "list" if isinstance(value, list) else "dict" if isinstance(value, dict) else type(value).__name__
+        return f"<{kind} given in Python>"
     return value
 
 

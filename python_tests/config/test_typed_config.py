@@ -69,7 +69,7 @@ def test_one_loss_options_type_from_the_flags_to_the_op():
     cfg = parse_train_args(["--preset", "toy", "--output", "x", "--actor.flash_neg_topq", "0.25",
                             "--actor.flash_gate_delta", "0.02"], PRESETS)
     options = cfg.loss_options()
-    assert options == objective.LossOptions(delta=0.02, negative_token_fraction=0.25, whiten=True)  # no_whiten false
+    assert options == objective.LossOptions(delta=0.02, negative_token_fraction=0.25)
     assert learner_settings(cfg, 10).loss == options
     assert loss_modes.LossOptions is objective.LossOptions
     assert contract.LOSS_AGGREGATIONS is objective.LOSS_AGGREGATIONS
@@ -119,8 +119,10 @@ def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
     cfg = TrainerConfig()
     defaults = objective.LossOptions()
     for option, flag in objective.OPTION_FLAGS.items():
-        if option != "whiten":  # the flag is its negation, algo.advantage.no_whiten
-            assert cfg[flag] == getattr(defaults, option), flag
+        expected = getattr(defaults, option)
+        if option == "whiten":  # the flag is its negation, algo.advantage.no_whiten
+            expected = not expected
+        assert cfg[flag] == expected, flag
     for f in fields(contract.Defaults):
         if hasattr(defaults, f.name):
             assert getattr(contract.DEFAULTS, f.name) == getattr(defaults, f.name), f.name

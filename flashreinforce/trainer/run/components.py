@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config.schema import thawed
 from flashreinforce.config.values import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import SamplingParams, engine_kind
@@ -156,7 +157,7 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     spec = cfg.train.agent_path
     if spec is None:
         raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
-    kwargs = dict(cfg.env_kwargs)
+    kwargs = thawed(cfg.env_kwargs)  # the environment's own copy, plain dicts and lists
     try:
         env_cls = environment_class(spec)
     except EnvironmentSpecError as err:
@@ -192,7 +193,7 @@ def settled_config(cfg: ResolvedConfig, policy: Policy, envs: RunEnvironments) -
     settled.rollout.max_turns = envs.max_turns
     settled.inactive.update(policy.inactive)
     settled.warnings = [w for w in cfg.warnings if w not in envs.moot_warnings]
-    return settled
+    return settled.freeze() if cfg.frozen else settled
 
 
 def _reward_functions(cfg: ResolvedConfig) -> list:

@@ -82,8 +82,11 @@ class Trainer:
         if cfg.rollout.backend == "ray":
             require_scale_out(scale_out, "--rollout.backend ray")
         self.scale_out = scale_out
+        cfg = cfg.copy()  # the caller's object stays as it is
         absolute_paths(cfg)  # recorded as absolute: resumed elsewhere, the run reads the same files
-        self.cfg = cfg
+        #: The run's configuration, frozen: a later stage derives a new one (``settled_config``) rather
+        #: than changing it.
+        self.cfg = cfg.freeze()
         self._given = (model, tokenizer)
         self.callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
         self.stop_reason: str | None = None
@@ -186,7 +189,11 @@ class Trainer:
         except ConfigError as err:  # settings of another version of this package
             log.warning("--resume: the run's recorded settings cannot be compared with these (%s)", err)
             return
-        review(self.cfg, saved, self.out, against)
+        warnings = review(self.cfg, saved, self.out, against)
+        if warnings:  # recorded with the run's configuration: a new, frozen one
+            cfg = self.cfg.copy()
+            cfg.warnings.extend(warnings)
+            self.cfg = cfg.freeze()
 
     def _save(self) -> Path:
         learner_state = self.learner.state_dict()  # gathered to rank 0 under fully_shard
