@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--preset", "toy", "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false",
          "--rollout.batch_size", "16", "--train.batch_size", "16"]
 TRAIN = [sys.executable, "-m", "flashreinforce.cli", "train", *SMALL]

@@ -23,7 +23,7 @@ from flashreinforce.trainer.persistence.checkpoints import (CheckpointSaveError,
 from flashreinforce.trainer.errors import RunFailure
 from python_tests.trainer.persistence.checkpoint_helpers import learner_state, run_state, save, same, tiny_model, weights
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _listing(d: Path) -> list[str]:
@@ -196,7 +196,7 @@ def test_a_real_full_disk_fails_the_save_cleanly_and_the_run_resumes(tmp_path):
         pytest.skip("needs root and unshare to mount a private tmpfs")
     mount = tmp_path / "tiny_disk"
     mount.mkdir()
-    script = (f"from python_tests.trainer.test_checkpoint_saving import _save_on_a_full_disk; "
+    script = (f"from python_tests.trainer.persistence.test_checkpoint_saving import _save_on_a_full_disk; "
               f"_save_on_a_full_disk({str(mount)!r})")
     cmd = ["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=300k tmpfs {mount} && exec \"$0\" -c \"$1\"",
            sys.executable, script]

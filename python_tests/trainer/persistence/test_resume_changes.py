@@ -26,7 +26,7 @@ from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
 from flashreinforce.trainer.persistence.run_history import HistoryRecord, trim_history
 from python_tests.builders import random_trajectory, tiny_causal_lm
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------- the table, in the docs and the code

@@ -17,7 +17,7 @@ import pytest
 from flashreinforce.config import ConfigError
 from flashreinforce.trainer.persistence.run_dir import LOCK_NAME, RunLock, create_output, remove_created
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 QUICK = ["--preset", "toy", "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false",
          "--rollout.batch_size", "8", "--train.batch_size", "8"]
 

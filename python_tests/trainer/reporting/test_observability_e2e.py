@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMALL = ["--preset", "toy", "--rollout.batch_size", "16", "--train.batch_size", "16", "--no_progress",
          "--eval.eval_at_start", "false", "--seed", "0"]
 

@@ -15,7 +15,7 @@ from flashreinforce.trainer.rollout.buffer import Ticket
 from flashreinforce.trainer.rollout.env_calls import EnvCalls
 from flashreinforce.trainer.errors import StopRequested
 from flashreinforce.trainer.rollout.trajectory import Trajectory
-from python_tests.trainer.test_fault_tolerance import _worker
+from python_tests.trainer.run.test_fault_tolerance import _worker
 
 class _Concurrency:
     """Counts the calls in progress; ``peak`` is the most seen at once."""

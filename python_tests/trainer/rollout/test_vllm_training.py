@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,

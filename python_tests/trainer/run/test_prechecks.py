@@ -81,7 +81,7 @@ def test_resume_checks_the_reward_file_and_the_checkpoint_before_the_model(tmp_p
 
 def test_eval_checks_the_dataset_before_the_model(tmp_path, capsys, no_model):
     code = eval_command(["--preset", "toy", "--env", "reward_functions", "--reward",
-                         "python_tests.trainer.test_prechecks:first_letter", "--data.prompt_dataset",
+                         "python_tests.trainer.run.test_prechecks:first_letter", "--data.prompt_dataset",
                          str(_several_splits(tmp_path / "hf"))])
     assert code == 2 and "a datasets folder with several splits" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 METRIC_KEYS = ("step", "policy_version", "reward_mean", "acceptance_rate", "sequence_kl_mean", "policy_lag_mean",
                "policy_lag_max", "trajectories", "tokens", "loss", "grad_norm", "lr", "learner_idle_s",
                "step_time_s", "tokens_per_s", "rejected_trajectories")
