@@ -6,19 +6,19 @@ own ``score_answer``. :class:`ReasoningGymEnv` turns one task's dataset into a f
 single-turn episodes:
 
 * the prompt set: ``reasoning_gym.create_dataset(TASK, **task_config)``, ``task_config`` being
-  ``--env.kwargs`` less the environment's own ``system_prompt``: the task's difficulty settings
-  (``min_terms``, ``max_digits``, ...) and the dataset's ``size`` (default :data:`DEFAULT_SIZE`) and
-  ``seed`` (default 0: every rollout worker, and ``flashreinforce eval`` later, builds the same
+  ``--env.kwargs`` less the environment's own ``system_prompt`` and ``examples``: the task's
+  difficulty settings (``min_terms``, ``max_digits``, ...) and the dataset's ``size`` (default
+  :data:`DEFAULT_SIZE`) and ``seed`` (default 0: every rollout worker, and ``flashreinforce eval`` later, builds the same
   items). An item whose question repeats an earlier one is dropped, so that a question the run
   holds out is never trained on; ``len(env)`` is the number of distinct questions.
 * ``reset(seed=i)`` plays item ``i % len(env)``: the prompt is :data:`SYSTEM_PROMPT` (which asks
-  for the answer between ``<answer>`` tags) and the question, as chat messages through the model's
-  chat template when there is one.
+  for the answer between ``<answer>`` tags), the worked ``examples`` if any, and the question, as
+  chat messages through the model's chat template when there is one.
 * the reward is the task's own ``score_answer`` of the last ``<answer>...</answer>`` of the
   completion (0 without one), in [0, 1]; an episode scoring below 1 is failed.
 
-Being a finite prompt set, it is split like a dataset by :mod:`flashreinforce.trainer.reporting.heldout`: a
-run that evaluates holds some items out (``OUTPUT/heldout.json``) and never trains on them, and
+Being a finite prompt set, it is split like a dataset by
+:mod:`flashreinforce.trainer.reporting.heldout`: a run that evaluates holds some items out (``OUTPUT/heldout.json``) and never trains on them, and
 ``flashreinforce eval`` plays those items. ``info``: ``score``, ``answer_extraction`` (``tags``, or
 ``none``: counted in the ``no_answer_fraction`` metric), ``task``; ``failure_kind`` ``no_answer``.
 """
@@ -68,19 +68,38 @@ def check_task(task: str) -> None:
                       "print(sorted(reasoning_gym.factory.DATASETS))\")")
 
 
+def _examples(value: Any) -> list[tuple[str, str]]:
+    """``examples`` as ``(question, answer)`` pairs of strings (``ConfigError`` naming the setting)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"--env.kwargs examples: a list of [question, answer] pairs, got {type(value).__name__}")
+    out = []
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]
+                and isinstance(pair[1], (str, int, float)) and not isinstance(pair[1], bool)):
+            raise ConfigError(f"--env.kwargs examples[{i}]: a [question, answer] pair (a question string and an "
+                              f"answer string or number), got {pair!r}")
+        out.append((pair[0], str(pair[1])))
+    return out
+
+
 class ReasoningGymEnv(Environment):
     """One reasoning-gym task as a finite prompt set of single-turn episodes (see the module docstring).
 
     Args:
         task: the task's name (``basic_arithmetic``, ``leg_counting``, ...).
         system_prompt: the instruction before each question (``None``: the question alone).
+        examples: worked examples shown before each question, as ``[question, answer]`` pairs: a user
+            turn with the question and an assistant turn with ``<answer>ANSWER</answer>`` each (without a
+            chat template, the same as text). A small model may ignore the tags when only told to use
+            them (SmolLM2-135M-Instruct wrote none in 128 answers; with one example, 38 of 40); an
+            example that repeats a prompt-set question is refused, so none leaks an answer.
         apply_chat_template: the trainer's chat template (the system prompt and the question as messages).
         task_config: the task's configuration, ``size`` and ``seed`` included.
     """
 
     default_max_turns = 1
 
-    def __init__(self, task: str, *, system_prompt: str | None = SYSTEM_PROMPT,
+    def __init__(self, task: str, *, system_prompt: str | None = SYSTEM_PROMPT, examples: Any = (),
                  apply_chat_template: Callable[[list[dict[str, str]]], str] | None = None, **task_config: Any) -> None:
         check_task(task)
         rg = _import_reasoning_gym()
@@ -106,6 +125,11 @@ class ReasoningGymEnv(Environment):
             detail = str(err).splitlines()[0] if str(err) else ""
             raise ConfigError(f"--env.kwargs: reasoning-gym task {task} rejects the configuration {task_config}: "
                               f"{type(err).__name__}: {detail}") from None
+        self.examples = _examples(examples)
+        repeated = sorted({q for q, _ in self.examples} & seen)
+        if repeated:
+            raise ConfigError(f"--env.kwargs examples: {repeated[0]!r} is a question of the prompt set; an example "
+                              "must not give away an item's answer")
         self.task_name = task
         self.items: list[dict[str, Any]] = items
         self.system_prompt, self.apply_chat_template = system_prompt, apply_chat_template
@@ -117,11 +141,14 @@ class ReasoningGymEnv(Environment):
 
     def prompt(self, question: str) -> str:
         """The text the policy continues for ``question``."""
+        shown = [(q, f"<answer>{a}</answer>") for q, a in self.examples]
         if self.apply_chat_template is not None:
-            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
-                [{"role": "user", "content": question}]
-            return self.apply_chat_template(messages)
-        return f"{self.system_prompt}\n\n{question}" if self.system_prompt else question
+            messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            for q, a in shown:
+                messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+            return self.apply_chat_template(messages + [{"role": "user", "content": question}])
+        parts = ([self.system_prompt] if self.system_prompt else []) + [f"{q}\n{a}" for q, a in shown] + [question]
+        return "\n\n".join(parts)
 
     def reset(self, *, seed: int) -> str:
         if not isinstance(seed, int) or seed < 0:

@@ -58,6 +58,24 @@ def test_a_second_task_through_the_chat_template():
 
 
 @needs_rg
+def test_worked_examples_come_before_the_question_and_may_not_be_items():
+    template = lambda messages: "|".join(f"{m['role']}={m['content']}" for m in messages)  # noqa: E731
+    env = make_environment("reasoning_gym:basic_arithmetic", {}, apply_chat_template=template, size=10, seed=2,
+                           system_prompt="Tags.", examples=[["Calculate 30 + 40.", 70]], **SMALL)
+    text = env.reset(seed=1)
+    assert text == f"system=Tags.|user=Calculate 30 + 40.|assistant=<answer>70</answer>|user={env.entry['question']}"
+    plain = make_environment("reasoning_gym:basic_arithmetic", {}, size=10, seed=2, system_prompt=None,
+                             examples=[["Calculate 30 + 40.", "70"]], **SMALL)
+    assert plain.reset(seed=1) == f"Calculate 30 + 40.\n<answer>70</answer>\n\n{plain.entry['question']}"
+    item = env.items[0]["question"]
+    with pytest.raises(ConfigError, match=r"examples: .* is a question of the prompt set"):
+        make_environment("reasoning_gym:basic_arithmetic", {}, size=10, seed=2, examples=[[item, 1]], **SMALL)
+    for bad in ("Calculate 1 + 1.", [["q"]], [["", 1]], [["q", True]]):
+        with pytest.raises(ConfigError, match=r"--env.kwargs examples"):
+            make_environment("reasoning_gym:basic_arithmetic", {}, size=10, seed=2, examples=bad, **SMALL)
+
+
+@needs_rg
 def test_flashreinforce_eval_plays_the_heldout_rows(tmp_path, capsys):
     from flashreinforce.cli.eval import eval_command
     from flashreinforce.trainer.reporting.heldout import heldout_rows
