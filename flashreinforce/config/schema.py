@@ -285,24 +285,24 @@ def thawed(value: Any) -> Any:
     return value
 
 
-def freeze(obj: Freezable) -> None:
-    """Freeze the dataclass ``obj`` and its nested sections in place (see the module docstring)."""
+def _mark(obj: Freezable, frozen: bool) -> None:
+    """Set ``obj``'s sections frozen or not, recursively, converting its other values' containers."""
+    convert = _frozen_value if frozen else thawed
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if isinstance(value, Freezable):
-            freeze(value)
+            _mark(value, frozen)
         else:
-            object.__setattr__(obj, f.name, _frozen_value(value))
-    object.__setattr__(obj, "_frozen", True)
+            object.__setattr__(obj, f.name, convert(value))
+    object.__setattr__(obj, "_frozen", frozen)
+
+
+def freeze(obj: Freezable) -> None:
+    """Freeze the dataclass ``obj`` and its nested sections in place (see the module docstring)."""
+    _mark(obj, True)
 
 
 def thaw(obj: Freezable) -> None:
     """Undo :func:`freeze` on ``obj`` in place (use it on a copy: a running trainer relies on its
     configuration staying as validated)."""
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        if isinstance(value, Freezable):
-            thaw(value)
-        else:
-            object.__setattr__(obj, f.name, thawed(value))
-    object.__setattr__(obj, "_frozen", False)
+    _mark(obj, False)
