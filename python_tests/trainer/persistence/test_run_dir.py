@@ -150,9 +150,13 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
     (tmp_path / "slow_env.py").write_text(_SLOW_ENV)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = tmp_path / "runs" / "run"
+    # Before the training loop takes over SIGINT, Python's own handler answers it; a process started
+    # in the background of a shell without job control inherits SIGINT ignored and would sleep on, so
+    # the child gets the default disposition back (Python then installs its handler).
     proc = subprocess.Popen([sys.executable, "-m", "flashreinforce.cli", "train", *QUICK, "--output", str(out),
                              "--env", "slow_env:SlowToBuild", "--train.max_steps", "5"], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         _wait_for(lambda: lines.append(proc.stderr.readline()) or "building the environment" in lines[-1],
