@@ -3,6 +3,7 @@
 
     python benchmarks/bench_rollout_engines.py                                  # hf and vLLM, SmolLM2, CPU
     python benchmarks/bench_rollout_engines.py --engines hf --requests 32 --new-tokens 128
+    python benchmarks/bench_rollout_engines.py --engines hf --hf-kernels default torch   # fast decode vs forward
     python benchmarks/bench_rollout_engines.py --device cuda --model /path/to/Qwen2.5-0.5B --dtype bf16
 
 For each engine (``--engines``, run one after the other in this process; vLLM's own processes
@@ -22,6 +23,11 @@ so far (at the measured copy bandwidth) and compute 2 FLOPs per weight per reque
 GEMM peak of the engine's dtype); the floor is the larger of the two times, and the rate at the
 floor is ``requests`` tokens per floor step (prefill excluded, which only lowers the measured rate).
 The copy bandwidth and GEMM peak are measured here first (``benchmarks/common.py``).
+
+``--hf-kernels`` runs the hf engine once per choice, one after the other in this process: ``default``
+(its defaults: on a CPU, the fast decode step of ``engines/fast_decode.py`` where the model has one),
+``packed`` (the model's forward with packed linear weights) and ``torch`` (the model's forward with
+``F.linear``, the engine before either existed).
 """
 
 from __future__ import annotations
@@ -73,11 +79,19 @@ def perturbed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tens
     return {k: v + 1e-4 * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype) for k, v in state.items()}
 
 
-def make_engine(kind: str, args, model, checkpoint: Path, max_requests: int, max_len: int, device):
+#: ``--hf-kernels`` choices: the hf engine's options for each.
+HF_KERNELS = {"default": {},
+              "packed": {"fast_decode": False, "linear_kernel": "packed"},
+              "torch": {"fast_decode": False, "linear_kernel": "torch"}}
+
+
+def make_engine(kind: str, args, model, checkpoint: Path, max_requests: int, max_len: int, device,
+                hf_kernels: str = "default"):
     from flashreinforce.engines import create_engine
 
     if kind == "hf":
-        return create_engine("hf", model, pad_token_id=0, version=0, options={"dtype": args.dtype_name})
+        return create_engine("hf", model, pad_token_id=0, version=0,
+                             options={"dtype": args.dtype_name, **HF_KERNELS[hf_kernels]})
     options = dict(dtype=args.dtype_name, max_model_len=max_len, max_num_seqs=max_requests,
                    enforce_eager=args.enforce_eager)
     if device.type == "cuda":
@@ -101,6 +115,9 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: no compilation (faster start)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--threads", type=int, default=None, help="torch threads of this process")
+    p.add_argument("--hf-kernels", nargs="+", default=["default"], choices=sorted(HF_KERNELS),
+                   help="run the hf engine once per choice, one after the other: default (its defaults), packed "
+                        "(the model's forward with packed linear weights), torch (the model's forward, F.linear)")
     args = p.parse_args()
     args.dtype_name = {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
     if args.threads:
@@ -147,7 +164,8 @@ def main() -> None:
     starts, syncs, rows = [], [], []
     from flashreinforce.engines import engine_kind
 
-    for kind in args.engines:
+    runs = [(kind, k) for kind in args.engines for k in (args.hf_kernels if kind == "hf" else [None])]
+    for kind, hf_kernels in runs:
         try:
             engine_kind(kind).check_installed()
         except ImportError as err:
@@ -155,8 +173,11 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         engine = make_engine(kind, args, model if kind != "hf" else type(model)(model.config).to(device).eval(),
-                             checkpoint, max(args.requests), max_len, device)
+                             checkpoint, max(args.requests), max_len, device, hf_kernels or "default")
         start = time.perf_counter() - t0
+        if kind == "hf":
+            decode = "fast decode" if engine.fast_decode_in_use else "model forward"
+            kind = f"hf ({decode}, {engine.linear_kernel_in_use} linear)"
         try:
             t_sync = []
             for r in range(1 + args.sync_repeats):

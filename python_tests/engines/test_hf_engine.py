@@ -139,12 +139,17 @@ def test_inverse_cdf_sampling_never_draws_a_removed_token():
     assert sample_tokens(logp[:1], torch.tensor([p1 + 1e-6], dtype=torch.float64)).item() == 2
 
 
-def test_finished_requests_leave_the_batch():
+@pytest.mark.parametrize("fast_decode", [False, True])
+def test_finished_requests_leave_the_batch(fast_decode):
     model = tiny_model(seed=6)
     sizes = []
     model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
                                     with_kwargs=True)
-    engine = HFEngine(model, pad_token_id=0)
+    engine = HFEngine(model, pad_token_id=0, fast_decode=fast_decode)
+    assert engine.fast_decode_in_use == fast_decode
+    if fast_decode:  # decode steps are the fast decoder's, not the model's forward
+        step = engine._fast.step
+        engine._fast.step = lambda tokens, *rest: (sizes.append(tokens.shape[0]), step(tokens, *rest))[1]
     params = SamplingParams(1.0, 1.0)
     reqs = [GenerationRequest([1, 2, 3], 2, seed=1), GenerationRequest([4, 5], 5, seed=2),
             GenerationRequest([6], 3, seed=3)]

@@ -40,19 +40,25 @@ def test_preallocated_cache_samples_what_the_dynamic_cache_samples(min_shared_pr
     assert sorted({len(g.token_ids) for g in got["preallocated"]}) == [3, 5, 7, 9][:len(reqs)]
 
 
-def test_buffers_are_allocated_once_and_compacted_only_when_requests_leave():
+@pytest.mark.parametrize("fast_decode", [False, True])
+def test_buffers_are_allocated_once_and_compacted_only_when_requests_leave(fast_decode):
     m = model(seed=1)
-    seen = []  # per forward: (batch, key buffer address, cached length before the forward)
+    seen = []  # per forward or fast decode step: (batch, key buffer address, cached length before it)
 
-    def record(module, args, kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    def note(batch, cache):
         layer = cache.layers[0]
         assert isinstance(layer, PreallocatedLayer)
         ptr = layer._key_buffer.data_ptr() if layer.is_initialized else None
-        seen.append((kwargs["input_ids"].shape[0], ptr, layer.get_seq_length()))
+        seen.append((batch, ptr, layer.get_seq_length()))
 
-    m.register_forward_pre_hook(record, with_kwargs=True)
-    engine = HFEngine(m, pad_token_id=0, min_shared_prefix=0)
+    m.register_forward_pre_hook(lambda module, args, kwargs: note(
+        kwargs["input_ids"].shape[0], kwargs.get("cache", kwargs.get("past_key_values"))), with_kwargs=True)
+    engine = HFEngine(m, pad_token_id=0, min_shared_prefix=0, fast_decode=fast_decode)
+    assert engine.fast_decode_in_use == fast_decode
+    if fast_decode:
+        step = engine._fast.step
+        engine._fast.step = lambda tokens, mask, pos, cache: (note(tokens.shape[0], cache),
+                                                              step(tokens, mask, pos, cache))[1]
     reqs = [GenerationRequest([3, 4, 5], 6, seed=1), GenerationRequest([6, 7], 3, seed=2)]
     gens = engine.generate(reqs, SamplingParams(1.0))
     assert [len(g.token_ids) for g in gens] == [6, 3]

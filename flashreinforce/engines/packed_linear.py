@@ -1,0 +1,124 @@
+"""CPU decode GEMMs on weights packed once per version, for the hf engine.
+
+A decode step multiplies a few dozen rows (one per request) by every weight matrix of the model,
+and on a CPU those skinny products are the step: about three quarters of it for SmolLM2-135M at 32
+requests. ``torch.nn.functional.linear`` hands each of them to the BLAS with the weight in its plain
+row-major layout, which the library reorganizes into its own blocked panels on every call. The
+weights only change when a new version is loaded, so that work can be done once per version.
+
+:func:`pack_linears` switches every ``torch.nn.Linear`` of a model to a forward that multiplies by
+a copy of its weight in oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, then
+``torch.ops.mkldnn._linear_pointwise``: the pair PyTorch's own compiler emits for frozen CPU
+linears). The packed copy is made at the first call and again whenever the weight changed since:
+its in-place version counter moved (``load_state_dict`` copies into it) or the parameter was
+replaced, so loading weights needs no extra step and a stale copy is never used. Only an inference
+call (autograd off) on a CPU tensor of the weight's dtype, float32 or bfloat16, takes the packed
+path; any other call is the module's own forward. The packed copies cost one more copy of every
+linear weight in memory.
+
+The products agree with ``F.linear`` to float rounding (a different summation order), which the
+engine's recorded behavior log-probabilities carry like any other kernel difference; the trust
+region measures them. ``docs/performance.md`` has the measured gain.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["PACKED_DTYPES", "pack_linears", "packed_linear_available", "refresh_packed", "unpack_linears"]
+
+#: Weight dtypes the packed path takes (others keep ``F.linear``).
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def packed_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this PyTorch build and CPU run oneDNN's packed linear ops on ``dtype`` weights and they
+    compute a small product correctly (checked once per dtype against ``F.linear``; bfloat16 needs
+    AVX-512 or AVX-NE-CONVERT on x86)."""
+    if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 40, generator=g).to(dtype)
+        b = torch.randn(24, generator=g).to(dtype)
+        x = torch.randn(3, 5, 40, generator=g).to(dtype)
+        with torch.no_grad():
+            y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 8), b,
+                                                   "none", [], "")
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _current_packed(module: torch.nn.Linear) -> Tensor:
+    """The packed copy of ``module.weight`` as it is now (packed again if it changed)."""
+    w = module.weight
+    # (the weight object, its version counter, the packed copy): a tuple, so the module does not
+    # register the weight a second time as a parameter of its own.
+    packed_of, version, packed = module._fr_packed
+    if packed_of is not w or version != w._version:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), module._fr_rows_hint)
+        module._fr_packed = (w, w._version, packed)
+    return packed
+
+
+def _packed_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
+    w = self.weight
+    if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != w.dtype or not packed_linear_available(w.dtype):
+        return F.linear(x, w, self.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, _current_packed(self), self.bias, "none", [], "")
+
+
+def _is_packed(module: torch.nn.Module) -> bool:
+    return "forward" in vars(module) and getattr(module.forward, "__func__", None) is _packed_forward
+
+
+def pack_linears(model: torch.nn.Module, rows_hint: int = 32) -> int:
+    """Switch every ``torch.nn.Linear`` of ``model`` with a float32/bfloat16 CPU weight to the packed
+    forward (module docstring); ``rows_hint``: the typical rows of a call (the decode batch), which
+    oneDNN may use to choose its blocking (any number of rows is computed correctly). Returns how
+    many modules were switched (none whose dtype :func:`packed_linear_available` refuses)."""
+    switched = 0
+    for module in model.modules():
+        if type(module) is not torch.nn.Linear:  # subclasses may compute something else
+            continue
+        w = module.weight
+        if w.device.type != "cpu" or w.dim() != 2 or not packed_linear_available(w.dtype):
+            continue
+        module._fr_rows_hint = int(rows_hint)
+        module._fr_packed = (None, None, None)
+        module.forward = types.MethodType(_packed_forward, module)
+        switched += 1
+    return switched
+
+
+def refresh_packed(model: torch.nn.Module) -> int:
+    """Pack now every switched module whose weight changed since its copy was made (a forward would
+    do it at its first call; the engine calls this right after loading weights, so the cost is
+    counted as part of the weight load). Returns how many copies were made."""
+    made = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if _is_packed(module):
+                before = module._fr_packed[2]
+                made += _current_packed(module) is not before
+    return made
+
+
+def unpack_linears(model: torch.nn.Module) -> int:
+    """Undo :func:`pack_linears` (free the packed copies); returns how many modules were switched back."""
+    switched = 0
+    for module in model.modules():
+        if _is_packed(module):
+            del module.forward
+            for name in ("_fr_rows_hint", "_fr_packed"):
+                vars(module).pop(name, None)
+            switched += 1
+    return switched
