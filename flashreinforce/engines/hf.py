@@ -24,8 +24,9 @@ in buffers sized once per call for its longest request (:mod:`flashreinforce.eng
 a decode step writes its own token instead of copying the cache so far, as transformers'
 ``DynamicCache`` does by concatenation; ``"dynamic"`` keeps transformers' cache.
 
-Linear layers on a CPU: by default (``linear_kernel="auto"``) every ``torch.nn.Linear`` of an engine
-on the CPU multiplies by a copy of its weight packed once per version in oneDNN's blocked layout
+Linear layers on a CPU: where the decode steps are the model's forward (below), by default
+(``linear_kernel="auto"``) every ``torch.nn.Linear`` of an engine on the CPU multiplies by a copy of
+its weight packed once per version in oneDNN's blocked layout
 (:mod:`flashreinforce.engines.packed_linear`), instead of ``F.linear`` reorganizing the weight at
 every call; ``"torch"`` keeps ``F.linear``. A GPU engine always uses ``F.linear``.
 
