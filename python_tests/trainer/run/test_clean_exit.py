@@ -47,7 +47,9 @@ def test_a_stopping_worker_leaves_a_long_generation_within_a_few_decode_steps(in
         if len(forwards) == 3:
             stop.set()  # the run stops while the worker is 3 decode steps into a 400-token generation
 
-    model.register_forward_hook(count)
+    # The embedding runs once per forward and once per decode step, whether the step is the model's
+    # forward or the engine's own fast decode step.
+    model.model.embed_tokens.register_forward_hook(count)
     with pytest.raises(Exception) as raised:
         worker.run_tickets([Ticket(0, 0, 1), Ticket(1, 1, 1)], stop)
     assert type(raised.value).__name__ == "_Stopped"
