@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashreinforce.engines.packed_linear import packed_linear_available
+from flashreinforce.engines.packed_linear import pack_weight, packed_linear_available, packed_matmul
 
 __all__ = ["SUPPORTED_MODELS", "FastDecoder", "unsupported_reason"]
 
@@ -74,14 +74,6 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _pack(weight: Tensor, rows_hint: int) -> Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows_hint)
-
-
-def _linear(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def _cat_bias(*linears: torch.nn.Linear) -> Tensor | None:
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
@@ -92,7 +84,8 @@ def _cat_bias(*linears: torch.nn.Linear) -> Tensor | None:
 
 @dataclass
 class _Layer:
-    """One decoder layer's fused, packed weights and the modules they came from."""
+    """One decoder layer's fused weights, packed by :func:`pack_weight`, and their biases (``None``: no
+    bias)."""
     qkv: Tensor
     qkv_bias: Tensor | None
     o: Tensor
@@ -149,11 +142,11 @@ class FastDecoder:
                 qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
                 gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
                 layers.append(_Layer(
-                    qkv=_pack(qkv, h), qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    o=_pack(a.o_proj.weight.detach(), h), o_bias=_cat_bias(a.o_proj),
-                    gate_up=_pack(gate_up, h), gate_up_bias=_cat_bias(m.gate_proj, m.up_proj),
-                    down=_pack(m.down_proj.weight.detach(), h), down_bias=_cat_bias(m.down_proj)))
-            self._lm_head = _pack(self.model.lm_head.weight.detach(), h)
+                    qkv=pack_weight(qkv, h), qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    o=pack_weight(a.o_proj.weight.detach(), h), o_bias=_cat_bias(a.o_proj),
+                    gate_up=pack_weight(gate_up, h), gate_up_bias=_cat_bias(m.gate_proj, m.up_proj),
+                    down=pack_weight(m.down_proj.weight.detach(), h), down_bias=_cat_bias(m.down_proj)))
+            self._lm_head = pack_weight(self.model.lm_head.weight.detach(), h)
         self._lm_head_bias = _cat_bias(self.model.lm_head)
         self._layers = layers
         self._key = key
@@ -172,9 +165,10 @@ class FastDecoder:
         ``tokens [b]`` (int64): each request's newest token; ``mask [b, L]`` (0/1): which of the
         ``L`` positions (the cache's so far and this token's) each request attends to;
         ``positions [b, 1]`` (int64): the new token's position; ``cache``: the preallocated cache the
-        prefill filled (its layers receive this step's keys and values).
+        prefill filled (its layers receive this step's keys and values). The packed weights are those
+        of the last :meth:`refresh` (the engine refreshes after every weight load and before every
+        generation, not at each step: the check walks every parameter).
         """
-        self.refresh()
         b = tokens.shape[0]
         d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
         groups = heads // kv_heads
@@ -189,7 +183,7 @@ class FastDecoder:
         qk_width = (heads + kv_heads) * d
         for layer, w, cache_layer in zip(self.inner.layers, self._layers, cache.layers):
             h = self._rms_norm(x, layer.input_layernorm)
-            qkv = _linear(h, w.qkv, w.qkv_bias)
+            qkv = packed_matmul(h, w.qkv, w.qkv_bias)
             qk = qkv[:, :qk_width].view(b, heads + kv_heads, d)
             swapped = qk.view(b, heads + kv_heads, 2, half).flip(2).view(b, heads + kv_heads, d)
             qk = torch.addcmul(qk * cos, swapped, sin_signed)
@@ -198,10 +192,10 @@ class FastDecoder:
             v = qkv[:, qk_width:].reshape(b, kv_heads, 1, d)
             keys, values = cache_layer.update(k, v)
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=additive, scale=self.scaling)
-            x = x + _linear(attn.reshape(b, heads * d), w.o, w.o_bias)
+            x = x + packed_matmul(attn.reshape(b, heads * d), w.o, w.o_bias)
             h = self._rms_norm(x, layer.post_attention_layernorm)
-            gate_up = _linear(h, w.gate_up, w.gate_up_bias)
+            gate_up = packed_matmul(h, w.gate_up, w.gate_up_bias)
             act = layer.mlp.act_fn(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
-            x = x + _linear(act, w.down, w.down_bias)
+            x = x + packed_matmul(act, w.down, w.down_bias)
         x = self._rms_norm(x, self.inner.norm)
-        return _linear(x, self._lm_head, self._lm_head_bias)
+        return packed_matmul(x, self._lm_head, self._lm_head_bias)

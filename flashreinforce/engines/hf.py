@@ -296,6 +296,8 @@ class HFEngine(RolloutEngine):
         cache = preallocated_cache(self.model, context + steps) if self.kv_cache == "preallocated" else None
         self.kv_cache_in_use = "dynamic" if cache is None else "preallocated"
         fast = self._fast if cache is not None else None
+        if fast is not None:  # weights changed in place outside load_weights are packed again here
+            fast.refresh()
         if cache is None:
             cache = dynamic_cache(self.model)
         if shared:

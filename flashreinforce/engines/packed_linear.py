@@ -30,10 +30,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PACKED_DTYPES", "pack_linears", "packed_linear_available", "refresh_packed", "unpack_linears"]
+__all__ = ["PACKED_DTYPES", "pack_linears", "pack_weight", "packed_linear_available", "packed_matmul", "refresh_packed",
+           "unpack_linears"]
 
 #: Weight dtypes the packed path takes (others keep ``F.linear``).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_weight(weight: Tensor, rows_hint: int) -> Tensor:
+    """``weight [out, in]`` (float32/bfloat16, CPU, no autograd history needed) copied into oneDNN's
+    blocked layout for :func:`packed_matmul`; ``rows_hint``: the typical rows of a product (oneDNN may
+    choose its blocking by it; any row count is computed correctly)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), int(rows_hint))
+
+
+def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+    """``x [..., in] @ W.T + bias`` with ``packed`` from :func:`pack_weight` (``x`` of the weight's
+    dtype, on the CPU, autograd off): ``[..., out]``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,8 +63,7 @@ def packed_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         b = torch.randn(24, generator=g).to(dtype)
         x = torch.randn(3, 5, 40, generator=g).to(dtype)
         with torch.no_grad():
-            y = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, 8), b,
-                                                   "none", [], "")
+            y = packed_matmul(x, pack_weight(w, 8), b)
         tol = 1e-4 if dtype == torch.float32 else 5e-2
         return bool(torch.allclose(y.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol))
     except (AttributeError, RuntimeError, NotImplementedError):
@@ -64,7 +77,7 @@ def _current_packed(module: torch.nn.Linear) -> Tensor:
     # register the weight a second time as a parameter of its own.
     packed_of, version, packed = module._fr_packed
     if packed_of is not w or version != w._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), module._fr_rows_hint)
+        packed = pack_weight(w, module._fr_rows_hint)
         module._fr_packed = (w, w._version, packed)
     return packed
 
@@ -73,7 +86,7 @@ def _packed_forward(self: torch.nn.Linear, x: Tensor) -> Tensor:
     w = self.weight
     if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != w.dtype or not packed_linear_available(w.dtype):
         return F.linear(x, w, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, _current_packed(self), self.bias, "none", [], "")
+    return packed_matmul(x, _current_packed(self), self.bias)
 
 
 def _is_packed(module: torch.nn.Module) -> bool:

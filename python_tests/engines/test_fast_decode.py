@@ -82,6 +82,19 @@ def test_new_weights_reach_the_fast_decoder_with_the_load():
         assert g.token_ids == w.token_ids and g.log_probs == pytest.approx(w.log_probs, abs=2e-5)
 
 
+def test_weights_changed_in_place_are_packed_again_at_the_next_generation():
+    engine = HFEngine(model_of("llama", seed=0), dtype="float32")
+    params = SamplingParams(temperature=1.0)
+    engine.generate(requests(2), params)
+    with torch.no_grad():  # outside load_weights: only the version counters move
+        engine.model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        engine.model.lm_head.weight.mul_(0.5)
+    reference = HFEngine(copy.deepcopy(engine.model), dtype="float32", fast_decode=False)
+    got, want = engine.generate(requests(3), params), reference.generate(requests(3), params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids and g.log_probs == pytest.approx(w.log_probs, abs=2e-5)
+
+
 def test_models_it_does_not_know_decode_with_their_own_forward():
     assert "is not one of" in unsupported_reason(model_of("gpt2"))
     sliding = model_of("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
