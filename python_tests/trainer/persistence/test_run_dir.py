@@ -159,7 +159,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
-        _wait_for(lambda: lines.append(proc.stderr.readline()) or "building the environment" in lines[-1],
+        _wait_for(lambda: lines.append(proc.stderr.readline()) or lines[-1].strip() == "building the environment",
                   "the environment's construction", proc=proc)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=600)
