@@ -159,6 +159,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
+        # The environment's own line, exactly: the trainer's log line "... building the environments ..."
+        # comes first, and a signal sent on it could arrive after the trainer took over SIGINT.
         _wait_for(lambda: lines.append(proc.stderr.readline()) or lines[-1].strip() == "building the environment",
                   "the environment's construction", proc=proc)
         proc.send_signal(signal.SIGINT)
