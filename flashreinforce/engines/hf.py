@@ -60,7 +60,8 @@ from flashreinforce.engines.kv_cache import dynamic_cache, preallocated_cache
 from flashreinforce.engines.packed_linear import pack_linears, refresh_packed
 from flashreinforce.engines.registry import EngineKind
 
-__all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "sample_tokens", "sampling_log_probs"]
+__all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "SamplingWorkspace", "sample_tokens",
+           "sampling_log_probs"]
 
 #: The KV caches :class:`HFEngine` can use (see the module docstring).
 KV_CACHES = ("preallocated", "dynamic")
@@ -96,17 +97,48 @@ def sampling_log_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     return torch.log_softmax(scores, dim=-1)
 
 
-def sample_tokens(log_probs: Tensor, uniforms: Tensor) -> Tensor:
+class SamplingWorkspace:
+    """Buffers of :func:`sample_tokens` for one generate call: the probabilities ``[rows, V]`` in the
+    log-probabilities' dtype and their float64 CDF, allocated at the first step and reused (as views
+    of their first rows) while the batch shrinks.
+
+    On a CPU the two are fresh allocations of several MiB at every step without it (a SmolLM2 step at
+    32 requests: 6 and 12 MiB), and the allocator hands such blocks back to the system and faults
+    them in again, which cost about as much as the arithmetic: sampling took 12-14 ms of a 150-165 ms
+    decode step, against 3-5 ms with the buffers reused (``docs/performance.md``).
+    """
+
+    def __init__(self) -> None:
+        self._probs: Tensor | None = None
+        self._cdf: Tensor | None = None
+
+    def buffers(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        """``(probs, cdf)`` views shaped like ``like [b, V]`` (its dtype and float64, its device)."""
+        b, v = like.shape
+        p = self._probs
+        if p is None or p.shape[0] < b or p.shape[1] != v or p.dtype != like.dtype or p.device != like.device:
+            self._probs = torch.empty((b, v), dtype=like.dtype, device=like.device)
+            self._cdf = torch.empty((b, v), dtype=torch.float64, device=like.device)
+        return self._probs[:b], self._cdf[:b]
+
+
+def sample_tokens(log_probs: Tensor, uniforms: Tensor, workspace: SamplingWorkspace | None = None) -> Tensor:
     """One token per row ``[b]`` (int64) drawn from ``log_probs [b, V]`` by inverting its CDF at
     ``uniforms [b]`` (float64 in [0, 1), on the same device).
 
     The probabilities are exponentiated in the log-probabilities' dtype (float32: vectorized, where
-    float64's exponential costs several times more at a vocabulary's width) and accumulated in float64.
-    A token of probability 0 is never drawn: the chosen index is the first whose cumulative mass
-    exceeds ``u`` times the row's total, kept strictly below the total.
+    float64's exponential costs several times more at a vocabulary's width) and accumulated in float64,
+    left to right. A token of probability 0 is never drawn: the chosen index is the first whose
+    cumulative mass exceeds ``u`` times the row's total, kept strictly below the total. ``workspace``
+    (one per generate call) holds the two ``[b, V]`` buffers between steps; the tokens are the same
+    with or without it.
     """
-    probs = log_probs.exp().double()
-    cdf = probs.cumsum(dim=-1)
+    if workspace is None:
+        cdf = log_probs.exp().double().cumsum_(dim=-1)
+    else:
+        probs, cdf = workspace.buffers(log_probs)
+        torch.exp(log_probs, out=probs)
+        cdf.copy_(probs).cumsum_(dim=-1)
     total = cdf[:, -1]
     x = torch.minimum(uniforms.double() * total, torch.nextafter(total, torch.zeros_like(total)))
     index = torch.searchsorted(cdf, x[:, None].contiguous(), right=True)[:, 0]
@@ -307,9 +339,10 @@ class HFEngine(RolloutEngine):
             cache.batch_repeat_interleave(b)
         logits = self._forward(ids, mask, pos, cache)
         live = list(range(b))  # the request of each row of the running batch
+        workspace = SamplingWorkspace()
         for step in range(steps):
             logp = sampling_log_probs(logits, params)
-            tokens = sample_tokens(logp, uniforms[:, step])
+            tokens = sample_tokens(logp, uniforms[:, step], workspace)
             chosen = logp.gather(1, tokens[:, None])[:, 0]
             # One transfer per step: the tokens (exact in float64) and their log-probabilities.
             host_tokens, host_lp = torch.stack([tokens.double(), chosen.double()]).cpu().tolist()

@@ -139,6 +139,23 @@ def test_inverse_cdf_sampling_never_draws_a_removed_token():
     assert sample_tokens(logp[:1], torch.tensor([p1 + 1e-6], dtype=torch.float64)).item() == 2
 
 
+def test_sampling_workspace_draws_the_same_tokens_as_fresh_buffers():
+    from flashreinforce.engines.hf import SamplingWorkspace, sample_tokens
+
+    g = torch.Generator().manual_seed(3)
+    workspace = SamplingWorkspace()
+    # A batch that shrinks (the buffers' first rows are reused) and then grows (they are replaced).
+    for rows in (6, 6, 4, 1, 7):
+        logp = torch.log_softmax(4 * torch.randn(rows, 257, generator=g), -1)
+        logp[0, :100] = float("-inf")  # removed tokens are never drawn, with or without the workspace
+        u = torch.rand(rows, generator=g, dtype=torch.float64)
+        fresh = sample_tokens(logp, u)
+        assert torch.equal(sample_tokens(logp, u, workspace), fresh)
+        assert int(fresh[0]) >= 100
+    probs, cdf = workspace.buffers(torch.zeros(7, 257))
+    assert probs.shape == cdf.shape == (7, 257) and cdf.dtype == torch.float64
+
+
 @pytest.mark.parametrize("fast_decode", [False, True])
 def test_finished_requests_leave_the_batch(fast_decode):
     model = tiny_model(seed=6)
