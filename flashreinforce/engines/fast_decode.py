@@ -19,8 +19,9 @@ fifteen operations per layer:
   (:mod:`flashreinforce.engines.kv_cache`), each query head grouped under its key/value head;
 * the padding mask of the step is built once for all layers.
 
-Only decode steps (one new token per request) use it; the prefill is the model's own forward, and
-both write the same cache. The result agrees with the model's forward to float rounding (tested
+Only decode steps (one new token per request) use it; the prefill is the model's own layers
+(:meth:`FastDecoder.prefill`, with the packed output projection on the last positions), and both
+write the same cache. The result agrees with the model's forward to float rounding (tested
 against it); the engine's recorded log-probabilities are those of the logits computed here.
 
 :meth:`FastDecoder.build` returns ``None``, with the reason in :func:`unsupported_reason`, for any
@@ -151,6 +152,21 @@ class FastDecoder:
         self._layers = layers
         self._key = key
         return True
+
+    def prefill(self, ids: Tensor, mask: Tensor, positions: Tensor, cache, cache_kw: str) -> Tensor:
+        """Logits ``[b, V]`` at the last position of each row of ``ids [b, s]`` (int64; ``mask [b, L]``
+        and ``positions [b, s]`` as for the model's forward), which run through the model's own layers
+        and fill ``cache`` (passed as ``cache_kw``, the model's name for it).
+
+        The output projection multiplies the last positions' hidden states, made contiguous, by its
+        packed weight: the model's own head would multiply the strided slice ``[b, 1, hidden]`` that
+        ``logits_to_keep`` leaves as a batched product with the weight broadcast over the batch, which
+        took about 0.2 s of a 1.4 s prefill of 32 SmolLM2 prompts on 2 cores.
+        """
+        out = self.inner(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{cache_kw: cache})
+        last = out.last_hidden_state[:, -1, :].contiguous()
+        return packed_matmul(last, self._lm_head, self._lm_head_bias)
 
     @staticmethod
     def _rms_norm(x: Tensor, norm: torch.nn.Module) -> Tensor:

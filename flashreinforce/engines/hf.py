@@ -278,7 +278,9 @@ class HFEngine(RolloutEngine):
                 return 0
         return n
 
-    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache) -> Tensor:
+    def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache, fast: FastDecoder | None = None) -> Tensor:
+        if fast is not None:
+            return fast.prefill(ids, mask, pos, cache, self._cache_kw)
         kwargs = {self._cache_kw: cache, "use_cache": True, "attention_mask": mask, "position_ids": pos}
         if self._keep_kw:
             kwargs[self._keep_kw] = 1
@@ -335,9 +337,9 @@ class HFEngine(RolloutEngine):
         if shared:
             prefix = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=self.device).view(1, shared)
             one = torch.ones((1, shared), dtype=torch.long, device=self.device)
-            self._forward(prefix, one, (one.cumsum(-1) - 1), cache)
+            self._forward(prefix, one, (one.cumsum(-1) - 1), cache, fast)
             cache.batch_repeat_interleave(b)
-        logits = self._forward(ids, mask, pos, cache)
+        logits = self._forward(ids, mask, pos, cache, fast)
         live = list(range(b))  # the request of each row of the running batch
         workspace = SamplingWorkspace()
         for step in range(steps):

@@ -160,8 +160,10 @@ def test_sampling_workspace_draws_the_same_tokens_as_fresh_buffers():
 def test_finished_requests_leave_the_batch(fast_decode):
     model = tiny_model(seed=6)
     sizes = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
-                                    with_kwargs=True)
+    # The decoder stack runs every forward, the prefill included (the fast decoder's prefill skips
+    # the model's own head).
+    model.model.register_forward_pre_hook(lambda module, args, kwargs: sizes.append(kwargs["input_ids"].shape[0]),
+                                          with_kwargs=True)
     engine = HFEngine(model, pad_token_id=0, fast_decode=fast_decode)
     assert engine.fast_decode_in_use == fast_decode
     if fast_decode:  # decode steps are the fast decoder's, not the model's forward

@@ -51,7 +51,8 @@ def test_buffers_are_allocated_once_and_compacted_only_when_requests_leave(fast_
         ptr = layer._key_buffer.data_ptr() if layer.is_initialized else None
         seen.append((batch, ptr, layer.get_seq_length()))
 
-    m.register_forward_pre_hook(lambda module, args, kwargs: note(
+    # on the decoder stack, which every forward runs (the fast decoder's prefill skips the model's head)
+    m.model.register_forward_pre_hook(lambda module, args, kwargs: note(
         kwargs["input_ids"].shape[0], kwargs.get("cache", kwargs.get("past_key_values"))), with_kwargs=True)
     engine = HFEngine(m, pad_token_id=0, min_shared_prefix=0, fast_decode=fast_decode)
     assert engine.fast_decode_in_use == fast_decode
