@@ -72,6 +72,13 @@ def test_flags_without_effect_are_recorded_as_inactive_with_reasons():
     assert "dropped" in ppo.inactive["actor.flash_gate_delta"]
 
 
+def test_a_lora_run_at_a_full_fine_tuning_learning_rate_is_warned():
+    slow = parse("--preset", "toy", "--lora.rank", "16", "--actor.adam.lr", "1e-5")
+    assert any("--lora.rank 16 with --actor.adam.lr 1e-05" in w and "2e-4" in w for w in slow.warnings)
+    for argv in (("--lora.rank", "16", "--actor.adam.lr", "2e-4"), ("--actor.adam.lr", "1e-5")):
+        assert not any("lora" in w for w in parse("--preset", "toy", *argv).warnings), argv
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--fsdp.tp_size", "4"], "fsdp.tp_size"),
     (["--train.max_epochs", "2"], "train.max_epochs"),
