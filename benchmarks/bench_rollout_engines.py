@@ -35,6 +35,12 @@ after each row, and each row uses the higher of the two readings: on a machine s
 tenants the yardsticks move from minute to minute, and the higher reading gives the lower, safer
 fraction. The readings are printed with the row.
 
+``--breakdown`` adds, for each hf engine that decodes with its fast step, one more call per row in
+which the step's parts are timed by wrappers around them (no profiler: its per-operation overhead
+would dwarf the small operations): the packed products, attention, RMS norms, the processed
+log-probabilities, sampling, and the rest of the step, in milliseconds per decode step (the products
+include the prefill's one output projection, spread over the steps).
+
 ``--hf-kernels`` runs the hf engine once per choice, one after the other in this process: ``default``
 (its defaults: on a CPU, the fast decode step of ``engines/fast_decode.py`` where the model has one),
 ``packed`` (the model's forward with packed linear weights) and ``torch`` (the model's forward with
@@ -44,6 +50,7 @@ fraction. The readings are printed with the row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -82,6 +89,46 @@ def decode_floor(num_params: int, weight_bytes: int, kv_per_token: int, requests
     memory = (weight_bytes + requests * mean_context * kv_per_token) / bandwidth
     compute = requests * 2 * num_params / peak
     return max(memory, compute)
+
+
+@contextlib.contextmanager
+def timed_decode_parts(acc: dict[str, float]):
+    """Within the block, adds the seconds spent in each part of the hf engine's fast decode step and
+    sampling to ``acc`` (keys: ``products``, ``attention``, ``rms_norm``, ``log_probs``, ``sampling``,
+    ``step``: the whole fast step, products, attention and norms included)."""
+    import types
+
+    import torch.nn.functional as F
+
+    import flashreinforce.engines.fast_decode as fast_decode
+    import flashreinforce.engines.hf as hf
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
+
+    functional = types.ModuleType("timed_functional")
+    functional.__dict__.update(F.__dict__)
+    functional.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention)
+    functional.rms_norm = timed("rms_norm", F.rms_norm)
+    saved = [(fast_decode, "F", F), (fast_decode, "packed_matmul", fast_decode.packed_matmul),
+             (hf, "sample_tokens", hf.sample_tokens), (hf, "sampling_log_probs", hf.sampling_log_probs),
+             (fast_decode.FastDecoder, "step", fast_decode.FastDecoder.step)]
+    fast_decode.F = functional
+    fast_decode.packed_matmul = timed("products", fast_decode.packed_matmul)
+    hf.sample_tokens = timed("sampling", hf.sample_tokens)
+    hf.sampling_log_probs = timed("log_probs", hf.sampling_log_probs)
+    fast_decode.FastDecoder.step = timed("step", fast_decode.FastDecoder.step)
+    try:
+        yield acc
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def perturbed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
@@ -126,6 +173,8 @@ def main() -> None:
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: no compilation (faster start)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--threads", type=int, default=None, help="torch threads of this process")
+    p.add_argument("--breakdown", action="store_true",
+                   help="hf engine with its fast decode step: one more call per row with the step's parts timed")
     p.add_argument("--hf-kernels", nargs="+", default=["default"], choices=sorted(HF_KERNELS),
                    help="run the hf engine once per choice, one after the other: default (its defaults), packed "
                         "(the model's forward with packed linear weights), torch (the model's forward, F.linear)")
@@ -172,7 +221,7 @@ def main() -> None:
     from flashreinforce.engines import GenerationRequest, SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=())
-    starts, syncs, rows = [], [], []
+    starts, syncs, rows, breakdowns = [], [], [], []
     from flashreinforce.engines import engine_kind
 
     runs = [(kind, k) for kind in args.engines for k in (args.hf_kernels if kind == "hf" else [None])]
@@ -226,6 +275,19 @@ def main() -> None:
                     rows.append([kind, str(n), str(new_tokens), f"{rate:.0f}", f"{floor:.0f}", f"{rate / floor:.2f}",
                                  f"{prefill:.2f}", f"{step * 1e3:.1f}", f"{floor_step * 1e3:.1f}",
                                  f"{floor_step / step:.2f}", f"{bw / 1e9:.1f} / {pk / 1e9:.0f}"])
+                    if args.breakdown and getattr(engine, "fast_decode_in_use", False):
+                        acc: dict[str, float] = {}
+                        with timed_decode_parts(acc):
+                            t1 = time.perf_counter()
+                            engine.generate(reqs, params)
+                            timed_call = time.perf_counter() - t1
+                        steps = max(new_tokens - 1, 1)
+                        ms = {k: v / steps * 1e3 for k, v in acc.items()}
+                        other = ms["step"] - ms["products"] - ms["attention"] - ms.get("rms_norm", 0.0)
+                        breakdowns.append([kind, str(n), str(new_tokens), f"{(timed_call - prefill) / steps * 1e3:.1f}",
+                                           f"{ms['products']:.1f}", f"{ms['attention']:.1f}",
+                                           f"{ms.get('rms_norm', 0.0):.1f}", f"{other:.1f}",
+                                           f"{ms['log_probs']:.1f}", f"{ms['sampling']:.1f}"])
                     print(f"  {kind}: {n} requests x {new_tokens} tokens: {rate:.0f} tokens/s "
                           f"(floor {floor:.0f}, {rate / floor:.2f}); prefill {prefill:.2f} s, decode step "
                           f"{step * 1e3:.1f} ms against a floor of {floor_step * 1e3:.1f} ms ({floor_step / step:.2f}); "
@@ -238,6 +300,10 @@ def main() -> None:
     print_table(f"Rollout throughput ({args.dtype}, temperature 1, no stop token)",
                 ["engine", "requests", "new tokens", "tokens/s", "floor tokens/s", "call, of floor", "prefill s",
                  "decode step ms", "floor step ms", "step, of floor", "GB/s / GFLOP/s"], rows)
+    if breakdowns:
+        print_table("Where a decode step goes (ms per step; the timed call's step, then its parts)",
+                    ["engine", "requests", "new tokens", "decode step", "products", "attention", "RMS norms",
+                     "rest of the fast step", "log-probs", "sampling"], breakdowns)
 
 
 if __name__ == "__main__":
