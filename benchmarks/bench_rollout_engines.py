@@ -290,7 +290,8 @@ def main() -> None:
                                            f"{ms['log_probs']:.1f}", f"{ms['sampling']:.1f}"])
                     print(f"  {kind}: {n} requests x {new_tokens} tokens: {rate:.0f} tokens/s "
                           f"(floor {floor:.0f}, {rate / floor:.2f}); prefill {prefill:.2f} s, decode step "
-                          f"{step * 1e3:.1f} ms against a floor of {floor_step * 1e3:.1f} ms ({floor_step / step:.2f}); "
+                          f"{step * 1e3:.1f} ms against a floor of {floor_step * 1e3:.1f} ms "
+                          f"({floor_step / step:.2f}); "
                           f"copy {bw / 1e9:.1f} GB/s, peak {pk / 1e9:.0f} GFLOP/s", flush=True)
         finally:
             engine.close()
