@@ -42,7 +42,8 @@ log-probabilities, sampling, and the rest of the step, in milliseconds per decod
 include the prefill's one output projection, spread over the steps).
 
 ``--hf-kernels`` runs the hf engine once per choice, one after the other in this process: ``default``
-(its defaults: on a CPU, the fast decode step of ``engines/fast_decode.py`` where the model has one),
+(its defaults: on a CPU, the fast decode step of ``engines/fast_decode.py`` where the model has one,
+with the compiled decode attention), ``sdpa`` (the same step with PyTorch's SDPA attention),
 ``packed`` (the model's forward with packed linear weights) and ``torch`` (the model's forward with
 ``F.linear``, the engine before either existed).
 """
@@ -117,10 +118,12 @@ def timed_decode_parts(acc: dict[str, float]):
     functional.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention)
     functional.rms_norm = timed("rms_norm", F.rms_norm)
     saved = [(fast_decode, "F", F), (fast_decode, "packed_matmul", fast_decode.packed_matmul),
+             (fast_decode, "fused_decode_attention", fast_decode.fused_decode_attention),
              (hf, "sample_tokens", hf.sample_tokens), (hf, "sampling_log_probs", hf.sampling_log_probs),
              (fast_decode.FastDecoder, "step", fast_decode.FastDecoder.step)]
     fast_decode.F = functional
     fast_decode.packed_matmul = timed("products", fast_decode.packed_matmul)
+    fast_decode.fused_decode_attention = timed("attention", fast_decode.fused_decode_attention)
     hf.sample_tokens = timed("sampling", hf.sample_tokens)
     hf.sampling_log_probs = timed("log_probs", hf.sampling_log_probs)
     fast_decode.FastDecoder.step = timed("step", fast_decode.FastDecoder.step)
@@ -139,6 +142,7 @@ def perturbed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tens
 
 #: ``--hf-kernels`` choices: the hf engine's options for each.
 HF_KERNELS = {"default": {},
+              "sdpa": {"attention_kernel": "sdpa"},
               "packed": {"fast_decode": False, "linear_kernel": "packed"},
               "torch": {"fast_decode": False, "linear_kernel": "torch"}}
 
@@ -236,8 +240,9 @@ def main() -> None:
                              checkpoint, max(args.requests), max_len, device, hf_kernels or "default")
         start = time.perf_counter() - t0
         if kind == "hf":
-            decode = "fast decode" if engine.fast_decode_in_use else "model forward"
-            kind = f"hf ({decode}, {engine.linear_kernel_in_use} linear)"
+            decode = (f"fast decode, {engine.attention_kernel_in_use} attention" if engine.fast_decode_in_use
+                      else f"model forward, {engine.linear_kernel_in_use} linear")
+            kind = f"hf ({decode})"
         try:
             t_sync = []
             for r in range(1 + args.sync_repeats):

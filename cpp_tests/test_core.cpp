@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "flashreinforce/core.h"
+#include "flashreinforce/decode_attention.h"
 #include "flashreinforce/token_math.h"
 
 #if defined(FR_HAVE_QUADMATH)
@@ -330,6 +331,122 @@ static void usage(const char* program) {
                program);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decode attention (flashreinforce/decode_attention.h) against a double computation, on a random
+// case: strided queries, a cache buffer longer than the length read, masked positions (and, with
+// `empty_request`, one request with none attended), float32 or bfloat16 storage, 1 and 2 threads.
+static void check_decode_attention(std::mt19937_64& rng, DType dtype, int64_t B, int64_t H, int64_t G, int64_t D,
+                                   int64_t L, bool empty_request) {
+  const bool bf16 = dtype == DType::kBFloat16;
+  g_case = "decode attention " + std::string(bf16 ? "bf16" : "f32") + " B" + std::to_string(B) + " H" +
+           std::to_string(H) + " G" + std::to_string(G) + " D" + std::to_string(D) + " L" + std::to_string(L);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<double> u(0, 1);
+  const int64_t cap = L + 3, q_group = D + 5;  // cache capacity beyond L; padded query rows
+  const int64_t q_head = G * q_group, q_batch = H * q_head + 7;
+  const int64_t kv_pos = D, kv_head = cap * D, kv_batch = H * kv_head;
+  const int64_t mask_batch = L + 2;
+  // Values stored in the dtype, and the doubles they represent.
+  auto fill = [&](int64_t n, std::vector<uint16_t>& bits, std::vector<float>& f32, std::vector<double>& exact) {
+    bits.assign(n, 0), f32.assign(n, 0.0f), exact.assign(n, 0.0);
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = normal(rng);
+      if (bf16) {
+        bits[i] = math::float_to_bf16(x);
+        exact[i] = math::bf16_to_float(bits[i]);
+      } else {
+        f32[i] = x;
+        exact[i] = x;
+      }
+    }
+  };
+  std::vector<uint16_t> qb, kb, vb;
+  std::vector<float> qf, kf, vf;
+  std::vector<double> qx, kx, vx;
+  fill(B * q_batch, qb, qf, qx);
+  fill(B * kv_batch, kb, kf, kx);
+  fill(B * kv_batch, vb, vf, vx);
+  std::vector<uint8_t> mask(B * mask_batch, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < L; ++j) mask[b * mask_batch + j] = u(rng) < 0.8 ? 1 : 0;
+    mask[b * mask_batch + L - 1] = 1;  // this step's own token
+    if (empty_request && b == B / 2) std::fill(mask.begin() + b * mask_batch, mask.begin() + b * mask_batch + L, 0);
+  }
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+  DecodeAttentionParams p;
+  p.dtype = dtype;
+  p.batch = B, p.kv_heads = H, p.groups = G, p.head_dim = D, p.length = L, p.scale = scale;
+  p.q = bf16 ? static_cast<const void*>(qb.data()) : qf.data();
+  p.k = bf16 ? static_cast<const void*>(kb.data()) : kf.data();
+  p.v = bf16 ? static_cast<const void*>(vb.data()) : vf.data();
+  p.q_stride_batch = q_batch, p.q_stride_head = q_head, p.q_stride_group = q_group;
+  p.k_stride_batch = p.v_stride_batch = kv_batch;
+  p.k_stride_head = p.v_stride_head = kv_head;
+  p.k_stride_pos = p.v_stride_pos = kv_pos;
+  p.mask = mask.data(), p.mask_stride_batch = mask_batch;
+  const int64_t n_out = B * H * G * D;
+  std::vector<uint16_t> out_bits[2];
+  std::vector<float> out_f32[2];
+  for (int t = 0; t < 2; ++t) {
+    out_bits[t].assign(n_out, 0xffff), out_f32[t].assign(n_out, NAN);
+    p.out = bf16 ? static_cast<void*>(out_bits[t].data()) : out_f32[t].data();
+    CHECK(std::string(decode_attention_check(p)).empty());
+    decode_attention_cpu(p, t + 1);
+  }
+  CHECK(out_bits[0] == out_bits[1]);
+  CHECK(std::memcmp(out_f32[0].data(), out_f32[1].data(), n_out * sizeof(float)) == 0);
+  // float32 scores, softmax and sums: within 1e-5 of the absolute mass sum_j p_j |v_j| (bfloat16
+  // output: plus its own rounding, 2^-9 relative).
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        std::vector<double> sc(L, -INFINITY);
+        double mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) {
+          if (!mask[b * mask_batch + j]) continue;
+          double dot = 0;
+          for (int64_t d = 0; d < D; ++d) {
+            dot += qx[b * q_batch + h * q_head + g * q_group + d] * kx[b * kv_batch + h * kv_head + j * kv_pos + d];
+          }
+          sc[j] = dot * scale;
+          mx = std::max(mx, sc[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < L; ++j) sum += std::isfinite(sc[j]) ? std::exp(sc[j] - mx) : 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          double want = 0, mass = 0;
+          for (int64_t j = 0; j < L; ++j) {
+            if (!std::isfinite(sc[j])) continue;
+            const double w = std::exp(sc[j] - mx) / sum * vx[b * kv_batch + h * kv_head + j * kv_pos + d];
+            want += w;
+            mass += std::fabs(w);
+          }
+          const int64_t o = ((b * H + h) * G + g) * D + d;
+          const double got = bf16 ? math::bf16_to_float(out_bits[0][o]) : out_f32[0][o];
+          if (!std::isfinite(mx)) {  // no attended position: zeros
+            CHECK(got == 0.0);
+            continue;
+          }
+          const double tol = 1e-5 * mass + (bf16 ? std::ldexp(std::fabs(want), -8) : 0.0);
+          CHECK(std::fabs(got - want) <= tol);
+        }
+      }
+    }
+  }
+  // The structural check names what is wrong.
+  DecodeAttentionParams bad = p;
+  bad.dtype = DType::kFloat64;
+  CHECK(std::string(decode_attention_check(bad)).find("dtype") != std::string::npos);
+  if (L > 1) {  // a single position has no stride to check
+    bad = p;
+    bad.k_stride_pos = D - 1;
+    CHECK(std::string(decode_attention_check(bad)).find("k_stride_pos") != std::string::npos);
+  }
+  bad = p;
+  bad.mask = nullptr;
+  CHECK(std::string(decode_attention_check(bad)).find("null") != std::string::npos);
+}
+
 // test_core [--seed SEED | SEED]: the random cases come from SEED, else from the environment variable
 // FR_TEST_SEED (as in the Python tests; ctest passes it through), else from a fresh seed. The seed and
 // the command that replays it are printed at the start and again on failure, and the generator's next
@@ -617,6 +734,17 @@ int main(int argc, char** argv) {
     CHECK(math::bf16_to_float(math::float_to_bf16(1.0f)) == 1.0f);
     CHECK(math::entropy_key(-0.0f) == math::entropy_key(0.0f));
     CHECK(math::entropy_key(-1.0f) < math::entropy_key(0.5f));
+  }
+
+  // Decode attention: register-wide head dimensions (the blocked path) and others (plain loops),
+  // groups below, at and above the four queries scored together, lengths from one position to a
+  // few register blocks and beyond, and a request with no attended position.
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    check_decode_attention(rng, dtype, 3, 2, 3, 64, 37, false);
+    check_decode_attention(rng, dtype, 2, 1, 1, 16, 1, false);
+    check_decode_attention(rng, dtype, 4, 3, 5, 128, 70, true);
+    check_decode_attention(rng, dtype, 2, 2, 7, 40, 19, false);
+    check_decode_attention(rng, dtype, 1, 2, 4, 32, 16 + static_cast<int64_t>(rng() % 200), false);
   }
 
   std::printf("seed %llu: next draw after the random cases %016llx\n", shown,

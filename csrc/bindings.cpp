@@ -1,4 +1,5 @@
-// pybind11 bindings of the fused loss: the only place where Python meets the core.
+// pybind11 bindings of the fused loss and the CPU decode attention: the only place where Python meets
+// the core.
 //
 // flashreinforce/ops/fused.py validates every argument of the objective (with the rules of
 // flashreinforce/ops/contract.py, shared with the pure-PyTorch reference), allocates the outputs
@@ -16,11 +17,13 @@
 // header is included, so one build serves any PyTorch release.
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
 #include "flashreinforce/core.h"
+#include "flashreinforce/decode_attention.h"
 
 namespace py = pybind11;
 using namespace flashreinforce;
@@ -169,10 +172,58 @@ py::tuple loss_forward(const py::dict& views, const py::dict& options, const py:
   return py::make_tuple(static_cast<int>(e.code), e.index);
 }
 
+// decode_attention(args): flashreinforce/engines/decode_attention.py validates the tensors (device,
+// dtypes, shapes, extents) and passes one dict: dtype (str), the sizes batch, kv_heads, groups,
+// head_dim, length, scale, num_threads, the pointers q, k, v, mask, out (int), and the element
+// strides q_strides (batch, head, group), k_strides and v_strides (batch, head, position) and
+// mask_stride_batch. The core's structural check (decode_attention_check) is raised as
+// ValueError naming the field; the computation runs without the GIL.
+void decode_attention(const py::dict& args) {
+  DecodeAttentionParams p;
+  const std::string dtype = args["dtype"].cast<std::string>();
+  if (dtype == "float32") {
+    p.dtype = DType::kFloat32;
+  } else if (dtype == "bfloat16") {
+    p.dtype = DType::kBFloat16;
+  } else {
+    throw py::value_error("flashreinforce._C.decode_attention: dtype must be float32 or bfloat16, got " + dtype);
+  }
+  p.batch = args["batch"].cast<int64_t>();
+  p.kv_heads = args["kv_heads"].cast<int64_t>();
+  p.groups = args["groups"].cast<int64_t>();
+  p.head_dim = args["head_dim"].cast<int64_t>();
+  p.length = args["length"].cast<int64_t>();
+  p.scale = args["scale"].cast<float>();
+  const auto ptr = [&](const char* name) { return reinterpret_cast<void*>(args[name].cast<uintptr_t>()); };
+  p.q = ptr("q");
+  p.k = ptr("k");
+  p.v = ptr("v");
+  p.mask = static_cast<const uint8_t*>(ptr("mask"));
+  p.out = ptr("out");
+  const auto strides = [&](const char* name) {
+    const auto t = args[name].cast<py::tuple>();
+    if (t.size() != 3) {
+      throw py::value_error(std::string("flashreinforce._C.decode_attention: ") + name + " needs 3 strides");
+    }
+    return std::array<int64_t, 3>{t[0].cast<int64_t>(), t[1].cast<int64_t>(), t[2].cast<int64_t>()};
+  };
+  const auto qs = strides("q_strides"), ks = strides("k_strides"), vs = strides("v_strides");
+  p.q_stride_batch = qs[0], p.q_stride_head = qs[1], p.q_stride_group = qs[2];
+  p.k_stride_batch = ks[0], p.k_stride_head = ks[1], p.k_stride_pos = ks[2];
+  p.v_stride_batch = vs[0], p.v_stride_head = vs[1], p.v_stride_pos = vs[2];
+  p.mask_stride_batch = args["mask_stride_batch"].cast<int64_t>();
+  const int num_threads = args["num_threads"].cast<int>();
+  const std::string problem = decode_attention_check(p);
+  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_attention: " + problem);
+  py::gil_scoped_release release;
+  decode_attention_cpu(p, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "Compiled core of the fused FlashREINFORCE loss (CPU path, and CUDA when built with it).";
+  m.doc() = "Compiled core of FlashREINFORCE: the fused loss (CPU path, and CUDA when built with it) and the CPU "
+            "decode-step attention of the hf engine.";
 
   m.def("has_cuda", &has_cuda, "Whether the CUDA path was compiled into this module.");
   m.def("cpu_isa", []() { return std::string(cpu::cpu_isa_name()); },
@@ -203,4 +254,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("loss_forward", &loss_forward, py::arg("views"), py::arg("options"), py::arg("launch"),
         "Runs the fused forward (loss, gradient and statistics) into the output views; returns the error "
         "record (code, index), code 0 when the inputs were valid.");
+  m.def("decode_attention", &decode_attention, py::arg("args"),
+        "Decode-step attention of grouped query heads against a key/value cache on the CPU, written into "
+        "args['out'] (flashreinforce/decode_attention.h; called by flashreinforce.engines.decode_attention).");
 }

@@ -88,9 +88,10 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
   }
 }
 
-// Instruction set of the main pass and the filter: the best one compiled in that the CPU supports,
-// or a lower one named by the environment variable FLASHREINFORCE_CPU_ISA (generic, avx2 or avx512;
-// for tests and benchmarks: a name above what the CPU supports, or unknown, gives the best one).
+// Instruction set of the main pass, the filter and the decode attention: the best one compiled in
+// that the CPU supports, or a lower one named by the environment variable FLASHREINFORCE_CPU_ISA
+// (generic, avx2 or avx512; for tests and benchmarks: a name above what the CPU supports, or
+// unknown, gives the best one).
 // This is the only place that decides; the instruction-set files are entered only through the table
 // built here, after the CPU check (main_pass.h).
 enum class Isa { kGeneric, kAvx2, kAvx512 };
@@ -149,6 +150,8 @@ Error make_error(ErrorCode code, int64_t index) {
 }
 
 }  // namespace
+
+const KernelTable& cpu_kernels() { return kernels(); }
 
 // Name of the instruction set the CPU main pass and filter use (float64 log_probs: always generic).
 const char* cpu_isa_name() {

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "flashreinforce/core.h"
+#include "flashreinforce/decode_attention.h"
 #include "flashreinforce/token_math.h"
 #include "flashreinforce/trajectory.h"
 
@@ -75,13 +76,21 @@ using SelectFn = void (*)(const LossParams& p, const std::vector<int64_t>& cu,
 // First policy token with a non-finite entropy, or -1.
 using CheckEntropiesFn = int64_t (*)(const LossParams& p, int num_threads);
 
+// Decode-step attention of one (request, key/value head) task (decode_attention_impl.h), with
+// `scratch` of groups * (2 head_dim + length + 1) + length floats.
+using DecodeAttentionFn = void (*)(const DecodeAttentionParams& p, int64_t task, float* scratch);
+
 // Kernels indexed by the float DType values: main[log_probs][behavior], select[entropies][log_probs],
-// check_entropies[entropies].
+// check_entropies[entropies], decode_attention[q/k/v dtype] (float32 and bfloat16 only).
 struct KernelTable {
   MainChunkFn main[4][4];
   SelectFn select[4][4];
   CheckEntropiesFn check_entropies[4];
+  DecodeAttentionFn decode_attention[4];
 };
+
+// The table of the instruction set chosen for this CPU (loss_cpu.cpp decides, once).
+const KernelTable& cpu_kernels();
 
 // The entry points of the instruction-set files: each writes its kernels into the table. Generic
 // writes every entry; AVX2 and AVX-512 overwrite the entries they specialize (all but the float64

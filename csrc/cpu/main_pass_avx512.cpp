@@ -1,8 +1,9 @@
-// Main pass and filter compiled with AVX-512 (F/BW/DQ/VL) + FMA (float32-compute dtypes).
+// Main pass, filter and decode attention compiled with AVX-512 (F/BW/DQ/VL) + FMA (float32-compute dtypes).
 // Its one external symbol is isa_avx512::fill_kernels (see main_pass.h).
 #define FR_ISA_NAMESPACE isa_avx512
 #include "filter_impl.h"
 #include "main_pass_impl.h"
+#include "decode_attention_impl.h"
 
 namespace flashreinforce {
 namespace cpu {
@@ -11,6 +12,7 @@ namespace isa_avx512 {
 void fill_kernels(KernelTable& table) {
   fill_main(table, /*with_float64_log_probs=*/false);
   fill_filter(table);
+  fill_decode_attention(table);
 }
 
 }  // namespace isa_avx512

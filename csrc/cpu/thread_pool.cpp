@@ -1,7 +1,9 @@
 #include "thread_pool.h"
 
+#include <dlfcn.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -142,7 +144,59 @@ Pool* pool_for_this_process() {
   return pool;
 }
 
+// The host process's OpenMP runtime, found by name among the symbols already loaded (PyTorch's CPU
+// builds load theirs, libgomp, with global visibility): GOMP_parallel is the entry point GCC
+// compiles `#pragma omp parallel` to, which LLVM's and Intel's runtimes export as well. Looked up
+// once; nullptr when no runtime is loaded (a C++ test binary, a process without PyTorch).
+using GompParallelFn = void (*)(void (*)(void*), void*, unsigned, unsigned);
+
+GompParallelFn host_openmp_parallel() {
+  static const GompParallelFn fn = reinterpret_cast<GompParallelFn>(dlsym(RTLD_DEFAULT, "GOMP_parallel"));
+  return fn;
+}
+
+// One parallel_for_host_threads call: every thread of the OpenMP team claims tasks until none is
+// left. An exception stays inside the team (it must not cross the runtime) and is rethrown after.
+struct HostJob {
+  const std::function<void(int64_t)>* fn = nullptr;
+  int64_t num_tasks = 0;
+  std::atomic<int64_t> next{0};
+  std::mutex mutex;
+  std::exception_ptr error;
+
+  static void run(void* data) {
+    HostJob& job = *static_cast<HostJob*>(data);
+    for (;;) {
+      const int64_t task = job.next.fetch_add(1);
+      if (task >= job.num_tasks) return;
+      try {
+        (*job.fn)(task);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(job.mutex);
+        if (!job.error) job.error = std::current_exception();
+        job.next.store(job.num_tasks);
+      }
+    }
+  }
+};
+
 }  // namespace
+
+bool host_openmp_available() { return host_openmp_parallel() != nullptr; }
+
+void parallel_for_host_threads(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn) {
+  const GompParallelFn gomp = host_openmp_parallel();
+  if (gomp == nullptr || num_threads <= 1 || num_tasks <= 1) {
+    parallel_for(num_threads, num_tasks, fn);
+    return;
+  }
+  HostJob job;
+  job.fn = &fn;
+  job.num_tasks = num_tasks;
+  const int64_t threads = std::min<int64_t>(num_threads, num_tasks);
+  gomp(&HostJob::run, &job, static_cast<unsigned>(threads), 0);
+  if (job.error) std::rethrow_exception(job.error);
+}
 
 void parallel_for(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn) {
   if (num_tasks <= 0) return;

@@ -14,5 +14,15 @@ namespace cpu {
 // writing each task's results to its own slots. Calls from several host threads are serialized.
 void parallel_for(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn);
 
+// The same contract, run on the threads of the host process's OpenMP runtime when one is loaded
+// (PyTorch's CPU builds bring one), else by parallel_for. For short calls between the host's own
+// parallel operations: after each of them its OpenMP workers keep spinning for a while, and a
+// second set of threads (this pool's) would then share the cores with spinning threads (a decode
+// step's attention between two matrix products ran about 1.4x slower on this pool).
+void parallel_for_host_threads(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn);
+
+// Whether parallel_for_host_threads finds an OpenMP runtime in this process.
+bool host_openmp_available();
+
 }  // namespace cpu
 }  // namespace flashreinforce

@@ -16,7 +16,10 @@ fifteen operations per layer:
 * the rotary embedding of the step is computed once (by the model's own rotary module, so every
   rope type it supports is supported) and applied to queries and keys together;
 * attention reads the keys and values of the engine's preallocated cache
-  (:mod:`flashreinforce.engines.kv_cache`), each query head grouped under its key/value head;
+  (:mod:`flashreinforce.engines.kv_cache`) in place, each query head grouped under its key/value
+  head, by the compiled core's decode attention
+  (:func:`flashreinforce.engines.decode_attention.fused_decode_attention`; ``attention="sdpa"``, or a
+  dtype it does not take, uses PyTorch's ``scaled_dot_product_attention`` instead);
 * the padding mask of the step is built once for all layers.
 
 Only decode steps (one new token per request) use it; the prefill is the model's own layers
@@ -38,9 +41,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashreinforce.engines.decode_attention import compiled_attention_available, fused_decode_attention
 from flashreinforce.engines.packed_linear import pack_weight, packed_linear_available, packed_matmul
 
-__all__ = ["SUPPORTED_MODELS", "FastDecoder", "unsupported_reason"]
+__all__ = ["ATTENTION_KERNELS", "SUPPORTED_MODELS", "FastDecoder", "unsupported_reason"]
+
+#: Attention kernels of a decode step: ``auto`` (the compiled one where it takes the model's dtype),
+#: ``compiled`` (an error where it does not) or ``sdpa`` (PyTorch's).
+ATTENTION_KERNELS = ("auto", "compiled", "sdpa")
 
 #: Model classes (by name) whose decode step :class:`FastDecoder` computes.
 SUPPORTED_MODELS = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -100,7 +108,15 @@ class _Layer:
 class FastDecoder:
     """Decode steps of ``model`` (see the module docstring); build with :meth:`build`."""
 
-    def __init__(self, model: torch.nn.Module, rows_hint: int = 32) -> None:
+    def __init__(self, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto") -> None:
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"FastDecoder: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        dtype = model.lm_head.weight.dtype
+        if attention == "compiled" and not compiled_attention_available(dtype):
+            raise ValueError(f"FastDecoder: attention 'compiled' needs flashreinforce._C's decode attention for "
+                             f"{dtype}, which this build or dtype lacks; use 'auto' or 'sdpa'")
+        #: The attention kernel the steps use: ``"compiled"`` or ``"sdpa"``.
+        self.attention = "compiled" if attention != "sdpa" and compiled_attention_available(dtype) else "sdpa"
         self.model = model
         self.rows_hint = int(rows_hint)
         inner = model.model
@@ -117,11 +133,11 @@ class FastDecoder:
         self._key: tuple | None = None
 
     @classmethod
-    def build(cls, model: torch.nn.Module, rows_hint: int = 32) -> "FastDecoder | None":
+    def build(cls, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto") -> "FastDecoder | None":
         """A decoder for ``model``, or ``None`` where :func:`unsupported_reason` gives a reason."""
         if unsupported_reason(model) is not None:
             return None
-        return cls(model, rows_hint)
+        return cls(model, rows_hint, attention)
 
     def _weights_key(self) -> tuple:
         """Identity and version counter of every weight used (a change means packing again)."""
@@ -194,8 +210,12 @@ class FastDecoder:
         half = d // 2
         # rotate_half(v) * sin == flip of v's halves times sin with its first half negated
         sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask == 0, float("-inf"))
-        additive = additive.view(b, 1, 1, -1)
+        compiled = self.attention == "compiled"
+        if compiled:
+            attend = mask != 0  # [b, L] bool
+        else:
+            additive = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill_(mask == 0, float("-inf"))
+            additive = additive.view(b, 1, 1, -1)
         qk_width = (heads + kv_heads) * d
         for layer, w, cache_layer in zip(self.inner.layers, self._layers, cache.layers):
             h = self._rms_norm(x, layer.input_layernorm)
@@ -207,7 +227,10 @@ class FastDecoder:
             k = qk[:, heads:].view(b, kv_heads, 1, d)
             v = qkv[:, qk_width:].reshape(b, kv_heads, 1, d)
             keys, values = cache_layer.update(k, v)
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=additive, scale=self.scaling)
+            if compiled:
+                attn = fused_decode_attention(q, keys, values, attend, self.scaling)
+            else:
+                attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=additive, scale=self.scaling)
             x = x + packed_matmul(attn.reshape(b, heads * d), w.o, w.o_bias)
             h = self._rms_norm(x, layer.post_attention_layernorm)
             gate_up = packed_matmul(h, w.gate_up, w.gate_up_bias)

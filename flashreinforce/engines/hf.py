@@ -33,8 +33,9 @@ every call; ``"torch"`` keeps ``F.linear``. A GPU engine always uses ``F.linear`
 Decode steps of Llama-family models on a CPU (``fast_decode=True``, the default) are computed by
 :class:`flashreinforce.engines.fast_decode.FastDecoder`: fused, packed projection weights and about
 fifteen operations per layer instead of the model's generic forward (the prefill stays the model's
-own); ``fast_decode_in_use`` says whether it runs (other models, LoRA adapters and GPU engines use
-the model's forward).
+own), with the compiled core's decode attention reading the cache in place
+(``attention_kernel``); ``fast_decode_in_use`` says whether it runs (other models, LoRA adapters and
+GPU engines use the model's forward).
 
 Decode attention: a model on SDPA attention is switched to
 :func:`flashreinforce.engines.decode_attention.decode_attention` (``decode_attention=True``, the
@@ -55,7 +56,7 @@ from torch import Tensor
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
 from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
 from flashreinforce.engines.decode_attention import use_decode_attention
-from flashreinforce.engines.fast_decode import FastDecoder
+from flashreinforce.engines.fast_decode import ATTENTION_KERNELS, FastDecoder
 from flashreinforce.engines.kv_cache import dynamic_cache, preallocated_cache
 from flashreinforce.engines.packed_linear import pack_linears, refresh_packed
 from flashreinforce.engines.registry import EngineKind
@@ -170,6 +171,10 @@ class HFEngine(RolloutEngine):
             (``F.linear``); see the module docstring. ``linear_kernel_in_use`` says which one runs.
         fast_decode: compute decode steps with :class:`FastDecoder` where it supports the model
             (see the module docstring).
+        attention_kernel: the attention of :class:`FastDecoder`'s steps: ``"auto"`` (the compiled
+            core's decode attention where it takes the dtype, else PyTorch's SDPA), ``"compiled"`` or
+            ``"sdpa"``; ``attention_kernel_in_use`` says which one runs (``None`` without the fast
+            decode step).
     """
 
     can_pause = True
@@ -179,12 +184,14 @@ class HFEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, *, pad_token_id: int = 0, version: int = -1,
                  min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32",
                  kv_cache: str = "preallocated", decode_attention: bool = True,
-                 linear_kernel: str = "auto", fast_decode: bool = True,
+                 linear_kernel: str = "auto", fast_decode: bool = True, attention_kernel: str = "auto",
                  lora: Mapping[str, Any] | None = None) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"HFEngine: kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
         if linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"HFEngine: linear_kernel must be one of {LINEAR_KERNELS}, got {linear_kernel!r}")
+        if attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"HFEngine: attention_kernel must be one of {ATTENTION_KERNELS}, got {attention_kernel!r}")
         self.kv_cache = kv_cache
         #: The cache the last generate call used (``"dynamic"`` where preallocation was unavailable).
         self.kv_cache_in_use: str | None = None
@@ -204,8 +211,10 @@ class HFEngine(RolloutEngine):
         self.decode_attention_in_use = bool(decode_attention) and use_decode_attention(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self._fast = FastDecoder.build(self.model) if fast_decode and kv_cache == "preallocated" else None
+        self._fast = (FastDecoder.build(self.model, attention=attention_kernel)
+                      if fast_decode and kv_cache == "preallocated" else None)
         self.fast_decode_in_use = self._fast is not None
+        self.attention_kernel_in_use = self._fast.attention if self._fast is not None else None
         if self._fast is not None:
             # Packed twice: the second repack's memory comes from pages the process already holds
             # afterwards, where the first weight load would otherwise pay for fresh ones (1.6 s instead
@@ -387,12 +396,12 @@ def _loaded_object(loaded: Mapping[str, weakref.ref], name: str):
 class HFEngineKind(EngineKind):
     """``--rollout.engine hf``: an :class:`HFEngine` on a copy of the policy, in the worker's process.
 
-    Options: ``dtype`` (the engines' weight dtype), ``auto_dtype``, ``linear_kernel`` and
-    ``fast_decode`` (see :class:`HFEngine`)."""
+    Options: ``dtype`` (the engines' weight dtype), ``auto_dtype``, ``linear_kernel``, ``fast_decode``
+    and ``attention_kernel`` (see :class:`HFEngine`)."""
 
     name = "hf"
     takes_policy_copy = True
-    options_accepted = frozenset({"dtype", "auto_dtype", "lora", "linear_kernel", "fast_decode"})
+    options_accepted = frozenset({"dtype", "auto_dtype", "lora", "linear_kernel", "fast_decode", "attention_kernel"})
 
     def options(self, cfg, seed: int, dtype: str) -> dict:
         return {"dtype": dtype}

@@ -1,12 +1,14 @@
 """The engine's grouped decode attention: the same attention as repeating the key/value heads,
-the same continuations as transformers' SDPA attention, and delegation where it does not apply."""
+the same continuations as transformers' SDPA attention, and delegation where it does not apply; and
+the compiled core's decode attention (``fused_decode_attention``) against a float64 computation."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
-from flashreinforce.engines.decode_attention import ATTENTION_NAME, decode_attention
+from flashreinforce.engines.decode_attention import (ATTENTION_NAME, compiled_attention_available, decode_attention,
+                                                     fused_decode_attention)
 from python_tests.builders import tiny_causal_lm
 
 
@@ -82,3 +84,86 @@ def test_a_model_on_another_attention_is_left_alone():
     m.set_attn_implementation("eager")
     engine = HFEngine(m, pad_token_id=0)
     assert not engine.decode_attention_in_use and engine.model.config._attn_implementation == "eager"
+
+
+# --- the compiled decode attention -------------------------------------------------------------
+
+def fused_case(dtype, b, kv_heads, groups, d, length, seed=0, hole=True):
+    """Queries laid out as the fast decoder's (a view of a [b, heads + kv_heads, d] tensor), a cache
+    buffer longer than ``length`` read through a view, and a mask with holes."""
+    g = torch.Generator().manual_seed(seed)
+    qk = torch.randn(b, kv_heads * groups + kv_heads, d, generator=g).to(dtype)
+    q = qk[:, :kv_heads * groups].reshape(b, kv_heads, groups, d)
+    cap = length + 5
+    keys = torch.randn(b, kv_heads, cap, d, generator=g).to(dtype)[:, :, :length]
+    values = torch.randn(b, kv_heads, cap, d, generator=g).to(dtype)[:, :, :length]
+    attend = torch.rand(b, length, generator=g) > (0.3 if hole else -1.0)
+    attend[:, -1] = True
+    return q, keys, values, attend
+
+
+def float64_attention(q, keys, values, attend, scale):
+    scores = (q.double() @ keys.double().transpose(-1, -2)) * scale  # [b, K, G, L]
+    scores = scores.masked_fill(~attend[:, None, None, :], float("-inf"))
+    return scores.softmax(-1) @ values.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,kv_heads,groups,d,length", [
+    (32, 3, 3, 64, 100),   # SmolLM2's decode step
+    (4, 2, 7, 128, 37),    # Qwen2.5-0.5B's groups, more than four queries per head
+    (3, 2, 1, 16, 1),      # one position, no grouping
+    (5, 1, 4, 40, 23),     # a head size off the vector width (plain loops)
+    (2, 2, 2, 32, 300)])
+def test_compiled_attention_matches_float64(dtype, b, kv_heads, groups, d, length):
+    assert compiled_attention_available(dtype)
+    q, keys, values, attend = fused_case(dtype, b, kv_heads, groups, d, length, seed=length)
+    scale = d ** -0.5
+    out = fused_decode_attention(q, keys, values, attend, scale)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    want = float64_attention(q, keys, values, attend, scale)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    sdpa = F.scaled_dot_product_attention(q, keys, values, attn_mask=attend[:, None, None, :], scale=scale)
+    torch.testing.assert_close(out.double(), sdpa.double(), atol=3 * tol, rtol=3 * tol)
+
+
+def test_compiled_attention_gives_zeros_to_a_request_with_no_position_and_leaves_the_others():
+    q, keys, values, attend = fused_case(torch.float32, 4, 2, 3, 32, 20, hole=False)
+    alone = fused_decode_attention(q, keys, values, attend, 0.2)
+    attend[1] = False
+    out = fused_decode_attention(q, keys, values, attend, 0.2)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[[0, 2, 3]], alone[[0, 2, 3]])
+
+
+def test_compiled_attention_does_not_depend_on_the_thread_count():
+    q, keys, values, attend = fused_case(torch.float32, 16, 3, 3, 64, 150, seed=5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = fused_decode_attention(q, keys, values, attend, 0.125)
+        torch.set_num_threads(2)
+        two = fused_decode_attention(q, keys, values, attend, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_compiled_attention_errors_name_the_argument():
+    q, keys, values, attend = fused_case(torch.float32, 2, 2, 2, 16, 8)
+    with pytest.raises(ValueError, match="share one dtype"):
+        fused_decode_attention(q, keys.double(), values, attend, 1.0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        fused_decode_attention(q.half(), keys.half(), values.half(), attend, 1.0)
+    with pytest.raises(ValueError, match="attend must be a bool"):
+        fused_decode_attention(q, keys, values, attend.long(), 1.0)
+    with pytest.raises(ValueError, match="attend must be a bool"):
+        fused_decode_attention(q, keys, values, attend[:, :-1], 1.0)
+    with pytest.raises(ValueError, match="keys .* and values"):
+        fused_decode_attention(q, keys[:, :1], values, attend, 1.0)
+    with pytest.raises(ValueError, match="values must be contiguous in its last dimension"):
+        fused_decode_attention(q, keys, values.transpose(2, 3).contiguous().transpose(2, 3), attend, 1.0)
+    with pytest.raises(ValueError, match="4-D"):
+        fused_decode_attention(q[0], keys, values, attend, 1.0)
+    assert not compiled_attention_available(torch.float16) and not compiled_attention_available(torch.float64)

@@ -41,12 +41,14 @@ CASES = [("llama", {}), ("llama", {"tie_word_embeddings": False}),
          ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}})]
 
 
+@pytest.mark.parametrize("attention", ["compiled", "sdpa"])
 @pytest.mark.parametrize("kind,extra", CASES, ids=[f"{k}-{'-'.join(e) or 'plain'}" for k, e in CASES])
-def test_fast_decode_samples_what_the_models_forward_samples(kind, extra):
+def test_fast_decode_samples_what_the_models_forward_samples(kind, extra, attention):
     model = model_of(kind, **extra)
-    fast = HFEngine(copy.deepcopy(model), dtype="float32")
+    fast = HFEngine(copy.deepcopy(model), dtype="float32", attention_kernel=attention)
     slow = HFEngine(copy.deepcopy(model), dtype="float32", fast_decode=False)
     assert fast.fast_decode_in_use and not slow.fast_decode_in_use
+    assert fast.attention_kernel_in_use == attention and slow.attention_kernel_in_use is None
     params = SamplingParams(temperature=0.9, top_p=0.95, stop_token_ids=(17, 29))
     got, want = fast.generate(requests(), params), slow.generate(requests(), params)
     assert {g.finish_reason for g in got} >= {"length"}
@@ -111,3 +113,11 @@ def test_models_it_does_not_know_decode_with_their_own_forward():
     assert not HFEngine(adapted).fast_decode_in_use
     assert not HFEngine(model_of("llama"), kv_cache="dynamic").fast_decode_in_use
     assert not HFEngine(model_of("llama"), fast_decode=False).fast_decode_in_use
+
+
+def test_the_attention_kernel_is_compiled_by_default_and_checked():
+    model = model_of("llama")
+    assert HFEngine(copy.deepcopy(model), dtype="float32").attention_kernel_in_use == "compiled"
+    assert HFEngine(copy.deepcopy(model), dtype="bfloat16").attention_kernel_in_use in ("compiled", None)
+    with pytest.raises(ValueError, match="attention_kernel must be one of"):
+        HFEngine(copy.deepcopy(model), dtype="float32", attention_kernel="flash")

@@ -9,7 +9,9 @@ PyTorch), calls ``has_cuda``, ``cpu_isa``, ``view_names``, ``error_code_names`` 
 ``cuda_workspace_bytes``, then ``loss_forward`` on small packed batches covering every pair of
 log-prob dtypes, with and without a mask, ``no_is``, the entropy filter (every entropy dtype), the
 padded form, several chunks on two threads, and the error paths (an invalid log-prob, an
-overflowing ratio). It prints one JSON line: the instruction set in use, the number of calls and
+overflowing ratio); then ``decode_attention`` in float32 and bfloat16 (head sizes on and off the
+vector width, groups of one to seven queries, masked positions, a request with none attended, strided
+queries, one and two threads) and its argument check. It prints one JSON line: the instruction set in use, the number of calls and
 SHA-256 digests of every output byte and error record, one for the float32-compute calls and one for
 the float64 ones, so that two runs of the same instruction set can be compared bit for bit. (The
 float64 path calls the C library's exp / log, whose glibc variant depends on the CPU model.)
@@ -132,6 +134,32 @@ def run(C, data, digests, *, lp="float32", blp="float32", ent="float32", masked=
     return code
 
 
+def attention(C, gen: Lcg, digest, dtype: str, batch: int, kv_heads: int, groups: int, head_dim: int,
+              length: int, threads: int, empty_request: bool = False) -> None:
+    """One decode_attention call on random data (queries with padded rows, a cache longer than
+    ``length``); feeds the output bytes into ``digest``."""
+    q_group, cap = head_dim + 3, length + 2
+    q_batch, kv_batch, mask_batch = kv_heads * groups * q_group, kv_heads * cap * head_dim, length + 1
+    q = buffer([gen.uniform() * 2 - 1 for _ in range(batch * q_batch)], dtype)
+    k = buffer([gen.uniform() * 2 - 1 for _ in range(batch * kv_batch)], dtype)
+    v = buffer([gen.uniform() * 2 - 1 for _ in range(batch * kv_batch)], dtype)
+    mask = [1 if gen.uniform() < 0.8 else 0 for _ in range(batch * mask_batch)]
+    for b in range(batch):
+        mask[b * mask_batch + length - 1] = 1  # this step's own token
+    if empty_request:
+        mask[:length] = [0] * length
+    mask = buffer(mask, "uint8")
+    out = buffer([0.0] * (batch * kv_heads * groups * head_dim), dtype)
+    C.decode_attention({
+        "dtype": dtype, "batch": batch, "kv_heads": kv_heads, "groups": groups, "head_dim": head_dim,
+        "length": length, "scale": head_dim ** -0.5, "num_threads": threads,
+        "q": q.buffer_info()[0], "q_strides": (q_batch, groups * q_group, q_group),
+        "k": k.buffer_info()[0], "k_strides": (kv_batch, cap * head_dim, head_dim),
+        "v": v.buffer_info()[0], "v_strides": (kv_batch, cap * head_dim, head_dim),
+        "mask": mask.buffer_info()[0], "mask_stride_batch": mask_batch, "out": out.buffer_info()[0]})
+    digest.update(out.tobytes())
+
+
 def main(path: str) -> None:
     spec = importlib.util.spec_from_file_location("_C", path)
     C = importlib.util.module_from_spec(spec)
@@ -162,6 +190,20 @@ def main(path: str) -> None:
         run(C, large, digest, lp=lp, threads=2)
         run(C, large, digest, lp=lp, threads=2, q=0.3)
     calls += 5
+    for dtype in ("float32", "bfloat16"):
+        for shape in ((3, 2, 3, 64, 37), (2, 1, 1, 16, 1), (4, 3, 5, 128, 70), (2, 2, 7, 40, 19)):
+            for threads in (1, 2):
+                attention(C, gen, digest["float32"], dtype, *shape, threads=threads)
+                calls += 1
+        attention(C, gen, digest["float32"], dtype, 3, 2, 2, 32, 9, threads=2, empty_request=True)
+        calls += 1
+    try:
+        attention(C, gen, digest["float32"], "float64", 1, 1, 1, 16, 4, threads=1)
+    except ValueError as err:
+        assert "dtype" in str(err), err
+        calls += 1
+    else:
+        raise AssertionError("decode_attention took float64")
     print(json.dumps({"isa": C.cpu_isa(), "calls": calls, "float32": digest["float32"].hexdigest(),
                       "float64": digest["float64"].hexdigest()}))
 
