@@ -12,7 +12,8 @@ start inside it), on the policy ``--model`` (default SmolLM2-135M-Instruct, real
 * **start**: seconds to build the engine (vLLM: its processes, model and KV cache);
 * **weight sync**: seconds and bytes of :meth:`load_weights` of a full version that differs from
   the engine's (every tensor changed), the way the trainer publishes one after each update: the
-  first load and the median of ``--sync-repeats`` more;
+  first load and the median of ``--sync-repeats`` more; for vLLM also split into the shared-memory
+  write in this process and the engine's side (its workers' reload and prefix-cache reset);
 * **tokens/s** for every ``--requests`` x ``--new-tokens`` pair: each call samples ``new tokens``
   for each of ``requests`` distinct chat-templated prompts (temperature 1, no stop token, so every
   request runs to the limit); the median of ``--repeats`` calls after a warm-up call.
@@ -244,16 +245,22 @@ def main() -> None:
                       else f"model forward, {engine.linear_kernel_in_use} linear")
             kind = f"hf ({decode})"
         try:
-            t_sync = []
+            t_sync, parts = [], []
             for r in range(1 + args.sync_repeats):
                 new = perturbed(state, r)
                 t1 = time.perf_counter()
                 engine.load_weights(new, r + 1)
                 t_sync.append(time.perf_counter() - t1)
+                parts.append(getattr(engine, "last_load_parts", {}))
             sync_bytes = engine.last_load[1] or sum(v.numel() * DTYPES[args.dtype].itemsize for v in state.values())
             engine.load_weights(state, 10_000)  # the real weights for sampling
             starts.append([kind, f"{start:.1f}"])
-            syncs.append([kind, f"{t_sync[0]:.3f}", f"{statistics.median(t_sync[1:]):.3f}", f"{sync_bytes / 2**20:.0f}"])
+            split = "-"
+            if all(p.get("write_s") is not None for p in parts[1:]):  # vLLM: this process's write, the engine's side
+                split = (f"{statistics.median(p['write_s'] for p in parts[1:]):.3f} / "
+                         f"{statistics.median(p['engine_s'] for p in parts[1:]):.3f}")
+            syncs.append([kind, f"{t_sync[0]:.3f}", f"{statistics.median(t_sync[1:]):.3f}", split,
+                          f"{sync_bytes / 2**20:.0f}"])
             for n in args.requests:
                 for new_tokens in args.new_tokens:
                     reqs = [GenerationRequest(prompts_all[i], new_tokens, seed=i) for i in range(n)]
@@ -302,7 +309,7 @@ def main() -> None:
             engine.close()
     print_table("Engine start", ["engine", "start s"], starts)
     print_table("Weight sync (a full version, every tensor changed)",
-                ["engine", "first s", "median s", "MiB sent"], syncs)
+                ["engine", "first s", "median s", "median write s / engine s", "MiB sent"], syncs)
     print_table(f"Rollout throughput ({args.dtype}, temperature 1, no stop token)",
                 ["engine", "requests", "new tokens", "tokens/s", "floor tokens/s", "call, of floor", "prefill s",
                  "decode step ms", "floor step ms", "step, of floor", "GB/s / GFLOP/s"], rows)

@@ -300,6 +300,8 @@ class VLLMEngine(RolloutEngine):
         self._lora_request = None
         self._lora_dirs: list[str] = []
         self._lora_count = 0
+        #: Seconds of the last full or partial weight load by part (see :meth:`load_weights`).
+        self.last_load_parts: dict[str, float] = {}
         if self.lora:
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the caps vLLM's LoRA takes
             rank = int(self.lora["rank"])
@@ -369,7 +371,9 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the tensors of ``state_dict`` that differ from the ones this engine last loaded, by
-        block (see :func:`_changed_blocks`); sets :attr:`last_load`.
+        block (see :func:`_changed_blocks`); sets :attr:`last_load` and :attr:`last_load_parts` (seconds
+        of the shared-memory write, in this process, and of the engine's side: its workers' reload and
+        the prefix-cache reset).
 
         With LoRA (``lora``): the base weights (the model's ``...base_layer.weight`` names are given
         their Hugging Face names) go the same way, so a frozen base travels once; the adapters, when
@@ -398,6 +402,7 @@ class VLLMEngine(RolloutEngine):
                     self._writer.close()
                 self._writer = SharedWeightWriter(device)
             manifest = self._writer.write(changed, dtype=self.dtype)
+            t_write = time.perf_counter()
             if ipc:
                 counts = self.llm.collective_rpc("flashreinforce_load_cuda_ipc", args=(
                     manifest.path, self._writer.cuda_ipc_handles(), manifest.entries))
@@ -409,6 +414,7 @@ class VLLMEngine(RolloutEngine):
                 self._sent[name] = weakref.ref(t)
                 nbytes += t.numel() * (self.dtype or t.dtype).itemsize
             self.llm.reset_prefix_cache()  # no KV computed by the old weights is reused
+            self.last_load_parts = {"write_s": t_write - t0, "engine_s": time.perf_counter() - t_write}
         if adapters and any(_last(self._sent, k) is not v for k, v in adapters.items()):
             nbytes += self._load_adapter(adapters, version)
         self.version = int(version)
