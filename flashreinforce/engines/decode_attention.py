@@ -24,9 +24,10 @@ soft-capping, attention sinks, position biases) goes to transformers' own SDPA a
 (``flashreinforce._C.decode_attention``, ``csrc/cpu/decode_attention_impl.h``) on the CPU, for the
 engine's own decode step (:mod:`flashreinforce.engines.fast_decode`): each request's keys and values
 are read once, straight from the cache's buffers, with every query head of a group scored against a
-key row while it is in cache. PyTorch's SDPA kernel, built for longer query blocks, took about 0.65 ms
-a layer for 32 SmolLM2 requests in a real decode step (a fifth of the step); this kernel reads the
-same bytes at close to the copy bandwidth (``docs/performance.md``).
+key row while it is in cache. In a real decode step of 32 SmolLM2 requests PyTorch's SDPA kernel,
+built for longer query blocks, took about 0.6 ms a layer (a fifth of the step) and this one about
+0.5 ms, the rate at which PyTorch itself reads the same per-request slices from memory; the gain is
+larger in bfloat16 and at long contexts (``docs/performance.md``).
 """
 
 from __future__ import annotations
