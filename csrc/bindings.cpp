@@ -65,11 +65,20 @@ constexpr const char* kLossAggNames[] = {"seq-mean-token-mean", "token-mean", "s
   throw std::runtime_error("flashreinforce._C.loss_forward: " + what);
 }
 
-DType dtype_from_name(const std::string& name) {
+bool find_dtype(const std::string& name, DType& out) {
   for (int d = 0; d < kNumDTypes; ++d) {
-    if (name == dtype_name(static_cast<DType>(d))) return static_cast<DType>(d);
+    if (name == dtype_name(static_cast<DType>(d))) {
+      out = static_cast<DType>(d);
+      return true;
+    }
   }
-  invalid("unsupported dtype '" + name + "'");
+  return false;
+}
+
+DType dtype_from_name(const std::string& name) {
+  DType d;
+  if (!find_dtype(name, d)) invalid("unsupported dtype '" + name + "'");
+  return d;
 }
 
 TensorView view_of(const char* name, py::handle obj) {
@@ -181,13 +190,7 @@ py::tuple loss_forward(const py::dict& views, const py::dict& options, const py:
 void decode_attention(const py::dict& args) {
   DecodeAttentionParams p;
   const std::string dtype = args["dtype"].cast<std::string>();
-  if (dtype == "float32") {
-    p.dtype = DType::kFloat32;
-  } else if (dtype == "bfloat16") {
-    p.dtype = DType::kBFloat16;
-  } else {
-    throw py::value_error("flashreinforce._C.decode_attention: dtype must be float32 or bfloat16, got " + dtype);
-  }
+  if (!find_dtype(dtype, p.dtype)) throw py::value_error("flashreinforce._C.decode_attention: unknown dtype " + dtype);
   p.batch = args["batch"].cast<int64_t>();
   p.kv_heads = args["kv_heads"].cast<int64_t>();
   p.groups = args["groups"].cast<int64_t>();

@@ -10,14 +10,9 @@
 #include "thread_pool.h"
 
 namespace flashreinforce {
-namespace {
-
-bool is_float_dtype(DType d) { return d == DType::kFloat32 || d == DType::kBFloat16; }
-
-}  // namespace
 
 const char* decode_attention_check(const DecodeAttentionParams& p) {
-  if (!is_float_dtype(p.dtype)) return "dtype: float32 or bfloat16 only";
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kBFloat16) return "dtype: float32 or bfloat16 only";
   if (p.batch < 0) return "batch: negative";
   if (p.kv_heads < 1) return "kv_heads: must be at least 1";
   if (p.groups < 1) return "groups: must be at least 1";
@@ -46,9 +41,7 @@ void decode_attention_cpu(const DecodeAttentionParams& p, int num_threads) {
   if (p.batch == 0) return;
   const cpu::DecodeAttentionFn fn = cpu::cpu_kernels().decode_attention[static_cast<int>(p.dtype)];
   const int64_t scratch = p.groups * (2 * p.head_dim + p.length + 1) + p.length;  // decode_attention_impl.h
-  const int64_t tasks = p.batch * p.kv_heads;
-  const int threads = num_threads < 1 ? 1 : (tasks < num_threads ? static_cast<int>(tasks) : num_threads);
-  cpu::parallel_for_host_threads(threads, tasks, [&](int64_t task) {
+  cpu::parallel_for_host_threads(num_threads, p.batch * p.kv_heads, [&](int64_t task) {
     // Each thread keeps its scratch (a few KiB, warm in its cache) from call to call.
     thread_local std::vector<float> buffer;
     if (buffer.size() < static_cast<size_t>(scratch)) buffer.resize(static_cast<size_t>(scratch));

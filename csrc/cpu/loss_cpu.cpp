@@ -140,7 +140,6 @@ const Dispatch& dispatch() {
   return d;
 }
 
-const KernelTable& kernels() { return dispatch().table; }
 
 Error make_error(ErrorCode code, int64_t index) {
   Error e;
@@ -151,7 +150,7 @@ Error make_error(ErrorCode code, int64_t index) {
 
 }  // namespace
 
-const KernelTable& cpu_kernels() { return kernels(); }
+const KernelTable& cpu_kernels() { return dispatch().table; }
 
 // Name of the instruction set the CPU main pass and filter use (float64 log_probs: always generic).
 const char* cpu_isa_name() {
@@ -249,12 +248,12 @@ Error loss_forward_cpu(const LossParams& p, int num_threads) {
   int64_t bad_entropy = -1;
   if (filter) {
     const int e = static_cast<int>(p.entropies.dtype);
-    bad_entropy = kernels().check_entropies[e](p, num_threads);
+    bad_entropy = cpu_kernels().check_entropies[e](p, num_threads);
     if (bad_entropy >= 0) {
       // Still run the main pass (log-prob errors are reported first), without the selection.
       for (int64_t i : selected) keep[i] = kKeepAll;
     } else if (!selected.empty()) {
-      kernels().select[e][static_cast<int>(lp_dtype)](p, cu, selected, keep_count, num_threads);
+      cpu_kernels().select[e][static_cast<int>(lp_dtype)](p, cu, selected, keep_count, num_threads);
     }
   }
 
@@ -285,7 +284,7 @@ Error loss_forward_cpu(const LossParams& p, int num_threads) {
   args.head_overflow = head_overflow.data();
   args.bad_log_prob = bad_lp.data();
   args.bad_behavior = bad_blp.data();
-  const MainChunkFn fn = kernels().main[static_cast<int>(lp_dtype)][static_cast<int>(blp_dtype)];
+  const MainChunkFn fn = cpu_kernels().main[static_cast<int>(lp_dtype)][static_cast<int>(blp_dtype)];
   parallel_for(num_threads, chunks, [&](int64_t c) { fn(args, c); });
 
   // 5. Combine in a fixed order, then report errors by priority.

@@ -155,34 +155,7 @@ GompParallelFn host_openmp_parallel() {
   return fn;
 }
 
-// One parallel_for_host_threads call: every thread of the OpenMP team claims tasks until none is
-// left. An exception stays inside the team (it must not cross the runtime) and is rethrown after.
-struct HostJob {
-  const std::function<void(int64_t)>* fn = nullptr;
-  int64_t num_tasks = 0;
-  std::atomic<int64_t> next{0};
-  std::mutex mutex;
-  std::exception_ptr error;
-
-  static void run(void* data) {
-    HostJob& job = *static_cast<HostJob*>(data);
-    for (;;) {
-      const int64_t task = job.next.fetch_add(1);
-      if (task >= job.num_tasks) return;
-      try {
-        (*job.fn)(task);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(job.mutex);
-        if (!job.error) job.error = std::current_exception();
-        job.next.store(job.num_tasks);
-      }
-    }
-  }
-};
-
 }  // namespace
-
-bool host_openmp_available() { return host_openmp_parallel() != nullptr; }
 
 void parallel_for_host_threads(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn) {
   const GompParallelFn gomp = host_openmp_parallel();
@@ -190,11 +163,13 @@ void parallel_for_host_threads(int num_threads, int64_t num_tasks, const std::fu
     parallel_for(num_threads, num_tasks, fn);
     return;
   }
-  HostJob job;
+  // The pool's job, claimed by every thread of the OpenMP team instead of the pool's helpers; an
+  // exception stays inside the team (it must not cross the runtime) and is rethrown after it.
+  Job job;
   job.fn = &fn;
   job.num_tasks = num_tasks;
   const int64_t threads = std::min<int64_t>(num_threads, num_tasks);
-  gomp(&HostJob::run, &job, static_cast<unsigned>(threads), 0);
+  gomp([](void* data) { static_cast<Job*>(data)->work(); }, &job, static_cast<unsigned>(threads), 0);
   if (job.error) std::rethrow_exception(job.error);
 }
 

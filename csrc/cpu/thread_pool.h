@@ -21,8 +21,5 @@ void parallel_for(int num_threads, int64_t num_tasks, const std::function<void(i
 // step's attention between two matrix products ran about 1.4x slower on this pool).
 void parallel_for_host_threads(int num_threads, int64_t num_tasks, const std::function<void(int64_t)>& fn);
 
-// Whether parallel_for_host_threads finds an OpenMP runtime in this process.
-bool host_openmp_available();
-
 }  // namespace cpu
 }  // namespace flashreinforce

@@ -381,6 +381,7 @@ class VLLMEngine(RolloutEngine):
         (a new adapter id, which vLLM loads at the next request; the previous one is dropped).
         """
         t0 = time.perf_counter()
+        self.last_load_parts = {}
         if not state_dict:
             raise ValueError("load_weights: empty state_dict")
         adapters: dict[str, torch.Tensor] = {}
