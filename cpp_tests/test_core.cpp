@@ -47,6 +47,8 @@ struct Problem {
   std::vector<double> rewards;
   double delta = INFINITY, q = 1.0;
   bool no_is = false;
+  GateMetric metric = GateMetric::kBinaryKl;
+  double trunc = INFINITY;
   LossAgg agg = LossAgg::kSeqMeanTokenMean;
   double lsf = 0.0;
   int64_t num_policy_tokens = 0;
@@ -95,6 +97,31 @@ static double kl_exact_logs(float behavior, float current) {
   return (double)(p * (a - b) + (1 - p) * (wide_log1p(-p) - wide_log1p(-q)));
 }
 
+// k3 = e^d - 1 - d, d = current - behavior, in wide arithmetic (a series near 0, where expm1 - d cancels).
+static double k3_exact(double behavior, double current) {
+  const Wide d = (Wide)current - (Wide)behavior;
+  if (d < (Wide)0.01 && d > (Wide)-0.01) {
+    Wide term = d * d / 2, sum = 0;
+    for (int k = 3; k < 20; ++k) {
+      sum += term;
+      term *= d / k;
+    }
+    return (double)sum;
+  }
+  return (double)(wide_exp(d) - 1 - d);
+}
+
+// The gate metric's per-token term (docs/semantics.md, "Gate metrics"), independent of the kernel's.
+static double gate_exact(GateMetric metric, double behavior, double current, bool f32) {
+  switch (metric) {
+    case GateMetric::kKpop: return std::max(kl_exact(behavior, current, f32), kl_exact(current, behavior, f32));
+    case GateMetric::kK3: return k3_exact(behavior, current);
+    case GateMetric::kLogRatio: return std::fabs(current - behavior);
+    case GateMetric::kBinaryKl: break;
+  }
+  return kl_exact(behavior, current, f32);
+}
+
 static Result expected(const Problem& P, bool f32) {
   const int64_t b = static_cast<int64_t>(P.rewards.size());
   const int64_t n = static_cast<int64_t>(P.lp.size());
@@ -109,7 +136,7 @@ static Result expected(const Problem& P, bool f32) {
       if (P.mask.empty() || P.mask[t]) pos.push_back(t);
     const int64_t T = static_cast<int64_t>(pos.size());
     double kl = 0;
-    for (int64_t t : pos) kl += kl_exact(P.blp[t], P.lp[t], f32);
+    for (int64_t t : pos) kl += gate_exact(P.metric, P.blp[t], P.lp[t], f32);
     double seq_kl = P.no_is ? 0.0 : std::max(0.0, kl / T);
     const bool ok = P.no_is || seq_kl <= P.delta;
     std::vector<int64_t> kept = pos;
@@ -123,7 +150,7 @@ static Result expected(const Problem& P, bool f32) {
     if (P.agg == LossAgg::kSeqMeanTokenSumNorm) s = 1.0 / (P.lsf * b);
     if (ok) {
       for (int64_t t : kept) {
-        const double rho = P.no_is ? 1.0 : std::exp(P.lp[t] - P.blp[t]);
+        const double rho = P.no_is ? 1.0 : std::min(std::exp(P.lp[t] - P.blp[t]), P.trunc);
         R.grad[t] = -rho * a * s;
         R.loss += R.grad[t] * P.lp[t];
       }
@@ -192,6 +219,8 @@ struct Run {
     p.options.delta = P.delta;
     p.options.negative_token_fraction = P.q;
     p.options.no_is = P.no_is;
+    p.options.gate_metric = P.metric;
+    p.options.is_truncation = P.trunc;
     p.options.loss_agg = P.agg;
     p.options.loss_scale_factor = P.lsf;
     p.options.num_policy_tokens = P.num_policy_tokens;
@@ -506,6 +535,35 @@ int main(int argc, char** argv) {
       check_case<float>("random sum-norm", P);
     }
   }
+  // Every gate metric, with and without truncated ratios, gate on and off, both compute types.
+  for (int m = 0; m < kNumGateMetrics; ++m) {
+    std::vector<int64_t> lengths;
+    for (int i = 0; i < 30; ++i) lengths.push_back(1 + static_cast<int64_t>(rng() % (i % 7 == 6 ? 3000 : 70)));
+    Problem P = random_problem(rng, lengths, 0.2, m % 2 == 0 ? 1.0 : 0.4, false);
+    P.metric = static_cast<GateMetric>(m);
+    const std::string name = std::string("metric ") + gate_metric_name(P.metric);
+    check_case<double>(name, P);
+    check_case<float>(name, P);
+    std::vector<double> kls = expected(P, false).kl;
+    std::sort(kls.begin(), kls.end());
+    P.delta = 0.5 * (kls[kls.size() / 2] + kls[kls.size() / 2 - 1]);
+    P.trunc = 1.5;
+    check_case<double>(name + " gated, truncated", P);
+    check_case<float>(name + " gated, truncated", P);
+    P.no_is = true;  // every term is 0, every trajectory admitted, the cap above every ratio of 1
+    check_case<double>(name + " no_is", P);
+  }
+  // A ratio that overflows float32 is clipped, not an overflow error, once truncated.
+  {
+    Problem P = random_problem(rng, std::vector<int64_t>(4, 3), 0.0, 1.0, false);
+    P.blp[P.cu[1] + 1] = -100.0;
+    P.lp[P.cu[1] + 1] = -1.0;
+    P.mask[P.cu[1] + 1] = 1;
+    Result got;
+    CHECK(run_core<float>(P, got, 1).code == ErrorCode::kRatioOverflow);
+    P.trunc = 2.0;
+    check_case<float>("overflowing ratio, truncated", P);
+  }
   // Log-probs far below the clamp ln(1e-6) and far apart: the KL's clamped branches, and ratios that
   // the CPU main pass computes with exp of their own (a block with such a token).
   for (double spread : {0.5, 8.0}) {
@@ -717,6 +775,19 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("float32 bernoulli_kl worst relative error on the harder pairs %.3g\n", worst_hard);
+    // The k3 term in float32 against wide arithmetic: tiny, moderate and large differences.
+    double worst_k3 = 0;
+    for (int k = 0; k < 100000; ++k) {
+      const float x = static_cast<float>(-10.0 * u(rng));
+      const float y = static_cast<float>(x + (u(rng) - 0.5) * std::exp(8.0 * u(rng) - 12.0 + (k % 3) * 4.0));
+      const double want = k3_exact(y, x);
+      if (want > 1e-30) worst_k3 = std::max(worst_k3, std::fabs(math::k3_term(y, x) - want) / want);
+    }
+    std::printf("float32 k3 term worst relative error %.3g\n", worst_k3);
+    CHECK(worst_k3 < 1e-5);
+    CHECK(math::k3_term(0.0f, 100.0f) == std::numeric_limits<float>::infinity());
+    CHECK(std::fabs(math::k3_term(0.0f, -95.0f) - 94.0f) <= 1e-5f * 94.0f);
+    CHECK(math::k3_term(-1.0f, -1.0f) == 0.0f && math::log_ratio_term(-2.0f, -0.5f) == 1.5f);
     CHECK(worst_hard < 3e-5);  // observed ~2.5e-6
     // exp_fast at its edges: the largest float whose exp is finite, the next one (inf), NaN, +-inf.
     const float kInf = std::numeric_limits<float>::infinity();

@@ -7,7 +7,7 @@
 //   views:   name -> (data_ptr: int, numel: int, dtype: str) or None, one per LossParams view
 //            (log_probs, ..., retained_tokens) plus "workspace" (CUDA) and "error_record";
 //   options: the LossOptions fields by name (reward_baseline, num_trajectories, loss_scale_factor
-//            and num_policy_tokens may be None);
+//            and num_policy_tokens may be None; gate_metric by its name, is_truncation inf when off);
 //   launch:  device ("cpu" or "cuda"), padded_row_length (0: packed form), num_threads, stream,
 //            synchronize (CUDA: wait and return the error record).
 // Views are contiguous by construction (fused.py passes contiguous tensors). The only checks
@@ -138,6 +138,17 @@ void fill(const py::dict& views, const py::dict& options, const py::dict& launch
   const py::object num_policy_tokens = options["num_policy_tokens"];
   o.num_policy_tokens = num_policy_tokens.is_none() ? 0 : num_policy_tokens.cast<int64_t>();
   o.no_is = options["no_is"].cast<bool>();
+  const std::string metric = options["gate_metric"].cast<std::string>();
+  bool metric_known = false;
+  for (int k = 0; k < kNumGateMetrics; ++k) {
+    if (metric == gate_metric_name(static_cast<GateMetric>(k))) {
+      o.gate_metric = static_cast<GateMetric>(k);
+      metric_known = true;
+    }
+  }
+  if (!metric_known) invalid("unknown gate_metric '" + metric + "'");
+  o.is_truncation = options["is_truncation"].cast<double>();
+  if (!(o.is_truncation >= 1.0)) invalid("is_truncation must be >= 1 (inf: off)");
   p.padded_row_length = launch["padded_row_length"].cast<int64_t>();
   if (const char* problem = check_params(p)) invalid(problem);
   if (!error_record.present() || error_record.dtype != DType::kInt64 || error_record.numel != 2) {

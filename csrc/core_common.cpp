@@ -68,6 +68,16 @@ const char* error_code_name(ErrorCode code) {
   return "unknown";
 }
 
+const char* gate_metric_name(GateMetric metric) {
+  switch (metric) {
+    case GateMetric::kBinaryKl: return "binary_kl";
+    case GateMetric::kKpop: return "kpop";
+    case GateMetric::kK3: return "k3";
+    case GateMetric::kLogRatio: return "log_ratio";
+  }
+  return "unknown";
+}
+
 namespace {
 
 bool is_real(DType dtype) { return dtype != DType::kBool && static_cast<int>(dtype) >= 0 &&

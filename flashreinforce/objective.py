@@ -23,13 +23,19 @@ from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any, Mapping
 
-__all__ = ["DEFAULT_LOSS_MODE", "LOSS_AGGREGATIONS", "LOSS_MODE_REGISTRY", "OPTION_FLAGS", "LossModeConfig",
+__all__ = ["DEFAULT_LOSS_MODE", "GATE_METRICS", "LOSS_AGGREGATIONS", "LOSS_MODE_REGISTRY", "OPTION_FLAGS", "LossModeConfig",
            "LossOptions", "advantage_estimators", "loss_mode_config", "loss_mode_names", "owned_flags"]
 
 #: Supported values of ``loss_agg``: mean over each trajectory's policy tokens then over B (the
 #: method); one mean over all policy tokens of the batch; each trajectory's sum divided by the
 #: constant ``loss_scale_factor``, then the mean over B.
 LOSS_AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+
+#: Supported values of ``gate_metric`` (``actor.gate_metric``), the per-token divergence whose mean over a
+#: trajectory's policy tokens the trust gate compares with ``delta``: the clamped Bernoulli KL (the
+#: method); the larger of the forward and reverse Bernoulli KL; the k3 estimator ``e^d - 1 - d``;
+#: ``|d|`` (``d = log_prob - behavior_log_prob``). docs/semantics.md defines them.
+GATE_METRICS = ("binary_kl", "kpop", "k3", "log_ratio")
 
 def loss_mode_names() -> tuple[str, ...]:
     """The registered loss modes' names, in registration order."""
@@ -81,6 +87,8 @@ class LossOptions:
     loss_agg: one of :data:`LOSS_AGGREGATIONS`. loss_scale_factor: the constant divisor of
         ``seq-mean-token-sum-norm`` (required there, refused elsewhere).
     no_is: no importance correction (every ratio is 1, the gate admits everything).
+    gate_metric: one of :data:`GATE_METRICS`, what the gate averages per trajectory.
+    is_truncation: clip every importance ratio at this value, at least 1 (truncated IS; ``inf``: no clip).
     eps_clip: PPO ratio clip range ``(low, high)``; whiten: divide GRPO group advantages by the
         group's standard deviation (both only for the ``ppo`` loss mode).
 
@@ -92,6 +100,8 @@ class LossOptions:
     loss_agg: str = LOSS_AGGREGATIONS[0]
     loss_scale_factor: float | None = None
     no_is: bool = False
+    gate_metric: str = GATE_METRICS[0]
+    is_truncation: float = math.inf
     eps_clip: tuple[float, float] = (0.2, 0.2)
     whiten: bool = False
 
@@ -116,6 +126,11 @@ class LossOptions:
             raise ValueError(f"loss_scale_factor is only used with loss_agg='seq-mean-token-sum-norm', not {agg!r}")
         if not _is_bool(self.no_is):
             raise TypeError(f"no_is must be a bool, got {self.no_is!r}")
+        if type(self.gate_metric) is not str or self.gate_metric not in GATE_METRICS:
+            raise ValueError(f"gate_metric must be one of {GATE_METRICS}, got {self.gate_metric!r}")
+        cap = _real("is_truncation", self.is_truncation, "must be a number >= 1 (inf: no truncation)")
+        if not cap >= 1.0:  # NaN fails too
+            raise ValueError(f"is_truncation must be a number >= 1 (inf: no truncation), got {cap!r}")
         if not _is_bool(self.whiten):
             raise TypeError(f"whiten must be a bool, got {self.whiten!r}")
         pair = self.eps_clip
@@ -125,7 +140,8 @@ class LossOptions:
         if not (0 <= low < 1 and high >= 0):
             raise ValueError(f"eps_clip must have 0 <= low < 1 and high >= 0, got {low} {high}")
         for name, value in (("delta", delta), ("negative_token_fraction", q), ("loss_scale_factor", lsf),
-                            ("no_is", bool(self.no_is)), ("whiten", bool(self.whiten)), ("eps_clip", (low, high))):
+                            ("no_is", bool(self.no_is)), ("is_truncation", cap), ("whiten", bool(self.whiten)),
+                            ("eps_clip", (low, high))):
             object.__setattr__(self, name, value)
 
     @property
@@ -136,13 +152,15 @@ class LossOptions:
     def objective_kwargs(self) -> dict[str, Any]:
         """The keyword options of the public loss functions (the objective's fields, not PPO's)."""
         return {"delta": self.delta, "negative_token_fraction": self.negative_token_fraction,
-                "loss_agg": self.loss_agg, "loss_scale_factor": self.loss_scale_factor, "no_is": self.no_is}
+                "loss_agg": self.loss_agg, "loss_scale_factor": self.loss_scale_factor, "no_is": self.no_is,
+                "gate_metric": self.gate_metric, "is_truncation": self.is_truncation}
 
 
 #: The trainer flag of each :class:`LossOptions` field (``whiten`` is the negation of its flag).
 OPTION_FLAGS = {"delta": "actor.flash_gate_delta", "negative_token_fraction": "actor.flash_neg_topq",
                 "loss_agg": "actor.flash_loss_agg", "loss_scale_factor": "actor.loss_scale_factor",
-                "no_is": "actor.flash_no_is", "eps_clip": "actor.eps_clip_low_high",
+                "no_is": "actor.flash_no_is", "gate_metric": "actor.gate_metric",
+                "is_truncation": "actor.is_truncation", "eps_clip": "actor.eps_clip_low_high",
                 "whiten": "algo.advantage.no_whiten"}
 assert set(OPTION_FLAGS) == {f.name for f in fields(LossOptions)}
 
@@ -222,8 +240,9 @@ LOSS_MODE_REGISTRY: dict[str, LossModeConfig] = {
         name="flash_reinforce", implementation="flashreinforce.ops.loss_modes:FlashReinforceLoss",
         estimator="flash_reinforce",
         flags=("actor.flash_gate_delta", "actor.flash_gate_level", "actor.flash_neg_topq", "actor.flash_loss_agg",
-               "actor.loss_scale_factor", "actor.flash_no_is"),
-        options=("delta", "negative_token_fraction", "loss_agg", "loss_scale_factor", "no_is"),
+               "actor.loss_scale_factor", "actor.flash_no_is", "actor.gate_metric", "actor.is_truncation"),
+        options=("delta", "negative_token_fraction", "loss_agg", "loss_scale_factor", "no_is", "gate_metric",
+                 "is_truncation"),
         one_sample_per_prompt=True, own_behavior_correction=True,
         notes=(("actor.loss_scale_factor", "actor.flash_loss_agg=seq-mean-token-sum-norm"),)),
     "ppo": LossModeConfig(

@@ -275,6 +275,8 @@ Error loss_forward_cpu(const LossParams& p, int num_threads) {
   args.coef = coef.data();
   args.keep = keep.data();
   args.no_is = opt.no_is;
+  args.gate_metric = opt.gate_metric;
+  args.truncation = opt.is_truncation;
   args.body_kl = body_kl.data();
   args.body_loss = body_loss.data();
   args.body_overflow = body_overflow.data();

@@ -42,6 +42,8 @@ struct MainPassArgs {
   const double* coef = nullptr;     // [B] A_i * s_i (the gradient is -rho * coef)
   const uint8_t* keep = nullptr;    // [B] KeepMode
   bool no_is = false;
+  GateMetric gate_metric = GateMetric::kBinaryKl;  // the gate's per-token term (the KL unless another)
+  double truncation = kNoTruncation;               // importance ratios clipped at this value (inf: not)
 
   // Overflow records: the first kept token whose importance ratio is not finite ("ratio"), and
   // the first kept token whose ratio is finite but whose gradient does not fit the dtype of

@@ -165,6 +165,53 @@ static BlockFlags<typename math::ComputeOf<LP>::type> token_stage(const LP* __re
   return f;
 }
 
+// After token_stage, for a gate metric other than the Bernoulli KL: kl[t - a] = the metric's
+// per-token term (math::gate_term; 0 off the policy tokens), over the block token_stage just read
+// (still in L1). One simd loop per metric: the switch stays outside the loops (see token_stage).
+template <class LP, class BLP, bool kMask>
+static void metric_stage(const LP* __restrict lp, const BLP* __restrict blp, const uint8_t* __restrict mask,
+                         int64_t a, int64_t b, GateMetric metric, typename math::ComputeOf<LP>::type* __restrict kl) {
+  using C = typename math::ComputeOf<LP>::type;
+  const int64_t len = b - a;
+  lp += a;
+  blp += a;
+  if (kMask) mask += a;
+  switch (metric) {
+    case GateMetric::kKpop:
+#pragma omp simd
+      for (int64_t u = 0; u < len; ++u) {
+        const C d = math::kpop_term(math::to_compute(blp[u], C()), math::to_compute(lp[u], C()));
+        kl[u] = (kMask ? mask[u] != 0 : true) ? d : C(0);
+      }
+      break;
+    case GateMetric::kK3:
+#pragma omp simd
+      for (int64_t u = 0; u < len; ++u) {
+        const C d = math::k3_term(math::to_compute(blp[u], C()), math::to_compute(lp[u], C()));
+        kl[u] = (kMask ? mask[u] != 0 : true) ? d : C(0);
+      }
+      break;
+    case GateMetric::kLogRatio:
+#pragma omp simd
+      for (int64_t u = 0; u < len; ++u) {
+        const C d = math::log_ratio_term(math::to_compute(blp[u], C()), math::to_compute(lp[u], C()));
+        kl[u] = (kMask ? mask[u] != 0 : true) ? d : C(0);
+      }
+      break;
+    case GateMetric::kBinaryKl:
+      break;
+  }
+}
+
+// Truncated importance sampling: every ratio of the block clipped at `cap` (0 stays 0 off the
+// policy tokens; an overflowed ratio becomes `cap`, so it no longer counts as an overflow).
+template <class C>
+static void truncate_ratios(C* __restrict rho, int64_t len, C cap, C& max_rho) {
+#pragma omp simd
+  for (int64_t u = 0; u < len; ++u) rho[u] = rho[u] < cap ? rho[u] : cap;
+  max_rho = max_rho < cap ? max_rho : cap;
+}
+
 // Pieces shorter than this take the scalar loop of piece_stage.
 constexpr int64_t kShortPiece = 16;
 
@@ -279,7 +326,11 @@ static void main_chunk_impl(const MainPassArgs& A, int64_t chunk) {
 
   for (int64_t blk = c0; blk < c1; blk += kBlock) {
     const int64_t blk_end = std::min(c1, blk + kBlock);
-    const BlockFlags<C> f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho, xs, kl_scratch);
+    BlockFlags<C> f = token_stage<LP, BLP, kMask, kNoIs>(lp, blp, mask, blk, blk_end, kl, rho, xs, kl_scratch);
+    if constexpr (!kNoIs) {  // without importance correction every ratio is 1 and every metric 0
+      if (A.gate_metric != GateMetric::kBinaryKl) metric_stage<LP, BLP, kMask>(lp, blp, mask, blk, blk_end, A.gate_metric, kl);
+      if (A.truncation < kNoTruncation) truncate_ratios<C>(rho, blk_end - blk, static_cast<C>(A.truncation), f.max_rho);
+    }
     if (f.bad && first_bad < 0) first_bad = first_invalid<LP, C>(lp, mask, blk, blk_end);
     if (f.bad_behavior && first_bad_behavior < 0) {
       first_bad_behavior = first_invalid<BLP, C>(blp, mask, blk, blk_end);

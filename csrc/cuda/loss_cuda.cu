@@ -653,6 +653,8 @@ struct MainParams {
   int64_t n;
   bool no_is;
   bool read_flags;  // some trajectory keeps only flagged tokens (entropy filter)
+  GateMetric gate_metric;  // the gate's per-token term
+  double truncation;       // importance ratios clipped at this value (inf: not clipped)
 };
 
 // The main pass: one tile per block; each thread owns kItems consecutive tokens, loaded and stored
@@ -692,6 +694,8 @@ __global__ void __launch_bounds__(kThreads, main_kernel_min_blocks<LP>()) main_k
 
   const bool no_is = p.no_is;
   const bool read_flags = p.read_flags;
+  const GateMetric metric = p.gate_metric;
+  const C cap = static_cast<C>(p.truncation);  // inf when off: min(rho, inf) is rho
   unsigned long long* error_key = w.error_key;
   RawLP g_raw[kItems];
 #pragma unroll
@@ -708,7 +712,8 @@ __global__ void __launch_bounds__(kThreads, main_kernel_min_blocks<LP>()) main_k
     C g = C(0);
     double loss = 0.0;
     if (kept) {
-      const C rho = no_is ? C(1) : math::exp_c(x - y);
+      const C raw = no_is ? C(1) : math::exp_c(x - y);
+      const C rho = raw < cap ? raw : cap;  // truncated IS; an overflowed ratio becomes the cap
       g = -rho * static_cast<C>(w.coef[seg]);
       if (!isfinite(rho)) {
         atomicMin(&w.overflow[seg], static_cast<unsigned long long>(t));
@@ -718,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, main_kernel_min_blocks<LP>()) main_k
       loss = static_cast<double>(g) * static_cast<double>(x);
     }
     g_raw[k] = to_raw<LP>(math::Store<LP>::from(g));
-    c[0] = (policy && !no_is) ? static_cast<double>(math::bernoulli_kl(y, x)) : 0.0;
+    c[0] = (policy && !no_is) ? static_cast<double>(math::gate_term(metric, y, x)) : 0.0;
     c[1] = loss;
   });
   store_items<RawLP>(reinterpret_cast<RawLP*>(grad) + base, mine, g_raw);
@@ -831,7 +836,8 @@ template <class LP, class BLP>
 void launch_main(const LossParams& p, const Workspace& w, int64_t tiles, cudaStream_t stream) {
   using C = typename math::ComputeOf<LP>::type;
   const int64_t n = p.num_tokens(), b = p.batch();
-  const MainParams mp{p.action_mask.as<const uint8_t>(), b, n, p.options.no_is, p.options.filter()};
+  const MainParams mp{p.action_mask.as<const uint8_t>(), b, n, p.options.no_is, p.options.filter(),
+                      p.options.gate_metric, p.options.is_truncation};
   main_kernel<LP, BLP><<<static_cast<unsigned int>(tiles), kThreads, 0, stream>>>(
       p.log_probs.as<const LP>(), p.behavior_log_probs.as<const BLP>(), p.grad.as<LP>(), mp, w);
   finish_trajectories_kernel<C><<<blocks_for(b * 32, 256), 256, 0, stream>>>(

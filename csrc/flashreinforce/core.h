@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace flashreinforce {
 
@@ -59,6 +60,21 @@ enum class LossAgg : int32_t {
   kSeqMeanTokenSumNorm = 2,  // s_i = 1 / (loss_scale_factor * num_trajectories)
 };
 
+// The per-token divergence whose mean over a trajectory's policy tokens the trust gate compares
+// with delta (docs/semantics.md, "Gate metrics"). b = behavior log-prob, c = current log-prob,
+// p = clamp(e^b), q = clamp(e^c) (clamps to [1e-6, 1 - 1e-6]).
+enum class GateMetric : int32_t {
+  kBinaryKl = 0,  // KL(Bern(p) || Bern(q))                       (the method)
+  kKpop = 1,      // max(KL(Bern(p) || Bern(q)), KL(Bern(q) || Bern(p)))
+  kK3 = 2,        // e^(c-b) - 1 - (c-b)   (k3 estimator of KL(behavior || current), unclamped)
+  kLogRatio = 3,  // |c - b|               (a geometric-mean ratio bound)
+};
+constexpr int kNumGateMetrics = 4;
+const char* gate_metric_name(GateMetric metric);  // "binary_kl", "kpop", "k3", "log_ratio"
+
+// is_truncation's "off": ratios are never clipped.
+constexpr double kNoTruncation = std::numeric_limits<double>::infinity();
+
 // The keyword options of the objective, already validated by the caller.
 struct LossOptions {
   double delta = 3e-3;                    // trust threshold (inclusive; the Python LossOptions.delta default); inf disables the gate
@@ -70,6 +86,8 @@ struct LossOptions {
   double loss_scale_factor = 0.0;  // seq-mean-token-sum-norm only
   int64_t num_policy_tokens = 0;   // 0: the batch's policy-token count (token-mean)
   bool no_is = false;              // current policy as the detached denominator
+  GateMetric gate_metric = GateMetric::kBinaryKl;  // what the trust gate averages per trajectory
+  double is_truncation = kNoTruncation;  // >= 1: importance ratios clipped at this value (truncated IS); inf: not clipped
 
   bool filter() const { return negative_token_fraction < 1.0; }
 };

@@ -11,6 +11,7 @@
 
 #include <math.h>
 
+#include "flashreinforce/core.h"
 #include "flashreinforce/host_device.h"
 
 namespace flashreinforce {
@@ -367,6 +368,73 @@ FR_HD double bernoulli_kl(double behavior, double current) {
     return q * (log_ratio * em - excess) + z * q * em - one_minus_p * h;
   }
   return p * log_ratio + one_minus_p * ::log(one_minus_p * inv_one_minus_q);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The other gate metrics (docs/semantics.md, "Gate metrics"). Each is a per-token term of the
+// behavior and current log-probabilities, averaged over a trajectory's policy tokens exactly like
+// the Bernoulli KL above; only the term differs.
+
+// kpop: the larger of the forward and the reverse clamped Bernoulli KL of the token.
+FR_HD float kpop_term(float behavior, float current) {
+  const float forward = bernoulli_kl(behavior, current);
+  const float reverse = bernoulli_kl(current, behavior);
+  return forward > reverse ? forward : reverse;
+}
+FR_HD double kpop_term(double behavior, double current) {
+  const double forward = bernoulli_kl(behavior, current);
+  const double reverse = bernoulli_kl(current, behavior);
+  return forward > reverse ? forward : reverse;
+}
+
+// k3 = e^d - 1 - d with d = current - behavior (the k3 estimator of KL(behavior || current) from a
+// token the behavior policy sampled; unclamped log-probabilities). Float32, branch-free: for
+// |d| < ln 2 / 2 the reduction leaves r == d exactly and e^d - 1 - d is the polynomial part
+// r^2 poly(r) (no cancellation as d -> 0); elsewhere expm1(d) - d loses a few ulp at most.
+// Above 88, e^d (inf above ln FLT_MAX) is the whole value; below -87, e^d is below an ulp of 1 + |d|.
+FR_HD float k3_term(float behavior, float current) {
+  const float d = current - behavior;
+  const float kHi = 88.0f, kLo = -87.0f;
+  float dc = d > kHi ? kHi : d;
+  dc = dc < kLo ? kLo : dc;  // NaN stays NaN
+  const ExpReduction e = exp_reduce(dc);
+  const float s = e.poly * e.r2 + e.r;  // e^r - 1
+  const float scale = exp2_int(e.n);
+  const float em = scale * s + (scale - 1.0f);  // expm1(dc)
+  float k = e.n == 0u ? e.poly * e.r2 : em - dc;
+  k = d > kHi ? exp_fast(d) - d : k;
+  k = d < kLo ? -1.0f - d : k;
+  return k;
+}
+// Float64: the Taylor series below |d| = 0.01 (seven terms reach float64 precision), expm1 above.
+FR_HD double k3_term(double behavior, double current) {
+  const double d = current - behavior;
+  if (d < 0.01 && d > -0.01) {
+    return d * d * (0.5 + d * (1.0 / 6 + d * (1.0 / 24 + d * (1.0 / 120 + d * (1.0 / 720 + d * (1.0 / 5040))))));
+  }
+  return ::expm1(d) - d;
+}
+
+// log_ratio: |current - behavior|; its trajectory mean bounds the geometric-mean importance ratio.
+FR_HD float log_ratio_term(float behavior, float current) {
+  const float d = current - behavior;
+  return d < 0.0f ? -d : d;
+}
+FR_HD double log_ratio_term(double behavior, double current) {
+  const double d = current - behavior;
+  return d < 0.0 ? -d : d;
+}
+
+// The gate's per-token term by metric (the CUDA path and the CPU's non-default metrics).
+template <class C>
+FR_HD C gate_term(GateMetric metric, C behavior, C current) {
+  switch (metric) {
+    case GateMetric::kKpop: return kpop_term(behavior, current);
+    case GateMetric::kK3: return k3_term(behavior, current);
+    case GateMetric::kLogRatio: return log_ratio_term(behavior, current);
+    case GateMetric::kBinaryKl: break;
+  }
+  return bernoulli_kl(behavior, current);
 }
 
 // A policy-token log probability is valid when finite and <= 0 (NaN fails both comparisons).

@@ -41,7 +41,8 @@ __all__ = ["IDENTITY", "LOCKED", "RUN_SETTINGS", "Change", "changes", "locked_ch
 IDENTITY = ("preset", "actor.model_name_or_path", "tokenizer", "train.agent_path", "env_kwargs", "rewards",
             "data.prompt_dataset", "data.input_key", "data.label_key", "data.apply_chat_template", "actor.loss_mode",
             "algo.advantage.estimator", "rollout.n_samples_per_prompt", "actor.flash_gate_delta", "actor.flash_neg_topq",
-            "actor.flash_loss_agg", "actor.loss_scale_factor", "actor.flash_no_is", "actor.eps_clip_low_high")
+            "actor.flash_loss_agg", "actor.loss_scale_factor", "actor.flash_no_is", "actor.gate_metric",
+            "actor.is_truncation", "actor.eps_clip_low_high")
 #: Locked on resume: what the run is, and what its saved state was counted in. ``seed``: the prompt
 #: order of the passes in progress and the sampling noise; the batch sizes and ``data.max_samples``:
 #: the updates a pass makes and the prompt set the saved stream position counts in;

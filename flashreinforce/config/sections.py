@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from flashreinforce.config.schema import Freezable, option, section
 from flashreinforce.dtypes import DTYPE_NAMES
-from flashreinforce.objective import (DEFAULT_LOSS_MODE, LOSS_AGGREGATIONS, LOSS_MODE_REGISTRY, LossOptions,
-                                      advantage_estimators, loss_mode_names)
+from flashreinforce.objective import (DEFAULT_LOSS_MODE, GATE_METRICS, LOSS_AGGREGATIONS, LOSS_MODE_REGISTRY,
+                                      LossOptions, advantage_estimators, loss_mode_names)
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
@@ -68,6 +68,12 @@ class ActorConfig(Freezable):
                                              "seq-mean-token-sum-norm")
     flash_no_is: bool = option("bool", LossOptions.no_is, "no importance correction (ratio 1; the gate admits "
                                "everything)")
+    gate_metric: str = option("str", LossOptions.gate_metric, "per-token divergence the trust gate averages over a "
+                              "trajectory: binary_kl (the method), kpop (max of forward and reverse Bernoulli KL), "
+                              "k3 (e^d - 1 - d) or log_ratio (|d|), d = current - behavior log-prob",
+                              choices=GATE_METRICS)
+    is_truncation: float = option("float", LossOptions.is_truncation, "clip importance ratios at this value, >= 1 "
+                                  "(truncated IS; inf: no clip)")
     eps_clip_low_high: tuple[float, float] = option("float2", LossOptions.eps_clip, "PPO ratio clip range (low high), "
                                                     "loss_mode ppo")
     entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")

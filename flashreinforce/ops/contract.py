@@ -62,6 +62,8 @@ class Defaults:
     loss_scale_factor: Optional[float] = LossOptions.loss_scale_factor
     num_policy_tokens: Optional[int] = None
     no_is: bool = LossOptions.no_is
+    gate_metric: str = LossOptions.gate_metric
+    is_truncation: float = LossOptions.is_truncation
 
 
 DEFAULTS = Defaults()
@@ -138,6 +140,8 @@ class Arguments(NamedTuple):
     loss_scale_factor: Optional[float]
     num_policy_tokens: Optional[int]
     no_is: bool
+    gate_metric: str
+    is_truncation: float
 
     @property
     def filter(self) -> bool:
@@ -218,7 +222,8 @@ def _reward_baseline(value, compute_dtype: torch.dtype) -> Optional[float]:
 
 def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, *, padded: bool, delta,
                     negative_token_fraction, entropies, failures, reward_baseline, num_trajectories, loss_agg,
-                    loss_scale_factor, num_policy_tokens, no_is) -> Arguments:
+                    loss_scale_factor, num_policy_tokens, no_is, gate_metric=DEFAULTS.gate_metric,
+                    is_truncation=DEFAULTS.is_truncation) -> Arguments:
     """Validates one call's arguments (both entry points, both layouts) and normalizes the options.
 
     ``padded``: the ``[B, T]`` form (``cu_seqlens`` is not an argument there and must be ``None``),
@@ -288,7 +293,8 @@ def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_m
     # Options: the objective's own (one check, LossOptions'), then those that depend on this call.
     compute_dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
     options = LossOptions(delta=delta, negative_token_fraction=negative_token_fraction, loss_agg=loss_agg,
-                          loss_scale_factor=loss_scale_factor, no_is=no_is)
+                          loss_scale_factor=loss_scale_factor, no_is=no_is, gate_metric=gate_metric,
+                          is_truncation=is_truncation)
     if options.entropy_filter and (entropies is None or failures is None):
         missing = " and ".join(n for n, v in (("entropies", entropies), ("failures", failures)) if v is None)
         raise ValueError(f"negative_token_fraction < 1 needs entropies and failures; missing {missing}")
@@ -299,7 +305,7 @@ def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_m
     return Arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures,
                      num_tokens, batch, width, compute_dtype, options.delta, options.negative_token_fraction,
                      reward_baseline, num_trajectories, options.loss_agg, options.loss_scale_factor, num_policy_tokens,
-                     options.no_is)
+                     options.no_is, options.gate_metric, options.is_truncation)
 
 
 # ------------------------------------------------------------------------------------------------

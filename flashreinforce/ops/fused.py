@@ -126,6 +126,8 @@ def _fused_loss_impl(
     loss_scale_factor: Optional[float],
     num_policy_tokens: Optional[int],
     no_is: bool,
+    gate_metric: str,
+    is_truncation: float,
     raise_errors: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused loss on validated arguments. ``cu_seqlens=None``: the padded ``[B, T]`` layout.
@@ -151,7 +153,8 @@ def _fused_loss_impl(
     views["error_record"] = _view(error)
     options = {"delta": delta, "negative_token_fraction": negative_token_fraction, "reward_baseline": reward_baseline,
                "num_trajectories": num_trajectories, "loss_agg": loss_agg, "loss_scale_factor": loss_scale_factor,
-               "num_policy_tokens": num_policy_tokens, "no_is": no_is}
+               "num_policy_tokens": num_policy_tokens, "no_is": no_is, "gate_metric": gate_metric,
+               "is_truncation": is_truncation}
     launch = {"device": device.type, "padded_row_length": log_probs.shape[1] if padded else 0,
               "num_threads": torch.get_num_threads(), "stream": 0, "synchronize": raise_errors}
     if device.type == "cuda":
@@ -166,7 +169,7 @@ def _fused_loss_impl(
     if code != 0 and raise_errors:
         args = Arguments(*inputs, log_probs.numel(), batch, launch["padded_row_length"], _compute_dtype(log_probs),
                          delta, negative_token_fraction, reward_baseline, num_trajectories, loss_agg,
-                         loss_scale_factor, num_policy_tokens, no_is)
+                         loss_scale_factor, num_policy_tokens, no_is, gate_metric, is_truncation)
         raise error_for(code, index, args)
     return (*outputs, error)
 
@@ -179,7 +182,7 @@ _fused_loss = torch.library.custom_op("flashreinforce::fused_loss", mutates_args
 @_fused_loss.register_fake
 def _(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures, delta,
       negative_token_fraction, reward_baseline, num_trajectories, loss_agg, loss_scale_factor,
-      num_policy_tokens, no_is, raise_errors):
+      num_policy_tokens, no_is, gate_metric, is_truncation, raise_errors):
     batch = _batch_size(log_probs, rewards, cu_seqlens)
     grad = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
     error = torch.empty(2, dtype=torch.int64, device=log_probs.device)
@@ -207,7 +210,7 @@ def _plain_cpu_scalar(t: Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() == 0 and _outside_tracing()
 
 
-_NUM_OP_INPUTS = 16  # the arguments of _fused_loss_impl; only log_probs gets a gradient
+_NUM_OP_INPUTS = 18  # the arguments of _fused_loss_impl; only log_probs gets a gradient
 
 
 def _backward(ctx, grad_loss, *unused):
@@ -260,7 +263,8 @@ def _run(args: Arguments, raise_errors: bool = True):
     tensors = (args.log_probs, args.behavior_log_probs, args.rewards, args.cu_seqlens, args.action_mask, entropies,
                failures)
     op_args = (*tensors, args.delta, args.negative_token_fraction, args.reward_baseline, args.num_trajectories,
-               args.loss_agg, args.loss_scale_factor, args.num_policy_tokens, args.no_is, raise_errors)
+               args.loss_agg, args.loss_scale_factor, args.num_policy_tokens, args.no_is, args.gate_metric,
+               args.is_truncation, raise_errors)
     if _use_eager_function(tensors):
         return _EagerFusedLoss.apply(*op_args)
     return torch.ops.flashreinforce.fused_loss(*op_args)
@@ -291,6 +295,8 @@ def flashreinforce_loss_packed(
     loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
     num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
     no_is: bool = DEFAULTS.no_is,
+    gate_metric: str = DEFAULTS.gate_metric,
+    is_truncation: float = DEFAULTS.is_truncation,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Fused FlashREINFORCE loss over packed trajectories (compiled CPU / CUDA kernel).
 
@@ -317,6 +323,9 @@ def flashreinforce_loss_packed(
         num_policy_tokens: denominator of ``"token-mean"``, at least the batch's policy-token count
             (default: that count).
         no_is: detached denominator = current policy (ratios 1, every trajectory admitted); a bool.
+        gate_metric: the per-token divergence the gate averages: ``"binary_kl"`` (the method),
+            ``"kpop"``, ``"k3"`` or ``"log_ratio"`` (docs/semantics.md, "Gate metrics").
+        is_truncation: clip each importance ratio at this value, >= 1 (truncated IS); ``inf``: never.
 
     Returns:
         ``(loss, stats)``: 0-d loss in the compute dtype (float64 for float64 ``log_probs``, else
@@ -332,7 +341,8 @@ def flashreinforce_loss_packed(
     args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, delta=delta,
                            negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
                            reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is)
+                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
+                           gate_metric=gate_metric, is_truncation=is_truncation)
     out = _run(args)
     return out[0], _stats(out)
 
@@ -353,6 +363,8 @@ def flashreinforce_loss(
     loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
     num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
     no_is: bool = DEFAULTS.no_is,
+    gate_metric: str = DEFAULTS.gate_metric,
+    is_truncation: float = DEFAULTS.is_truncation,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Fused FlashREINFORCE loss over padded ``[B, T]`` trajectories.
 
@@ -364,7 +376,8 @@ def flashreinforce_loss(
     args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True, delta=delta,
                            negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
                            reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is)
+                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
+                           gate_metric=gate_metric, is_truncation=is_truncation)
     out = _run(args)
     return out[0], _stats(out)
 

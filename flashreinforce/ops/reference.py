@@ -14,12 +14,14 @@ The objective, for a batch of B complete trajectories (one rollout per prompt):
 3. Per policy token, ``p = clamp(exp(behavior), 1e-6, 1-1e-6)``, ``q = clamp(exp(current), ...)`` and the
    Bernoulli-KL proxy ``d = p (log p - log q) + (1-p) (log(1-p) - log(1-q))``.
 4. ``sequence_kl_i = max(0, sum_t d / T_i)``; the trajectory is admitted when ``sequence_kl_i <= delta``
-   (Sequence Trust Region: the whole trajectory is kept or dropped).
+   (Sequence Trust Region: the whole trajectory is kept or dropped). ``gate_metric`` replaces ``d`` by
+   another per-token divergence (:func:`gate_divergence`); ``sequence_kl`` then holds its mean.
 5. Optional entropy filter (``negative_token_fraction`` q < 1): failed trajectories keep only their
    ``ceil(q T_i)`` highest-entropy policy tokens (ties: earlier position first). ``ceil(q T_i)`` is
    evaluated in floating point, ``math.ceil(q * T_i)``, as the published reference does: q = 0.07,
    T_i = 100 keeps 8 tokens (``0.07 * 100 == 7.000000000000001``).
-6. Active tokens (kept, of admitted trajectories) get the detached weight ``w = exp(current - behavior) A_i``.
+6. Active tokens (kept, of admitted trajectories) get the detached weight ``w = exp(current - behavior) A_i``
+   (the ratio clipped at ``is_truncation`` when that is finite: truncated importance sampling).
 7. ``loss = -sum_i s_i sum_t w_t current_t`` with ``s_i = 1 / (T_i * num_trajectories)`` for the method's
    ``seq-mean-token-mean`` aggregation (Sample-Mean Optimization); the ablations ``token-mean`` and
    ``seq-mean-token-sum-norm`` change only ``s_i``.
@@ -36,6 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from flashreinforce.objective import GATE_METRICS
 from flashreinforce.ops.contract import (DEFAULTS, LOSS_AGGREGATIONS, PROB_CLAMP, Arguments, ErrorCode,
                                          check_arguments, error_for, make_stats)
 
@@ -44,6 +47,7 @@ __all__ = [
     "PROB_CLAMP",
     "bernoulli_kl",
     "flashreinforce_loss",
+    "gate_divergence",
     "flashreinforce_loss_packed",
 ]
 
@@ -65,6 +69,8 @@ def flashreinforce_loss_packed(
     loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
     num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
     no_is: bool = DEFAULTS.no_is,
+    gate_metric: str = DEFAULTS.gate_metric,
+    is_truncation: float = DEFAULTS.is_truncation,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss over packed trajectories (reference implementation).
 
@@ -89,6 +95,11 @@ def flashreinforce_loss_packed(
             default that count.
         no_is: use the current policy as the detached denominator: ratios are 1, every trajectory
             admitted. A bool.
+        gate_metric: the per-token divergence the gate averages over a trajectory's policy tokens:
+            ``"binary_kl"`` (the clamped Bernoulli KL, the method), ``"kpop"`` (the larger of the
+            forward and reverse Bernoulli KL), ``"k3"`` (``e^d - 1 - d``) or ``"log_ratio"`` (``|d|``),
+            with ``d = log_probs - behavior_log_probs``.
+        is_truncation: clip every importance ratio at this value (>= 1; truncated IS); ``inf``: never.
 
     Returns:
         ``(loss, stats)``: a 0-d loss in the compute dtype (float64 for float64 inputs, else float32)
@@ -104,7 +115,8 @@ def flashreinforce_loss_packed(
     args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, delta=delta,
                            negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
                            reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is)
+                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
+                           gate_metric=gate_metric, is_truncation=is_truncation)
     return _objective(args)
 
 
@@ -124,6 +136,8 @@ def flashreinforce_loss(
     loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
     num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
     no_is: bool = DEFAULTS.no_is,
+    gate_metric: str = DEFAULTS.gate_metric,
+    is_truncation: float = DEFAULTS.is_truncation,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss over padded ``[B, T]`` trajectories (reference implementation).
 
@@ -134,8 +148,25 @@ def flashreinforce_loss(
     args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True, delta=delta,
                            negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
                            reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is)
+                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
+                           gate_metric=gate_metric, is_truncation=is_truncation)
     return _objective(args)
+
+
+def gate_divergence(behavior_log_probs: Tensor, log_probs: Tensor, metric: str) -> Tensor:
+    """The gate metric's per-token term (elementwise, float64 in, float64 out; docs/semantics.md)."""
+    if metric == "binary_kl":
+        return bernoulli_kl(behavior_log_probs, log_probs)
+    if metric == "kpop":
+        return torch.maximum(bernoulli_kl(behavior_log_probs, log_probs), bernoulli_kl(log_probs, behavior_log_probs))
+    d = log_probs - behavior_log_probs
+    if metric == "k3":
+        # e^d - 1 - d; below |d| = 1e-3 its series, where expm1(d) - d would cancel.
+        series = d * d * (0.5 + d * (1.0 / 6 + d * (1.0 / 24 + d / 120)))
+        return torch.where(d.abs() < 1e-3, series, torch.expm1(d) - d)
+    if metric == "log_ratio":
+        return d.abs()
+    raise ValueError(f"gate_metric must be one of {GATE_METRICS}, got {metric!r}")
 
 
 def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
@@ -204,7 +235,8 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
         # percents of the value. (The fused kernel uses a cancellation-free form in the compute dtype.)
         # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
         # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
-        divergence = torch.where(mask, bernoulli_kl(behavior.double(), current.detach().double()), 0.0)
+        divergence = torch.where(mask, gate_divergence(behavior.double(), current.detach().double(), a.gate_metric),
+                                 0.0)
         kl_sum = torch.zeros(batch, dtype=torch.float64, device=device).index_add_(0, segment, divergence)
         sequence_kl = (kl_sum / policy_tokens).clamp_min(0.0).to(compute)
         admitted = sequence_kl.double() <= a.delta
@@ -216,6 +248,7 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
 
         # Inactive tokens never exponentiate anything (their difference is replaced by 0).
         ratio = torch.exp(torch.where(active, current.detach() - behavior, 0.0))
+        ratio = ratio.clamp_max(a.is_truncation)  # truncated IS (inf: unchanged); an overflow becomes the cap
         _raise_first(a, ErrorCode.RATIO_OVERFLOW, ~torch.isfinite(ratio))
         # s_i in float64, and A_i s_i rounded once to the compute dtype: the gradient on an active
         # token is then exactly -ratio * (A_i s_i), the fused kernel's formula.

@@ -3,6 +3,7 @@ bounds), the loss options and the names defined once, and the command line's sma
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,12 @@ def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
     for name in ("delta", "negative_token_fraction"):
         found = re.search(rf"^\s*double {name} = ([0-9.eE+-]+);", core, re.M)
         assert found is not None and float(found.group(1)) == getattr(defaults, name), name
+    assert defaults.is_truncation == math.inf and re.search(r"^\s*double is_truncation = kNoTruncation;", core, re.M)
+    assert re.search(r"kNoTruncation = std::numeric_limits<double>::infinity\(\);", core)
+    assert defaults.gate_metric == "binary_kl" == objective.GATE_METRICS[0]
+    assert re.search(r"^\s*GateMetric gate_metric = GateMetric::kBinaryKl;", core, re.M)
+    names = re.findall(r"case GateMetric::k\w+: return \"(\w+)\";", (ROOT / "csrc" / "core_common.cpp").read_text())
+    assert tuple(names) == objective.GATE_METRICS  # the binding reads the names the options carry
     assert defaults.delta == 3e-3
 
 

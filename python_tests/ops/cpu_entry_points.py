@@ -7,8 +7,8 @@ Run as a script by ``test_cpu_isa.py`` in subprocesses (also under an emulated C
 It loads the module from its file (not through the ``flashreinforce`` package, which imports
 PyTorch), calls ``has_cuda``, ``cpu_isa``, ``view_names``, ``error_code_names`` and
 ``cuda_workspace_bytes``, then ``loss_forward`` on small packed batches covering every pair of
-log-prob dtypes, with and without a mask, ``no_is``, the entropy filter (every entropy dtype), the
-padded form, several chunks on two threads, and the error paths (an invalid log-prob, an
+log-prob dtypes, with and without a mask, ``no_is``, every gate metric with truncated ratios, the
+entropy filter (every entropy dtype), the padded form, several chunks on two threads, and the error paths (an invalid log-prob, an
 overflowing ratio); then ``decode_attention`` in float32 and bfloat16 (head sizes on and off the
 vector width, groups of one to seven queries, masked positions, a request with none attended, strided
 queries, one and two threads) and its argument check. It prints one JSON line: the instruction set in use, the number of calls and
@@ -85,7 +85,7 @@ def batch(gen: Lcg, lengths, spread: float):
 
 
 def run(C, data, digests, *, lp="float32", blp="float32", ent="float32", masked=True, no_is=False, q=1.0,
-        padded_row_length=0, threads=1, poison=None):
+        padded_row_length=0, threads=1, poison=None, gate_metric="binary_kl", is_truncation=math.inf):
     """One loss_forward call; feeds every output byte and the error record into the digest of its
     compute dtype."""
     n, b = len(data["current"]), len(data["rewards"])
@@ -122,7 +122,8 @@ def run(C, data, digests, *, lp="float32", blp="float32", ent="float32", masked=
     views.update({name: view(buf, ("bool" if name == "admitted" else "int64" if name.endswith("tokens") else
                                    lp if name == "grad" else compute)) for name, buf in outputs.items()})
     options = dict(delta=math.inf if poison else 3e-3, negative_token_fraction=q, reward_baseline=None, num_trajectories=None,
-                   loss_agg="seq-mean-token-mean", loss_scale_factor=None, num_policy_tokens=None, no_is=no_is)
+                   loss_agg="seq-mean-token-mean", loss_scale_factor=None, num_policy_tokens=None, no_is=no_is,
+                   gate_metric=gate_metric, is_truncation=is_truncation)
     launch = dict(device="cpu", padded_row_length=padded_row_length, num_threads=threads, stream=0,
                   synchronize=True)
     code, index = C.loss_forward(views, options, launch)
@@ -182,7 +183,10 @@ def main(path: str) -> None:
         for poison in ("log_prob", "ratio"):
             code = run(C, small, digest, lp=lp, poison=poison)
             assert code != 0, (lp, poison)
-        calls += 7
+        for metric in ("kpop", "k3", "log_ratio"):
+            run(C, small, digest, lp=lp, gate_metric=metric, is_truncation=1.5)
+        assert run(C, small, digest, lp=lp, poison="ratio", is_truncation=2.0) == 0  # clipped, not an overflow
+        calls += 11
     padded = batch(gen, [64] * 12, spread=0.05)
     run(C, padded, digest, padded_row_length=64)
     large = batch(gen, [9000, 30, 25000, 3, 6000], spread=0.02)  # several 16,384-token chunks

@@ -126,6 +126,27 @@ def bernoulli_kl_exact(behavior: float, current: float, bounds=BOUNDS64) -> floa
     return float(d)
 
 
+def k3_exact(behavior: float, current: float) -> float:
+    """``e^d - 1 - d`` with ``d = current - behavior``, in 40-digit decimals (no cancellation near 0)."""
+    with decimal.localcontext(_CTX):
+        d = decimal.Decimal(current) - decimal.Decimal(behavior)
+        value = d.exp() - 1 - d
+    return float(value)
+
+
+def gate_term(metric: str, behavior: float, current: float, kl_fn, bounds) -> float:
+    """The gate metric's per-token term (docs/semantics.md, "Gate metrics"), from its definition."""
+    if metric == "binary_kl":
+        return kl_fn(behavior, current, bounds)
+    if metric == "kpop":
+        return max(kl_fn(behavior, current, bounds), kl_fn(current, behavior, bounds))
+    if metric == "k3":
+        return k3_exact(behavior, current)
+    if metric == "log_ratio":
+        return abs(current - behavior)
+    raise ValueError(metric)
+
+
 @dataclass
 class Expected:
     loss: float
@@ -141,7 +162,8 @@ class Expected:
 def expected_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask=None, *, delta=3e-3,
                   negative_token_fraction=1.0, entropies=None, failures=None, reward_baseline=None,
                   num_trajectories=None, loss_agg="seq-mean-token-mean", loss_scale_factor=None,
-                  num_policy_tokens=None, no_is=False, exact_kl=None) -> Expected:
+                  num_policy_tokens=None, no_is=False, gate_metric="binary_kl", is_truncation=math.inf,
+                  exact_kl=None) -> Expected:
     """Float64 computation of docs/semantics.md, trajectory by trajectory (packed inputs).
 
     ``exact_kl`` (default: for float64 inputs) evaluates the KL in 40-digit decimals.
@@ -171,7 +193,7 @@ def expected_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mas
         if no_is:
             kl = 0.0
         else:
-            kl = max(0.0, sum(kl_fn(blp[t], lp[t], bounds) for t in pos) / count)
+            kl = max(0.0, sum(gate_term(gate_metric, blp[t], lp[t], kl_fn, bounds) for t in pos) / count)
         ok = no_is or kl <= delta
         kept = pos
         if negative_token_fraction < 1.0 and bool(failures[i]):
@@ -186,7 +208,7 @@ def expected_loss(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mas
         term = 0.0
         if ok:
             for t in kept:
-                rho = 1.0 if no_is else math.exp(lp[t] - blp[t])
+                rho = 1.0 if no_is else min(math.exp(min(lp[t] - blp[t], 700.0)), is_truncation)
                 g = -rho * a * s
                 grad[t] = g
                 term += g * lp[t]

@@ -5,6 +5,7 @@ trainer and transformers imports."""
 from __future__ import annotations
 
 import inspect
+import math
 import subprocess
 import sys
 import textwrap
@@ -45,7 +46,8 @@ def test_outputs_follow_the_contract_in_order(generator):
     lp = -torch.rand(2, 5, generator=generator, dtype=torch.float16)
     mask = torch.ones(2, 5, dtype=torch.bool)
     out = torch.ops.flashreinforce.fused_loss(lp, lp, torch.tensor([1.0, 0.0]), None, mask, None, None, 0.1, 1.0,
-                                              None, None, "seq-mean-token-mean", None, None, False, True)
+                                              None, None, "seq-mean-token-mean", None, None, False, "binary_kl",
+                                              math.inf, True)
     assert len(out) == len(contract.OUTPUTS) + 1
     for spec, tensor in zip(contract.OUTPUTS, out):
         shape = {(): (), "N": (2, 5), "B": (2,)}[spec.shape]

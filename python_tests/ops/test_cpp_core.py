@@ -112,7 +112,8 @@ _RAW_CALL = textwrap.dedent("""
                  acceptance_rate=(4096, 1, "float32"), policy_tokens=(4096, 1, "int64"),
                  retained_tokens=(4096, 1, "int64"), workspace=(4096, 64, "uint8"), error_record=(4096, 2, "int64"))
     options = dict(delta=1e-3, negative_token_fraction=1.0, reward_baseline=None, num_trajectories=None,
-                   loss_agg="seq-mean-token-mean", loss_scale_factor=None, num_policy_tokens=None, no_is=False)
+                   loss_agg="seq-mean-token-mean", loss_scale_factor=None, num_policy_tokens=None, no_is=False,
+                   gate_metric="binary_kl", is_truncation=float("inf"))
     launch = dict(device="cuda", padded_row_length=0, num_threads=1, stream=0, synchronize=True)
 """)
 

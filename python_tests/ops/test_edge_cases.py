@@ -301,6 +301,8 @@ _ODD_VALUES = {
     "loss_scale_factor": [None, 1, 8.0, np.float32(8.0), 0.0, -1.0, math.inf, True, "8"],
     "num_policy_tokens": [None, 4, 9, np.int32(6), 3, 0, 4.0, False],
     "no_is": [False, True, np.bool_(True), 0, 1, "false", None],
+    "gate_metric": ["binary_kl", "kpop", "k3", "log_ratio", "KL", None, 0],
+    "is_truncation": [math.inf, 1, 1.0, 2.5, np.float32(3.0), 0.99, 0, -1.0, math.nan, True, "2"],
 }
 
 

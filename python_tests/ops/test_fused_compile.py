@@ -29,6 +29,8 @@ def op_args(b, delta=0.05, q=1.0, packed=True):
         None,
         None,
         False,
+        "binary_kl",
+        math.inf,
         True,
     )
 

@@ -190,6 +190,9 @@ _LAYOUTS = {
                                                 entropy_dtype=torch.float64, entropy_ties=True, max_long=6000),
     "q = 0": dict(batch=30, filter_q=0.0),
     "no_is": dict(batch=30, no_is=True),
+    "kpop, truncated": dict(batch=30, gate_metric="kpop", is_truncation=1.5),
+    "k3": dict(batch=30, gate_metric="k3", spread=0.3),
+    "log_ratio, truncated": dict(batch=30, dtype=torch.bfloat16, gate_metric="log_ratio", is_truncation=2.0),
 }
 
 
@@ -197,10 +200,9 @@ _LAYOUTS = {
 def test_cuda_layouts_match_cpu(generator, layout):
     spec = dict(_LAYOUTS[layout])
     no_mask = spec.pop("no_mask", False)
-    no_is = spec.pop("no_is", False)
+    opts = {name: spec.pop(name) for name in ("no_is", "gate_metric", "is_truncation") if name in spec}
     spec.setdefault("filter_q", 0.4)
     b = random_batch(generator, garbage=not no_mask, **spec)
-    opts = dict(no_is=no_is)
     if no_mask:
         b.action_mask = torch.ones_like(b.action_mask)
     cpu = run(b, delta=math.inf, **opts)

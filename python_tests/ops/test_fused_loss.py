@@ -62,6 +62,49 @@ def test_random_batches_against_float64(generator, dtype, filter_q, gate):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("metric", ["binary_kl", "kpop", "k3", "log_ratio"])
+@pytest.mark.parametrize("truncation", [math.inf, 1.2])
+def test_gate_metrics_and_truncation_against_float64(generator, dtype, metric, truncation):
+    """Each gate metric (and truncated ratios) of the fused op, and of the reference, against the float64
+    definition, with a delta that admits some trajectories and rejects others."""
+    b = random_batch(generator, dtype=dtype, spread=0.2, filter_q=0.4 if metric == "kpop" else None)
+    _, free = reference.flashreinforce_loss_packed(b.log_probs.double(), b.behavior_log_probs.double(), b.rewards,
+                                                   b.cu_seqlens, b.action_mask, delta=math.inf, gate_metric=metric)
+    kls = sorted(set(free["sequence_kl"].tolist()))
+    delta = (kls[len(kls) // 2 - 1] + kls[len(kls) // 2]) / 2
+    exp = expected_loss(b.log_probs, b.behavior_log_probs, b.rewards, b.cu_seqlens, b.action_mask, delta=delta,
+                        gate_metric=metric, is_truncation=truncation, **b.options)
+    assert 0 < int(exp.admitted.sum()) < b.batch
+    for fn in (fr.flashreinforce_loss_packed, reference.flashreinforce_loss_packed):
+        loss, grad, stats = run_fused(b, fn=fn, delta=delta, gate_metric=metric, is_truncation=truncation)
+        check_against_expected(loss, grad, stats, exp, dtype, delta, where=f"{fn.__module__} {metric}")
+    # The metrics differ: the same batch's sequence values are not those of the Bernoulli KL (but for it).
+    _, kl_stats = reference.flashreinforce_loss_packed(b.log_probs.double(), b.behavior_log_probs.double(), b.rewards,
+                                                       b.cu_seqlens, b.action_mask, delta=math.inf)
+    assert torch.equal(free["sequence_kl"], kl_stats["sequence_kl"]) == (metric == "binary_kl")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_truncation_clips_every_ratio_at_the_cap(dtype):
+    """With is_truncation C each active token's gradient is -min(rho, C) A s: ratios above C are clipped,
+    those below are not, and a ratio that would overflow is the cap, not an error."""
+    current = torch.tensor([-5.0, -0.1, -2.0, -1.0, -0.5], dtype=dtype)
+    behavior = torch.tensor([-5.0, -3.1, -2.5, -1.0, -800.0], dtype=dtype)  # ratios e^3, e^0.5, 1, e^799.5
+    mask = torch.tensor([False, True, True, True, True])
+    cu = torch.tensor([0, 3, 5])
+    rewards = torch.tensor([1.0, 0.0], dtype=dtype)
+    for fn in (fr.flashreinforce_loss_packed, reference.flashreinforce_loss_packed):
+        with pytest.raises(FloatingPointError, match="importance ratio overflows"):
+            fn(current.clone().requires_grad_(), behavior, rewards, cu, mask, delta=math.inf)
+        lp = current.clone().requires_grad_()
+        loss, stats = fn(lp, behavior, rewards, cu, mask, delta=math.inf, is_truncation=2.0)
+        loss.backward()
+        # A = [0.5, -0.5], s_i = 1 / (2 * 2): gradient -min(rho, 2) * A_i / 4
+        want = [0.0, -2.0 * 0.5 / 4, -math.exp(0.5) * 0.5 / 4, 1.0 * 0.5 / 4, 2.0 * 0.5 / 4]
+        assert lp.grad.tolist() == pytest.approx(want, rel=1e-6), fn.__module__
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("filter_q", [None, 0.5])
 def test_fused_matches_reference(generator, dtype, filter_q):
     b = random_batch(generator, dtype=dtype, filter_q=filter_q)
