@@ -176,6 +176,11 @@ def _check(cfg, errors: list[str]) -> None:
             inactive[n] = "no data.prompt_dataset"
     if cfg.train.max_steps:
         inactive["train.num_episodes"] = "train.max_steps sets the number of updates"
+    if cfg.train.fixed_policy_lag is not None:
+        lag = cfg.train.fixed_policy_lag
+        inactive["train.async_queue_size"] = f"train.fixed_policy_lag {lag} keeps {lag} batches ahead"
+        inactive["rollout.inflight_weight_updates"] = ("train.fixed_policy_lag: no version is published while a "
+                                                        "batch it allowed is being sampled")
     wandb = cfg.logger.wandb
     if wandb.run_name is not None and not wandb.project:
         inactive["logger.wandb.run_name"] = "no W&B logging (logger.wandb.project not given)"

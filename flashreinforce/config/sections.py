@@ -311,6 +311,11 @@ class TrainConfig(Freezable):
                                    minimum=0)
     max_policy_lag: int | None = option("int", None, "drop trajectories more than this many versions old (none: "
                                         "keep)", minimum=0)
+    fixed_policy_lag: int | None = option("int", None, "sample every trajectory with the policy exactly K versions "
+                                          "behind the one that trains on it (after the first K updates, which use "
+                                          "what exists): K batches ahead, each new version published once they are "
+                                          "complete; 0 is synchronous on-policy (none: the lag follows the speeds)",
+                                          minimum=0, maximum=10**6)
     stall_timeout_s: float = option("float", 1800.0, "stop the run when no trajectory arrived for this many seconds "
                                     "while the learner waited for its batch (0: never)", minimum=0)
     force_on_policy: bool = option("bool", False, "Molt's one-update-per-batch switch",
@@ -325,6 +330,16 @@ class TrainConfig(Freezable):
         if not math.isfinite(self.max_minutes):
             errors.append(f"--train.max_minutes must be a finite number of minutes >= 0 (0: no limit), "
                           f"got {self.max_minutes}")
+        lag = self.fixed_policy_lag
+        if lag is not None and self.max_policy_lag is not None and self.max_policy_lag < lag:
+            errors.append(f"--train.max_policy_lag {self.max_policy_lag} would drop every trajectory of "
+                          f"--train.fixed_policy_lag {lag}: raise it to at least {lag}, or leave it unset")
+
+    @property
+    def batches_ahead(self) -> int:
+        """Batches the rollouts may run ahead of the learner: the fixed lag when one is set, else
+        ``async_queue_size``."""
+        return self.async_queue_size if self.fixed_policy_lag is None else self.fixed_policy_lag
 
 
 @dataclass

@@ -29,7 +29,7 @@ MAX_BLOCK_S = 1.0
 
 #: The learner-side calls the buffer actor answers by running them on its RolloutBuffer.
 LEARNER_CALLS = ("take", "update_done", "close", "closed", "in_flight", "state_dict", "load_state_dict", "pause",
-                 "resume", "paused")
+                 "resume", "paused", "wait_until_full")
 
 
 class StaleIncarnation(RuntimeError):
@@ -163,6 +163,15 @@ class RemoteBuffer(ActorClient):
             batch = self.call("take", learner_version, wait)
             if batch is not None or self.closed or (deadline is not None and time.monotonic() >= deadline):
                 return batch
+
+    def wait_until_full(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = MAX_BLOCK_S if deadline is None else max(0.0, min(MAX_BLOCK_S, deadline - time.monotonic()))
+            if self.call("wait_until_full", wait):
+                return True
+            if self.closed or (deadline is not None and time.monotonic() >= deadline):
+                return False
 
     @property
     def closed(self) -> bool:

@@ -368,6 +368,25 @@ class RolloutBuffer:
             self.counters["taken_trajectories"] += sum(len(g) for _, g in groups)
         return Batch([g for _, g in groups], learner_version, time.monotonic() - start, dropped_groups, dropped_trajs)
 
+    def _full(self) -> bool:
+        return not self._generating and self.issued - self.freed >= self._limit()
+
+    def wait_until_full(self, timeout: float | None = None) -> bool:
+        """Block until every prompt the staleness bound allows has been handed out and finished (none is
+        being generated, and ``async_queue_size + 1`` batches beyond the consumed ones are complete or
+        taken); True then, False when closed or after ``timeout`` seconds.
+
+        A fixed policy lag (``train.fixed_policy_lag``) waits for this before each new version is
+        published, so that no trajectory of the batches already allowed is sampled by the new one."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._closed and not self._full():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return not self._closed
+
     def pause(self) -> None:
         """Hand out no prompt until :meth:`resume` (the learner evaluates); workers also wait between
         engine calls of the episodes they hold (:attr:`paused`)."""

@@ -380,6 +380,23 @@ class Trainer:
                 self._watchdog.check(self.buffer.stats(), pool.stats())
         return batch
 
+    def _hold_for_fixed_lag(self, pool: RolloutBackend) -> float:
+        """With ``train.fixed_policy_lag`` K: wait until the K batches after the one just trained are
+        sampled (by the version about to be replaced) before the next version is published, so that
+        every trajectory is sampled exactly K versions before the one that trains on it. Not before the
+        last update (nothing would train on those batches), and not once interrupted. Returns the
+        seconds waited."""
+        if self.cfg.train.fixed_policy_lag is None or self.step + 1 >= self.max_steps:
+            return 0.0
+        t0 = time.perf_counter()
+        self._watchdog.start_wait()
+        while not self._interrupted.is_set() and not self.buffer.wait_until_full(timeout=0.25):
+            if self.buffer.closed:
+                break
+            pool.check()
+            self._watchdog.check(self.buffer.stats(), pool.stats())
+        return time.perf_counter() - t0
+
     def _train(self) -> dict[str, Any]:
         cfg = self.cfg
         self._write_config()
@@ -440,8 +457,10 @@ class Trainer:
                 except FloatingPointError as err:
                     log.warning("update skipped: %s", err)
                     self.counters["skipped_updates"] += 1
+                    self._hold_for_fixed_lag(pool)
                     self.buffer.update_done()
                     continue
+                idle += self._hold_for_fixed_lag(pool)
                 self.weights.publish(self.learner.policy_state(), self.learner.version,
                                      frozen=self.learner.frozen_names())
                 self.buffer.update_done()

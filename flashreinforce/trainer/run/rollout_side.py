@@ -87,11 +87,12 @@ class RolloutSide:
 def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
                        seed: int, exclude: Sequence[int] = (), scale_out: ScaleOut | None = None) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
-    ``train.async_queue_size`` batches ahead, ``train.max_policy_lag``) over the shuffled prompt
+    ``train.async_queue_size`` batches ahead, or ``train.fixed_policy_lag``; ``train.max_policy_lag``) over the
+    shuffled prompt
     stream (without the held-out rows ``exclude``), and the weight store, on the configured backend
     (``ray``: built by ``scale_out``)."""
     buffer_kwargs = dict(batch_groups=cfg.rollout.batch_groups, group_size=cfg.rollout.n_samples_per_prompt,
-                         async_queue_size=cfg.train.async_queue_size, max_policy_lag=cfg.train.max_policy_lag,
+                         async_queue_size=cfg.train.batches_ahead, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))
     if cfg.rollout.backend == "ray":

@@ -187,3 +187,31 @@ def test_prompt_stream_passes_are_permutations():
     for k in range(3):
         assert sorted(seeds[7 * k:7 * k + 7]) == list(range(7))
     assert seeds[:7] != seeds[7:14]  # each pass reshuffled
+
+
+def test_wait_until_full_waits_for_every_allowed_prompt_to_finish():
+    """The fixed policy lag's gate: full once every prompt of the batches the bound allows is handed out
+    and finished (a cancelled one is handed out again and must finish too); closing releases it."""
+    buf = RolloutBuffer(batch_groups=2, async_queue_size=1)  # two batches of two prompts allowed
+    assert not buf.wait_until_full(timeout=0)  # nothing handed out yet
+    tickets = [buf.acquire(timeout=0) for _ in range(4)]
+    assert buf.acquire(timeout=0) is None  # the bound is reached
+    for t in tickets[:3]:
+        buf.put(t, [traj(t.prompt_id)])
+    assert not buf.wait_until_full(timeout=0.05)  # one still being generated
+    buf.cancel(tickets[3], "worker error")
+    assert not buf.wait_until_full(timeout=0)  # its slot is free again
+    again = buf.acquire(timeout=0)
+    assert again.prompt_id == tickets[3].prompt_id and buf.acquire(timeout=0) is None
+    finisher = threading.Timer(0.1, lambda: buf.put(again, [traj(again.prompt_id)]))
+    finisher.start()
+    assert buf.wait_until_full(timeout=5)
+    finisher.join()
+    batch = buf.take(0, timeout=0)  # taking a batch keeps it full: taken groups stay counted
+    assert len(batch.groups) == 2 and buf.wait_until_full(timeout=0)
+    buf.update_done()  # one more batch allowed: not full until it is sampled
+    assert not buf.wait_until_full(timeout=0)
+    closer = threading.Timer(0.1, buf.close)
+    closer.start()
+    assert buf.wait_until_full(timeout=5) is False
+    closer.join()

@@ -60,3 +60,8 @@ def test_multi_turn_episodes_train_with_a_vllm_engine(tmp_path):
     metrics = _train(tmp_path, "--preset", "toy_multiturn", steps=10)
     _check_on_policy(metrics)
     assert all(m["num_turns_mean"] > 1 for m in metrics)
+
+
+def test_a_fixed_policy_lag_holds_with_a_vllm_engine(tmp_path):
+    metrics = _train(tmp_path, "--preset", "toy", "--train.fixed_policy_lag", "2", steps=8)
+    assert [(m["policy_lag_min"], m["policy_lag_max"]) for m in metrics] == [(0, 0), (1, 1)] + [(2, 2)] * 6
