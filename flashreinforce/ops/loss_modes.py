@@ -242,9 +242,16 @@ class FlashReinforceLoss(LossMode):
 
 @register_loss_mode
 class PPOClippedLoss(LossMode):
-    """The GRPO comparison: group-relative advantages and the token-mean clipped PPO loss."""
+    """The GRPO comparison: group-relative advantages and the token-mean clipped PPO loss.
+
+    With one sample per prompt every group is a single trajectory, whose group-relative advantage is 0:
+    the batch is then the group (the batch-mean baseline of FlashREINFORCE), so that ``ppo`` with
+    ``rollout.n_samples_per_prompt 1`` is the token-clipped counterpart of the method rather than a run
+    that trains nothing."""
 
     def advantages(self, rewards, group_ids, options):
+        if int(torch.unique(group_ids).numel()) == int(group_ids.numel()):  # groups of one
+            group_ids = torch.zeros_like(group_ids)
         return group_advantages(rewards, group_ids, whiten=options.whiten).to(torch.float32)
 
     def loss(self, mb, batch, options):

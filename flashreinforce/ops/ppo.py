@@ -3,7 +3,8 @@
 ``actor.loss_mode ppo`` with ``algo.advantage.estimator grpo``: every prompt is sampled
 ``rollout.n_samples_per_prompt`` times; a trajectory's advantage is its reward minus the mean
 reward of its prompt's group (divided by the group's standard deviation + eps unless
-``algo.advantage.no_whiten``); the loss is the token-mean clipped PPO surrogate with the ratio
+``algo.advantage.no_whiten``; with one sample per prompt the loss mode takes the whole batch as the
+group); the loss is the token-mean clipped PPO surrogate with the ratio
 taken against the recorded behavior log-probabilities.
 """
 

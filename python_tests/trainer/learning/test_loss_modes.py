@@ -85,3 +85,19 @@ def test_learners_implement_the_loop_interface():
     members = [m for m in dir(PolicyLearner) if not m.startswith("_")] + list(PolicyLearner.__annotations__)
     missing = [m for m in members if not hasattr(DataParallelLearner, m) and m not in ("loss_impl",)]
     assert missing == [], missing
+
+
+def test_ppo_with_one_sample_per_prompt_takes_the_batch_as_the_group():
+    """GRPO's group baseline of a one-trajectory group is its own reward (advantage 0, nothing trains):
+    with groups of one the ppo mode uses the batch mean, as FlashREINFORCE does; real groups keep theirs."""
+    from flashreinforce.objective import LossOptions
+
+    mode = get_loss_mode("ppo")
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    singles = mode.advantages(rewards, torch.tensor([5, 2, 9, 7]), LossOptions())
+    assert singles.tolist() == [0.5, -0.5, -0.5, 0.5]
+    pairs = mode.advantages(rewards, torch.tensor([0, 0, 1, 1]), LossOptions())
+    assert pairs.tolist() == [0.5, -0.5, -0.5, 0.5]
+    pairs = mode.advantages(torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64), torch.tensor([0, 0, 1, 1]),
+                            LossOptions())
+    assert pairs.tolist() == [0.0, 0.0, -0.5, 0.5]
