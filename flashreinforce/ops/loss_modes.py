@@ -35,8 +35,9 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
-from flashreinforce.objective import LOSS_MODE_REGISTRY, LossModeConfig, LossOptions
+from flashreinforce.objective import GATE_METRICS, LOSS_MODE_REGISTRY, LossModeConfig, LossOptions
 from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
+from flashreinforce.ops.reference import gate_divergence
 
 __all__ = ["LOSS_MODES", "BatchContext", "FlashReinforceLoss", "LossImplementation", "LossMode", "LossOptions",
            "MicroBatch", "PPOClippedLoss", "get_loss_mode", "register_loss_mode"]
@@ -207,7 +208,9 @@ def get_loss_mode(name: str) -> LossMode:
 class FlashReinforceLoss(LossMode):
     """The method: the fused FlashREINFORCE op with the batch-global baseline and B (see docs/semantics.md)."""
 
-    per_trajectory_stats = ("sequence_kl", "admitted", "retained")
+    #: Besides the gate's own statistic, each trajectory's mean of every gate metric (``drift_<metric>``,
+    #: docs/semantics.md), whichever the gate uses: what a user compares ``delta`` with.
+    per_trajectory_stats = ("sequence_kl", "admitted", "retained") + tuple(f"drift_{m}" for m in GATE_METRICS)
 
     def needs_entropy(self, options: LossOptions) -> bool:
         return options.entropy_filter
@@ -231,6 +234,7 @@ class FlashReinforceLoss(LossMode):
             **options.objective_kwargs())
         per_trajectory = {"sequence_kl": stats["sequence_kl"], "admitted": stats["admitted"],
                           "retained": stats["retained_tokens"]}
+        per_trajectory.update(_drifts(mb, stats["policy_tokens"]))
         return loss, per_trajectory, {}
 
     def summarize(self, per_trajectory, sums, batch):
@@ -238,6 +242,23 @@ class FlashReinforceLoss(LossMode):
         return {"acceptance_rate": float((per_trajectory["admitted"] > 0.5).double().mean()),
                 "sequence_kl_mean": float(kl.mean()), "sequence_kl_max": float(kl.max()),
                 "retained_token_fraction": float(per_trajectory["retained"].sum()) / max(1, batch.policy_tokens)}
+
+
+def _drifts(mb: MicroBatch, policy_tokens: Tensor) -> dict[str, Tensor]:
+    """Each trajectory's mean of every gate metric's per-token term over its policy tokens (float64,
+    detached; the reference's definition), ``[b]`` each."""
+    with torch.no_grad():
+        lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).long()
+        segment = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
+        current = mb.log_probs.detach().double()
+        behavior = mb.behavior_log_probs.double()
+        counts = policy_tokens.to(torch.float64).clamp_min(1.0)
+        out = {}
+        for metric in GATE_METRICS:
+            term = torch.where(mb.action_mask, gate_divergence(behavior, current, metric), 0.0)
+            out[f"drift_{metric}"] = torch.zeros(counts.numel(), dtype=torch.float64, device=term.device).index_add_(
+                0, segment, term) / counts
+        return out
 
 
 @register_loss_mode

@@ -101,3 +101,31 @@ def test_ppo_with_one_sample_per_prompt_takes_the_batch_as_the_group():
     pairs = mode.advantages(torch.tensor([1.0, 1.0, 0.0, 1.0], dtype=torch.float64), torch.tensor([0, 0, 1, 1]),
                             LossOptions())
     assert pairs.tolist() == [0.0, 0.0, -0.5, 0.5]
+
+
+@pytest.mark.parametrize("metric", ["binary_kl", "kpop", "k3", "log_ratio"])
+def test_the_method_reports_every_gate_metric_per_trajectory(metric):
+    """``drift_<metric>`` of each trajectory is the metric's mean the fused gate would compare with delta:
+    the selected metric's equals the gate's own sequence_kl."""
+    import math
+
+    from flashreinforce.objective import LossOptions
+    from flashreinforce.ops.loss_modes import BatchContext, MicroBatch
+
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 5, 12, 20])
+    current = -torch.rand(20, generator=gen, dtype=torch.float64) * 3
+    behavior = current + 0.3 * torch.randn(20, generator=gen, dtype=torch.float64)
+    behavior = behavior.clamp(max=0.0)
+    mask = torch.ones(20, dtype=torch.bool)
+    mask[cu[:-1]] = False
+    mb = MicroBatch(current.clone().requires_grad_(), behavior, torch.tensor([1.0, 0.0, 1.0]), cu, mask,
+                    torch.zeros(3, dtype=torch.bool), torch.arange(3))
+    mode = get_loss_mode("flash_reinforce")
+    _, per_trajectory, _ = mode.loss(mb, BatchContext(3, 2 / 3, int(mask.sum())),
+                                     LossOptions(delta=math.inf, gate_metric=metric))
+    assert set(per_trajectory) == set(mode.per_trajectory_stats)
+    assert torch.allclose(per_trajectory[f"drift_{metric}"], per_trajectory["sequence_kl"].double(), rtol=1e-10)
+    others = [m for m in ("binary_kl", "kpop", "k3", "log_ratio") if m != metric]
+    assert all(not torch.allclose(per_trajectory[f"drift_{m}"], per_trajectory["sequence_kl"].double())
+               for m in others)
