@@ -66,6 +66,11 @@ def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> 
     return tuple(out)
 
 
+#: The preset settings ``TrainerConfig.from_layers`` may drop, with the reason kept through validation:
+#: environment arguments whose environment was replaced, a staleness bound below a fixed lag.
+LAYER_NOTES = ("env.kwargs", "train.max_policy_lag")
+
+
 def validate(cfg) -> None:
     """Check ``cfg`` (a :class:`~flashreinforce.config.trainer_config.TrainerConfig`) as a whole (every field against its flag, each section, the rules across
     sections) and record the flags without effect; ``ConfigError`` naming every broken rule."""
@@ -80,7 +85,7 @@ def validate(cfg) -> None:
             errors.append(str(err))
     if errors:
         raise_errors(errors)
-    cfg.inactive = {k: v for k, v in cfg.inactive.items() if k == "env.kwargs"}
+    cfg.inactive = {k: v for k, v in cfg.inactive.items() if k in LAYER_NOTES}
     cfg.warnings = []
     for f in dataclasses.fields(cfg):
         if "section" in f.metadata:
@@ -127,8 +132,9 @@ def _check(cfg, errors: list[str]) -> None:
             parse_worker_resources(ray.worker_resources)
         except ValueError as err:
             errors.append(str(err))
-    if "env.kwargs" in inactive:  # a preset's environment arguments, dropped with its environment
-        warn.append(inactive["env.kwargs"])
+    for name in LAYER_NOTES:  # a preset's settings that a later layer made moot (TrainerConfig.from_layers)
+        if name in inactive:
+            warn.append(inactive[name])
     for f in _flags(type(cfg)):
         if f.no_effect:
             inactive[f.name] = f.no_effect

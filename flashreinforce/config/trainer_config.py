@@ -205,6 +205,16 @@ class TrainerConfig(Freezable):
             cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {shown(dropped)} for its environment "
                                           f"{preset_env}, which --env {cfg.train.agent_path} replaces: dropped (give "
                                           "--env.kwargs to pass arguments)")
+        # A preset's staleness bound below a fixed lag given later would drop every trajectory: the
+        # fixed lag bounds the staleness itself, so the preset's bound goes (a bound given along with
+        # the lag is checked as given).
+        lag, bound = cfg.train.fixed_policy_lag, cfg.train.max_policy_lag
+        if (lag is not None and bound is not None and bound < lag and "train.max_policy_lag" in preset
+                and not any("train.max_policy_lag" in layer for layer in (file, given))):
+            cfg.train.max_policy_lag = None
+            cfg.inactive["train.max_policy_lag"] = (f"preset {cfg.preset!r} sets train.max_policy_lag {bound}, below "
+                                                    f"train.fixed_policy_lag {lag}: dropped (the fixed lag bounds "
+                                                    "the staleness)")
         return cfg
 
     @classmethod

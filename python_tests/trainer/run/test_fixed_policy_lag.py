@@ -54,3 +54,17 @@ def test_a_lag_that_max_policy_lag_would_drop_is_refused():
     assert cfg.train.batches_ahead == 3
     with pytest.raises(ConfigError, match="fixed_policy_lag"):
         parse_train_args(["--preset", "toy", "--output", "x", "--train.fixed_policy_lag", "-1"], PRESETS)
+
+
+def test_a_presets_lower_staleness_bound_gives_way_to_a_fixed_lag():
+    """The arith preset bounds the lag at 2; a fixed lag of 8 given on the command line drops that bound
+    (with a warning saying so) rather than refusing the run, and a bound given along with it is checked."""
+    cfg = parse_train_args(["--preset", "arith", "--output", "x", "--train.fixed_policy_lag", "8"], PRESETS)
+    assert cfg.train.max_policy_lag is None and cfg.train.batches_ahead == 8
+    assert "train.max_policy_lag 2" in cfg.inactive["train.max_policy_lag"]
+    assert any("below train.fixed_policy_lag 8: dropped" in w for w in cfg.warnings)
+    kept = parse_train_args(["--preset", "arith", "--output", "x", "--train.fixed_policy_lag", "1"], PRESETS)
+    assert kept.train.max_policy_lag == 2  # not below the lag: kept
+    with pytest.raises(ConfigError, match="max_policy_lag 2 would drop"):
+        parse_train_args(["--preset", "arith", "--output", "x", "--train.fixed_policy_lag", "8",
+                          "--train.max_policy_lag", "2"], PRESETS)

@@ -1,0 +1,404 @@
+#!/usr/bin/env python
+"""Staleness ablation: does the sequence trust gate keep one-rollout REINFORCE stable as rollouts go stale?
+
+Every run is ``flashreinforce train`` with ``--train.fixed_policy_lag K`` (each trajectory sampled exactly K
+versions behind the policy that trains on it), the same number of updates whatever K, the same seeds
+(prompt order and sampling noise) across columns, a greedy held-out evaluation every ``--eval-every``
+updates, and every trajectory's drift statistics in ``samples.jsonl``. Grids (``--grid``):
+
+* ``pilot``: the learning-rate regime (K = 8, gate and gate off, at each ``--lrs``);
+* ``main``: rows K in ``--lags``, columns :data:`COLUMNS` (the gate, gate off, no IS, truncated IS,
+  the other gate metrics, ppo);
+* ``delta``: the gate at each of ``--deltas`` at K = ``--delta-lag``;
+* ``groups``: ``--groups`` samples per prompt at an equal rollout budget (``rollout.batch_size`` =
+  trajectories / G; G = 1 is the method, G > 1 GRPO: the ppo loss with group advantages, not whitened).
+
+Cells run in priority order (every column and lag of seed 0 before seed 1), one at a time. A finished cell
+(its ``result.json``) is skipped, so the grid spans sessions; the run's checkpoint and export are
+deleted once its result is written (2 GB a run). While the file ``OUTPUT/PAUSE`` exists, no new cell
+starts (a quiet window for other measurements); ``OUTPUT/STATUS`` says what runs.
+
+    python benchmarks/bench_staleness.py --output runs/staleness --grid pilot --lrs 1e-5 4e-5 8e-5 --seeds 0
+    python benchmarks/bench_staleness.py --output runs/staleness --grid main --lr 4e-5 --seeds 0 1 2
+    python benchmarks/bench_staleness.py --output runs/staleness --report --data docs/data/staleness
+
+``--report`` prints the tables (markdown), copies every result to ``--data`` and draws one figure per
+table there (matplotlib, the ``plot`` extra). Cells: final held-out greedy accuracy (mean, min-max over
+seeds), the area under the accuracy curve (mean accuracy over the evaluations, the base model's at
+update 0 included, trapezoids), the share of trajectories the gate dropped, the largest gradient norm,
+and collapses (an evaluation more than 20 points below the run's earlier peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+#: Column name -> trainer flags (added to the task's).
+COLUMNS: dict[str, list[str]] = {
+    "gate": [],  # the method: binary_kl at the task's delta
+    "gate_off": ["--actor.flash_gate_delta", "inf"],
+    "no_is": ["--actor.flash_no_is", "true"],
+    "tis2": ["--actor.is_truncation", "2", "--actor.flash_gate_delta", "inf"],
+    "kpop": ["--actor.gate_metric", "kpop"],
+    "k3": ["--actor.gate_metric", "k3"],
+    "log_ratio": ["--actor.gate_metric", "log_ratio"],
+    "ppo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--algo.advantage.no_whiten", "true",
+            "--actor.eps_clip_low_high", "0.2", "0.2"],
+}
+#: The gate metric each column's delta is for (``--metric-deltas`` overrides the task's default delta).
+COLUMN_METRIC = {"gate": "binary_kl", "kpop": "kpop", "k3": "k3", "log_ratio": "log_ratio"}
+
+#: Task name -> trainer flags. ``rg_*``: a reasoning-gym task on the same model and budget.
+TASKS: dict[str, list[str]] = {
+    "arith": ["--preset", "arith"],
+    "rg_chain_sum": ["--preset", "arith", "--env", "reasoning_gym:chain_sum", "--env.kwargs",
+                     json.dumps({"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2, "size": 1200,
+                                 "examples": 1}),
+                     "--rollout.max_new_tokens", "48", "--data.max_len", "512", "--eval.num_prompts", "128"],
+}
+
+
+@dataclass
+class Cell:
+    """One run: ``name`` is its folder under OUTPUT/TASK."""
+
+    task: str
+    grid: str
+    lag: int
+    column: str
+    seed: int
+    lr: float
+    flags: list[str] = field(default_factory=list)
+    name: str = ""
+
+
+def _lr_text(lr: float) -> str:
+    return f"{lr:.0e}".replace("e-0", "e-")
+
+
+def cells(args) -> list[Cell]:
+    """The grid's cells in the order they run: seed-major, then the most informative lags first."""
+    out: list[Cell] = []
+    for seed in args.seeds:
+        if args.grid == "pilot":
+            for lr in args.lrs:
+                for column in ("gate", "gate_off"):
+                    out.append(Cell(args.task, "pilot", args.delta_lag, column, seed, lr, COLUMNS[column],
+                                    f"pilot_lr{_lr_text(lr)}_K{args.delta_lag}_{column}_s{seed}"))
+        elif args.grid == "main":
+            for lag in args.lags:
+                for column in args.columns:
+                    flags = list(COLUMNS[column])
+                    metric = COLUMN_METRIC.get(column)
+                    if metric and metric in args.metric_deltas:
+                        flags += ["--actor.flash_gate_delta", str(args.metric_deltas[metric])]
+                    out.append(Cell(args.task, "main", lag, column, seed, args.lr, flags,
+                                    f"main_K{lag}_{column}_s{seed}"))
+        elif args.grid == "delta":
+            for delta in args.deltas:
+                out.append(Cell(args.task, "delta", args.delta_lag, f"delta{delta:g}", seed, args.lr,
+                                ["--actor.flash_gate_delta", str(delta)],
+                                f"delta_K{args.delta_lag}_d{delta:g}_s{seed}"))
+        elif args.grid == "groups":
+            for g in args.groups:
+                prompts = args.trajectories // g
+                flags = ["--rollout.batch_size", str(prompts), "--train.batch_size", str(prompts * g),
+                         "--rollout.n_samples_per_prompt", str(g)]
+                if g > 1:
+                    flags += COLUMNS["ppo"]
+                out.append(Cell(args.task, "groups", args.group_lag, f"G{g}", seed, args.lr, flags,
+                                f"groups_K{args.group_lag}_G{g}_s{seed}"))
+    return out
+
+
+def command(args, cell: Cell, out: Path) -> list[str]:
+    return [sys.executable, "-m", "flashreinforce.cli", "train", *TASKS[cell.task], "--output", str(out),
+            "--seed", str(cell.seed), "--train.max_steps", str(args.updates), "--train.fixed_policy_lag",
+            str(cell.lag), "--actor.adam.lr", str(cell.lr), "--eval.steps", str(args.eval_every),
+            "--eval.eval_at_start", "false", "--ckpt.save_steps", "0", "--no_progress",
+            "--logger.log_samples_steps", "1", "--logger.log_samples_num", str(args.trajectories),
+            "--overwrite", *cell.flags]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * (len(v) - 1) + 0.5))]  # noqa: E731
+    return {"p10": pick(0.1), "p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": v[-1],
+            "mean": statistics.fmean(v)}
+
+
+def collapsed(curve: list[tuple[int, float]], drop: float = 0.2) -> bool:
+    """Whether an evaluation lies more than ``drop`` below the best one before it."""
+    peak = -math.inf
+    for _, acc in curve:
+        if acc < peak - drop:
+            return True
+        peak = max(peak, acc)
+    return False
+
+
+def area(curve: list[tuple[int, float]]) -> float:
+    """Mean accuracy over the run: trapezoids over the updates, divided by the last update."""
+    total = 0.0
+    for (s0, a0), (s1, a1) in zip(curve, curve[1:]):
+        total += (s1 - s0) * (a0 + a1) / 2
+    return total / curve[-1][0] if len(curve) > 1 and curve[-1][0] > 0 else curve[-1][1]
+
+
+def result_of(cell: Cell, run: Path, base: float, wall_s: float) -> dict:
+    """What the tables need from a finished run (kept small: committed under docs/data)."""
+    metrics = _read_jsonl(run / "metrics.jsonl")
+    evals = _read_jsonl(run / "eval.jsonl")
+    samples = _read_jsonl(run / "samples.jsonl")
+    curve = [(0, base)] + [(int(e["step"]), float(e["eval_success_rate"])) for e in evals]
+    lags = sorted({(int(m["policy_lag_min"]), int(m["policy_lag_max"])) for m in metrics if m["step"] > cell.lag})
+    drift_names = [k for k in (samples[0] if samples else {}) if k.startswith("drift_")]
+    drift = {k.removeprefix("drift_"): _quantiles([float(s[k]) for s in samples if k in s]) for k in drift_names}
+    histogram = {}
+    for k in drift_names:  # log10 bins of the per-trajectory drift, for the distribution figures
+        counts: dict[str, int] = {}
+        for s in samples:
+            x = float(s.get(k, 0.0))
+            b = "zero" if x <= 0 else str(math.floor(math.log10(x) * 4) / 4)
+            counts[b] = counts.get(b, 0) + 1
+        histogram[k.removeprefix("drift_")] = counts
+    acceptance = [float(m["acceptance_rate"]) for m in metrics if m.get("acceptance_rate") is not None]
+    grad = [float(m["grad_norm"]) for m in metrics if m.get("grad_norm") is not None and math.isfinite(m["grad_norm"])]
+    return {
+        "task": cell.task, "grid": cell.grid, "lag": cell.lag, "column": cell.column, "seed": cell.seed,
+        "lr": cell.lr, "flags": cell.flags, "updates": len(metrics), "curve": curve,
+        "final_accuracy": curve[-1][1], "peak_accuracy": max(a for _, a in curve), "auc": area(curve),
+        "collapsed": collapsed(curve), "gated_share": 1.0 - statistics.fmean(acceptance) if acceptance else 0.0,
+        "grad_norm_max": max(grad) if grad else None, "lags_after_warmup": lags,
+        "skipped_updates": sum(1 for m in metrics if m.get("skipped")),
+        "reward_first10": statistics.fmean(m["reward_mean"] for m in metrics[:10]) if metrics else None,
+        "reward_last10": statistics.fmean(m["reward_mean"] for m in metrics[-10:]) if metrics else None,
+        "distinct_problems": len({s.get("seed") for s in samples}),
+        "trajectories": sum(int(m.get("trajectories", 0)) for m in metrics),
+        "clip_fraction_mean": statistics.fmean(m["clip_fraction"] for m in metrics) if metrics and
+        "clip_fraction" in metrics[0] else None,
+        "drift": drift, "drift_histogram": histogram, "wall_s": wall_s,
+    }
+
+
+def base_accuracy(args, task: str) -> float:
+    """The base model's greedy held-out accuracy (deterministic: measured once per task, cached)."""
+    path = Path(args.output) / task / "base.json"
+    if path.is_file():
+        return float(json.loads(path.read_text())["accuracy"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.output) / task / "base_run"
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", *TASKS[task], "--output", str(out), "--train.max_steps",
+           "1", "--eval.steps", "0", "--eval.eval_at_start", "true", "--ckpt.save_steps", "0", "--no_progress",
+           "--overwrite"]
+    print(f"[{task}] base model evaluation: {' '.join(cmd[3:])}", flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    first = _read_jsonl(out / "eval.jsonl")[0]
+    assert int(first["step"]) == 0, first
+    path.write_text(json.dumps({"accuracy": float(first["eval_success_rate"]), "eval": first}))
+    shutil.rmtree(out, ignore_errors=True)
+    return float(first["eval_success_rate"])
+
+
+def _load() -> str:
+    try:
+        return f"load average {os.getloadavg()[0]:.1f}"
+    except OSError:
+        return "load unknown"
+
+
+def run_grid(args) -> None:
+    root = Path(args.output)
+    todo = cells(args)
+    base = base_accuracy(args, args.task)
+    done = sum((root / c.task / c.name / "result.json").is_file() for c in todo)
+    print(f"[{args.task}] grid {args.grid}: {len(todo)} cells, {done} done; base accuracy {base:.3f}", flush=True)
+    for i, cell in enumerate(todo, 1):
+        folder = root / cell.task / cell.name
+        if (folder / "result.json").is_file():
+            continue
+        while (root / "PAUSE").exists():
+            (root / "STATUS").write_text(f"paused before {cell.name} ({time.strftime('%H:%M:%S')})\n")
+            time.sleep(10)
+        run = folder / "run"
+        cmd = command(args, cell, run)
+        folder.mkdir(parents=True, exist_ok=True)
+        (root / "STATUS").write_text(f"running {cell.name} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                                     f"({_load()}, pid {os.getpid()})\n")
+        print(f"[{i}/{len(todo)}] {cell.name} ({_load()}): {' '.join(cmd[3:])}", flush=True)
+        t0 = time.time()
+        with open(folder / "train.log", "w") as log:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        wall = time.time() - t0
+        if proc.returncode != 0:
+            print(f"  {cell.name} failed with status {proc.returncode}: see {folder / 'train.log'}", flush=True)
+            if proc.returncode in (130, -2):
+                raise SystemExit(130)
+            continue
+        result = result_of(cell, run, base, wall)
+        (folder / "result.json").write_text(json.dumps(result, indent=1))
+        for heavy in ("checkpoints", "hf"):
+            shutil.rmtree(run / heavy, ignore_errors=True)
+        print(f"  final {result['final_accuracy']:.3f} auc {result['auc']:.3f} gated {result['gated_share']:.3f} "
+              f"grad max {result['grad_norm_max']} lags {result['lags_after_warmup']} ({wall / 60:.1f} min)",
+              flush=True)
+    (root / "STATUS").write_text(f"grid {args.grid} of {args.task} finished {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _spread(values: list[float], fmt: str, scale: float = 1.0) -> str:
+    if not values:
+        return "-"
+    v = [x * scale for x in values]
+    m = statistics.fmean(v)
+    if len(v) == 1:
+        return format(m, fmt)
+    return f"{format(m, fmt)} ({format(min(v), fmt)}-{format(max(v), fmt)})"
+
+
+def _results(root: Path, task: str) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((root / task).glob("*/result.json"))]
+
+
+def _table(rows: list[dict], key_row: str, key_col: str, base: float) -> tuple[list[str], list[list[str]]]:
+    row_keys = sorted({r[key_row] for r in rows}, key=lambda x: (isinstance(x, str), x))
+    col_keys = [c for c in list(COLUMNS) + sorted({r[key_col] for r in rows}) if c in {r[key_col] for r in rows}]
+    col_keys = list(dict.fromkeys(col_keys))
+    header = [key_row] + col_keys
+    lines = []
+    for rk in row_keys:
+        line = [str(rk)]
+        for ck in col_keys:
+            cell = [r for r in rows if r[key_row] == rk and r[key_col] == ck]
+            if not cell:
+                line.append("-")
+                continue
+            final = _spread([r["final_accuracy"] for r in cell], ".1f", 100)
+            auc = _spread([r["auc"] for r in cell], ".1f", 100)
+            gated = statistics.fmean(r["gated_share"] for r in cell)
+            grad = max(r["grad_norm_max"] or 0.0 for r in cell)
+            collapses = sum(r["collapsed"] for r in cell)
+            line.append(f"{final} / {auc} / {gated:.2f} / {grad:.2g} / {collapses}c n={len(cell)}")
+        lines.append(line)
+    return header, lines
+
+
+def _markdown(header: list[str], lines: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(line) + " |" for line in lines]
+    return "\n".join(out)
+
+
+def report(args) -> None:
+    root = Path(args.output)
+    data = Path(args.data)
+    for task in sorted(p.name for p in root.iterdir() if p.is_dir()):
+        results = _results(root, task)
+        if not results:
+            continue
+        base = json.loads((root / task / "base.json").read_text())["accuracy"]
+        target = data / task
+        target.mkdir(parents=True, exist_ok=True)
+        for r in results:
+            name = f"{r['grid']}_K{r['lag']}_{r['column']}_lr{_lr_text(r['lr'])}_s{r['seed']}.json"
+            (target / name).write_text(json.dumps(r, indent=1))
+        (target / "base.json").write_text((root / task / "base.json").read_text())
+        text = [f"# {task}: base model held-out greedy accuracy {100 * base:.1f}\n",
+                "Cells: final accuracy (mean, min-max over seeds) / AUC / gated share / largest gradient norm / "
+                "collapses, n seeds\n"]
+        for grid, key_row, key_col in (("pilot", "lr", "column"), ("main", "lag", "column"),
+                                       ("delta", "lag", "column"), ("groups", "lag", "column")):
+            rows = [r for r in results if r["grid"] == grid]
+            if not rows:
+                continue
+            header, lines = _table(rows, key_row, key_col, base)
+            text.append(f"## {grid}\n\n" + _markdown(header, lines) + "\n")
+            _figure(rows, grid, key_row, key_col, base, data / f"{task}_{grid}.png")
+        (target / "tables.md").write_text("\n".join(text))
+        print("\n".join(text))
+
+
+def _figure(rows: list[dict], grid: str, key_row: str, key_col: str, base: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no figure for {grid}: matplotlib is not installed; pip install 'flashreinforce[plot]')")
+        return
+    row_keys = sorted({r[key_row] for r in rows}, key=lambda x: (isinstance(x, str), x))
+    cols = list(dict.fromkeys(r[key_col] for r in rows))
+    fig, axes = plt.subplots(1, len(row_keys), figsize=(4 * len(row_keys), 3.4), squeeze=False, sharey=True)
+    for ax, rk in zip(axes[0], row_keys):
+        for ck in cols:
+            runs = [r for r in rows if r[key_row] == rk and r[key_col] == ck]
+            if not runs:
+                continue
+            steps = [s for s, _ in runs[0]["curve"]]
+            mean = [statistics.fmean(dict(map(tuple, r["curve"])).get(s, math.nan) for r in runs) for s in steps]
+            ax.plot(steps, [100 * m for m in mean], marker="o", markersize=3, label=ck)
+        ax.axhline(100 * base, color="grey", linewidth=0.8, linestyle=":")
+        ax.set_title(f"{key_row} {rk}")
+        ax.set_xlabel("update")
+    axes[0][0].set_ylabel("held-out greedy accuracy (%)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", required=True, help="where the runs go (OUTPUT/TASK/CELL)")
+    p.add_argument("--task", default="arith", choices=sorted(TASKS))
+    p.add_argument("--grid", choices=("pilot", "main", "delta", "groups"))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--updates", type=int, default=30, help="optimizer updates per run, whatever the lag")
+    p.add_argument("--eval-every", type=int, default=5, help="updates between held-out evaluations")
+    p.add_argument("--trajectories", type=int, default=32, help="trajectories per update (the task's batch)")
+    p.add_argument("--lr", type=float, default=4e-5)
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 4e-5, 8e-5])
+    p.add_argument("--lags", type=int, nargs="+", default=[0, 8, 2, 4, 16])
+    p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
+    p.add_argument("--metric-deltas", type=json.loads, default={},
+                   help='JSON {metric: delta} for the gate-metric columns, e.g. {"k3": 0.02}')
+    p.add_argument("--deltas", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2])
+    p.add_argument("--delta-lag", type=int, default=8)
+    p.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--group-lag", type=int, default=0)
+    p.add_argument("--report", action="store_true", help="print the tables of what finished and write --data")
+    p.add_argument("--data", default=str(ROOT / "docs" / "data" / "staleness"))
+    args = p.parse_args()
+    if args.report:
+        report(args)
+        return
+    if args.grid is None:
+        p.error("--grid is required unless --report")
+    run_grid(args)
+
+
+if __name__ == "__main__":
+    main()
