@@ -64,10 +64,15 @@ COLUMN_METRIC = {"gate": "binary_kl", "kpop": "kpop", "k3": "k3", "log_ratio": "
 #: Task name -> trainer flags. ``rg_*``: a reasoning-gym task on the same model and budget.
 TASKS: dict[str, list[str]] = {
     "arith": ["--preset", "arith"],
-    "rg_chain_sum": ["--preset", "arith", "--env", "reasoning_gym:chain_sum", "--env.kwargs",
-                     json.dumps({"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2, "size": 1200,
-                                 "examples": 1}),
-                     "--rollout.max_new_tokens", "48", "--data.max_len", "512", "--eval.num_prompts", "128"],
+    # reasoning-gym's basic_arithmetic, two one-digit terms, + - *, in <answer> tags after two worked examples:
+    # the base model writes the tags every time and is right 12% of the time (greedy and sampled), against 51%
+    # on the arith preset's plainer prompt of similar problems: the headroom is the arithmetic under the format.
+    "rg_basic_arithmetic": ["--preset", "arith", "--env", "reasoning_gym:basic_arithmetic", "--env.kwargs",
+                            json.dumps({"size": 1000, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+                                        "operators": ["+", "-", "*"], "allow_parentheses": False,
+                                        "allow_negation": False,
+                                        "examples": [["Calculate 14 + 23.", "37"], ["Calculate 31 - 12.", "19"]]}),
+                            "--rollout.max_new_tokens", "32", "--data.max_len", "384"],
 }
 
 
@@ -184,14 +189,20 @@ def result_of(cell: Cell, run: Path, base: float, wall_s: float) -> dict:
             counts[b] = counts.get(b, 0) + 1
         histogram[k.removeprefix("drift_")] = counts
     acceptance = [float(m["acceptance_rate"]) for m in metrics if m.get("acceptance_rate") is not None]
+    # Whom the gate drops: its acceptance among rewarded and unrewarded trajectories (a gate that keeps
+    # the failures and drops the successes shifts the batch's advantages, whatever its threshold).
+    by_outcome = {}
+    for label, pick in (("rewarded", lambda s: float(s["reward"]) > 0), ("unrewarded", lambda s: float(s["reward"]) <= 0)):
+        chosen = [s for s in samples if "admitted" in s and pick(s)]
+        by_outcome[label] = statistics.fmean(1.0 if s["admitted"] else 0.0 for s in chosen) if chosen else None
     grad = [float(m["grad_norm"]) for m in metrics if m.get("grad_norm") is not None and math.isfinite(m["grad_norm"])]
     return {
         "task": cell.task, "grid": cell.grid, "lag": cell.lag, "column": cell.column, "seed": cell.seed,
         "lr": cell.lr, "flags": cell.flags, "updates": len(metrics), "curve": curve,
         "final_accuracy": curve[-1][1], "peak_accuracy": max(a for _, a in curve), "auc": area(curve),
         "collapsed": collapsed(curve), "gated_share": 1.0 - statistics.fmean(acceptance) if acceptance else 0.0,
+        "acceptance_by_outcome": by_outcome,
         "grad_norm_max": max(grad) if grad else None, "lags_after_warmup": lags,
-        "skipped_updates": sum(1 for m in metrics if m.get("skipped")),
         "reward_first10": statistics.fmean(m["reward_mean"] for m in metrics[:10]) if metrics else None,
         "reward_last10": statistics.fmean(m["reward_mean"] for m in metrics[-10:]) if metrics else None,
         "distinct_problems": len({s.get("seed") for s in samples}),
@@ -266,6 +277,18 @@ def run_grid(args) -> None:
     (root / "STATUS").write_text(f"grid {args.grid} of {args.task} finished {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
 
 
+def reextract(args) -> None:
+    """``result.json`` of every finished cell again, from its run folder (metrics, evaluations, samples)."""
+    root = Path(args.output)
+    for path in sorted(root.glob("*/*/result.json")):
+        old = json.loads(path.read_text())
+        base = json.loads((path.parents[1] / "base.json").read_text())["accuracy"]
+        cell = Cell(old["task"], old["grid"], old["lag"], old["column"], old["seed"], old["lr"], old["flags"],
+                    path.parent.name)
+        path.write_text(json.dumps(result_of(cell, path.parent / "run", base, old["wall_s"]), indent=1))
+        print(f"{path.parent.name}: re-extracted")
+
+
 # ------------------------------------------------------------------------------------------------ report
 
 def _spread(values: list[float], fmt: str, scale: float = 1.0) -> str:
@@ -336,18 +359,83 @@ def report(args) -> None:
             header, lines = _table(rows, key_row, key_col, base)
             text.append(f"## {grid}\n\n" + _markdown(header, lines) + "\n")
             _figure(rows, grid, key_row, key_col, base, data / f"{task}_{grid}.png")
+        drift_rows = [r for r in results if r["grid"] in ("main", "pilot") and r["column"] == "gate_off"]
+        if drift_rows:
+            text.append("## Drift per lag (the gate-off runs: nothing dropped)\n\n" + _drift_table(drift_rows))
+            _drift_figure(drift_rows, data / f"{task}_drift.png")
+        delta_rows = [r for r in results if r["grid"] == "delta"]
+        if delta_rows:
+            _delta_figure(delta_rows, data / f"{task}_delta.png")
         (target / "tables.md").write_text("\n".join(text))
         print("\n".join(text))
 
 
-def _figure(rows: list[dict], grid: str, key_row: str, key_col: str, base: float, path: Path) -> None:
+def _drift_table(rows: list[dict]) -> str:
+    """Quantiles of each trajectory's mean drift, per lag and metric, pooled over seeds and updates."""
+    header = ["lag", "lr", "metric", "p10", "p50", "p90", "p99", "max"]
+    lines = []
+    for r in sorted(rows, key=lambda r: (r["lr"], r["lag"], r["seed"])):
+        for metric, q in sorted(r["drift"].items()):
+            lines.append([str(r["lag"]), f"{r['lr']:g}", f"{metric} (seed {r['seed']})"] +
+                         [f"{q[k]:.3g}" for k in ("p10", "p50", "p90", "p99", "max")])
+    return _markdown(header, lines) + "\n"
+
+
+def _plt():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(no figure for {grid}: matplotlib is not installed; pip install 'flashreinforce[plot]')")
+        print("(no figure: matplotlib is not installed; pip install 'flashreinforce[plot]')")
+        return None
+    return plt
+
+
+def _drift_figure(rows: list[dict], path: Path) -> None:
+    plt = _plt()
+    if plt is None:
+        return
+    metrics = sorted({m for r in rows for m in r["drift_histogram"]})
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 3.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for r in sorted(rows, key=lambda r: (r["lr"], r["lag"])):
+            hist = r["drift_histogram"].get(metric, {})
+            bins = sorted((float(b), n) for b, n in hist.items() if b != "zero")
+            if not bins:
+                continue
+            total = sum(hist.values())
+            ax.step([10 ** b for b, _ in bins], [n / total for _, n in bins], where="post",
+                    label=f"K={r['lag']} lr={r['lr']:g} s{r['seed']}")
+        ax.set_xscale("log")
+        ax.set_title(f"trajectory mean {metric}")
+        ax.set_ylabel("share of trajectories")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _delta_figure(rows: list[dict], path: Path) -> None:
+    plt = _plt()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(4.5, 3.4))
+    for r in rows:
+        ax.scatter(1 - r["gated_share"], 100 * r["final_accuracy"], color="C0")
+        ax.annotate(r["column"].removeprefix("delta"), (1 - r["gated_share"], 100 * r["final_accuracy"]), fontsize=7)
+    ax.set_xlabel("acceptance rate (mean over updates)")
+    ax.set_ylabel("final held-out greedy accuracy (%)")
+    ax.set_title(f"delta sweep at K = {rows[0]['lag']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _figure(rows: list[dict], grid: str, key_row: str, key_col: str, base: float, path: Path) -> None:
+    plt = _plt()
+    if plt is None:
         return
     row_keys = sorted({r[key_row] for r in rows}, key=lambda x: (isinstance(x, str), x))
     cols = list(dict.fromkeys(r[key_col] for r in rows))
@@ -390,8 +478,13 @@ def main() -> None:
     p.add_argument("--groups", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--group-lag", type=int, default=0)
     p.add_argument("--report", action="store_true", help="print the tables of what finished and write --data")
+    p.add_argument("--reextract", action="store_true",
+                   help="rewrite every finished cell's result.json from its run folder (after a change of result_of)")
     p.add_argument("--data", default=str(ROOT / "docs" / "data" / "staleness"))
     args = p.parse_args()
+    if args.reextract:
+        reextract(args)
+        return
     if args.report:
         report(args)
         return
