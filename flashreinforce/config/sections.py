@@ -305,8 +305,12 @@ class TrainConfig(Freezable):
     max_steps: int = option("int", 0, "optimizer updates (0: num_episodes passes over the prompt set)", minimum=0,
                             maximum=10**9)
     max_minutes: float = option("float", 0.0, "stop after this many minutes of training in this session (evaluations "
-                                "and checkpoint saves excluded; checked after each update), then save and export as "
-                                "at the end, exit status 0; --resume continues (0: no limit)", minimum=0)
+                                "and checkpoint saves excluded; checked after each update, skipped ones included), "
+                                "then save and export as at the end, exit status 0; --resume continues (0 or inf: no "
+                                "limit)", minimum=0)
+    max_skipped_updates_in_a_row: int = option("int", 10, "stop the run (a checkpoint saved, exit status 1) when this "
+                                               "many updates in a row were skipped for a non-finite gradient (0: "
+                                               "never)", minimum=0)
     async_queue_size: int = option("int", 1, "batches that may be in flight ahead of the learner (0: synchronous)",
                                    minimum=0)
     max_policy_lag: int | None = option("int", None, "drop trajectories more than this many versions old (none: "
@@ -327,9 +331,6 @@ class TrainConfig(Freezable):
         if not math.isfinite(self.stall_timeout_s):
             errors.append(f"--train.stall_timeout_s must be a finite number of seconds >= 0 (0: no limit), "
                           f"got {self.stall_timeout_s}")
-        if not math.isfinite(self.max_minutes):
-            errors.append(f"--train.max_minutes must be a finite number of minutes >= 0 (0: no limit), "
-                          f"got {self.max_minutes}")
         lag = self.fixed_policy_lag
         if lag is not None and self.max_policy_lag is not None and self.max_policy_lag < lag:
             errors.append(f"--train.max_policy_lag {self.max_policy_lag} would drop every trajectory of "

@@ -89,7 +89,23 @@ class AgentOutcome:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except (OverflowError, ValueError, TypeError):  # an int or Fraction no float holds (10**400)
+        return False
+
+
+def _shown(x: Any) -> str:
+    """A short form of a returned value for a message (never raises, never prints a huge int)."""
+    if isinstance(x, int) and x.bit_length() > 256:
+        return f"an int of {x.bit_length()} bits"
+    try:
+        text = repr(x)
+    except Exception:
+        return f"a {type(x).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_agent_result(value: Any, name: str) -> AgentOutcome:
@@ -97,11 +113,11 @@ def check_agent_result(value: Any, name: str) -> AgentOutcome:
     if _number(value):
         return AgentOutcome(float(value), None, {})
     if not isinstance(value, Mapping):
-        raise ValueError(f"agent {name} returned {type(value).__name__} {str(value)[:80]!r}; expected a finite "
-                         "number or a dict with 'reward'")
+        raise ValueError(f"agent {name} returned {type(value).__name__} {_shown(value)}; expected a finite "
+                         "number (one a float holds) or a dict with 'reward'")
     if "reward" not in value or not _number(value["reward"]):
-        raise ValueError(f"agent {name} returned a dict whose 'reward' is {value.get('reward')!r}; expected a "
-                         "finite number")
+        raise ValueError(f"agent {name} returned a dict whose 'reward' is {_shown(value.get('reward'))}; expected "
+                         "a finite number (one a float holds)")
     unknown = sorted(set(value) - {"reward", "failed", "info"})
     if unknown:
         raise ValueError(f"agent {name} returned a dict with unknown keys {unknown} (reward, failed, info)")

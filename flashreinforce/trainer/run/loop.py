@@ -47,6 +47,7 @@ from flashreinforce.trainer.run import components
 from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
                                                             existing_run_files, learner_state_to_restore,
                                                             save_checkpoint)
+from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
 from flashreinforce.trainer.run.interrupts import InterruptWatch
@@ -67,6 +68,9 @@ from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 __all__ = ["Trainer"]
 
 log = logging.getLogger("flashreinforce.trainer")
+
+#: A reward of at least this magnitude is named when an update is skipped for a non-finite gradient.
+LARGE_REWARD = 1e6
 
 
 class Trainer:
@@ -281,6 +285,19 @@ class Trainer:
         return (f"flashreinforce: interrupted (Ctrl-C): the run stops when update {self.step + 1} (in progress) "
                 "ends, then saves a checkpoint and exits with status 130; Ctrl-C again aborts without saving")
 
+    def _skipped(self, err: FloatingPointError, trajectories, in_a_row: int) -> None:
+        """Report an update skipped for a non-finite gradient; :class:`RunFailure` once
+        ``train.max_skipped_updates_in_a_row`` were skipped in a row (nothing would ever train)."""
+        rewards = [abs(t.reward) for t in trajectories]
+        largest = max(rewards, default=0.0)
+        hint = (f"; the batch's rewards reach {largest:.3g} in magnitude: rewards this large overflow the loss, "
+                "scale them down" if largest >= LARGE_REWARD else "")
+        log.warning("update skipped: %s%s", err, hint)
+        limit = self.cfg.train.max_skipped_updates_in_a_row
+        if limit and in_a_row >= limit:
+            raise RunFailure(f"{in_a_row} updates in a row were skipped for a non-finite gradient "
+                             f"(--train.max_skipped_updates_in_a_row {limit}); the last: {err}{hint}")
+
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
         """Train; returns the summary (torchrun ranks > 0 return ``status: follower``)."""
@@ -444,6 +461,7 @@ class Trainer:
             train_before, pauses = self.counters.get("train_time_s", 0.0), 0.0
             every_s = cfg.eval.every_min * 60.0
             next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
+            skipped_in_a_row = 0
             while self.step < self.max_steps:
                 t_wait = time.perf_counter()
                 batch = self._take_batch(pool)
@@ -455,11 +473,21 @@ class Trainer:
                 try:
                     learner_metrics = self.learner.step(batch.trajectories, batch.group_ids)
                 except FloatingPointError as err:
-                    log.warning("update skipped: %s", err)
                     self.counters["skipped_updates"] += 1
                     self._hold_for_fixed_lag(pool)
                     self.buffer.update_done()
+                    skipped_in_a_row += 1
+                    self._skipped(err, batch.trajectories, skipped_in_a_row)
+                    # The time budget holds on this path too: a run whose every update is skipped stops.
+                    self.counters["train_time_s"] = train_before + (time.perf_counter() - t_run) - pauses
+                    if self.counters["train_time_s"] - train_before >= budget_s:
+                        self.stop_reason = f"train.max_minutes {cfg.train.max_minutes:g} reached (this session's " \
+                            "training time)"
+                        status = "stopped"
+                        metrics_log.note(f"flashreinforce: stopping after a skipped update: {self.stop_reason}")
+                        break
                     continue
+                skipped_in_a_row = 0
                 idle += self._hold_for_fixed_lag(pool)
                 self.weights.publish(self.learner.policy_state(), self.learner.version,
                                      frozen=self.learner.frozen_names())
