@@ -173,8 +173,10 @@ class Trainer:
             return
         self.buffer.load_state_dict(point.state["buffer"])
         self.counters.update(point.state.get("trainer", {}))
-        clean_interrupted_saves(self.ckpt_dir)  # frees what a failed save took before the history is rewritten
-        self._history.resume(self.step, point.state.get("history"))
+        # The history is checked first (a refused resume changes nothing on disk); a failed save's leftovers
+        # are freed before the history is rewritten.
+        self._history.resume(self.step, point.state.get("history"),
+                             before_writing=lambda: clean_interrupted_saves(self.ckpt_dir))
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
 
     def _review_settings(self, point: ResumePoint) -> None:
