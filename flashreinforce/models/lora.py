@@ -16,8 +16,11 @@ and vLLM load; :func:`merged_model` gives a plain model with the adapters folded
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -154,11 +157,44 @@ def _adapter_config(settings: LoraSettings, base_model: str, names) -> dict[str,
             "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False}
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` would, for every thread, for a moment)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _write_new(directory: Path, name: str, data: bytes, private: bool) -> None:
+    """``directory/name`` holding ``data``, written to a new file of a random name (created exclusively,
+    mode 0600) then renamed over ``name``: a symlink planted under ``name`` is replaced, never followed.
+    ``private``: the file keeps mode 0600; else it gets the umask's mode, like any file written."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if not private:
+                os.fchmod(fh.fileno(), 0o666 & ~_umask())
+            fh.write(data)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_adapter(directory: str | Path, state: Mapping[str, torch.Tensor], settings: LoraSettings, *,
-                  base_model: str = "") -> Path:
+                  base_model: str = "", private: bool = False) -> Path:
     """Write the adapter tensors of ``state`` (the model's names; other tensors are ignored) in PEFT's
-    format (``adapter_config.json``, ``adapter_model.safetensors``, float32). Returns the folder."""
-    from safetensors.torch import save_file
+    format (``adapter_config.json``, ``adapter_model.safetensors``, float32). Returns the folder.
+
+    Each file is written under a new random name and renamed into place, so a symlink already in the
+    folder is replaced rather than written through; ``private``: the files get mode 0600 (the vLLM
+    engine's adapters in shared memory, in a folder of mode 0700 it made itself)."""
+    from safetensors.torch import save
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -166,10 +202,10 @@ def write_adapter(directory: str | Path, state: Mapping[str, torch.Tensor], sett
     if not adapters:
         raise ValueError("write_adapter: no LoRA adapter tensors given")
     tensors = peft_adapter_state(adapters)
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
-              str(directory / "adapter_model.safetensors"))
+    _write_new(directory, "adapter_model.safetensors",
+               save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}), private)
     config = _adapter_config(settings, base_model, adapters)
-    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    _write_new(directory, "adapter_config.json", json.dumps(config, indent=1).encode(), private)
     return directory
 
 

@@ -172,6 +172,33 @@ def test_an_adapter_folder_loads_with_peft_and_as_a_model(tmp_path):
     torch.testing.assert_close(wrapped(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_writing_an_adapter_replaces_planted_symlinks_and_private_files_are_0600(tmp_path):
+    import os
+    import stat
+
+    from flashreinforce.models.lora import write_adapter
+
+    model = lora_model(dtype=torch.float32)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    victims = {name: tmp_path / f"victim-{name}" for name in ("adapter_config.json", "adapter_model.safetensors")}
+    for name, victim in victims.items():
+        victim.write_text("someone's file")
+        victim.chmod(0o600)
+        (folder / name).symlink_to(victim)
+    write_adapter(folder, adapter_state(model), model._flashreinforce_lora, private=True)
+    for name, victim in victims.items():
+        assert victim.read_text() == "someone's file"  # never written through
+        st = os.lstat(folder / name)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 3
+    assert sorted(os.listdir(folder)) == sorted(victims)  # no temporary file left
+    public = save_adapter(model, tmp_path / "public", base_model="tiny-qwen2")  # an export: the umask's mode
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(public / "adapter_config.json").st_mode) == 0o666 & ~umask
+
+
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--output", str(out),
            "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false", *args]
