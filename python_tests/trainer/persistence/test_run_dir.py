@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -66,6 +67,50 @@ def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
     again = RunLock(tmp_path)  # released: the next run takes it
     again.acquire()
     again.release()
+
+
+def test_a_symlinked_lock_file_is_refused_never_written_through(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("a file the run must not touch")
+    (out / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(ConfigError, match=r"lock file \.flashreinforce\.lock is a symbolic link") as err:
+        RunLock(out).acquire()
+    assert "\n" not in str(err.value)
+    assert victim.read_text() == "a file the run must not touch"
+    (out / LOCK_NAME).unlink()
+    lock = RunLock(out)
+    lock.acquire()  # a lock of its own: mode 0600, a regular file
+    st = os.lstat(out / LOCK_NAME)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    lock.release()
+    (out / LOCK_NAME).unlink()
+    os.link(victim, out / LOCK_NAME)  # a hard link to another file
+    with pytest.raises(ConfigError, match="is a hard link"):
+        RunLock(out).acquire()
+    assert victim.read_text() == "a file the run must not touch"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_an_output_folder_or_lock_file_of_another_user_is_refused(tmp_path, capsys):
+    from flashreinforce.cli import main as cli_main
+    from python_tests.envs.unprivileged import UNPRIVILEGED_UID
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, UNPRIVILEGED_UID, UNPRIVILEGED_UID)  # a real second account's folder
+    code = cli_main(["train", *QUICK, "--train.max_steps", "1", "--output", str(theirs)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {theirs} belongs to another user" in err and "Traceback" not in err
+    assert os.listdir(theirs) == []  # nothing written there
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / LOCK_NAME).write_text("")
+    os.chown(mine / LOCK_NAME, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+    with pytest.raises(ConfigError, match=rf"is owned by another user \(uid {UNPRIVILEGED_UID}\)"):
+        RunLock(mine).acquire()
+    assert (mine / LOCK_NAME).read_text() == ""
 
 
 def test_only_the_folders_a_run_made_are_removed_and_only_when_empty(tmp_path):
