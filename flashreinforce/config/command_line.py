@@ -121,7 +121,8 @@ examples:
   flashreinforce train --output runs/mine --resume          # continue it (reads runs/mine/config.yaml)
 
 exit status: 0 done (also when --train.max_minutes ran out), 1 the run could not go on (a checkpoint
-is saved; the message says why), 2 a bad flag, file or setting (nothing started), 130 Ctrl-C."""
+is saved; the message says why), 2 a bad flag, file or setting (nothing started), 130 Ctrl-C, 143
+SIGTERM (answered like Ctrl-C: a checkpoint is saved)."""
 
 
 def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], bool] | None = None,

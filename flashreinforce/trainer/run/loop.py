@@ -50,7 +50,7 @@ from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_i
 from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
-from flashreinforce.trainer.run.interrupts import InterruptWatch
+from flashreinforce.trainer.run.interrupts import InterruptWatch, signal_label
 from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
@@ -99,6 +99,7 @@ class Trainer:
         self.hf_dir = Path(cfg.ckpt.output_dir or self.out / "hf")
         self.device = components.device_of(cfg.device)
         self._interrupted = threading.Event()
+        self._watch_signals: InterruptWatch | None = None  # Ctrl-C and SIGTERM while training
         self._evaluator: Evaluator | None = None
         self.dist = None  # DistContext under torchrun
         self.rollout: RolloutSide | None = None
@@ -284,8 +285,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ signals
     def _interrupt_message(self) -> str:
-        return (f"flashreinforce: interrupted (Ctrl-C): the run stops when update {self.step + 1} (in progress) "
-                "ends, then saves a checkpoint and exits with status 130; Ctrl-C again aborts without saving")
+        signum = self._watch_signals.first_signal if self._watch_signals is not None else None
+        what = signal_label(signum)
+        return (f"flashreinforce: interrupted ({what}): the run stops when update {self.step + 1} (in progress) "
+                f"ends, then saves a checkpoint and exits with status {128 + int(signum or signal.SIGINT)}; "
+                f"{what} again aborts without saving")
 
     def _skipped(self, err: FloatingPointError, trajectories, in_a_row: int) -> None:
         """Report an update skipped for a non-finite gradient; :class:`RunFailure` once
@@ -425,8 +429,8 @@ class Trainer:
             log.info(note)
         self.weights.publish(self.learner.policy_state(), self.learner.version,
                              frozen=self.learner.frozen_names())
-        watch = InterruptWatch(self._interrupted.set, self._interrupt_message)
-        watch.install()  # main thread only; answers Ctrl-C at once, even inside a long learner update
+        watch = self._watch_signals = InterruptWatch(self._interrupted.set, self._interrupt_message)
+        watch.install()  # main thread only; answers Ctrl-C and SIGTERM at once, even inside a long learner update
         self.training_started = True
         try:
             return self._train_and_save()
@@ -571,5 +575,7 @@ class Trainer:
         summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
+        if status == "interrupted":  # the command's exit status is 128 + this signal's number
+            summary["signal"] = int(self._watch_signals.first_signal or signal.SIGINT)
         self.callbacks.on_train_end(summary)
         return summary

@@ -191,7 +191,36 @@ class SlowToBuild(Environment):
 '''
 
 
-def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_143_and_the_run_resumes(tmp_path):
+    # What a scheduler sends at the end of a job's time: answered like Ctrl-C (it used to end the
+    # process at once, status 143 without a checkpoint).
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "flashreinforce.cli", "train", *QUICK, "--output", str(out),
+                             "--train.max_steps", "100000", "--ckpt.save_steps", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, "three updates", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "flashreinforce: interrupted (SIGTERM): the run stops when update" in stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["status"] == "interrupted"
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
+    resumed = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", *QUICK, "--output", str(out),
+                              "--resume", "--train.max_steps", str(steps[-1] + 1)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, steps[-1] + 2))
+
+
+@pytest.mark.parametrize("sig,label,code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
+def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tmp_path, sig, label, code):
     (tmp_path / "slow_env.py").write_text(_SLOW_ENV)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = tmp_path / "runs" / "run"
@@ -208,16 +237,16 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
         # comes first, and a signal sent on it could arrive after the trainer took over SIGINT.
         _wait_for(lambda: lines.append(proc.stderr.readline()) or lines[-1].strip() == "building the environment",
                   "the environment's construction", proc=proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
+    assert proc.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr
     assert [ln for ln in stderr.splitlines() if ln.startswith("flashreinforce train:")] == [
-        "flashreinforce train: interrupted during start-up (Ctrl-C): nothing was trained or written"]
+        f"flashreinforce train: interrupted during start-up ({label}): nothing was trained or written"]
     assert not (tmp_path / "runs").exists()
 
 
