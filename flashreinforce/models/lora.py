@@ -100,6 +100,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     if has_lora(model):
         raise ConfigError("--lora.rank: the model already holds LoRA layers (a PEFT adapter was loaded as the "
                           "model): give the base model with --model, or merge the adapter first")
+    _check_targets(model, settings)
     config = peft.LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha),
                              lora_dropout=float(settings.dropout), target_modules=settings.peft_targets(),
                              bias="none", task_type="CAUSAL_LM")
@@ -107,9 +108,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
         peft.get_peft_model(model, config)  # changes ``model``'s modules in place; the wrapper is not kept
     except ValueError as err:
         first = (str(err).splitlines() or [""])[0][:300]
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError(f"--lora.target_modules {','.join(settings.target_modules)}: {first} (this model's "
-                          f"linear layers: {', '.join(names)})") from None
+                          f"linear layers: {', '.join(_adaptable_names(model))})") from None
     except (TypeError, NotImplementedError, AttributeError) as err:
         raise ConfigError(f"--lora.rank: PEFT cannot add LoRA to {type(model).__name__}: {type(err).__name__}: "
                           f"{(str(err).splitlines() or [''])[0][:300]}") from None
@@ -126,6 +126,42 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
             p.data = p.data.to(base)
     model._flashreinforce_lora = settings  # read back by save_adapter / the checkpoints
     return model
+
+
+def _output_projection(model: torch.nn.Module) -> str | None:
+    """The module name of ``model``'s output projection (``lm_head``), or ``None``."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    return next((n for n, m in model.named_modules() if head is not None and m is head), None)
+
+
+def _adaptable_names(model: torch.nn.Module) -> list[str]:
+    """The names (last part) of ``model``'s linear layers that can carry adapters: all but the output
+    projection."""
+    head = _output_projection(model)
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n != head})
+
+
+def _check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
+    """:class:`ConfigError` for a ``lora.target_modules`` name that is the output projection (the learner
+    computes log-probabilities from its weight directly, so an adapter there would get no gradient:
+    a raw autograd error at the first update) or that matches no module (PEFT ignores it when
+    another name matches)."""
+    targets = tuple(settings.target_modules)
+    if targets in (("default",), ("all-linear",)):
+        return
+    flag = f"--lora.target_modules {','.join(targets)}"
+    head = _output_projection(model)
+    names = [n for n, _ in model.named_modules() if n]
+    for t in targets:
+        matched = [n for n in names if n == t or n.endswith("." + t)]
+        if head is not None and head in matched:
+            raise ConfigError(f"{flag}: {t} is the output projection, which cannot carry LoRA adapters here (the "
+                              "learner computes log-probabilities from its weight directly); this model's linear "
+                              f"layers that can: {', '.join(_adaptable_names(model))}")
+        if not matched:
+            raise ConfigError(f"{flag}: {t!r} matches no layer of {type(model).__name__} (this model's linear "
+                              f"layers: {', '.join(_adaptable_names(model))})")
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

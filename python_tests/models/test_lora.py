@@ -102,6 +102,17 @@ def test_only_adapters_train_and_the_merge_is_the_same_function():
 def test_bad_settings_are_one_line_naming_the_flag():
     with pytest.raises(ConfigError, match=r"--lora.target_modules nope: .*this model's linear layers: .*q_proj"):
         apply_lora(tiny_causal_lm(VOCAB), LoraSettings(rank=2, target_modules=("nope",)))
+    # A valid name beside an unknown one: the unknown one is named (PEFT ignored it), the model untouched.
+    model = tiny_causal_lm(VOCAB)
+    with pytest.raises(ConfigError, match=r"--lora.target_modules q_proj,no_such: 'no_such' matches no layer") as err:
+        apply_lora(model, LoraSettings(rank=2, target_modules=("q_proj", "no_such")))
+    assert "lm_head" not in str(err.value) and not has_lora(model)
+    # The output projection: refused by name (it gave an autograd error at the first update), and not
+    # offered in the list of layers that can carry adapters.
+    for targets in (("lm_head",), ("q_proj", "lm_head")):
+        with pytest.raises(ConfigError, match=r"lm_head is the output projection, which cannot carry LoRA") as err:
+            apply_lora(tiny_causal_lm(VOCAB, tied=False), LoraSettings(rank=2, target_modules=targets))
+        assert "\n" not in str(err.value) and "lm_head" not in str(err.value).split("that can: ")[1]
     model = lora_model(dtype=torch.float32)
     with pytest.raises(ConfigError, match="already holds LoRA layers"):
         apply_lora(model, LoraSettings(rank=2))
