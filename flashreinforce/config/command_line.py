@@ -23,7 +23,7 @@ def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {shown(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
 
 
 def _bool(text: str) -> bool:

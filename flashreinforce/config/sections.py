@@ -97,6 +97,8 @@ class ActorConfig(Freezable):
         if not math.isfinite(self.entropy_coef) or not math.isfinite(self.max_norm):
             errors.append(f"--actor.entropy_coef and --actor.max_norm must be finite, got {self.entropy_coef} and "
                           f"{self.max_norm}")
+        if self.loss_scale_factor is not None and not math.isfinite(self.loss_scale_factor):
+            errors.append(f"--actor.loss_scale_factor must be finite, got {self.loss_scale_factor}")
 
 
 @dataclass
@@ -281,6 +283,12 @@ class RayConfig(Freezable):
                                       "the driver first) or spread (over as many nodes as possible)",
                                       choices=("default", "spread"))
 
+    def validate(self, errors: list[str]) -> None:
+        for name in ("num_cpus_per_worker", "num_gpus_per_worker"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                errors.append(f"--ray.{name} must be a finite number, got {value}")
+
 
 @dataclass
 class TrainConfig(Freezable):
@@ -363,6 +371,11 @@ class VllmConfig(Freezable):
                               "its worker maps), cuda_ipc (a device buffer shared by CUDA IPC), or auto (cuda_ipc for "
                               "weights on a GPU, else shared_memory)", choices=("auto", "shared_memory", "cuda_ipc"))
 
+    def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.kv_cache_gib):
+            errors.append(f"--vllm.kv_cache_gib must be a finite number of GiB (0: sized for the run), "
+                          f"got {self.kv_cache_gib}")
+
     def check_selected(self, cfg, errors: list[str], inactive: dict[str, str]) -> None:
         """Cross-section checks when ``rollout.engine`` is vllm."""
         if "rollout.num_workers" in cfg.explicit and cfg.rollout.num_workers != self.num_engines:
@@ -410,6 +423,8 @@ class LoraConfig(Freezable):
                              "fsdp.param_dtype)", choices=("fp32", "bf16"))
 
     def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.alpha):
+            errors.append(f"--lora.alpha must be finite, got {self.alpha}")
         names = [t.strip() for t in str(self.target_modules).split(",")]
         if not all(names) or (len(names) > 1 and {"default", "all-linear"} & set(names)):
             errors.append(f"--lora.target_modules {self.target_modules!r}: give default, all-linear, or comma-separated "
