@@ -444,6 +444,7 @@ class Trainer:
         self._note = metrics_log.note
         pool = None
         status = "completed"
+        recorded_step = self.step  # the last update whose record is in metrics.jsonl
         self._watchdog = Watchdog(cfg.train.stall_timeout_s, cfg.rollout.max_failed_episodes_in_a_row)
         fault_metrics = FaultMetrics(log)  # per-update environment-call timeouts, and their warning
         try:
@@ -523,6 +524,7 @@ class Trainer:
                     t_last = time.perf_counter()
                     pauses += t_last - now
                 metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
+                recorded_step = self.step
                 if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
                     t_save = time.perf_counter()
                     self._save()
@@ -550,6 +552,11 @@ class Trainer:
                 log.info("saving a checkpoint at update %d ...", self.step)
                 ckpt = self._save()
                 log.info("checkpoint saved to %s", ckpt)
+            elif status == "failed" and recorded_step < self.step:
+                # The failure came between an update and its record (writing metrics.jsonl failed, say): a
+                # checkpoint now would vouch for a history without that record, lost for good on resume.
+                log.error("no checkpoint was written after the failure: the record of update %d is not in "
+                          "metrics.jsonl; --resume repeats that update from the last checkpoint before it", self.step)
             elif status == "failed":
                 # Best effort: what failed (a lost Ray cluster, say) may make the save fail too, and
                 # that second error must not hide the first.

@@ -101,3 +101,30 @@ def test_the_step_check_names_a_reward_no_float_holds():
             check_step_result(StepResult(reward=reward, done=True), "Env")
         assert err.value.kind == "reward does not fit in a float" and len(str(err.value)) < 200
     assert check_step_result(StepResult(reward=10**300, done=True), "Env").reward == 10**300
+
+
+def test_a_failure_to_write_an_update_s_record_leaves_no_checkpoint_past_it(tmp_path, capsys, monkeypatch):
+    # What 1,100 idle connections to the agent endpoint once did (OSError: Too many open files while
+    # writing metrics.jsonl): a checkpoint saved after the failure vouched for a history without that
+    # update's record, and the resumed run's metrics.jsonl never had it.
+    import errno
+
+    from flashreinforce.trainer.reporting.metrics import MetricsLog
+
+    real_write = MetricsLog.write
+
+    def write(self, record, **kwargs):
+        if record["step"] == 3:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_write(self, record, **kwargs)
+
+    monkeypatch.setattr(MetricsLog, "write", write)
+    out = tmp_path / "run"
+    args = ["train", *SMALL, "--ckpt.save_steps", "2", "--output", str(out)]
+    with pytest.raises(OSError, match="Too many open files"):
+        cli_main([*args, "--train.max_steps", "6"])
+    assert [r["step"] for r in _records(out)] == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    monkeypatch.setattr(MetricsLog, "write", real_write)
+    assert cli_main([*args, "--train.max_steps", "4", "--resume"]) == 0, capsys.readouterr().err[-3000:]
+    assert [r["step"] for r in _records(out)] == [1, 2, 3, 4]
