@@ -71,7 +71,7 @@ class PendingCall:
 
 #: Hosts that mean every interface: the server warns, and agents are handed a loopback address.
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
-#: Ended episodes remembered (their calls get 409, not 404), most recent first.
+#: Ended episodes remembered (their calls get 409, not 404): the most recent ones, oldest dropped first.
 ENDED_REMEMBERED = 16384
 
 
@@ -160,6 +160,10 @@ class AgentServer:
         self._tokens.pop(episode, None)
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
+
+    def has_ended(self, episode: str) -> bool:
+        """Whether ``episode`` ended (one of the last :data:`ENDED_REMEMBERED`)."""
+        return episode in self._ended
 
     @property
     def live(self) -> set[str]:

@@ -326,7 +326,9 @@ class AgentRolloutWorker(RolloutWorker):
             return
         while call is not None:
             e = self._live.get(call.episode)
-            if e is None:
+            if e is None and self.server.has_ended(call.episode):  # it ended while its call was queued
+                call.fail(APIError(409, "this episode has ended", code="episode_ended"))
+            elif e is None:
                 call.fail(APIError(404, "no running episode has this id (it ended, or the URL is not one the trainer "
                                         "handed out)", code="episode_not_found"))
             elif e.done:
