@@ -4,7 +4,8 @@ by the worker's engine and recorded token for token into trajectories.
 An :class:`AgentRolloutWorker` is a :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` whose
 episodes are calls of the run's agent function (:mod:`flashreinforce.envs.agent_env`). It owns an
 :class:`~flashreinforce.agents.server.AgentServer` (started at its first episode, on 127.0.0.1) and,
-for each episode, hands the function a client whose ``base_url`` names that episode. Many episodes
+for each episode, hands the function a client whose ``base_url`` names that episode and whose API
+key is the episode's token (every call must carry it: :mod:`flashreinforce.agents.server`). Many episodes
 run at once (``rollout.env_parallel_calls``: each synchronous function in a thread of its own, each
 ``async def`` one as a task on the worker's event loop). The worker thread alone touches the engine:
 it collects the pending calls of all its episodes and samples them in one ``generate`` call per
@@ -350,7 +351,8 @@ class AgentRolloutWorker(RolloutWorker):
         if self._token_chars is not None and chars > s.max_len * self._token_chars:  # never tokenized
             e.truncated = True
             raise APIError(400, f"the request holds {chars} characters of text, more than data.max_len {s.max_len} "
-                                "tokens can hold", code="context_length_exceeded", param="messages")
+                                "tokens can hold", code="context_length_exceeded",
+                           param="messages" if req.kind == "chat" else "prompt")
         try:
             if req.kind == "chat":
                 if self.renderer is None:
