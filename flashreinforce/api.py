@@ -84,7 +84,8 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
         model: ``--model``: a Hugging Face folder, a ``.gguf`` file, an alias, a run directory or a tiny config;
             or a ``transformers`` causal LM object (``AutoModelForCausalLM.from_pretrained(...)``), trained in
             place (moved to the run's device in float32). Its tokenizer comes from its local folder, else
-            give ``tokenizer=`` (a folder, ``"char"``, or a tokenizer object). A PEFT-wrapped model is refused
+            give ``tokenizer=`` (a folder, ``"char"``, or a tokenizer object); a preset's tokenizer is not
+            used for it (it belongs to the preset's model). A PEFT-wrapped model is refused
             (every weight is trained here): pass ``model.merge_and_unload()``.
         env: ``--env``: a spec string or an :class:`~flashreinforce.envs.Environment` subclass (defined at
             module level, so that the rollout workers can import it).
@@ -107,6 +108,7 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
     reports as a failed run (:class:`flashreinforce.trainer.errors.RunFailure`) after.
     """
     cfg = load_config(config)
+    given = set(run_options)
     tokenizer = run_options.pop("tokenizer", None)
     if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
         from flashreinforce.models.loading import describe_object
@@ -126,6 +128,10 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
         from flashreinforce.models.loading import describe_object
 
         model_object, cfg.actor.model_name_or_path = model, describe_object(model)
+        if "tokenizer" not in given and cfg.preset and cfg.tokenizer == PRESETS[cfg.preset].get("tokenizer"):
+            # The preset's tokenizer belongs to the preset's model: a model object reads its own (from its
+            # folder; without one, tokenizer= is asked for), never one whose vocabulary it may not share.
+            cfg.tokenizer = None
     if agent is not None:
         if env is not None or rewards is not None:
             raise ConfigError("train(): give agent, env or rewards, not several (the agent's return value is the reward)")

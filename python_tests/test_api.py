@@ -110,6 +110,27 @@ def test_train_takes_a_transformers_model_object_and_trains_it_in_place(tmp_path
     assert (tmp_path / "object" / "hf" / "config.json").is_file()
 
 
+def test_a_model_object_never_gets_the_preset_s_tokenizer_silently(tmp_path, caplog):
+    import logging
+
+    import transformers
+
+    from flashreinforce.models.loading import TINY_MODELS
+
+    def other_vocabulary():  # a model whose vocabulary is not the toy preset's character tokenizer's (100)
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**dict(TINY_MODELS["tiny-qwen2"],
+                                                                               vocab_size=300)))
+
+    with pytest.raises(ConfigError, match="pass tokenizer="):  # the preset's "char" is not taken for it
+        fr.train(_quick(tmp_path, "preset"), model=other_vocabulary(), env=SayA)
+    assert not (tmp_path / "preset").exists()
+    with caplog.at_level(logging.WARNING, logger="flashreinforce.trainer"):  # asked for: taken, with a warning
+        summary = fr.train(_quick(tmp_path, "asked"), model=other_vocabulary(), tokenizer="char", env=OddLetter)
+    assert summary["status"] == "completed"
+    assert any("has 300 embedding rows but the tokenizer char only 100 tokens" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_a_model_object_needs_a_tokenizer_and_a_peft_wrapper_is_refused(tmp_path):
     config = _quick(tmp_path, "notok")
     config.tokenizer = None  # the toy preset's is "char"

@@ -2,8 +2,8 @@
 
 A parser turns a sampled response into ``(content, tool_calls)`` in the OpenAI wire format
 (``tool_calls``: ``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``).
-A response whose tool-call markup is there but malformed (JSON that does not parse, no ``name``,
-arguments that are not an object, an unclosed block) comes back whole as plain ``content`` with no
+A response whose tool-call markup is there but malformed (JSON that does not parse, ``NaN`` or
+``Infinity`` anywhere in it, no ``name``, arguments that are not an object, an unclosed block) comes back whole as plain ``content`` with no
 ``tool_calls``, and the parse says so (``malformed``), so the server counts it; a parser never
 raises on model output.
 
@@ -50,23 +50,36 @@ def new_call_id() -> str:
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str) -> Any:
+    """``json.loads`` refusing ``NaN``, ``Infinity`` and ``-Infinity`` (Python's reader takes them; JSON does
+    not, and a tool would get them as numbers)."""
+    return json.loads(text, parse_constant=_not_json)
+
+
 def _call_from_json(text: str) -> tuple[dict[str, Any] | None, str]:
     try:
-        obj = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as err:
+        obj = _strict_json(text)
+    except (ValueError, RecursionError) as err:  # json.JSONDecodeError is a ValueError
         return None, f"the tool call is not valid JSON ({err})"
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None, "the tool call is not a JSON object with a string 'name'"
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # arguments given as JSON text: it must hold an object
         try:
-            args = json.loads(args)
-        except (json.JSONDecodeError, RecursionError):
+            args = _strict_json(args)
+        except (ValueError, RecursionError):
             return None, "the tool call's 'arguments' string is not JSON"
     if not isinstance(args, dict):
         return None, "the tool call's 'arguments' is not a JSON object"
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}, ""
+    try:
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):  # deeper than the writer goes
+        return None, "the tool call's 'arguments' cannot be written back as JSON"
+    return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}, ""
 
 
 def parse_hermes(text: str) -> ToolParse:

@@ -11,20 +11,26 @@ from typing import Any, Sequence
 __all__ = ["Run", "default_labels", "load_run", "read_jsonl"]
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a ``.jsonl`` file; a line cut by a crash (or being written) is skipped;
-    no file: empty."""
+def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a ``.jsonl`` file; a line that is not one (cut by a crash or being written,
+    or not UTF-8 text: a binary file gives none) is skipped, and counted in ``skipped`` when given (one
+    number appended); no file: empty."""
     path = Path(path)
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    rows, bad = [], 0
+    for line in path.read_bytes().splitlines():
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
+            bad += bool(line.strip())
             continue
         if isinstance(row, dict):
             rows.append(row)
+        else:
+            bad += 1
+    if skipped is not None:
+        skipped.append(bad)
     return rows
 
 
@@ -51,6 +57,7 @@ class Run:
     order. evals: ``eval.jsonl`` records. command_evals: ``eval_command.jsonl`` records (one per
     ``flashreinforce eval`` of the run's model: ``step``, ``accuracy``, ``pass@1``). samples:
     ``samples.jsonl`` records. summary / config: ``summary.json`` / ``config.json`` (None when absent).
+    skipped_lines: lines of ``metrics.jsonl`` that could not be read as records.
     """
 
     path: Path
@@ -61,6 +68,8 @@ class Run:
     samples: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     config: dict[str, Any] | None = None
+    #: Lines of ``metrics.jsonl`` that are not JSON records (not UTF-8 text, or cut), skipped.
+    skipped_lines: int = 0
 
     def has(self, key: str) -> bool:
         """Whether some update record or evaluation has a number under ``key``."""
@@ -107,10 +116,12 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
         raise FileNotFoundError(f"{path}: no such run directory")
     if not (path / "metrics.jsonl").is_file() and not (path / "eval.jsonl").is_file():
         raise FileNotFoundError(f"{path}: not a run directory (no metrics.jsonl or eval.jsonl)")
-    return Run(path=path, label=label or path.resolve().name, metrics=read_jsonl(path / "metrics.jsonl"),
+    skipped: list[int] = []
+    return Run(path=path, label=label or path.resolve().name, metrics=read_jsonl(path / "metrics.jsonl", skipped),
                evals=read_jsonl(path / "eval.jsonl"), command_evals=read_jsonl(path / "eval_command.jsonl"),
                samples=read_jsonl(path / "samples.jsonl"),
-               summary=_read_json(path / "summary.json"), config=_read_json(path / "config.json"))
+               summary=_read_json(path / "summary.json"), config=_read_json(path / "config.json"),
+               skipped_lines=sum(skipped))
 
 
 def default_labels(paths: Sequence[str | Path]) -> list[str]:

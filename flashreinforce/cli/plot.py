@@ -69,11 +69,16 @@ def plot(argv: Sequence[str]) -> int:
         runs = [load_run(path, label) for path, label in zip(args.runs, labels)]
     except FileNotFoundError as err:
         return fail(str(err))
+    except OSError as err:  # a file of the run that cannot be read (permissions, a folder of that name)
+        return fail(f"{err.filename or 'a run file'}: cannot be read ({err.strerror or err})")
     try:  # last: every mistake in the arguments is reported even where matplotlib is missing
         require_matplotlib()
     except ImportError as err:
         return fail(str(err))
     for run in runs:
+        if run.skipped_lines:
+            print(f"flashreinforce plot: warning: {run.path / 'metrics.jsonl'}: {run.skipped_lines} line(s) are not JSON "
+                  "records (not UTF-8 text, or cut) and were skipped", file=sys.stderr)
         if not run.metrics:
             print(f"flashreinforce plot: warning: {run.path}: metrics.jsonl has no update yet", file=sys.stderr)
     path = plot_runs(runs, args.output, x=args.x, smooth=args.smooth, size=tuple(args.size), dpi=args.dpi,

@@ -23,7 +23,7 @@ def _float(text: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number (inf allowed), got {shown(text)}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
 
 
 def _bool(text: str) -> bool:
@@ -121,7 +121,8 @@ examples:
   flashreinforce train --output runs/mine --resume          # continue it (reads runs/mine/config.yaml)
 
 exit status: 0 done (also when --train.max_minutes ran out), 1 the run could not go on (a checkpoint
-is saved; the message says why), 2 a bad flag, file or setting (nothing started), 130 Ctrl-C."""
+is saved; the message says why), 2 a bad flag, file or setting (nothing started), 130 Ctrl-C, 143
+SIGTERM (answered like Ctrl-C: a checkpoint is saved)."""
 
 
 def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], bool] | None = None,

@@ -97,6 +97,8 @@ class ActorConfig(Freezable):
         if not math.isfinite(self.entropy_coef) or not math.isfinite(self.max_norm):
             errors.append(f"--actor.entropy_coef and --actor.max_norm must be finite, got {self.entropy_coef} and "
                           f"{self.max_norm}")
+        if self.loss_scale_factor is not None and not math.isfinite(self.loss_scale_factor):
+            errors.append(f"--actor.loss_scale_factor must be finite, got {self.loss_scale_factor}")
 
 
 @dataclass
@@ -281,6 +283,12 @@ class RayConfig(Freezable):
                                       "the driver first) or spread (over as many nodes as possible)",
                                       choices=("default", "spread"))
 
+    def validate(self, errors: list[str]) -> None:
+        for name in ("num_cpus_per_worker", "num_gpus_per_worker"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                errors.append(f"--ray.{name} must be a finite number, got {value}")
+
 
 @dataclass
 class TrainConfig(Freezable):
@@ -305,8 +313,12 @@ class TrainConfig(Freezable):
     max_steps: int = option("int", 0, "optimizer updates (0: num_episodes passes over the prompt set)", minimum=0,
                             maximum=10**9)
     max_minutes: float = option("float", 0.0, "stop after this many minutes of training in this session (evaluations "
-                                "and checkpoint saves excluded; checked after each update), then save and export as "
-                                "at the end, exit status 0; --resume continues (0: no limit)", minimum=0)
+                                "and checkpoint saves excluded; checked after each update, skipped ones included), "
+                                "then save and export as at the end, exit status 0; --resume continues (0 or inf: no "
+                                "limit)", minimum=0)
+    max_skipped_updates_in_a_row: int = option("int", 10, "stop the run (a checkpoint saved, exit status 1) when this "
+                                               "many updates in a row were skipped for a non-finite gradient (0: "
+                                               "never)", minimum=0)
     async_queue_size: int = option("int", 1, "batches that may be in flight ahead of the learner (0: synchronous)",
                                    minimum=0)
     max_policy_lag: int | None = option("int", None, "drop trajectories more than this many versions old (none: "
@@ -327,9 +339,6 @@ class TrainConfig(Freezable):
         if not math.isfinite(self.stall_timeout_s):
             errors.append(f"--train.stall_timeout_s must be a finite number of seconds >= 0 (0: no limit), "
                           f"got {self.stall_timeout_s}")
-        if not math.isfinite(self.max_minutes):
-            errors.append(f"--train.max_minutes must be a finite number of minutes >= 0 (0: no limit), "
-                          f"got {self.max_minutes}")
         lag = self.fixed_policy_lag
         if lag is not None and self.max_policy_lag is not None and self.max_policy_lag < lag:
             errors.append(f"--train.max_policy_lag {self.max_policy_lag} would drop every trajectory of "
@@ -361,6 +370,11 @@ class VllmConfig(Freezable):
     weight_sync: str = option("str", "auto", "how new weights reach a vLLM engine: shared_memory (a /dev/shm buffer "
                               "its worker maps), cuda_ipc (a device buffer shared by CUDA IPC), or auto (cuda_ipc for "
                               "weights on a GPU, else shared_memory)", choices=("auto", "shared_memory", "cuda_ipc"))
+
+    def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.kv_cache_gib):
+            errors.append(f"--vllm.kv_cache_gib must be a finite number of GiB (0: sized for the run), "
+                          f"got {self.kv_cache_gib}")
 
     def check_selected(self, cfg, errors: list[str], inactive: dict[str, str]) -> None:
         """Cross-section checks when ``rollout.engine`` is vllm."""
@@ -409,6 +423,8 @@ class LoraConfig(Freezable):
                              "fsdp.param_dtype)", choices=("fp32", "bf16"))
 
     def validate(self, errors: list[str]) -> None:
+        if not math.isfinite(self.alpha):
+            errors.append(f"--lora.alpha must be finite, got {self.alpha}")
         names = [t.strip() for t in str(self.target_modules).split(",")]
         if not all(names) or (len(names) > 1 and {"default", "all-linear"} & set(names)):
             errors.append(f"--lora.target_modules {self.target_modules!r}: give default, all-linear, or comma-separated "

@@ -10,6 +10,8 @@ top-p). Engines never see text or environments; the rollout worker does that. A 
 from __future__ import annotations
 
 import abc
+import atexit
+import logging
 import math
 import threading
 from dataclasses import dataclass
@@ -17,7 +19,36 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-__all__ = ["Generation", "GenerationRequest", "LocalWeightStore", "RolloutEngine", "SamplingParams", "WeightStore"]
+__all__ = ["Generation", "GenerationRequest", "LocalWeightStore", "RolloutEngine", "SamplingParams", "WeightStore",
+           "at_exit", "run_exit_hooks"]
+
+log = logging.getLogger(__name__)
+
+_EXIT_HOOKS: list[Callable[[], None]] = []
+_EXIT_LOCK = threading.Lock()
+
+
+def at_exit(hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the process ends: at interpreter exit, and when the command leaves through
+    ``os._exit`` past a rollout thread still in a call (:func:`run_exit_hooks`). For what an engine
+    must not leave behind (its processes, its files in shared memory); a hook runs at most once."""
+    with _EXIT_LOCK:
+        if not _EXIT_HOOKS:
+            atexit.register(run_exit_hooks)
+        _EXIT_HOOKS.append(hook)
+
+
+def run_exit_hooks() -> None:
+    """Run (and forget) every hook given to :func:`at_exit`, last first; a failing hook is logged."""
+    while True:
+        with _EXIT_LOCK:
+            if not _EXIT_HOOKS:
+                return
+            hook = _EXIT_HOOKS.pop()
+        try:
+            hook()
+        except Exception:  # the others still run
+            log.exception("an engine's clean-up at exit failed")
 
 
 @dataclass(frozen=True)
@@ -99,6 +130,11 @@ class RolloutEngine(abc.ABC):
 
     def close(self) -> None:
         """Release the engine's resources."""
+
+    def failure(self) -> str | None:
+        """Why this engine cannot serve any more (a process of its own ended), or ``None``. The trainer
+        asks while it waits for rollouts and stops the run with this line."""
+        return None
 
 
 class WeightStore(abc.ABC):

@@ -8,7 +8,11 @@ tensor's name, dtype, shape and byte offset. The trainer copies the tensors into
 the manifest crosses the process boundary: no tensor is pickled, chunked or sent through a socket.
 
 * On the CPU the buffer is a file in ``/dev/shm`` (memory, not disk) where it exists, else in the
-  temporary directory, removed by :meth:`SharedWeightWriter.close` (and at interpreter exit).
+  temporary directory, removed by :meth:`SharedWeightWriter.close` (and at interpreter exit). Other
+  users of the machine can neither read nor replace it: it is created exclusively
+  (``O_CREAT | O_EXCL | O_NOFOLLOW``, so a planted file or symlink of that name is an error, never
+  written through) under an unguessable name, with mode 0600 whatever the umask; the reader maps
+  only a regular file of its own user that no other user may read (:func:`read_manifest`).
 * On a CUDA device it is one device allocation, exported once as a CUDA IPC handle
   (:meth:`SharedWeightWriter.cuda_ipc_handles`).
 
@@ -19,19 +23,21 @@ starts a new buffer, so a reader never sees one change size under it.
 
 from __future__ import annotations
 
-import atexit
 import base64
 import os
 import pickle
+import secrets
+import stat
 import tempfile
 import threading
-import uuid
+import weakref
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
 
-__all__ = ["ALIGNMENT", "Manifest", "SharedWeightWriter", "read_manifest", "shared_memory_dir", "views_of"]
+__all__ = ["ALIGNMENT", "Manifest", "SharedWeightWriter", "check_private_file", "read_manifest", "shared_memory_dir",
+           "views_of"]
 
 #: Byte alignment of every tensor in the buffer (any dtype's view, and a cache line).
 ALIGNMENT = 64
@@ -106,7 +112,10 @@ class SharedWeightWriter:
         self._slots: dict[str, tuple[str, tuple[int, ...], int]] = {}  # name -> (dtype, shape, offset)
         self._handles: str | None = None
         self._lock = threading.Lock()
-        atexit.register(self.close)
+        from flashreinforce.engines.base import at_exit
+
+        ref = weakref.ref(self)
+        at_exit(lambda: ref() is not None and ref().close())
 
     @property
     def key(self) -> str | None:
@@ -127,12 +136,20 @@ class SharedWeightWriter:
             slots[name] = (str(dt).removeprefix("torch."), tuple(t.shape), total)
             total = _align(total + _nbytes(t.shape, dt))
         size = max(total, ALIGNMENT)
-        key = f"{self._prefix}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        key = f"{self._prefix}-{os.getpid()}-{secrets.token_hex(12)}"
         if self.device.type == "cpu":
             key = os.path.join(shared_memory_dir(), key)
-            with open(key, "wb") as f:
-                f.truncate(size)
-            self._buffer = torch.from_file(key, shared=True, size=size, dtype=torch.uint8)
+            fd = os.open(key, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                # The sticky shared-memory directory lets no other user rename or remove this file, so the
+                # path names the file just created.
+                self._buffer = torch.from_file(key, shared=True, size=size, dtype=torch.uint8)
+            except BaseException:
+                os.unlink(key)
+                raise
+            finally:
+                os.close(fd)
         else:
             self._buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._key, self._size, self._slots, self._handles = key, size, slots, None
@@ -192,6 +209,15 @@ class SharedWeightWriter:
 _MAPPED: dict[str, torch.Tensor] = {}
 
 
+def check_private_file(path: str) -> None:
+    """``PermissionError`` unless ``path`` is a regular file (not a symlink) of this process's user that
+    no other user may read or write: what a weight buffer of this package is."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"shared weights: {path} is not a private file of this user (mode "
+                              f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); refusing to read weights from it")
+
+
 def read_manifest(manifest: Manifest | Mapping) -> list[tuple[str, torch.Tensor]]:
     """The reader's side on the CPU: ``(name, view)`` of every tensor of ``manifest`` (tensors sharing
     the file's memory, valid until the writer overwrites them with the next version). The file is
@@ -200,6 +226,7 @@ def read_manifest(manifest: Manifest | Mapping) -> list[tuple[str, torch.Tensor]
         manifest = Manifest.from_plain(manifest)
     buf = _MAPPED.get(manifest.path)
     if buf is None or buf.numel() != manifest.size:
+        check_private_file(manifest.path)
         _MAPPED.clear()
         buf = torch.from_file(manifest.path, shared=True, size=manifest.size, dtype=torch.uint8)
         _MAPPED[manifest.path] = buf

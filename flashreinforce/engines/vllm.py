@@ -27,6 +27,9 @@ checks that vLLM and transformers' model classes import, and names that fix when
   decodes in chunks of ``pause_check_tokens`` tokens (a chunk continues its request from the context
   so far; with prefix caching that recomputes less than one KV block) and asks ``should_pause``
   between chunks.
+* **Its processes watched** (:mod:`~flashreinforce.engines.vllm_process`): one that dies makes
+  :meth:`VLLMEngine.failure` say so within a second (the trainer stops the run with that line and a
+  checkpoint); whatever the exit, none outlives the engine, nor do its files in shared memory.
 * **CPU defaults** (vLLM's CPU build): the KV cache is sized for the requests the trainer runs at once
   (``max_num_seqs`` x ``max_model_len`` tokens, at most a quarter of the available memory) instead of
   vLLM's fraction of host memory, and vLLM's OpenMP threads use ``cpu_threads`` cores of this
@@ -39,7 +42,6 @@ the trainer's first weight sync loads the real ones (an engine whose ``version``
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
 import logging
@@ -54,9 +56,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
+from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, at_exit
 from flashreinforce.engines.registry import EngineKind
 from flashreinforce.engines.shared_weights import SharedWeightWriter
+from flashreinforce.engines.vllm_process import FILE_PREFIX, TRAINER_PID_VAR, EngineProcesses, environment
 
 __all__ = ["CPU_INSTALL", "GPU_INSTALL", "MIN_VLLM_VERSION", "VLLM_ENGINE", "VLLMEngine", "VLLMEngineKind", "import_vllm",
            "kv_bytes_per_token"]
@@ -165,21 +168,6 @@ def _available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-@contextlib.contextmanager
-def _environment(values: Mapping[str, str]):
-    """``os.environ`` with ``values`` set inside the block, restored after it."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def _seed_of_chunk(seed: int, done: int) -> int:
     """The seed of a request's continuation after ``done`` tokens (the first chunk keeps ``seed``)."""
     if done == 0:
@@ -278,7 +266,7 @@ class VLLMEngine(RolloutEngine):
                                 f"causal LM, got {type(model).__name__}")
             if isinstance(model, torch.nn.Module) and version >= 0:
                 weights = model.state_dict()
-            self._tmpdir = tempfile.mkdtemp(prefix="flashreinforce-vllm-")
+            self._tmpdir = tempfile.mkdtemp(prefix=f"{FILE_PREFIX}vllm-{os.getpid()}-")
             config.save_pretrained(self._tmpdir)
             path, load_format = self._tmpdir, "dummy"
         kwargs: dict[str, Any] = dict(
@@ -308,13 +296,23 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
                           max_lora_rank=next((r for r in ranks if r >= rank), rank))
         kwargs.update(llm_kwargs or {})
-        env = {}
-        if self.on_cpu:  # read by vLLM's processes, which start inside LLM(): set for that time only
-            env = {"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                   "OMP_NUM_THREADS": str(int(cpu_threads or len(os.sched_getaffinity(0))))}
+        # Read by vLLM's processes, which start inside LLM(): set for that time only.
+        env = {TRAINER_PID_VAR: str(os.getpid())}
+        if self.on_cpu:
+            env.update({"VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                        "OMP_NUM_THREADS": str(int(cpu_threads or len(os.sched_getaffinity(0))))})
         t0 = time.perf_counter()
-        with _environment(env):
-            self.llm = vllm.LLM(**kwargs)
+        #: vLLM's processes of this engine, watched (a dead one is :meth:`failure`) and ended with it.
+        self.processes = EngineProcesses("vLLM")
+        ref = weakref.ref(self)
+        at_exit(lambda: ref() is not None and ref()._release())
+        try:
+            with environment(env), self.processes.starting():
+                self.llm = vllm.LLM(**kwargs)
+        except BaseException:  # a start that failed leaves no process or folder behind
+            self._release()
+            raise
+        self.processes.watch()
         #: Seconds the vLLM engine took to start.
         self.start_s = time.perf_counter() - t0
         self.dtype = self._model_dtype()
@@ -429,9 +427,11 @@ class VLLMEngine(RolloutEngine):
         from flashreinforce.models.lora import LoraSettings, write_adapter
 
         self._lora_count += 1
-        folder = os.path.join(shared_memory_dir(), f"flashreinforce-lora-{os.getpid()}-{id(self):x}-{self._lora_count}")
+        # A new folder of a random name, made exclusively with mode 0700 (no other user can have made it
+        # first, or plant a link in it), its files 0600: the adapters vLLM loads are the trainer's.
+        folder = tempfile.mkdtemp(prefix=f"{FILE_PREFIX}lora-{os.getpid()}-", dir=shared_memory_dir())
         settings = LoraSettings(**{k: v for k, v in self.lora.items() if k != "base_dtype"})
-        write_adapter(folder, adapters, settings)
+        write_adapter(folder, adapters, settings, private=True)
         self._lora_request = LoRARequest(f"policy-{version}", self._lora_count, folder)
         self._lora_dirs.append(folder)
         while len(self._lora_dirs) > 2:  # vLLM may still read the previous one; older ones go
@@ -517,18 +517,14 @@ class VLLMEngine(RolloutEngine):
                 break
         return [Generation(ids[i], lps[i], reasons[i] or "length", self.version) for i in range(len(requests))]
 
-    def close(self) -> None:
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None)
-            if callable(shutdown):
-                try:
-                    shutdown()
-                except Exception:  # closing must not hide the run's outcome
-                    log.exception("vLLM engine shutdown failed")
-            del llm
-            gc.collect()
+    def failure(self) -> str | None:
+        return self.processes.failure if getattr(self, "processes", None) is not None else None
+
+    def _release(self) -> None:
+        """What no exit may leave behind: vLLM's processes, the weight buffer, the adapter and model folders."""
+        if getattr(self, "processes", None) is not None:
+            self.processes.close()
+            self.processes.terminate()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
@@ -538,6 +534,22 @@ class VLLMEngine(RolloutEngine):
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
+
+    def close(self) -> None:
+        if getattr(self, "processes", None) is not None:
+            self.processes.close()
+        llm, self.llm = self.llm, None
+        if llm is not None and self.failure() is None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None)
+            if callable(shutdown):
+                try:
+                    shutdown()
+                except Exception:  # closing must not hide the run's outcome
+                    log.exception("vLLM engine shutdown failed")
+        del llm
+        gc.collect()
+        self._release()
 
 
 class VLLMEngineKind(EngineKind):

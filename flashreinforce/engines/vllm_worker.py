@@ -13,6 +13,11 @@ processes share.
   that a different ``CUDA_VISIBLE_DEVICES`` numbering in the worker finds the same device), opened
   once and read as views: a device-to-device copy, no host round trip.
 
+Imported in a vLLM process started by a trainer (``FLASHREINFORCE_TRAINER_PID`` set), the module
+also starts :func:`watch_trainer`: when that trainer is gone (killed outright, so it could not end
+vLLM's processes itself) it removes the trainer's files from shared memory, ends the EngineCore
+process that started this one, and ends this process.
+
 Either way vLLM's own in-place reload (Hugging Face names; vLLM fuses projections and re-runs each
 layer's weight processing itself) copies the views into the model. This module imports no vLLM and runs in the trainer's
 process only for tests.
@@ -22,14 +27,19 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import pickle
+import signal
+import threading
+import time
 from typing import Any
 
 import torch
 
 from flashreinforce.engines.shared_weights import read_manifest, views_of
+from flashreinforce.engines.vllm_process import TRAINER_PID_VAR, proc_stat, remove_files_of
 
-__all__ = ["WeightUpdateExtension", "load_named", "open_cuda_buffer"]
+__all__ = ["WeightUpdateExtension", "load_named", "open_cuda_buffer", "watch_trainer"]
 
 _CUDA_BUFFERS: dict[str, torch.Tensor] = {}
 
@@ -97,3 +107,45 @@ class WeightUpdateExtension:
     def flashreinforce_parameter_sum(self) -> float:
         """Sum of every parameter (float64), to check from outside that new weights arrived."""
         return float(sum(p.detach().double().sum() for p in self.model_runner.model.parameters()))
+
+
+def watch_trainer(poll_s: float = 1.0) -> threading.Thread | None:
+    """In a process of vLLM's started by a trainer: a thread that, once that trainer has ended, removes
+    its files (:func:`~flashreinforce.engines.vllm_process.remove_files_of`), kills the EngineCore
+    process between the two (this process's parent, when that is not the trainer) and exits. ``None``
+    in the trainer itself, or where no trainer is named."""
+    value = os.environ.get(TRAINER_PID_VAR, "")
+    if not value.isdigit() or int(value) == os.getpid():
+        return None
+    trainer = int(value)
+    fields = proc_stat(trainer)
+    if fields is None:
+        return None
+    started = fields[19]  # with the id, what tells the trainer from a later process given its id
+    parent = os.getppid()
+    engine_core = parent if parent != trainer else None
+
+    def trainer_alive() -> bool:
+        now = proc_stat(trainer)
+        return now is not None and now[19] == started and now[0] not in ("Z", "X")
+
+    def run() -> None:
+        while trainer_alive():
+            time.sleep(poll_s)
+        try:
+            remove_files_of(trainer)
+        finally:
+            if engine_core is not None:
+                try:
+                    os.kill(engine_core, signal.SIGKILL)
+                except OSError:
+                    pass
+            os._exit(0)
+
+    thread = threading.Thread(target=run, name="flashreinforce-trainer-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+#: The thread watching the trainer that started this vLLM process (None elsewhere).
+_TRAINER_WATCH = watch_trainer()

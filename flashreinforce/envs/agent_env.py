@@ -89,7 +89,23 @@ class AgentOutcome:
 
 
 def _number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+    if not isinstance(x, numbers.Real) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except (OverflowError, ValueError, TypeError):  # an int or Fraction no float holds (10**400)
+        return False
+
+
+def _shown(x: Any) -> str:
+    """A short form of a returned value for a message (never raises, never prints a huge int)."""
+    if isinstance(x, int) and x.bit_length() > 256:
+        return f"an int of {x.bit_length()} bits"
+    try:
+        text = repr(x)
+    except Exception:
+        return f"a {type(x).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_agent_result(value: Any, name: str) -> AgentOutcome:
@@ -97,11 +113,11 @@ def check_agent_result(value: Any, name: str) -> AgentOutcome:
     if _number(value):
         return AgentOutcome(float(value), None, {})
     if not isinstance(value, Mapping):
-        raise ValueError(f"agent {name} returned {type(value).__name__} {str(value)[:80]!r}; expected a finite "
-                         "number or a dict with 'reward'")
+        raise ValueError(f"agent {name} returned {type(value).__name__} {_shown(value)}; expected a finite "
+                         "number (one a float holds) or a dict with 'reward'")
     if "reward" not in value or not _number(value["reward"]):
-        raise ValueError(f"agent {name} returned a dict whose 'reward' is {value.get('reward')!r}; expected a "
-                         "finite number")
+        raise ValueError(f"agent {name} returned a dict whose 'reward' is {_shown(value.get('reward'))}; expected "
+                         "a finite number (one a float holds)")
     unknown = sorted(set(value) - {"reward", "failed", "info"})
     if unknown:
         raise ValueError(f"agent {name} returned a dict with unknown keys {unknown} (reward, failed, info)")
@@ -128,6 +144,14 @@ class AgentEnvironment(TaskEnvironment):
         model_name: the name ``/v1/models`` lists (any name is accepted in requests).
         max_turns: the model calls one episode may make; a call beyond it is refused (400) and the
             episode counts as truncated.
+        max_connections: connections the endpoint keeps open at once (at most a quarter of the process's
+            open-file limit); one more is closed at once.
+        header_timeout_s: seconds a new connection has to send its first request's headers, and a
+            request its body.
+        max_body_mb: the largest request body (MiB); a larger one is answered 413 unread.
+
+    The function gets ``base_url`` and ``api_key`` (the episode's token, which every call must carry)
+    when it has parameters of those names (or ``**kwargs``), for frameworks that build their own client.
     """
 
     default_max_turns = 16
@@ -136,7 +160,8 @@ class AgentEnvironment(TaskEnvironment):
 
     def __init__(self, agent: str | Callable, tasks: Sequence[Task] | None = None, *, tool_parser: str = "hermes",
                  host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.05, model_name: str = "policy",
-                 max_turns: int | None = None) -> None:
+                 max_turns: int | None = None, max_connections: int = 256, header_timeout_s: float = 10.0,
+                 max_body_mb: float = 8.0) -> None:
         super().__init__(tasks)
         self.agent = load_agent(agent)
         self.agent_name = getattr(self.agent, "__qualname__", repr(self.agent))
@@ -146,14 +171,27 @@ class AgentEnvironment(TaskEnvironment):
             params = inspect.signature(self.agent).parameters
         except (TypeError, ValueError):
             params = {}
-        self.takes_base_url = "base_url" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                                          for p in params.values())
+        var_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        self.takes_base_url = "base_url" in params or var_keyword
+        self.takes_api_key = "api_key" in params or var_keyword
         if not isinstance(tool_parser, str) or not tool_parser:
             raise ValueError(f"tool_parser must be a parser's name, got {tool_parser!r}")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
             raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
         if not (isinstance(batch_wait_s, (int, float)) and 0 <= batch_wait_s <= 10):
             raise ValueError(f"batch_wait_s must be a number of seconds in [0, 10], got {batch_wait_s!r}")
+        if not isinstance(host, str) or not host.strip():
+            raise ValueError(f"host must be an address to listen on (127.0.0.1, the default; 0.0.0.0 for every "
+                             f"interface), got {host!r}")
+        if not isinstance(max_connections, int) or isinstance(max_connections, bool) or not 1 <= max_connections <= 65536:
+            raise ValueError(f"max_connections must be an integer in [1, 65536], got {max_connections!r}")
+        if isinstance(header_timeout_s, bool) or not (isinstance(header_timeout_s, (int, float))
+                                                       and 0 < header_timeout_s <= 3600):
+            raise ValueError(f"header_timeout_s must be a number of seconds in (0, 3600], got {header_timeout_s!r}")
+        if isinstance(max_body_mb, bool) or not (isinstance(max_body_mb, (int, float)) and 0 < max_body_mb <= 1024):
+            raise ValueError(f"max_body_mb must be a number of MiB in (0, 1024], got {max_body_mb!r}")
+        self.max_connections, self.header_timeout_s = max_connections, float(header_timeout_s)
+        self.max_body_mb = float(max_body_mb)
         self.tool_parser, self.host, self.port = tool_parser, host, port
         self.batch_wait_s, self.model_name = float(batch_wait_s), model_name
         self.max_turns = max_turns if max_turns is not None else self.default_max_turns

@@ -16,8 +16,11 @@ and vLLM load; :func:`merged_model` gives a plain model with the adapters folded
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -97,6 +100,7 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
     if has_lora(model):
         raise ConfigError("--lora.rank: the model already holds LoRA layers (a PEFT adapter was loaded as the "
                           "model): give the base model with --model, or merge the adapter first")
+    _check_targets(model, settings)
     config = peft.LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha),
                              lora_dropout=float(settings.dropout), target_modules=settings.peft_targets(),
                              bias="none", task_type="CAUSAL_LM")
@@ -104,9 +108,8 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
         peft.get_peft_model(model, config)  # changes ``model``'s modules in place; the wrapper is not kept
     except ValueError as err:
         first = (str(err).splitlines() or [""])[0][:300]
-        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
         raise ConfigError(f"--lora.target_modules {','.join(settings.target_modules)}: {first} (this model's "
-                          f"linear layers: {', '.join(names)})") from None
+                          f"linear layers: {', '.join(_adaptable_names(model))})") from None
     except (TypeError, NotImplementedError, AttributeError) as err:
         raise ConfigError(f"--lora.rank: PEFT cannot add LoRA to {type(model).__name__}: {type(err).__name__}: "
                           f"{(str(err).splitlines() or [''])[0][:300]}") from None
@@ -123,6 +126,42 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
             p.data = p.data.to(base)
     model._flashreinforce_lora = settings  # read back by save_adapter / the checkpoints
     return model
+
+
+def _output_projection(model: torch.nn.Module) -> str | None:
+    """The module name of ``model``'s output projection (``lm_head``), or ``None``."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    return next((n for n, m in model.named_modules() if head is not None and m is head), None)
+
+
+def _adaptable_names(model: torch.nn.Module) -> list[str]:
+    """The names (last part) of ``model``'s linear layers that can carry adapters: all but the output
+    projection."""
+    head = _output_projection(model)
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                   if isinstance(m, torch.nn.Linear) and n != head})
+
+
+def _check_targets(model: torch.nn.Module, settings: LoraSettings) -> None:
+    """:class:`ConfigError` for a ``lora.target_modules`` name that is the output projection (the learner
+    computes log-probabilities from its weight directly, so an adapter there would get no gradient:
+    a raw autograd error at the first update) or that matches no module (PEFT ignores it when
+    another name matches)."""
+    targets = tuple(settings.target_modules)
+    if targets in (("default",), ("all-linear",)):
+        return
+    flag = f"--lora.target_modules {','.join(targets)}"
+    head = _output_projection(model)
+    names = [n for n, _ in model.named_modules() if n]
+    for t in targets:
+        matched = [n for n in names if n == t or n.endswith("." + t)]
+        if head is not None and head in matched:
+            raise ConfigError(f"{flag}: {t} is the output projection, which cannot carry LoRA adapters here (the "
+                              "learner computes log-probabilities from its weight directly); this model's linear "
+                              f"layers that can: {', '.join(_adaptable_names(model))}")
+        if not matched:
+            raise ConfigError(f"{flag}: {t!r} matches no layer of {type(model).__name__} (this model's linear "
+                              f"layers: {', '.join(_adaptable_names(model))})")
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -154,11 +193,44 @@ def _adapter_config(settings: LoraSettings, base_model: str, names) -> dict[str,
             "modules_to_save": None, "init_lora_weights": True, "use_rslora": False, "use_dora": False}
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (``os.umask`` would, for every thread, for a moment)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _write_new(directory: Path, name: str, data: bytes, private: bool) -> None:
+    """``directory/name`` holding ``data``, written to a new file of a random name (created exclusively,
+    mode 0600) then renamed over ``name``: a symlink planted under ``name`` is replaced, never followed.
+    ``private``: the file keeps mode 0600; else it gets the umask's mode, like any file written."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            if not private:
+                os.fchmod(fh.fileno(), 0o666 & ~_umask())
+            fh.write(data)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def write_adapter(directory: str | Path, state: Mapping[str, torch.Tensor], settings: LoraSettings, *,
-                  base_model: str = "") -> Path:
+                  base_model: str = "", private: bool = False) -> Path:
     """Write the adapter tensors of ``state`` (the model's names; other tensors are ignored) in PEFT's
-    format (``adapter_config.json``, ``adapter_model.safetensors``, float32). Returns the folder."""
-    from safetensors.torch import save_file
+    format (``adapter_config.json``, ``adapter_model.safetensors``, float32). Returns the folder.
+
+    Each file is written under a new random name and renamed into place, so a symlink already in the
+    folder is replaced rather than written through; ``private``: the files get mode 0600 (the vLLM
+    engine's adapters in shared memory, in a folder of mode 0700 it made itself)."""
+    from safetensors.torch import save
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -166,10 +238,10 @@ def write_adapter(directory: str | Path, state: Mapping[str, torch.Tensor], sett
     if not adapters:
         raise ValueError("write_adapter: no LoRA adapter tensors given")
     tensors = peft_adapter_state(adapters)
-    save_file({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()},
-              str(directory / "adapter_model.safetensors"))
+    _write_new(directory, "adapter_model.safetensors",
+               save({k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}), private)
     config = _adapter_config(settings, base_model, adapters)
-    (directory / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    _write_new(directory, "adapter_config.json", json.dumps(config, indent=1).encode(), private)
     return directory
 
 

@@ -152,11 +152,12 @@ def test_bad_requests_get_openai_errors_and_the_agent_goes_on(tiny):
     assert t.info["refused_calls"] == 1 and t.num_action_tokens == used
 
 
-def _http(method, url, body=None):
+def _http(method, url, body=None, token=None):
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+    request = urllib.request.Request(url, data=body, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -171,13 +172,14 @@ def test_unknown_routes_and_bad_json_are_openai_style_json(tiny):
         assert server.host == "127.0.0.1"
         status, body = _http("POST", server.root_url + "/v1/chat/completions", b"{}")
         assert status == 404 and body["error"]["code"] == "not_found"
-        status, body = _http("POST", server.root_url + "/episodes/x/v1/chat/completions", b"{not json")
+        token = server.open_episode("x")
+        status, body = _http("POST", server.root_url + "/episodes/x/v1/chat/completions", b"{not json", token)
         assert status == 400 and "not valid JSON" in body["error"]["message"]
         status, body = _http("GET", server.root_url + "/no/such/route")
         assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
         status, body = _http("POST", server.root_url + "/episodes/unknown/v1/chat/completions",
                              json.dumps({"model": "m", "messages": [{"role": "user", "content": "q"}]}).encode())
-        assert status == 404 and body["error"]["code"] == "episode_not_found"  # answered by the worker
+        assert status == 404 and body["error"]["code"] == "episode_not_found"  # before its body is read
         assert _http("GET", server.root_url + "/v1/models")[1]["data"][0]["id"] == "policy"
     finally:
         worker.close()

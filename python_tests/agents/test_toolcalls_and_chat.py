@@ -32,6 +32,10 @@ def test_hermes_parses_calls_and_keeps_the_content_around_them():
     '<tool_call>{"name": "calc", "arguments": [1, 2]}</tool_call>',    # arguments not an object
     'ok <tool_call>{"name": "calc", "arguments": {}}',                 # not closed
     '<tool_call>' + "[" * 100000 + '</tool_call>',                     # deeply nested: no RecursionError escapes
+    '<tool_call>{"name": "calc", "arguments": {"x": NaN}}</tool_call>',              # NaN: not JSON
+    '<tool_call>{"name": "calc", "arguments": "{\\"x\\": -Infinity}"}</tool_call>',  # in the arguments' text
+    '<tool_call>{"name": "calc", "arguments": {"x": [Infinity]}}</tool_call>',       # nested
+    '<tool_call>{"name": "calc", "arguments": {"x": 1e999}}</tool_call>',            # a number no float holds
 ])
 def test_malformed_calls_come_back_whole_as_content(text):
     p = parse_hermes(text)

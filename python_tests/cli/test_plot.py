@@ -78,6 +78,21 @@ def test_plot_errors_name_the_problem(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_binary_or_unreadable_metrics_file_is_a_warning_or_one_line_not_a_traceback(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'flashreinforce[plot]')")
+    base = fake_run(tmp_path / "base", steps=5)
+    good = (base / "metrics.jsonl").read_bytes()
+    (base / "metrics.jsonl").write_bytes(bytes(range(256)) * 40 + b"\n" + good + b"\xff\xfe{\n")
+    assert plot([str(base), "--output", str(tmp_path / "a.png")]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "UnicodeDecodeError" not in err
+    assert "line(s) are not JSON records (not UTF-8 text, or cut) and were skipped" in err
+    assert len(load_run(base).metrics) == 5
+    (base / "metrics.jsonl").write_bytes(bytes(range(256)) * 40)  # nothing but binary
+    assert plot([str(base), "--output", str(tmp_path / "b.png")]) == 0
+    assert "metrics.jsonl has no update yet" in capsys.readouterr().err
+
+
 def test_plot_without_matplotlib_names_the_install_line(tmp_path):
     base = fake_run(tmp_path / "base")
     # A fresh interpreter in which importing matplotlib fails, as on a default install.

@@ -149,3 +149,21 @@ def test_a_plain_environment_trains_under_the_toy_preset(tmp_path, capsys):
     assert "env.kwargs" in cfg["inactive"]
     # the constructor takes none of the preset's arguments: the warning is moot (a note only)
     assert not any("env.kwargs" in w for w in cfg["warnings"])
+
+
+def _float_flags():
+    from flashreinforce.config.trainer_config import FLAGS
+
+    return [(f.name, "inf:" in f.help) for f in FLAGS if f.type == "float"]
+
+
+@pytest.mark.parametrize("name,says_inf", _float_flags())
+def test_inf_is_taken_only_where_the_help_says_what_it_means(name, says_inf):
+    from flashreinforce.config import ConfigError
+
+    argv = ["--preset", "toy", "--output", "/nonexistent/run", f"--{name}", "inf"]
+    if says_inf:
+        assert parse_train_args(argv, PRESETS)[name] == float("inf")
+    else:
+        with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+            parse_train_args(argv, PRESETS)

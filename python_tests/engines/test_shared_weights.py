@@ -4,6 +4,7 @@ tensor, with slots kept across versions and no tensor pickled."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from flashreinforce.engines.shared_weights import ALIGNMENT, SharedWeightWriter, read_manifest
+from python_tests.envs.unprivileged import UNPRIVILEGED_UID
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,5 +85,65 @@ def test_another_process_reads_the_same_memory(tmp_path):
         sums = json.loads(proc.stdout)
         for name, t in state.items():
             assert sums[name] == pytest.approx(float(t.double().sum()), rel=1e-12)
+    finally:
+        writer.close()
+
+
+# ------------------------------------------------------------------ other users of the machine
+def test_the_buffer_file_is_private_to_this_user(tmp_path):
+    writer = SharedWeightWriter()
+    try:
+        manifest = writer.write(_tensors(3).items())
+        st = os.lstat(manifest.path)
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
+        if os.geteuid() == 0:  # a second, unprivileged account cannot read the weights
+            done = subprocess.run(["/bin/cat", manifest.path], user=UNPRIVILEGED_UID, group=UNPRIVILEGED_UID,
+                                  extra_groups=[], capture_output=True, timeout=60, cwd="/")
+            assert done.returncode != 0 and b"Permission denied" in done.stderr and not done.stdout
+    finally:
+        writer.close()
+
+
+def test_a_planted_file_or_symlink_at_the_buffer_s_name_is_never_written_through(tmp_path, monkeypatch):
+    import flashreinforce.engines.shared_weights as sw
+
+    monkeypatch.setattr(sw.secrets, "token_hex", lambda n: "planted")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"someone's file")
+    link = Path(sw.shared_memory_dir()) / f"flashreinforce-weights-{os.getpid()}-planted"
+    link.symlink_to(victim)
+    writer = SharedWeightWriter()
+    try:
+        with pytest.raises(FileExistsError):
+            writer.write(_tensors(0).items())
+        assert victim.read_bytes() == b"someone's file" and link.is_symlink()
+    finally:
+        writer.close()
+        link.unlink()
+
+
+def test_the_reader_maps_only_a_private_file_of_its_own_user(tmp_path):
+    writer = SharedWeightWriter()
+    try:
+        manifest = writer.write(_tensors(4).items())
+        path = manifest.path
+        for how in ("world-readable", "symlink", "another user's"):
+            other = Path(path + "-" + how.split()[0].replace("'", ""))
+            if how == "symlink":
+                other.symlink_to(path)
+            else:
+                other.write_bytes(Path(path).read_bytes())
+                other.chmod(0o644 if how == "world-readable" else 0o600)
+                if how == "another user's":
+                    if os.geteuid() != 0:
+                        other.unlink()
+                        continue
+                    os.chown(other, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+            try:
+                with pytest.raises(PermissionError, match="is not a private file of this user"):
+                    read_manifest({**manifest.as_plain(), "path": str(other)})
+            finally:
+                other.unlink()
+        assert len(read_manifest(manifest)) == 3
     finally:
         writer.close()

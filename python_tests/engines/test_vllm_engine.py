@@ -10,9 +10,15 @@ started for the module (a start takes tens of seconds on a CPU).
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
+import signal
+import stat
 import subprocess
 import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -207,5 +213,66 @@ def test_vllm_serves_the_policy_lora_adapters_by_version():
             for r, g in zip(reqs, engine.generate(reqs, params)):
                 want = reference_log_probs(reference, list(r.token_ids), g.token_ids, params)
                 assert g.log_probs == pytest.approx(want, abs=2e-3), version
+        # The adapter folders in shared memory: made by the engine itself (random names, 0700), their
+        # files 0600, so that no other user can have planted them, read them or swap what vLLM loads.
+        for folder in engine._lora_dirs:
+            st = os.lstat(folder)
+            assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+            assert os.path.basename(folder).startswith(f"flashreinforce-lora-{os.getpid()}-")
+            for name in os.listdir(folder):
+                assert stat.S_IMODE(os.lstat(os.path.join(folder, name)).st_mode) == 0o600
+        assert stat.S_IMODE(os.lstat(engine._writer.key).st_mode) == 0o600
+        # vLLM's EngineCore dies (killed): the engine says so within a poll, and ends what is left of it.
+        files = [*engine._lora_dirs, engine._writer.key, engine._tmpdir]
+        assert engine.failure() is None and len(engine.processes.alive()) >= 1
+        core = next(pid for pid, label in engine.processes.labels.items() if "EngineCore" in label)
+        os.kill(core, signal.SIGKILL)
+        _wait_for(lambda: engine.failure() is not None, "the engine's failure")
+        assert "EngineCore" in engine.failure() and f"process {core} ended unexpectedly" in engine.failure()
+        _wait_for(lambda: engine.processes.alive() == [], "vLLM's other processes to end")
     finally:
         engine.close()
+    assert not any(os.path.exists(f) for f in files)
+
+
+def _wait_for(condition, what: str, timeout: float = 300.0) -> None:
+    """Poll ``condition`` until it holds (the bound only ends a hung test; nothing is timed)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_trainer_killed_outright_leaves_no_vllm_process_or_shared_file(tmp_path):
+    from flashreinforce.engines.vllm_process import proc_stat
+
+    code = textwrap.dedent("""
+        import json, time, torch, transformers
+        from flashreinforce.engines.vllm import VLLMEngine
+        from python_tests.engines.engine_contract import CONTRACT_CONFIG, contract_model
+        engine = VLLMEngine(transformers.Qwen2Config(**CONTRACT_CONFIG), dtype="float32", enforce_eager=True,
+                            max_model_len=256, max_num_seqs=4)
+        engine.load_weights(contract_model(0).state_dict(), 0)
+        print(json.dumps({"pids": engine.processes.alive(), "files": [engine._writer.key, engine._tmpdir]}),
+              flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, "the engine did not start"
+        seen = json.loads(line)
+        assert seen["pids"] and all(os.path.exists(f) for f in seen["files"])
+    finally:
+        proc.kill()  # SIGKILL: the trainer cleans up nothing itself
+        proc.wait()
+
+    def running(pid):
+        fields = proc_stat(pid)
+        return fields is not None and fields[0] not in ("Z", "X")
+
+    _wait_for(lambda: not any(running(p) for p in seen["pids"]), "vLLM's processes to end")
+    _wait_for(lambda: not any(os.path.exists(f) for f in seen["files"]), "the trainer's files to go")

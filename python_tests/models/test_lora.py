@@ -102,6 +102,17 @@ def test_only_adapters_train_and_the_merge_is_the_same_function():
 def test_bad_settings_are_one_line_naming_the_flag():
     with pytest.raises(ConfigError, match=r"--lora.target_modules nope: .*this model's linear layers: .*q_proj"):
         apply_lora(tiny_causal_lm(VOCAB), LoraSettings(rank=2, target_modules=("nope",)))
+    # A valid name beside an unknown one: the unknown one is named (PEFT ignored it), the model untouched.
+    model = tiny_causal_lm(VOCAB)
+    with pytest.raises(ConfigError, match=r"--lora.target_modules q_proj,no_such: 'no_such' matches no layer") as err:
+        apply_lora(model, LoraSettings(rank=2, target_modules=("q_proj", "no_such")))
+    assert "lm_head" not in str(err.value) and not has_lora(model)
+    # The output projection: refused by name (it gave an autograd error at the first update), and not
+    # offered in the list of layers that can carry adapters.
+    for targets in (("lm_head",), ("q_proj", "lm_head")):
+        with pytest.raises(ConfigError, match=r"lm_head is the output projection, which cannot carry LoRA") as err:
+            apply_lora(tiny_causal_lm(VOCAB, tied=False), LoraSettings(rank=2, target_modules=targets))
+        assert "\n" not in str(err.value) and "lm_head" not in str(err.value).split("that can: ")[1]
     model = lora_model(dtype=torch.float32)
     with pytest.raises(ConfigError, match="already holds LoRA layers"):
         apply_lora(model, LoraSettings(rank=2))
@@ -170,6 +181,33 @@ def test_an_adapter_folder_loads_with_peft_and_as_a_model(tmp_path):
     wrapped = peft.PeftModel.from_pretrained(base, str(folder))
     x = torch.randint(0, VOCAB, (1, 7))
     torch.testing.assert_close(wrapped(x).logits, model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_writing_an_adapter_replaces_planted_symlinks_and_private_files_are_0600(tmp_path):
+    import os
+    import stat
+
+    from flashreinforce.models.lora import write_adapter
+
+    model = lora_model(dtype=torch.float32)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    victims = {name: tmp_path / f"victim-{name}" for name in ("adapter_config.json", "adapter_model.safetensors")}
+    for name, victim in victims.items():
+        victim.write_text("someone's file")
+        victim.chmod(0o600)
+        (folder / name).symlink_to(victim)
+    write_adapter(folder, adapter_state(model), model._flashreinforce_lora, private=True)
+    for name, victim in victims.items():
+        assert victim.read_text() == "someone's file"  # never written through
+        st = os.lstat(folder / name)
+        assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 3
+    assert sorted(os.listdir(folder)) == sorted(victims)  # no temporary file left
+    public = save_adapter(model, tmp_path / "public", base_model="tiny-qwen2")  # an export: the umask's mode
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert stat.S_IMODE(os.stat(public / "adapter_config.json").st_mode) == 0o666 & ~umask
 
 
 def _train(out: Path, *args: str) -> subprocess.CompletedProcess:

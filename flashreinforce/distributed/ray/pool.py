@@ -28,7 +28,7 @@ from flashreinforce.distributed.ray.calls import ActorGone, import_ray
 from flashreinforce.distributed.ray.placement import WorkerPlacement, describe_nodes
 from flashreinforce.distributed.ray.workers import RolloutWorkerActor, WorkerRecipe
 from flashreinforce.trainer.errors import RolloutFailed
-from flashreinforce.trainer.rollout.backend import RolloutBackend, fair_share
+from flashreinforce.trainer.rollout.backend import RolloutBackend, engine_failure, fair_share
 
 __all__ = ["RayRolloutBackend"]
 
@@ -384,6 +384,9 @@ class RayRolloutBackend(RolloutBackend):
             if isinstance(err, ActorGone):
                 raise ActorGone(f"the Ray rollout supervisor stopped: {err}") from err
             raise RuntimeError(f"the Ray rollout supervisor failed: {err!r}") from err
+        failed = engine_failure(self._last_stats)
+        if failed is not None:
+            raise failed
         reviving = any(r is not None for r in self._reviving.values()) or self._ping_again
         if self._runs and all(r is None for r in self._runs) and self._failures and not reviving:
             i, err = next(iter(self._failures.items()))

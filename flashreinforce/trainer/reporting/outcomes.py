@@ -46,6 +46,10 @@ def episode_means(trajectories) -> dict[str, float]:
         for key, value in t.info.items():
             if key in _WORKER_KEYS or not isinstance(value, (bool, int, float)):
                 continue
-            sums[key] = sums.get(key, 0.0) + float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int no float holds: left out, like text
+                continue
+            sums[key] = sums.get(key, 0.0) + number
             counts[key] = counts.get(key, 0) + 1
     return {f"env/{key}": sums[key] / counts[key] for key in sorted(sums)}

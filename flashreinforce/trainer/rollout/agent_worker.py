@@ -4,7 +4,8 @@ by the worker's engine and recorded token for token into trajectories.
 An :class:`AgentRolloutWorker` is a :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` whose
 episodes are calls of the run's agent function (:mod:`flashreinforce.envs.agent_env`). It owns an
 :class:`~flashreinforce.agents.server.AgentServer` (started at its first episode, on 127.0.0.1) and,
-for each episode, hands the function a client whose ``base_url`` names that episode. Many episodes
+for each episode, hands the function a client whose ``base_url`` names that episode and whose API
+key is the episode's token (every call must carry it: :mod:`flashreinforce.agents.server`). Many episodes
 run at once (``rollout.env_parallel_calls``: each synchronous function in a thread of its own, each
 ``async def`` one as a task on the worker's event loop). The worker thread alone touches the engine:
 it collects the pending calls of all its episodes and samples them in one ``generate`` call per
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import secrets
 import threading
@@ -39,7 +41,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from flashreinforce.agents.chat import ChatRenderer, Conversations, Prompt
+from flashreinforce.agents.chat import ChatRenderer, Conversations, Prompt, message_text
 from flashreinforce.agents.protocol import APIError, chat_response, completion_response
 from flashreinforce.agents.server import AgentServer, PendingCall
 from flashreinforce.agents.toolcalls import get_parser
@@ -78,6 +80,32 @@ def worker_class(env_factory: Callable) -> type[RolloutWorker]:
     carries its spec as ``env_spec``)."""
     spec = getattr(getattr(env_factory, "env_spec", None), "spec", None)
     return AgentRolloutWorker if is_agent_spec(spec) else RolloutWorker
+
+
+def _text_chars(req) -> int:
+    """The characters of text a request would have tokenized: its messages' contents and tool calls and
+    its tools (chat), or its prompt text (completion)."""
+    if req.kind != "chat":
+        return len(req.prompt_text or "")
+    try:
+        total = len(json.dumps(req.tools)) if req.tools else 0
+    except (RecursionError, TypeError, ValueError) as err:
+        raise APIError(400, f"tools cannot be read as JSON ({type(err).__name__})", param="tools") from None
+    for m in req.messages:
+        total += len(message_text(m.get("content")))
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") or {}
+            total += len(str(fn.get("name", ""))) + len(str(fn.get("arguments", "")))
+    return total
+
+
+class AgentExit(Exception):
+    """An async agent raised ``SystemExit`` or ``KeyboardInterrupt`` (``raised``): carried as an ordinary
+    exception, so that it quarantines its episode instead of ending the worker's event loop."""
+
+    def __init__(self, raised: BaseException) -> None:
+        super().__init__(f"{type(raised).__name__}({raised})")
+        self.raised = raised
 
 
 @dataclass
@@ -121,6 +149,7 @@ class AgentEpisode:
     def __init__(self, ticket: Ticket, sample_index: int, slot: int) -> None:
         self.ticket, self.sample_index, self.slot = ticket, sample_index, slot
         self.id = secrets.token_hex(12)
+        self.token = ""  # the API key of its calls (the endpoint's, once the episode runs)
         self.env: AgentEnvironment | None = None
         self.conversations: Conversations | None = None
         self.segments: dict[int, _Segment] = {}
@@ -144,6 +173,7 @@ class AgentRolloutWorker(RolloutWorker):
         self._renderer: ChatRenderer | None | bool = False  # False: not built yet (None: no chat template)
         self._live: dict[str, AgentEpisode] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
         self.agent_counters = {"agent_calls": 0, "tool_calls": 0, "malformed_tool_calls": 0, "history_rewrites": 0,
                                "mismatched_renderings": 0, "agent_timeouts": 0, "agent_largest_batch": 0}
         probe = agent_environment(self._env(0))
@@ -159,7 +189,9 @@ class AgentRolloutWorker(RolloutWorker):
         if self.server is None:
             env = agent_environment(self._env(0))
             port = env.port + max(0, self.worker_id) if env.port else 0
-            self.server = AgentServer(host=env.host, port=port, model_name=env.model_name)
+            self.server = AgentServer(host=env.host, port=port, model_name=env.model_name,
+                                      max_connections=env.max_connections, header_timeout_s=env.header_timeout_s,
+                                      max_body_bytes=int(env.max_body_mb * 2**20))
             self.server.start()
             for name in ("httpx", "httpx2"):  # the agents' clients log every request at INFO
                 logging.getLogger(name).setLevel(logging.WARNING)
@@ -177,9 +209,11 @@ class AgentRolloutWorker(RolloutWorker):
         return self._renderer
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
+        if self._loop is None or not self._loop_thread.is_alive():  # a loop that died is replaced
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name=f"agent-loop-{self.worker_id}", daemon=True).start()
+            self._loop_thread = threading.Thread(target=loop.run_forever, name=f"agent-loop-{self.worker_id}",
+                                                 daemon=True)
+            self._loop_thread.start()
             self._loop = loop
         return self._loop
 
@@ -188,16 +222,18 @@ class AgentRolloutWorker(RolloutWorker):
 
         env = e.env
         url = self.server.base_url(e.id)
-        kwargs = {"base_url": url} if env.takes_base_url else {}
+        kwargs = {**({"base_url": url} if env.takes_base_url else {}),
+                  **({"api_key": e.token} if env.takes_api_key else {})}
         row = dict(env.row)
         e.last_activity = time.monotonic()
         if env.is_async:
             async def play():
-                client = openai.AsyncOpenAI(base_url=url, api_key="flashreinforce", max_retries=0,
-                                            timeout=CLIENT_TIMEOUT_S)
+                client = openai.AsyncOpenAI(base_url=url, api_key=e.token, max_retries=0, timeout=CLIENT_TIMEOUT_S)
                 e.last_activity = time.monotonic()  # the client's set-up is not the agent's time
                 try:
                     return await env.agent(client, row, **kwargs)
+                except (SystemExit, KeyboardInterrupt) as err:  # raised on, they would end the shared event loop
+                    raise AgentExit(err) from err
                 finally:
                     await client.close()
 
@@ -206,7 +242,7 @@ class AgentRolloutWorker(RolloutWorker):
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def play_sync() -> None:
-            client = openai.OpenAI(base_url=url, api_key="flashreinforce", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+            client = openai.OpenAI(base_url=url, api_key=e.token, max_retries=0, timeout=CLIENT_TIMEOUT_S)
             e.last_activity = time.monotonic()  # the client's set-up (slow on a loaded machine) is not the agent's time
             try:
                 outcome = (future.set_result, env.agent(client, row, **kwargs))
@@ -228,7 +264,7 @@ class AgentRolloutWorker(RolloutWorker):
         """Quarantine ``e``: its calls still waiting are answered 409, later ones too."""
         e.done = True
         if self.server is not None:
-            self.server.live.discard(e.id)
+            self.server.end_episode(e.id)
         e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry)
         self.quarantined += 1
         self.errors += 1
@@ -244,15 +280,18 @@ class AgentRolloutWorker(RolloutWorker):
         err = e.future.exception()
         name = e.env.agent_name
         if err is not None:
-            self._drop(e, f"agent raised {type(err).__name__}", f"agent {name} raised {type(err).__name__}: {err}", err)
+            raised = err.raised if isinstance(err, AgentExit) else err
+            self._drop(e, f"agent raised {type(raised).__name__}", f"agent {name} raised {type(raised).__name__}: "
+                       f"{raised}", err)
             return
         value = e.future.result()
         try:
             if hasattr(value, "__await__"):
                 raise ValueError(f"agent {name} returned an awaitable: declare the function async def")
             outcome = check_agent_result(value, name)
-        except ValueError as bad:
-            self._drop(e, "agent returned a wrong type", str(bad))
+        except Exception as bad:  # whatever the agent returned: its episode's fault, never the run's
+            self._drop(e, "agent returned a wrong type", str(bad) if isinstance(bad, ValueError) else
+                       f"agent {name} returned a value that cannot be read ({type(bad).__name__}: {bad})")
             return
         segments = [s for s in e.segments.values() if any(s.mask)]
         if not segments:
@@ -260,7 +299,7 @@ class AgentRolloutWorker(RolloutWorker):
             self._drop(e, f"agent {what}", f"agent {name} {what} (nothing to train on)", retry=False)
             return
         e.done = True
-        self.server.live.discard(e.id)
+        self.server.end_episode(e.id)
         for call in e.pending:  # an async agent that returned with a call still out
             call.fail(APIError(409, "this episode has ended (the agent returned)", code="episode_ended"))
         e.pending.clear()
@@ -288,7 +327,9 @@ class AgentRolloutWorker(RolloutWorker):
             return
         while call is not None:
             e = self._live.get(call.episode)
-            if e is None:
+            if e is None and self.server.has_ended(call.episode):  # it ended while its call was queued
+                call.fail(APIError(409, "this episode has ended", code="episode_ended"))
+            elif e is None:
                 call.fail(APIError(404, "no running episode has this id (it ended, or the URL is not one the trainer "
                                         "handed out)", code="episode_not_found"))
             elif e.done:
@@ -306,6 +347,12 @@ class AgentRolloutWorker(RolloutWorker):
             e.truncated = True
             raise APIError(400, f"this episode has made its {e.env.max_turns} model calls (rollout.max_turns)",
                            code="max_turns_exceeded")
+        chars = _text_chars(req)
+        if self._token_chars is not None and chars > s.max_len * self._token_chars:  # never tokenized
+            e.truncated = True
+            raise APIError(400, f"the request holds {chars} characters of text, more than data.max_len {s.max_len} "
+                                "tokens can hold", code="context_length_exceeded",
+                           param="messages" if req.kind == "chat" else "prompt")
         try:
             if req.kind == "chat":
                 if self.renderer is None:
@@ -459,7 +506,9 @@ class AgentRolloutWorker(RolloutWorker):
                 self._drop(e, f"preparing the agent's row raised {type(err).__name__}",
                            f"preparing the agent's row raised {type(err).__name__}: {err}", err)
         self._live = {e.id: e for e in episodes}
-        self.server.live.update(e.id for e in episodes if not e.done)
+        for e in episodes:
+            if not e.done:
+                e.token = self.server.open_episode(e.id)
         to_start = [e for e in episodes if not e.done]
         running: list[AgentEpisode] = []
         try:
@@ -505,7 +554,8 @@ class AgentRolloutWorker(RolloutWorker):
                     e.pending.clear()
             raise
         finally:
-            self.server.live.difference_update(self._live)
+            for episode in self._live:
+                self.server.end_episode(episode)
             self._live = {}
         groups: dict[int, list[Trajectory | QuarantinedEpisode]] = {t.prompt_id: [] for t in tickets}
         for e in episodes:

@@ -9,8 +9,22 @@ the learner: the ``local`` backend's threads (:mod:`.thread_pool`), or Ray actor
 from __future__ import annotations
 
 import abc
+from typing import Any, Mapping, Sequence
 
-__all__ = ["RolloutBackend", "fair_share"]
+from flashreinforce.trainer.errors import RolloutFailed
+
+__all__ = ["RolloutBackend", "engine_failure", "fair_share"]
+
+
+def engine_failure(worker_stats: Sequence[Mapping[str, Any]]) -> RolloutFailed | None:
+    """The run's end when a worker's engine can no longer serve (its process died: the ``engine_failure``
+    of the workers' statistics), as one line; ``None`` while every engine can."""
+    for i, stats in enumerate(worker_stats):
+        reason = stats.get("engine_failure")
+        if reason:
+            return RolloutFailed(f"the rollout engine of worker {i} failed: {reason}; the run cannot go on "
+                                 "(a checkpoint is saved: --resume continues from it)")
+    return None
 
 
 def fair_share(batch_groups: int, async_queue_size: int, num_workers: int) -> int:
@@ -33,7 +47,8 @@ class RolloutBackend(abc.ABC):
 
     @abc.abstractmethod
     def check(self) -> None:
-        """Raise ``RuntimeError`` if no worker is alive any more (with the last worker error)."""
+        """Raise ``RuntimeError`` if no worker is alive any more (with the last worker error), or
+        :class:`RolloutFailed` once a worker's engine has failed (:func:`engine_failure`)."""
 
     @abc.abstractmethod
     def stats(self) -> list[dict[str, float]]: ...

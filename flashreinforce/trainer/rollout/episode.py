@@ -29,6 +29,17 @@ class EpisodeFault(Exception):
         self.kind, self.reason, self.retry = kind, reason, retry
 
 
+def _shown(x: Any) -> str:
+    """A short form of a value for a message (an int too long to print whole is not printed)."""
+    if isinstance(x, int) and x.bit_length() > 256:
+        return f"(an int of {x.bit_length()} bits)"
+    try:
+        text = repr(x)
+    except Exception:  # an int past the interpreter's digit limit, a broken __repr__
+        return f"(a {type(x).__name__})"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _is_bool(x: Any) -> bool:
     return isinstance(x, (bool, np.bool_))
 
@@ -44,6 +55,11 @@ def check_step_result(result: Any, env_name: str) -> StepResult:
     if not isinstance(result.reward, numbers.Real) or isinstance(result.reward, (bool, np.bool_)):
         raise EpisodeFault(kind, f"{env_name}.step: StepResult.reward is {type(result.reward).__name__}, "
                                  "expected a number")
+    try:
+        float(result.reward)
+    except (OverflowError, ValueError, TypeError):  # an int or Fraction beyond any float (10**400)
+        raise EpisodeFault("reward does not fit in a float", f"{env_name}.step: StepResult.reward "
+                           f"{_shown(result.reward)} does not fit in a float") from None
     if not (_is_bool(result.done) or (isinstance(result.done, int) and result.done in (0, 1))):
         raise EpisodeFault(kind, f"{env_name}.step: StepResult.done is {type(result.done).__name__}, expected bool")
     if result.failed is not None and not _is_bool(result.failed):

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer
 from flashreinforce.trainer.errors import RolloutFailed
-from flashreinforce.trainer.rollout.backend import RolloutBackend, fair_share
+from flashreinforce.trainer.rollout.backend import RolloutBackend, engine_failure, fair_share
 from flashreinforce.trainer.rollout.worker import RolloutWorker
 
 __all__ = ["ThreadRolloutPool"]
@@ -57,6 +57,9 @@ class ThreadRolloutPool(RolloutBackend):
             t.join(max(0.0, deadline - time.monotonic()))
 
     def check(self) -> None:
+        failed = engine_failure([{"engine_failure": w.engine.failure()} for w in self.workers])
+        if failed is not None:
+            raise failed
         if self._threads and not any(t.is_alive() for t in self._threads):
             last = next(iter(self._failures.values()), None)
             detail = "" if last is None else f": {last!r}\n" + (self.workers[0].last_error or "")

@@ -489,7 +489,7 @@ class RolloutWorker:
                 "last_weight_sync_s": self.last_weight_sync[0], "last_weight_sync_bytes": self.last_weight_sync[1],
                 "inflight_pauses": self.inflight_pauses, "quarantined_episodes": self.quarantined,
                 "env_timeouts": self._calls.timeouts, "env_timeouts_by_call": dict(self._calls.timeouts_by_call),
-                "current_call": call[0] if call else "",
+                "engine_failure": self.engine.failure() or "", "current_call": call[0] if call else "",
                 "current_call_s": time.monotonic() - call[1] if call else 0.0}
 
 

@@ -11,6 +11,7 @@ derives the run's configuration with it, as a new object.
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +35,8 @@ from flashreinforce.trainer.rollout.settings import RolloutSettings
 __all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
            "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",
            "lora_settings", "rollout_settings", "sampling_params", "settled_config", "total_updates"]
+
+log = logging.getLogger("flashreinforce.trainer")
 
 
 def device_of(name: str) -> torch.device:
@@ -72,6 +75,7 @@ def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None,
     """Build the model named by ``actor.model_name_or_path`` and the tokenizer that goes with it
     (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``.
     ``model`` / ``tokenizer``: objects given in Python (``flashreinforce.train``) used instead."""
+    model_given, given_tokenizer = model is not None, tokenizer
     if model is not None:
         model, tok_spec = adopt_model(model, device=device, attn_implementation=cfg.fsdp.attn_implementation)
     elif cfg.actor.model_name_or_path is None:
@@ -104,6 +108,11 @@ def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None,
     if tokenizer.vocab_size > emb:
         raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's embedding only "
                           f"{emb} rows; use a matching --tokenizer")
+    if model_given and given_tokenizer is None and cfg.tokenizer and tokenizer.vocab_size < emb:
+        log.warning("the model object has %d embedding rows but the tokenizer %s only %d tokens: episodes in which "
+                    "the model samples a token past %d are quarantined; pass the model's own tokenizer "
+                    "(tokenizer=...) unless those rows are padding", emb, cfg.tokenizer, tokenizer.vocab_size,
+                    tokenizer.vocab_size - 1)
     if cfg.fsdp.packed_forward:
         problem = document_attention_unsupported(model)
         if problem is not None:

@@ -1,4 +1,5 @@
-"""Ctrl-C answered at once, even while the main thread is inside a long C++ call.
+"""Ctrl-C (and SIGTERM, what schedulers send) answered at once, even while the main thread is inside a
+long C++ call.
 
 Python runs a signal handler only when the main thread is back in the interpreter. During a
 learner update of a real model the main thread spends seconds inside single PyTorch calls (one
@@ -18,6 +19,10 @@ the signal arrives, and a small thread blocked on the pipe reads it and answers:
 
 The Python-level handler does the same counting, so the behaviour holds when the wake-up pipe
 is unavailable (another wake-up fd in use, a platform without it). Install from the main thread.
+
+``SIGTERM`` is answered exactly like Ctrl-C and counts with it (:attr:`InterruptWatch.first_signal`
+says which came first): a scheduler's SIGTERM stops the run after the update in progress with a
+checkpoint (the exit status is then 143), where it used to end the process at once without one.
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ import sys
 import threading
 from typing import Callable
 
-__all__ = ["InterruptWatch"]
+__all__ = ["InterruptWatch", "SIGNALS", "signal_label"]
+
+#: The signals answered: Ctrl-C and a scheduler's (or ``kill``'s) SIGTERM.
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def signal_label(signum: int | None) -> str:
+    """``Ctrl-C`` for SIGINT, the signal's name otherwise."""
+    if signum is None or signum == signal.SIGINT:
+        return "Ctrl-C"
+    return signal.Signals(signum).name
 
 
 class InterruptWatch:
@@ -44,7 +59,9 @@ class InterruptWatch:
         self._first_message = first_message
         self._handled = self._watched = self._answered = 0
         self._lock = threading.Lock()
-        self._old_handler = None
+        self._old_handlers: dict[int, object] = {}
+        #: The first signal answered (SIGINT or SIGTERM), or ``None``.
+        self.first_signal: int | None = None
         self._pipe: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
         self.installed = False
@@ -53,8 +70,10 @@ class InterruptWatch:
     # Each press reaches both the watcher (one byte per signal) and, later, the Python handler (which
     # CPython may call once for several presses that arrived during one C call): the presses are the
     # larger of the two counts, and each is answered once, by whichever side counts it first.
-    def _counted(self, *, by_handler: bool) -> int:
+    def _counted(self, *, by_handler: bool, signum: int = signal.SIGINT) -> int:
         with self._lock:
+            if self.first_signal is None:
+                self.first_signal = signum
             if by_handler:
                 self._handled += 1
             else:
@@ -67,19 +86,21 @@ class InterruptWatch:
         return presses
 
     def _answer(self, press: int) -> None:
+        what = signal_label(self.first_signal)
         if press == 1:
             self._on_first()
             _say(self._first_message())
         elif press == 2:
-            _say("flashreinforce: Ctrl-C again: aborting without a checkpoint, as soon as the current computation "
-                 "returns (a third Ctrl-C exits at once); --resume continues from the newest complete checkpoint")
+            _say(f"flashreinforce: {what} again: aborting without a checkpoint, as soon as the current computation "
+                 f"returns (a third {what} exits at once); --resume continues from the newest complete checkpoint")
         elif press == 3:
-            _say("flashreinforce: Ctrl-C a third time: exiting now (status 130)")
+            code = 128 + int(self.first_signal or signal.SIGINT)
+            _say(f"flashreinforce: {what} a third time: exiting now (status {code})")
             logging.shutdown()
-            os._exit(130)
+            os._exit(code)
 
     def _handler(self, signum, frame) -> None:  # the main thread, back in Python
-        if self._counted(by_handler=True) >= 2:
+        if self._counted(by_handler=True, signum=signum) >= 2:
             raise KeyboardInterrupt
 
     def _watch(self, read_fd: int) -> None:
@@ -91,15 +112,15 @@ class InterruptWatch:
             if not data:
                 return  # the write end was closed: uninstalled
             for byte in data:
-                if byte == signal.SIGINT:
-                    self._counted(by_handler=False)
+                if byte in SIGNALS:
+                    self._counted(by_handler=False, signum=byte)
 
     # ----------------------------------------------------------------- install / uninstall
     def install(self) -> None:
-        """Take over ``SIGINT`` (main thread only; elsewhere nothing is installed)."""
+        """Take over ``SIGINT`` and ``SIGTERM`` (main thread only; elsewhere nothing is installed)."""
         if threading.current_thread() is not threading.main_thread():
             return
-        self._old_handler = signal.signal(signal.SIGINT, self._handler)
+        self._old_handlers = {sig: signal.signal(sig, self._handler) for sig in SIGNALS}
         try:
             read_fd, write_fd = os.pipe()
             os.set_blocking(write_fd, False)  # the C handler must never block
@@ -118,7 +139,7 @@ class InterruptWatch:
         self.installed = True
 
     def uninstall(self) -> None:
-        """Give ``SIGINT`` back to the handler that was there before :meth:`install`."""
+        """Give ``SIGINT`` and ``SIGTERM`` back to the handlers that were there before :meth:`install`."""
         if not self.installed:
             return
         self.installed = False
@@ -130,7 +151,8 @@ class InterruptWatch:
             if self._thread is not None:
                 self._thread.join(timeout=1.0)
             os.close(read_fd)
-        signal.signal(signal.SIGINT, self._old_handler)
+        for sig, old in self._old_handlers.items():
+            signal.signal(sig, old)
 
 
 def _say(line: str) -> None:

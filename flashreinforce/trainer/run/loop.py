@@ -47,9 +47,10 @@ from flashreinforce.trainer.run import components
 from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
                                                             existing_run_files, learner_state_to_restore,
                                                             save_checkpoint)
+from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
-from flashreinforce.trainer.run.interrupts import InterruptWatch
+from flashreinforce.trainer.run.interrupts import InterruptWatch, signal_label
 from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
@@ -67,6 +68,9 @@ from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 __all__ = ["Trainer"]
 
 log = logging.getLogger("flashreinforce.trainer")
+
+#: A reward of at least this magnitude is named when an update is skipped for a non-finite gradient.
+LARGE_REWARD = 1e6
 
 
 class Trainer:
@@ -95,6 +99,7 @@ class Trainer:
         self.hf_dir = Path(cfg.ckpt.output_dir or self.out / "hf")
         self.device = components.device_of(cfg.device)
         self._interrupted = threading.Event()
+        self._watch_signals: InterruptWatch | None = None  # Ctrl-C and SIGTERM while training
         self._evaluator: Evaluator | None = None
         self.dist = None  # DistContext under torchrun
         self.rollout: RolloutSide | None = None
@@ -169,8 +174,10 @@ class Trainer:
             return
         self.buffer.load_state_dict(point.state["buffer"])
         self.counters.update(point.state.get("trainer", {}))
-        clean_interrupted_saves(self.ckpt_dir)  # frees what a failed save took before the history is rewritten
-        self._history.resume(self.step, point.state.get("history"))
+        # The history is checked first (a refused resume changes nothing on disk); a failed save's leftovers
+        # are freed before the history is rewritten.
+        self._history.resume(self.step, point.state.get("history"),
+                             before_writing=lambda: clean_interrupted_saves(self.ckpt_dir))
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
 
     def _review_settings(self, point: ResumePoint) -> None:
@@ -278,8 +285,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ signals
     def _interrupt_message(self) -> str:
-        return (f"flashreinforce: interrupted (Ctrl-C): the run stops when update {self.step + 1} (in progress) "
-                "ends, then saves a checkpoint and exits with status 130; Ctrl-C again aborts without saving")
+        signum = self._watch_signals.first_signal if self._watch_signals is not None else None
+        what = signal_label(signum)
+        return (f"flashreinforce: interrupted ({what}): the run stops when update {self.step + 1} (in progress) "
+                f"ends, then saves a checkpoint and exits with status {128 + int(signum or signal.SIGINT)}; "
+                f"{what} again aborts without saving")
+
+    def _skipped(self, err: FloatingPointError, trajectories, in_a_row: int) -> None:
+        """Report an update skipped for a non-finite gradient; :class:`RunFailure` once
+        ``train.max_skipped_updates_in_a_row`` were skipped in a row (nothing would ever train)."""
+        rewards = [abs(t.reward) for t in trajectories]
+        largest = max(rewards, default=0.0)
+        hint = (f"; the batch's rewards reach {largest:.3g} in magnitude: rewards this large overflow the loss, "
+                "scale them down" if largest >= LARGE_REWARD else "")
+        log.warning("update skipped: %s%s", err, hint)
+        limit = self.cfg.train.max_skipped_updates_in_a_row
+        if limit and in_a_row >= limit:
+            raise RunFailure(f"{in_a_row} updates in a row were skipped for a non-finite gradient "
+                             f"(--train.max_skipped_updates_in_a_row {limit}); the last: {err}{hint}")
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict[str, Any]:
@@ -406,8 +429,8 @@ class Trainer:
             log.info(note)
         self.weights.publish(self.learner.policy_state(), self.learner.version,
                              frozen=self.learner.frozen_names())
-        watch = InterruptWatch(self._interrupted.set, self._interrupt_message)
-        watch.install()  # main thread only; answers Ctrl-C at once, even inside a long learner update
+        watch = self._watch_signals = InterruptWatch(self._interrupted.set, self._interrupt_message)
+        watch.install()  # main thread only; answers Ctrl-C and SIGTERM at once, even inside a long learner update
         self.training_started = True
         try:
             return self._train_and_save()
@@ -421,6 +444,7 @@ class Trainer:
         self._note = metrics_log.note
         pool = None
         status = "completed"
+        recorded_step = self.step  # the last update whose record is in metrics.jsonl
         self._watchdog = Watchdog(cfg.train.stall_timeout_s, cfg.rollout.max_failed_episodes_in_a_row)
         fault_metrics = FaultMetrics(log)  # per-update environment-call timeouts, and their warning
         try:
@@ -444,6 +468,7 @@ class Trainer:
             train_before, pauses = self.counters.get("train_time_s", 0.0), 0.0
             every_s = cfg.eval.every_min * 60.0
             next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
+            skipped_in_a_row = 0
             while self.step < self.max_steps:
                 t_wait = time.perf_counter()
                 batch = self._take_batch(pool)
@@ -455,11 +480,21 @@ class Trainer:
                 try:
                     learner_metrics = self.learner.step(batch.trajectories, batch.group_ids)
                 except FloatingPointError as err:
-                    log.warning("update skipped: %s", err)
                     self.counters["skipped_updates"] += 1
                     self._hold_for_fixed_lag(pool)
                     self.buffer.update_done()
+                    skipped_in_a_row += 1
+                    self._skipped(err, batch.trajectories, skipped_in_a_row)
+                    # The time budget holds on this path too: a run whose every update is skipped stops.
+                    self.counters["train_time_s"] = train_before + (time.perf_counter() - t_run) - pauses
+                    if self.counters["train_time_s"] - train_before >= budget_s:
+                        self.stop_reason = f"train.max_minutes {cfg.train.max_minutes:g} reached (this session's " \
+                            "training time)"
+                        status = "stopped"
+                        metrics_log.note(f"flashreinforce: stopping after a skipped update: {self.stop_reason}")
+                        break
                     continue
+                skipped_in_a_row = 0
                 idle += self._hold_for_fixed_lag(pool)
                 self.weights.publish(self.learner.policy_state(), self.learner.version,
                                      frozen=self.learner.frozen_names())
@@ -489,6 +524,7 @@ class Trainer:
                     t_last = time.perf_counter()
                     pauses += t_last - now
                 metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
+                recorded_step = self.step
                 if cfg.ckpt.save_steps and self.step % cfg.ckpt.save_steps == 0:
                     t_save = time.perf_counter()
                     self._save()
@@ -516,6 +552,11 @@ class Trainer:
                 log.info("saving a checkpoint at update %d ...", self.step)
                 ckpt = self._save()
                 log.info("checkpoint saved to %s", ckpt)
+            elif status == "failed" and recorded_step < self.step:
+                # The failure came between an update and its record (writing metrics.jsonl failed, say): a
+                # checkpoint now would vouch for a history without that record, lost for good on resume.
+                log.error("no checkpoint was written after the failure: the record of update %d is not in "
+                          "metrics.jsonl; --resume repeats that update from the last checkpoint before it", self.step)
             elif status == "failed":
                 # Best effort: what failed (a lost Ray cluster, say) may make the save fail too, and
                 # that second error must not hide the first.
@@ -541,5 +582,7 @@ class Trainer:
         summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})
         if self.stop_reason:
             summary["stop_reason"] = self.stop_reason
+        if status == "interrupted":  # the command's exit status is 128 + this signal's number
+            summary["signal"] = int(self._watch_signals.first_signal or signal.SIGINT)
         self.callbacks.on_train_end(summary)
         return summary

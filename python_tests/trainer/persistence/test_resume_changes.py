@@ -145,6 +145,32 @@ def _records(path: Path, steps) -> None:
         fh.writelines(json.dumps({"step": s, "policy_version": s, "reward_mean": 0.25}) + "\n" for s in steps)
 
 
+def test_a_refused_resume_changes_nothing_on_disk(tmp_path):
+    # metrics.jsonl holds records past the checkpoint (to be cut), eval.jsonl was edited (refused): the
+    # refusal must come before metrics.jsonl is cut, and nothing else is written either.
+    record = HistoryRecord(tmp_path)
+    _records(tmp_path / "metrics.jsonl", range(1, 4))
+    _records(tmp_path / "eval.jsonl", [2])
+    at_three = record.snapshot()
+    _records(tmp_path / "metrics.jsonl", range(4, 6))
+    (tmp_path / ".metrics.jsonl.tmp-0123456789ab").write_text("a killed resume's copy")
+    (tmp_path / "eval.jsonl").write_text((tmp_path / "eval.jsonl").read_text().replace("0.25", "0.75"))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    cleaned = []
+    with pytest.raises(ConfigError, match=r"eval\.jsonl was changed after the checkpoint at step 3"):
+        HistoryRecord(tmp_path).resume(3, at_three, before_writing=lambda: cleaned.append(1))
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and cleaned == []
+    # A checkpoint without the record (trim_history's check): a broken line of eval.jsonl is refused
+    # before metrics.jsonl is cut.
+    (tmp_path / "eval.jsonl").write_text('not json\n{"step": 2}\n')
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ConfigError, match=r"eval\.jsonl line 1: not a JSON record"):
+        HistoryRecord(tmp_path).resume(3, None)
+    with pytest.raises(ConfigError, match=r"eval\.jsonl line 1: not a JSON record"):
+        trim_history(tmp_path, 3)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 def test_the_history_must_begin_as_the_checkpoint_recorded_it(tmp_path, caplog):
     record = HistoryRecord(tmp_path)
     _records(tmp_path / "metrics.jsonl", range(1, 4))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -66,6 +67,50 @@ def test_the_lock_names_its_holder_and_dies_with_it(tmp_path):
     again = RunLock(tmp_path)  # released: the next run takes it
     again.acquire()
     again.release()
+
+
+def test_a_symlinked_lock_file_is_refused_never_written_through(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("a file the run must not touch")
+    (out / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(ConfigError, match=r"lock file \.flashreinforce\.lock is a symbolic link") as err:
+        RunLock(out).acquire()
+    assert "\n" not in str(err.value)
+    assert victim.read_text() == "a file the run must not touch"
+    (out / LOCK_NAME).unlink()
+    lock = RunLock(out)
+    lock.acquire()  # a lock of its own: mode 0600, a regular file
+    st = os.lstat(out / LOCK_NAME)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    lock.release()
+    (out / LOCK_NAME).unlink()
+    os.link(victim, out / LOCK_NAME)  # a hard link to another file
+    with pytest.raises(ConfigError, match="is a hard link"):
+        RunLock(out).acquire()
+    assert victim.read_text() == "a file the run must not touch"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
+def test_an_output_folder_or_lock_file_of_another_user_is_refused(tmp_path, capsys):
+    from flashreinforce.cli import main as cli_main
+    from python_tests.envs.unprivileged import UNPRIVILEGED_UID
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, UNPRIVILEGED_UID, UNPRIVILEGED_UID)  # a real second account's folder
+    code = cli_main(["train", *QUICK, "--train.max_steps", "1", "--output", str(theirs)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--output {theirs} belongs to another user" in err and "Traceback" not in err
+    assert os.listdir(theirs) == []  # nothing written there
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / LOCK_NAME).write_text("")
+    os.chown(mine / LOCK_NAME, UNPRIVILEGED_UID, UNPRIVILEGED_UID)
+    with pytest.raises(ConfigError, match=rf"is owned by another user \(uid {UNPRIVILEGED_UID}\)"):
+        RunLock(mine).acquire()
+    assert (mine / LOCK_NAME).read_text() == ""
 
 
 def test_only_the_folders_a_run_made_are_removed_and_only_when_empty(tmp_path):
@@ -146,7 +191,36 @@ class SlowToBuild(Environment):
 '''
 
 
-def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
+def test_sigterm_saves_a_checkpoint_and_exits_143_and_the_run_resumes(tmp_path):
+    # What a scheduler sends at the end of a job's time: answered like Ctrl-C (it used to end the
+    # process at once, status 143 without a checkpoint).
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "flashreinforce.cli", "train", *QUICK, "--output", str(out),
+                             "--train.max_steps", "100000", "--ckpt.save_steps", "0"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 3, "three updates", proc=proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "flashreinforce: interrupted (SIGTERM): the run stops when update" in stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["status"] == "interrupted"
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
+    resumed = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", *QUICK, "--output", str(out),
+                              "--resume", "--train.max_steps", str(steps[-1] + 1)], cwd=ROOT, capture_output=True,
+                             text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == list(range(1, steps[-1] + 2))
+
+
+@pytest.mark.parametrize("sig,label,code", [(signal.SIGINT, "Ctrl-C", 130), (signal.SIGTERM, "SIGTERM", 143)])
+def test_a_signal_during_start_up_is_one_line_and_leaves_nothing(tmp_path, sig, label, code):
     (tmp_path / "slow_env.py").write_text(_SLOW_ENV)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     out = tmp_path / "runs" / "run"
@@ -163,16 +237,16 @@ def test_ctrl_c_during_start_up_is_one_line_and_leaves_nothing(tmp_path):
         # comes first, and a signal sent on it could arrive after the trainer took over SIGINT.
         _wait_for(lambda: lines.append(proc.stderr.readline()) or lines[-1].strip() == "building the environment",
                   "the environment's construction", proc=proc)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, stderr = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
+    assert proc.returncode == code, stderr[-3000:]
     assert "Traceback" not in stderr
     assert [ln for ln in stderr.splitlines() if ln.startswith("flashreinforce train:")] == [
-        "flashreinforce train: interrupted during start-up (Ctrl-C): nothing was trained or written"]
+        f"flashreinforce train: interrupted during start-up ({label}): nothing was trained or written"]
     assert not (tmp_path / "runs").exists()
 
 

@@ -65,3 +65,40 @@ def test_multi_turn_episodes_train_with_a_vllm_engine(tmp_path):
 def test_a_fixed_policy_lag_holds_with_a_vllm_engine(tmp_path):
     metrics = _train(tmp_path, "--preset", "toy", "--train.fixed_policy_lag", "2", steps=8)
     assert [(m["policy_lag_min"], m["policy_lag_max"]) for m in metrics] == [(0, 0), (1, 1)] + [(2, 2)] * 6
+
+
+def test_a_killed_vllm_engine_core_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
+    # Killing vLLM's EngineCore mid-run used to leave the run waiting, with no message, until Ctrl-C.
+    import signal
+    import time
+
+    from flashreinforce.engines.vllm_process import proc_stat
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--rollout.engine", "vllm",
+           "--vllm.num_engines", "1", "--train.max_steps", "100000", "--eval.steps", "0", "--eval.eval_at_start",
+           "false", "--ckpt.save_steps", "0", "--output", str(out), "--no_progress"]
+    env = dict(os.environ, VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 900  # only ends a hung test
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach two updates"
+            time.sleep(0.5)
+        children = {int(p): " ".join(Path(f"/proc/{p}/cmdline").read_text().split("\0")) for p in os.listdir("/proc")
+                    if p.isdigit() and (proc_stat(int(p)) or ["", "0"])[1] == str(proc.pid)}
+        core = next(pid for pid, command in children.items() if "EngineCore" in command)
+        os.kill(core, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr[-6000:]
+    (line,) = [ln for ln in stderr.splitlines() if ln.startswith("flashreinforce train: error:")]
+    assert f"process {core} ended unexpectedly" in line and "EngineCore" in line and "--resume" in line, line
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
+    assert not any(os.path.exists(f"/proc/{pid}") and (proc_stat(pid) or ["Z"])[0] not in ("Z", "X")
+                   for pid in children)  # none of vLLM's processes is left
