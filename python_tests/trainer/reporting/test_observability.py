@@ -167,7 +167,9 @@ def test_learner_step_returns_per_trajectory_gate_statistics():
     learner = Learner(tiny_causal_lm(40, seed=1), LearnerSettings(loss=LossOptions(delta=3e-3), lr=1e-3), pad_token_id=0)
     metrics = learner.step(trajs)
     per = metrics["per_trajectory"]
-    assert set(per) == {"sequence_kl", "admitted", "retained"}
+    assert set(per) == {"sequence_kl", "admitted", "retained", "drift_binary_kl", "drift_kpop", "drift_k3",
+                        "drift_log_ratio"}
+    assert per["drift_binary_kl"] == pytest.approx(per["sequence_kl"], rel=1e-5, abs=1e-12)  # the gate's metric
     assert all(len(v) == 5 for v in per.values())
     assert metrics["acceptance_rate"] == pytest.approx(sum(a > 0.5 for a in per["admitted"]) / 5)
     assert metrics["sequence_kl_mean"] == pytest.approx(sum(per["sequence_kl"]) / 5)
