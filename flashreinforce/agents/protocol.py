@@ -3,13 +3,17 @@
 :func:`chat_request` and :func:`completion_request` check a request body and return a
 :class:`CallRequest` (an :class:`APIError` naming the bad field otherwise); :func:`chat_response`,
 :func:`completion_response` and :func:`error_body` build the JSON answers. Sampling fields: the
-run's settings apply where a request leaves them out; ``n`` must be 1; ``stream``, ``top_logprobs``
-above 0 and non-zero penalties are refused (400) rather than ignored; ``seed`` and ``user`` are
-ignored (the run's seeds decide the sampling noise).
+run's settings apply where a request leaves them out; ``n`` must be 1; ``top_logprobs`` above 0 and
+non-zero penalties are refused (400) rather than ignored; ``seed`` and ``user`` are ignored (the
+run's seeds decide the sampling noise). ``stream`` is served on chat completions: the whole answer,
+once sampled, as OpenAI's ``chat.completion.chunk`` events (:func:`chat_stream_events`); completions
+refuse it. ``return_token_ids`` (vLLM's field) adds the prompt's and the answer's token ids to the
+response (``prompt_token_ids``, ``choices[0].token_ids``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -18,8 +22,8 @@ from typing import Any, Mapping, Sequence
 
 from flashreinforce.agents.chat import message_text
 
-__all__ = ["APIError", "CallRequest", "chat_request", "chat_response", "completion_request", "completion_response",
-           "error_body", "models_body"]
+__all__ = ["APIError", "CallRequest", "chat_request", "chat_response", "chat_stream_events", "completion_request",
+           "completion_response", "error_body", "models_body", "with_token_ids"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -55,6 +59,9 @@ class CallRequest:
     stop: list[str] = field(default_factory=list)
     logprobs: bool = False
     echo: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    return_token_ids: bool = False
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -78,8 +85,9 @@ def _common(body: Any, kind: str) -> CallRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("model is required (any name: the endpoint serves the run's policy)", "model")
-    if body.get("stream"):
-        raise _bad("stream is not supported by this endpoint; leave it false", "stream")
+    stream = body.get("stream")
+    if stream not in (None, False) and not (stream is True and kind == "chat"):
+        raise _bad("stream is served on chat completions only (the whole answer as chunks); leave it false", "stream")
     n = body.get("n", 1)
     if n not in (None, 1) or isinstance(n, bool):
         raise _bad(f"n must be 1 (one completion per call; call again for more), got {n!r}", "n")
@@ -87,6 +95,15 @@ def _common(body: Any, kind: str) -> CallRequest:
         if body.get(name) not in (None, 0, 0.0):
             raise _bad(f"{name} is not supported (the policy's own distribution is trained); leave it 0", name)
     req = CallRequest(kind, model)
+    req.stream = stream is True
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, Mapping) and req.stream):
+        raise _bad("stream_options is an object, and only with stream true", "stream_options")
+    req.include_usage = bool((options or {}).get("include_usage"))
+    token_ids = body.get("return_token_ids")
+    if token_ids is not None and not isinstance(token_ids, bool):
+        raise _bad("return_token_ids must be a boolean", "return_token_ids")
+    req.return_token_ids = bool(token_ids)
     req.temperature = _number(body, "temperature", 0.0, 2.0)
     req.top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     for name in ("max_completion_tokens", "max_tokens"):
@@ -203,6 +220,39 @@ def completion_response(model: str, text: str, finish_reason: str, prompt_tokens
     return {"id": "cmpl-" + secrets.token_hex(12), "object": "text_completion", "created": int(time.time()),
             "model": model, "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": lp}],
             "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+def with_token_ids(body: dict[str, Any], prompt_ids: Sequence[int], token_ids: Sequence[int]) -> dict[str, Any]:
+    """``body`` (a chat or completion response) with the prompt's and the answer's token ids, where vLLM puts
+    them: ``prompt_token_ids`` at the top of a chat completion and in the choice of a completion,
+    ``token_ids`` in the choice."""
+    choice = body["choices"][0]
+    choice["token_ids"] = [int(t) for t in token_ids]
+    (body if body["object"] == "chat.completion" else choice)["prompt_token_ids"] = [int(t) for t in prompt_ids]
+    return body
+
+
+def chat_stream_events(body: Mapping[str, Any], include_usage: bool) -> list[str]:
+    """A chat completion ``body`` as the server-sent events of a streamed one: a chunk with the whole
+    message (role, content, tool calls, log-probabilities, token ids), one with the finish reason,
+    the usage when asked (``stream_options.include_usage``), then ``[DONE]``."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    head = {k: body[k] for k in ("id", "created", "model")}
+    first: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+    if "token_ids" in choice:
+        first["token_ids"] = choice["token_ids"]
+    chunks = [{**head, "object": "chat.completion.chunk", "choices": [first]},
+              {**head, "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": choice["finish_reason"]}]}]
+    if "prompt_token_ids" in body:
+        chunks[0]["prompt_token_ids"] = body["prompt_token_ids"]
+    if include_usage:
+        chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": body["usage"]})
+    return [f"data: {json.dumps(c)}\n\n" for c in chunks] + ["data: [DONE]\n\n"]
 
 
 def models_body(name: str) -> dict[str, Any]:

@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from flashreinforce.agents.protocol import APIError, CallRequest, chat_request, completion_request, error_body, models_body
+from flashreinforce.agents.protocol import (APIError, CallRequest, chat_request, chat_stream_events, completion_request,
+                                           error_body, models_body)
 
 __all__ = ["AgentServer", "PendingCall", "connection_limit", "loads_strict", "require_server_packages"]
 
@@ -322,6 +323,11 @@ class AgentServer:
 
             self.calls.put(PendingCall(episode, checked, answer))
             status, payload = await future
+            if checked.stream and status == 200:  # the whole answer, sampled, as chunks
+                from fastapi.responses import StreamingResponse
+
+                return StreamingResponse(iter(chat_stream_events(payload, checked.include_usage)),
+                                         media_type="text/event-stream")
             return JSONResponse(payload, status_code=status)
 
         @app.post("/episodes/{episode}/v1/chat/completions")

@@ -255,7 +255,13 @@ class RolloutConfig(Freezable):
                                      "that run at once, each in its own thread, so that slow tools overlap (1: one "
                                      "after another)", minimum=1, maximum=4096)
     max_failed_episodes_in_a_row: int = option("int", 256, "stop the run when this many episodes in a row were "
-                                               "quarantined or rejected (0: never)", minimum=0)
+                                               "quarantined or rejected (0: never); before the first trainable "
+                                               "episode, at most one batch of them", minimum=0)
+    agent_sampling: str = option("str", "run", "sampling of agents' model calls (--agent, --env verifiers:...): run "
+                                 "(rollout.temperature and rollout.top_p for every call; a client's own values are "
+                                 "ignored, with one warning) or agent (the client's values; its tokens are trained "
+                                 "against their recorded log-probabilities, the trust gate deciding)",
+                                 choices=("run", "agent"))
 
     def validate(self, errors: list[str]) -> None:
         if not math.isfinite(self.temperature):

@@ -69,7 +69,8 @@ class TrainerConfig(Freezable):
     ``env_kwargs``, ``rewards`` (reward-function specs), ``tokenizer``, ``output``, ``resume``, ``seed``,
     ``device``, ``torch_threads``, ``progress``, ``overwrite``, ``allow_config_change``. Set by the
     resolution: ``inactive`` (flag -> why it has no effect here), ``warnings``, ``explicit`` (flags
-    given on the command line), ``config_file``.
+    given on the command line), ``config_file``, ``notes`` (what the resolution decided for the run, printed at
+    start: the tool-use limits of an agent run).
 
     The trainer freezes its copy once validated (:meth:`freeze`): from then on setting a field raises
     :class:`~flashreinforce.config.schema.FrozenConfigError`; :meth:`copy` gives an unfrozen copy
@@ -104,6 +105,7 @@ class TrainerConfig(Freezable):
     config_file: str | None = None
     inactive: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     explicit: list[str] = field(default_factory=list)
 
     # ------------------------------------------------------------------ construction
@@ -183,6 +185,11 @@ class TrainerConfig(Freezable):
             dropped, env_kwargs = env_kwargs, {}
         if agent is not None:
             env_kwargs = {**env_kwargs, "agent": agent}
+        spec = cfg.train.agent_path or ""
+        notes = []
+        if (agent is not None and any("agent" in layer for layer in (file, given))) or \
+                any(str(n).startswith(VERIFIERS_PREFIX) for n in named):
+            notes = _agent_limits(cfg, (file, given), "--agent" if agent is not None else f"--env {spec}")
         overwrite = bool(run.get("overwrite", False))
         if overwrite and run.get("resume"):
             raise ConfigError("--overwrite and --resume contradict each other: --resume continues the run in --output, "
@@ -201,6 +208,7 @@ class TrainerConfig(Freezable):
         cfg.allow_config_change = bool(run.get("allow_config_change", False))
         cfg.config_file = run.get("config")
         cfg.explicit = sorted(k for k in given if k in FLAG_BY_NAME)
+        cfg.notes = notes
         if dropped:
             cfg.inactive["env.kwargs"] = (f"preset {cfg.preset!r} sets env.kwargs {shown(dropped)} for its environment "
                                           f"{preset_env}, which --env {cfg.train.agent_path} replaces: dropped (give "
@@ -290,7 +298,7 @@ class TrainerConfig(Freezable):
                 "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
                 "tokenizer": self.tokenizer,
                 "output": self.output, "resume": self.resume, "seed": self.seed, "device": self.device,
-                "torch_threads": self.torch_threads, "explicit_flags": self.explicit,
+                "torch_threads": self.torch_threads, "explicit_flags": self.explicit, "notes": self.notes,
                 "config_file": self.config_file})
 
     def to_file(self) -> dict[str, Any]:
@@ -347,6 +355,30 @@ _RUN_FIELD = {"preset": "preset", "env.kwargs": "env_kwargs", "reward": "rewards
               "torch_threads": "torch_threads", "overwrite": "overwrite", "allow_config_change": "allow_config_change",
               "config": "config_file"}
 _ALIASES = {"model": "actor.model_name_or_path", "env": "train.agent_path"}
+
+#: ``--env`` values naming a verifiers taskset (played through the agent endpoint, like ``--agent``).
+VERIFIERS_PREFIX = "verifiers:"
+#: The limits an agent run gets unless its user sets them (a preset's single-turn limits do not fit tool use):
+#: flag -> (value, whether a larger value the preset sets is kept).
+AGENT_LIMITS = {"rollout.max_turns": (8, False), "data.max_len": (2048, True), "rollout.max_new_tokens": (256, True)}
+
+
+def _agent_limits(cfg: "TrainerConfig", user_layers: tuple, what: str) -> list[str]:
+    """Set the tool-use limits of :data:`AGENT_LIMITS` on ``cfg`` where no user layer (the config file,
+    the command line) sets them; one note saying what they are."""
+    shown_limits = []
+    for flag, (value, keep_larger) in AGENT_LIMITS.items():
+        if any(flag in layer for layer in user_layers):
+            continue
+        current = cfg[flag]
+        if not (keep_larger and current is not None and current >= value):
+            cfg.set(flag, value)
+        shown_limits.append(f"{flag} {cfg[flag]}")
+    if not shown_limits:
+        return []
+    return [f"{what}: an agent run's limits: {', '.join(shown_limits)} (a model call past them is refused and the "
+            "episode truncated; set the flags to change them)"]
+
 
 #: The environment that --reward functions become.
 REWARD_ENVIRONMENT = "reward_functions"

@@ -154,7 +154,7 @@ class AgentEnvironment(TaskEnvironment):
     when it has parameters of those names (or ``**kwargs``), for frameworks that build their own client.
     """
 
-    default_max_turns = 16
+    default_max_turns = 8  # model calls: tool use, not a long dialogue (--rollout.max_turns)
     uses_label = False  # the label is one more field of the row
     needs_dataset = False  # without one, each episode's row is {"seed": SEED}
 

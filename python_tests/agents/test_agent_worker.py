@@ -5,6 +5,7 @@ their calls: token-exact trajectories, history rewrites, OpenAI-style errors, mi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -125,11 +126,15 @@ def test_rewritten_history_gives_several_trajectories_with_the_episode_reward(ti
 def picky_agent(client, row):
     """Checks the endpoint's errors and its non-chat routes, from the agent's side."""
     out = {}
-    for name, kwargs in (("n", {"n": 2}), ("stream", {"stream": True}), ("temperature", {"temperature": 9})):
+    for name, kwargs in (("n", {"n": 2}), ("temperature", {"temperature": 9})):
         try:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], **kwargs)
         except openai.BadRequestError as err:
             out[name] = (err.status_code, err.body.get("param") if isinstance(err.body, dict) else None)
+    try:
+        client.completions.create(model="m", prompt="q", stream=True)
+    except openai.BadRequestError as err:
+        out["stream"] = (err.status_code, err.body.get("param") if isinstance(err.body, dict) else None)
     out["models"] = [m.id for m in client.models.list().data]
     try:
         client.completions.create(model="m", prompt="x" * 1100)
@@ -142,7 +147,9 @@ def picky_agent(client, row):
 
 
 def test_bad_requests_get_openai_errors_and_the_agent_goes_on(tiny):
-    (group,) = _run(_worker(tiny, picky_agent), [9])
+    worker = _worker(tiny, picky_agent)
+    worker._first_finished = True  # its too-long prompt would stop a run whose first episode it is
+    (group,) = _run(worker, [9])
     (t,) = group
     out = CALLS[9]
     assert out["n"] == (400, "n") and out["stream"] == (400, "stream") and out["temperature"] == (400, "temperature")
@@ -231,17 +238,82 @@ def test_async_agents_run_on_the_event_loop_with_calls_at_once(tiny):
 
 def own_settings(client, row, base_url):
     assert base_url == str(client.base_url).rstrip("/") and "/episodes/" in base_url
-    greedy = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], temperature=0)
-    sampled = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q2"}])
-    CALLS[row["seed"]] = (greedy.usage.completion_tokens, sampled.usage.completion_tokens)
+    greedy = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], temperature=0,
+                                            logprobs=True)
+    sampled = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q2"}], top_p=0.5)
+    CALLS[row["seed"]] = (greedy.usage.completion_tokens, sampled.usage.completion_tokens,
+                          [c.logprob for c in greedy.choices[0].logprobs.content])
     return 1.0
 
 
-def test_calls_at_other_sampling_settings_are_context_not_actions(tiny):
-    (group,) = _run(_worker(tiny, own_settings), [77])
-    assert CALLS[77][0] == 0 and CALLS[77][1] > 0
-    assert len(group) == 1 and group[0].num_action_tokens == CALLS[77][1]  # the greedy call trains nothing
-    assert group[0].info["off_policy_calls"] == 1
+def test_by_default_every_call_is_sampled_and_trained_at_the_run_settings(tiny, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="flashreinforce.trainer.rollout.agent_worker"):
+        groups = _run(_worker(tiny, own_settings), [77, 78])
+    greedy, sampled, logps = CALLS[77]
+    assert greedy > 0 and sampled > 0  # usage counts what was generated
+    assert all(lp < 0 for lp in logps)  # sampled at the run's temperature 1.0, not greedily
+    for group in groups:  # two conversations: two trajectories, every sampled token an action
+        assert len(group) == 2 and all(isinstance(t, Trajectory) for t in group)
+        assert group[0].info["off_policy_calls"] == 2
+    assert sum(t.num_action_tokens for t in groups[0]) == greedy + sampled
+    warnings = [r.getMessage() for r in caplog.records if "asked for" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not per call or episode
+    assert "temperature 0" in warnings[0] and "--rollout.temperature 1" in warnings[0] and \
+        "--rollout.agent_sampling agent" in warnings[0]
+
+
+def test_agent_sampling_agent_uses_the_client_settings_and_trains_their_tokens(tiny):
+    worker = _worker(tiny, own_settings)
+    worker.settings = dataclasses.replace(worker.settings, agent_sampling="agent")
+    (group,) = _run(worker, [79])
+    greedy, sampled, logps = CALLS[79]
+    assert greedy > 0 and logps == [0.0] * greedy  # greedy: log-probability 0 on the argmax
+    assert len(group) == 2 and sum(t.num_action_tokens for t in group) == greedy + sampled
+    first = next(t for t in group if t.num_action_tokens == greedy)
+    assert [lp for lp, m in zip(first.behavior_log_probs, first.action_mask) if m] == [0.0] * greedy
+
+
+def long_tool_agent(client, row):
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q " * 200}], tools=TOOLS)
+    return 1.0
+
+
+def looping_agent(client, row):
+    for k in range(5):
+        try:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"q{k}"}])
+        except openai.BadRequestError:
+            break
+    return 1.0
+
+
+def test_a_first_episode_cut_short_by_the_limits_is_fatal_and_names_the_flag(tiny):
+    (group,) = _run(_worker(tiny, long_tool_agent, max_len=64), [5])
+    assert isinstance(group[0], QuarantinedEpisode) and group[0].fatal
+    assert "--data.max_len" in group[0].reason and "leaves no room" in group[0].reason
+    worker = _worker(tiny, looping_agent, max_turns=2)
+    groups = _run(worker, [6, 7])
+    fatal = [g[0] for g in groups if isinstance(g[0], QuarantinedEpisode) and g[0].fatal]
+    assert len(fatal) == 1 and "--rollout.max_turns 2" in fatal[0].reason
+    # the worker's later episodes are truncated as before, not fatal
+    assert any(isinstance(g[0], Trajectory) and g[0].truncated for g in groups)
+
+
+def refused_only(client, row):
+    try:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q " * 200}])
+    except openai.BadRequestError:
+        pass
+    return 1.0
+
+
+def test_an_episode_with_nothing_to_train_on_says_why(tiny):
+    worker = _worker(tiny, refused_only, max_len=64)
+    worker._first_finished = True  # not the first episode: counted, not fatal
+    (group,) = _run(worker, [9])
+    assert not group[0].fatal and "every model call" in group[0].reason and "--data.max_len 64" in group[0].reason
 
 
 def always_malformed(text):
@@ -278,3 +350,48 @@ def test_rows_of_a_dataset_reach_the_agent(tiny):
     groups = _run(_worker(tiny, agent, rows=rows), [1, 2])
     assert sorted(r["prompt"] for r in seen) == ["p0", "p1"]
     assert [g[0].reward for g in groups] == [1.0, 0.0] and groups[1][0].failed
+
+
+# ---------------------------------------------------------------------------------------- token ids and streams
+def token_agent(client, row):
+    """Token in, token out: each call's prompt is the previous prompt ids, the answer's ids and new ids."""
+    prompt, seen = [5, 6, 7], []
+    for turn in range(3):
+        r = client.completions.create(model="m", prompt=prompt, max_tokens=4, extra_body={"return_token_ids": True})
+        choice = r.choices[0].model_dump()
+        assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == r.usage.completion_tokens
+        seen.append(choice)
+        prompt = prompt + choice["token_ids"] + [8, 9 + turn]
+    CALLS[row["seed"]] = seen
+    return 1.0
+
+
+def test_an_agent_concatenating_token_ids_across_turns_gets_one_exact_trajectory(tiny):
+    (group,) = _run(_worker(tiny, token_agent), [31])
+    (t,) = group
+    seen = CALLS[31]
+    assert t.info["history_rewrites"] == 0 and t.info["agent_calls"] == 3
+    assert t.token_ids == seen[-1]["prompt_token_ids"] + seen[-1]["token_ids"]
+    actions = [tok for tok, m in zip(t.token_ids, t.action_mask) if m]
+    assert actions == [tok for c in seen for tok in c["token_ids"]]
+
+
+def streaming_agent(client, row):
+    plain = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], tools=TOOLS,
+                                           extra_body={"return_token_ids": True})
+    chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}], tools=TOOLS,
+                                                 stream=True, stream_options={"include_usage": True}))
+    CALLS[row["seed"]] = (plain.model_dump(), [c.model_dump() for c in chunks])
+    return 1.0
+
+
+def test_chat_streams_the_sampled_answer_and_returns_token_ids(tiny):
+    (group,) = _run(_worker(tiny, streaming_agent), [41])
+    plain, chunks = CALLS[41]
+    assert plain["prompt_token_ids"] == group[0].token_ids[:len(plain["prompt_token_ids"])]
+    assert len(plain["choices"][0]["token_ids"]) == plain["usage"]["completion_tokens"] > 0
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finish and chunks[-1]["usage"]["completion_tokens"] > 0 and isinstance(text, str)
+    # the streamed call continues no conversation of its own: same prompt, a second trajectory
+    assert len(group) == 2 and group[0].info["agent_calls"] == 2

@@ -17,10 +17,17 @@ environments.
 Trajectories (:mod:`flashreinforce.agents.chat`): the calls that continue one conversation make one
 trajectory (each call's prompt tokens not yet in it are context, its sampled tokens are actions);
 an episode whose agent started another conversation or rewrote the history gives one trajectory
-per conversation, each with the episode's reward (``info['history_rewrites']``). Tokens of a call
-sampled with other settings than the run's (``temperature`` or ``top_p`` of its own, or greedy) are
-context, not actions: the learner scores actions at the run's temperature. A response's
-``usage.completion_tokens`` is the number of its sampled tokens that are actions.
+per conversation, each with the episode's reward (``info['history_rewrites']``). Every sampled token
+is an action. ``rollout.agent_sampling`` decides how a call is sampled
+(:func:`~flashreinforce.trainer.rollout.agent_episode.call_sampling`): ``run`` (the default) with the
+run's settings whatever the client asked (one warning the first time a client asks for others),
+``agent`` with the client's ``temperature`` and ``top_p``, its tokens trained against the
+log-probabilities they were sampled with. A response's ``usage.completion_tokens`` is the number
+of tokens generated for it.
+
+Limits: the first episode a worker finishes that had a call refused for ``rollout.max_turns`` or
+``data.max_len`` stops the run at once (a fatal quarantined episode whose line names the flag), and
+an episode with nothing to train on says why (no model call, every call refused).
 
 Faults stay with their episode: an agent that raises, returns something that is not a reward, makes
 no model call, or spends more than ``rollout.env_timeout_s`` without calling the model or returning
@@ -34,21 +41,21 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import secrets
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from flashreinforce.agents.chat import ChatRenderer, Conversations, Prompt, message_text
-from flashreinforce.agents.protocol import APIError, chat_response, completion_response
+from flashreinforce.agents.chat import ChatRenderer, Conversations, message_text
+from flashreinforce.agents.protocol import APIError, chat_response, completion_response, with_token_ids
 from flashreinforce.agents.server import AgentServer, PendingCall
 from flashreinforce.agents.toolcalls import get_parser
 from flashreinforce.config import ConfigError
 from flashreinforce.engines.base import GenerationRequest, SamplingParams
 from flashreinforce.envs.agent_env import AGENT_ENVIRONMENT, AgentEnvironment, agent_environment, check_agent_result
 from flashreinforce.envs.registry import environment_class
+from flashreinforce.trainer.rollout.agent_episode import (AgentEpisode, Call, Segment, call_sampling, no_tokens_reason,
+                                                          refusal_message, sampling_warning)
 from flashreinforce.trainer.rollout.buffer import Ticket
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.rollout.settings import episode_seed
@@ -108,62 +115,6 @@ class AgentExit(Exception):
         self.raised = raised
 
 
-@dataclass
-class _Segment:
-    """The tokens of one conversation of an episode (one trajectory)."""
-
-    tokens: list[int]
-    mask: list[bool]
-    logp: list[float]
-    versions: list[int]
-    calls: int = 0
-
-    @staticmethod
-    def context_only(ids: Sequence[int]) -> "_Segment":
-        n = len(ids)
-        return _Segment(list(ids), [False] * n, [0.0] * n, [-1] * n)
-
-    def add(self, ids: Sequence[int], logp: Sequence[float] | None = None, versions: Sequence[int] | None = None) -> None:
-        self.tokens.extend(int(t) for t in ids)
-        acting = logp is not None
-        self.mask.extend([acting] * len(ids))
-        self.logp.extend(logp if acting else [0.0] * len(ids))
-        self.versions.extend(versions if acting else [-1] * len(ids))
-
-
-@dataclass
-class _Call:
-    """A call being served: the pending request, its episode, the prompt and what goes to the engine."""
-
-    pending: PendingCall
-    episode: "AgentEpisode"
-    prompt: Prompt
-    request: GenerationRequest
-    params: SamplingParams
-    on_policy: bool
-
-
-class AgentEpisode:
-    """One agent episode in progress (its conversations, counters and the running function)."""
-
-    def __init__(self, ticket: Ticket, sample_index: int, slot: int) -> None:
-        self.ticket, self.sample_index, self.slot = ticket, sample_index, slot
-        self.id = secrets.token_hex(12)
-        self.token = ""  # the API key of its calls (the endpoint's, once the episode runs)
-        self.env: AgentEnvironment | None = None
-        self.conversations: Conversations | None = None
-        self.segments: dict[int, _Segment] = {}
-        self.pending: list[PendingCall] = []
-        self.counts = {"agent_calls": 0, "tool_calls": 0, "malformed_tool_calls": 0, "history_rewrites": 0,
-                       "mismatched_renderings": 0, "off_policy_calls": 0, "refused_calls": 0, "length_finishes": 0}
-        self.truncated = False
-        self.future: concurrent.futures.Future | None = None
-        self.last_activity = time.monotonic()
-        self.done = False
-        self.quarantined: QuarantinedEpisode | None = None
-        self.result: list[Trajectory] = []
-
-
 class AgentRolloutWorker(RolloutWorker):
     """A rollout worker whose episodes are agent-function calls (see the module docstring)."""
 
@@ -176,6 +127,8 @@ class AgentRolloutWorker(RolloutWorker):
         self._loop_thread: threading.Thread | None = None
         self.agent_counters = {"agent_calls": 0, "tool_calls": 0, "malformed_tool_calls": 0, "history_rewrites": 0,
                                "mismatched_renderings": 0, "agent_timeouts": 0, "agent_largest_batch": 0}
+        self._first_finished = False  # the first episode that returns is checked against the run's limits
+        self._sampling_warned = False  # the one warning about a client's own sampling settings
         probe = agent_environment(self._env(0))
         if probe is None:
             raise TypeError("AgentRolloutWorker needs agent environments (--agent FILE.py:FUNC)")
@@ -260,12 +213,13 @@ class AgentRolloutWorker(RolloutWorker):
 
     # ------------------------------------------------------------------ episode outcomes
     def _drop(self, e: AgentEpisode, kind: str, reason: str, err: BaseException | None = None,
-              retry: bool = True) -> None:
-        """Quarantine ``e``: its calls still waiting are answered 409, later ones too."""
+              retry: bool = True, fatal: bool = False) -> None:
+        """Quarantine ``e``: its calls still waiting are answered 409, later ones too (``fatal``: the run
+        stops with ``reason``)."""
         e.done = True
         if self.server is not None:
             self.server.end_episode(e.id)
-        e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry)
+        e.quarantined = QuarantinedEpisode(e.ticket.prompt_id, e.sample_index, kind, reason, retry, fatal)
         self.quarantined += 1
         self.errors += 1
         detail = "".join(traceback.format_exception(err)) if err is not None else ""
@@ -279,6 +233,13 @@ class AgentRolloutWorker(RolloutWorker):
     def _finish(self, e: AgentEpisode) -> None:
         err = e.future.exception()
         name = e.env.agent_name
+        s = self.settings
+        first, self._first_finished = not self._first_finished, True
+        if first and e.refusals:  # the run's limits do not fit this agent: stop now, naming the flag
+            limit = "max_len" if "max_len" in e.refusals else "max_turns"
+            reason = refusal_message(name, limit, e.refusals[limit], e.env.max_turns, s.max_len)
+            self._drop(e, f"agent episode cut short by {limit}", reason, retry=False, fatal=True)
+            return
         if err is not None:
             raised = err.raised if isinstance(err, AgentExit) else err
             self._drop(e, f"agent raised {type(raised).__name__}", f"agent {name} raised {type(raised).__name__}: "
@@ -293,10 +254,12 @@ class AgentRolloutWorker(RolloutWorker):
             self._drop(e, "agent returned a wrong type", str(bad) if isinstance(bad, ValueError) else
                        f"agent {name} returned a value that cannot be read ({type(bad).__name__}: {bad})")
             return
-        segments = [s for s in e.segments.values() if any(s.mask)]
+        segments = [seg for seg in e.segments.values() if any(seg.mask)]
         if not segments:
-            what = "made no model call" if not e.counts["agent_calls"] else "sampled no token the run trains on"
-            self._drop(e, f"agent {what}", f"agent {name} {what} (nothing to train on)", retry=False)
+            reason = no_tokens_reason(name, e, e.env.max_turns, s.max_len)
+            kind = "agent made no model call" if not (e.counts["agent_calls"] or e.refusals) else \
+                "agent got no answer to train on"
+            self._drop(e, kind, reason, retry=False)
             return
         e.done = True
         self.server.end_episode(e.id)
@@ -341,17 +304,19 @@ class AgentRolloutWorker(RolloutWorker):
             except Exception:
                 call = None
 
-    def _prepare(self, call: PendingCall, e: AgentEpisode) -> _Call:
+    def _prepare(self, call: PendingCall, e: AgentEpisode) -> Call:
         s, req = self.settings, call.request
         if e.counts["agent_calls"] >= e.env.max_turns:
             e.truncated = True
-            raise APIError(400, f"this episode has made its {e.env.max_turns} model calls (rollout.max_turns)",
-                           code="max_turns_exceeded")
+            message = f"this episode has made its {e.env.max_turns} model calls (--rollout.max_turns)"
+            e.refusals.setdefault("max_turns", message)
+            raise APIError(400, message, code="max_turns_exceeded")
         chars = _text_chars(req)
         if self._token_chars is not None and chars > s.max_len * self._token_chars:  # never tokenized
             e.truncated = True
-            raise APIError(400, f"the request holds {chars} characters of text, more than data.max_len {s.max_len} "
-                                "tokens can hold", code="context_length_exceeded",
+            message = f"the request holds {chars} characters of text, more than data.max_len {s.max_len} tokens can hold"
+            e.refusals.setdefault("max_len", message)
+            raise APIError(400, message, code="context_length_exceeded",
                            param="messages" if req.kind == "chat" else "prompt")
         try:
             if req.kind == "chat":
@@ -373,24 +338,28 @@ class AgentRolloutWorker(RolloutWorker):
             raise APIError(400, f"prompt token ids must lie in [0, {vocab})", param="prompt")
         if len(prompt.ids) >= s.max_len:
             e.truncated = True
-            raise APIError(400, f"the prompt has {len(prompt.ids)} tokens and leaves no room for an answer in "
-                                f"data.max_len {s.max_len}", code="context_length_exceeded", param="messages")
+            message = (f"the prompt has {len(prompt.ids)} tokens and leaves no room for an answer in "
+                       f"data.max_len {s.max_len}")
+            e.refusals.setdefault("max_len", message)
+            raise APIError(400, message, code="context_length_exceeded", param="messages")
         max_new = min(s.max_new_tokens, s.max_len - len(prompt.ids), req.max_tokens or s.max_new_tokens)
-        run = s.sampling
-        params = SamplingParams(run.temperature if req.temperature is None else req.temperature,
-                                run.top_p if req.top_p is None else req.top_p, run.top_k, run.stop_token_ids)
-        on_policy = params == run
+        params, differs = call_sampling(req, s.sampling, s.agent_sampling)
+        if differs:
+            e.counts["off_policy_calls"] += 1
+            if s.agent_sampling == "run" and not self._sampling_warned:
+                self._sampling_warned = True
+                log.warning("worker %d: %s", self.worker_id, sampling_warning(e.env.agent_name, req, s.sampling))
         seed = episode_seed(s.seed, e.ticket.prompt_id, e.sample_index, e.counts["agent_calls"])
         e.counts["agent_calls"] += 1
         stop = None
         if req.stop:
             decode, strings = self.tokenizer.decode, list(req.stop)
             stop = lambda ids: any(x in decode(ids) for x in strings)  # noqa: E731
-        return _Call(call, e, prompt, GenerationRequest(prompt.ids, max_new, seed, stop=stop), params, on_policy)
+        return Call(call, e, prompt, GenerationRequest(prompt.ids, max_new, seed, stop=stop), params)
 
     def _serve(self, episodes: list[AgentEpisode]) -> None:
         """Answer every pending call of ``episodes``: one ``generate`` call per sampling setting."""
-        prepared: list[_Call] = []
+        prepared: list[Call] = []
         for e in episodes:
             calls, e.pending = e.pending, []
             for call in calls:
@@ -400,7 +369,7 @@ class AgentRolloutWorker(RolloutWorker):
                     e.counts["refused_calls"] += 1
                     e.last_activity = time.monotonic()
                     call.fail(err)
-        groups: dict[SamplingParams, list[_Call]] = {}
+        groups: dict[SamplingParams, list[Call]] = {}
         for c in prepared:
             groups.setdefault(c.params, []).append(c)
         for params, items in groups.items():
@@ -423,7 +392,7 @@ class AgentRolloutWorker(RolloutWorker):
                         self._drop(c.episode, f"building the answer raised {type(err).__name__}",
                                    f"building the answer raised {type(err).__name__}: {err}", err)
 
-    def _answer(self, c: _Call, t) -> None:
+    def _answer(self, c: Call, t) -> None:
         e, req, prompt = c.episode, c.pending.request, c.prompt
         ids, logps, versions = [int(x) for x in t.token_ids], [float(x) for x in t.log_probs], [int(v) for v in t.versions]
         if not ids:
@@ -463,16 +432,14 @@ class AgentRolloutWorker(RolloutWorker):
             prompt.conversation, prompt.context, prompt.rewrite = None, list(prompt.ids), True
         e.counts["history_rewrites"] += int(prompt.rewrite)
         e.counts["mismatched_renderings"] += int(prompt.mismatch)
-        e.counts["off_policy_calls"] += int(not c.on_policy)
-        seg = _Segment.context_only(prompt.ids) if prompt.conversation is None else e.segments[prompt.conversation.index]
+        seg = Segment.context_only(prompt.ids) if prompt.conversation is None else e.segments[prompt.conversation.index]
         if prompt.conversation is not None:
             seg.add(prompt.context)
-        seg.add(ids, logps if c.on_policy else None, versions if c.on_policy else None)
+        seg.add(ids, logps, versions)
         seg.calls += 1
         message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
         conv = e.conversations.answered(prompt, ids, message, text, ended_with_stop)
         e.segments[conv.index] = seg
-        trained = len(ids) if c.on_policy else 0
         logprobs = None
         if req.logprobs:
             logprobs = []
@@ -482,9 +449,11 @@ class AgentRolloutWorker(RolloutWorker):
                                  "top_logprobs": []})
         model = req.model
         if req.kind == "chat":
-            body = chat_response(model, content, tool_calls, finish_reason, len(prompt.ids), trained, logprobs)
+            body = chat_response(model, content, tool_calls, finish_reason, len(prompt.ids), len(ids), logprobs)
         else:
-            body = completion_response(model, text, finish_reason, len(prompt.ids), trained, logprobs)
+            body = completion_response(model, text, finish_reason, len(prompt.ids), len(ids), logprobs)
+        if req.return_token_ids:
+            body = with_token_ids(body, prompt.ids, ids)
         e.last_activity = time.monotonic()
         c.pending.answer(200, body)
 
@@ -566,10 +535,12 @@ class AgentRolloutWorker(RolloutWorker):
         try:
             if self.server is not None:
                 self.server.stop()
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._loop.stop)
         finally:
-            super().close()
+            try:
+                super().close()  # the environments first: a verifiers taskset ends its serving on the event loop
+            finally:
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self._loop.stop)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()

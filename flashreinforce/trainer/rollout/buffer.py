@@ -187,6 +187,7 @@ class RolloutBuffer:
         self._attempts: dict[int, int] = {}  # prompt id -> attempts whose every sample failed
         self._failed_in_a_row = 0
         self._last_failure = ""
+        self._fatal = ""  # the reason of a fatal quarantined episode: the run stops at once
 
         self._cond = threading.Condition()
         self._ready: collections.deque[tuple[Ticket, list[Trajectory]]] = collections.deque()
@@ -251,6 +252,8 @@ class RolloutBuffer:
                 quarantined += 1
                 retry = retry or traj.retry
                 failed.append(traj.reason)
+                if traj.fatal and not self._fatal:
+                    self._fatal = traj.reason
                 self.quarantine.append((traj.reason, traj))  # the worker has logged it
                 continue
             found = traj.diagnose(self.vocab_size) if isinstance(traj, Trajectory) else \
@@ -435,7 +438,8 @@ class RolloutBuffer:
             out.update(self.counters)
             out.update(issued=self.issued, freed=self.freed, updates_done=self.updates_done,
                        in_flight=len(self._outstanding), ready_groups=len(self._ready),
-                       failed_in_a_row=self._failed_in_a_row, last_failure=self._last_failure)
+                       failed_in_a_row=self._failed_in_a_row, last_failure=self._last_failure,
+                       batch_episodes=self.batch_groups * self.group_size, fatal_failure=self._fatal)
             return out
 
     def state_dict(self) -> dict:

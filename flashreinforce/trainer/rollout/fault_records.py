@@ -25,6 +25,8 @@ class QuarantinedEpisode:
     kind: the category (``env.step raised RuntimeError``, ``env.step timed out``, ...), the key of
     the counters and of the log's once-per-kind warnings. reason: what happened, for people.
     retry: whether handing the prompt out again may help (False for a prompt that cannot fit).
+    fatal: the run's settings cannot fit the task (an agent's first episode cut short by
+    ``rollout.max_turns`` or ``data.max_len``): the run stops at once with ``reason``, which names the flag.
     """
 
     prompt_id: int
@@ -32,6 +34,7 @@ class QuarantinedEpisode:
     kind: str
     reason: str
     retry: bool = True
+    fatal: bool = False
 
 
 class RepeatedProblems:

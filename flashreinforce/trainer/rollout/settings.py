@@ -33,6 +33,9 @@ class RolloutSettings:
     inflight_weight_updates: when newer weights are published while a turn is being sampled, an
     engine that can pause (``RolloutEngine.can_pause``) stops the turn, the worker loads the weights
     and the engine continues the turn under them; every token keeps the version that sampled it.
+    agent_sampling: how agents' model calls are sampled: ``run`` (``sampling`` for every call, a
+    client's own temperature and top-p ignored) or ``agent`` (the client's values; its tokens are
+    still actions, trained against the log-probabilities they were sampled with).
     """
 
     max_new_tokens: int
@@ -44,8 +47,11 @@ class RolloutSettings:
     env_timeout_s: float = 30.0
     env_parallel_calls: int = 32
     inflight_weight_updates: bool = False
+    agent_sampling: str = "run"
 
     def __post_init__(self) -> None:
+        if self.agent_sampling not in ("run", "agent"):
+            raise ValueError(f"RolloutSettings.agent_sampling must be 'run' or 'agent', got {self.agent_sampling!r}")
         for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")

@@ -296,7 +296,8 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            env_parallel_calls=cfg.rollout.env_parallel_calls,
                            inflight_weight_updates=cfg.rollout.inflight_weight_updates and
-                           cfg.train.fixed_policy_lag is None)
+                           cfg.train.fixed_policy_lag is None,
+                           agent_sampling=cfg.rollout.agent_sampling)
 
 
 def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str:

@@ -425,7 +425,7 @@ class Trainer:
         self._write_config()
         for w in cfg.warnings:
             log.warning(w)
-        for note in components.dtype_notes(cfg, self.device):
+        for note in [*cfg.notes, *components.dtype_notes(cfg, self.device)]:
             log.info(note)
         self.weights.publish(self.learner.policy_state(), self.learner.version,
                              frozen=self.learner.frozen_names())

@@ -1,8 +1,10 @@
 """The learner's watchdog: :class:`Watchdog` stops a run that cannot train (:class:`RunStalled`).
 
 It stops the run when no trajectory arrived for ``train.stall_timeout_s`` while the learner waited
-(the message says which call of which worker is stuck, and for how long), or when
-``rollout.max_failed_episodes_in_a_row`` episodes in a row failed.
+(the message says which call of which worker is stuck, and for how long), when
+``rollout.max_failed_episodes_in_a_row`` episodes in a row failed, at once when no episode of the
+first batch gave anything to train on (the last one's reason names the cause), and at once when a
+worker handed in a fatal episode (an agent's first episode cut short by the run's limits).
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ class Watchdog:
         self._since, self._marker = self.clock(), None
 
     def check(self, buffer_stats: Mapping[str, Any], worker_stats: Sequence[Mapping[str, Any]]) -> None:
+        if buffer_stats.get("fatal_failure"):
+            raise RunStalled(str(buffer_stats["fatal_failure"]))
         failed = int(buffer_stats.get("failed_in_a_row", 0))
+        first = int(buffer_stats.get("batch_episodes", 0) or 0)
+        if self.max_failed_in_a_row and first and not buffer_stats.get("put_trajectories") and \
+                failed >= min(first, self.max_failed_in_a_row):
+            last = buffer_stats.get("last_failure") or "unknown"
+            raise RunStalled(f"none of the first {failed} episodes gave a token to train on (a batch is {first}); "
+                             f"the last one: {last}")
         if self.max_failed_in_a_row and failed >= self.max_failed_in_a_row:
             last = buffer_stats.get("last_failure") or "unknown"
             raise RunStalled(f"{failed} episodes in a row could not be trained on "

@@ -307,6 +307,37 @@ def test_the_watchdog_stops_a_run_whose_every_episode_fails():
         dog.check({"put_trajectories": 0, "failed_in_a_row": 50, "last_failure": "RuntimeError: boom"}, [])
 
 
+def test_a_run_whose_first_batch_trains_nothing_stops_within_it_naming_the_cause():
+    dog = Watchdog(stall_timeout_s=0, max_failed_in_a_row=256)
+    first = {"failed_in_a_row": 31, "batch_episodes": 32, "last_failure": "agent play made no model call"}
+    dog.check(first, [])
+    with pytest.raises(RunStalled, match=r"none of the first 32 episodes gave a token to train on.*made no model call"):
+        dog.check(dict(first, failed_in_a_row=32), [])
+    # once something was trained on, failures count against max_failed_episodes_in_a_row as before
+    dog.check(dict(first, failed_in_a_row=200, put_trajectories=5), [])
+    # and 0 still means never
+    Watchdog(stall_timeout_s=0, max_failed_in_a_row=0).check(dict(first, failed_in_a_row=500), [])
+
+
+def test_a_fatal_episode_stops_the_run_at_once_with_its_line():
+    dog = Watchdog(stall_timeout_s=0, max_failed_in_a_row=256)
+    line = "the first episode of agent play was cut short: ...; give a larger --data.max_len (now 96)"
+    with pytest.raises(RunStalled, match=r"give a larger --data\.max_len"):
+        dog.check({"failed_in_a_row": 1, "batch_episodes": 32, "fatal_failure": line, "put_trajectories": 3}, [])
+
+
+def test_the_buffer_reports_a_fatal_episode_and_the_batch_size():
+    from flashreinforce.trainer.rollout.buffer import RolloutBuffer
+    from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
+
+    buf = RolloutBuffer(batch_groups=4, group_size=2)
+    ticket = buf.acquire()
+    assert buf.stats()["batch_episodes"] == 8 and not buf.stats()["fatal_failure"]
+    buf.put(ticket, [QuarantinedEpisode(ticket.prompt_id, 0, "k", "the reason", retry=False, fatal=True),
+                     QuarantinedEpisode(ticket.prompt_id, 1, "k", "other", retry=False)])
+    assert buf.stats()["fatal_failure"] == "the reason"
+
+
 def test_a_reset_that_never_returns_is_counted_as_a_reset_timeout():
     class HangingResetEnv(SeedEnv):
         def reset(self, *, seed):
