@@ -35,6 +35,9 @@ def _file_spec(spec: Any, cwd: str) -> Any:
     exists); any other spec (a module, a registered name, a function) unchanged."""
     if not isinstance(spec, str):
         return spec
+    for prefix in ("verifiers:", "openenv:"):  # a library's environment given as a file
+        if spec.startswith(prefix):
+            return prefix + _file_spec(spec[len(prefix):], cwd)
     head, sep, tail = spec.partition(":")
     if not head.endswith(".py"):
         return spec

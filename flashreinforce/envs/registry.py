@@ -4,7 +4,10 @@ One place decides what ``--env`` (``train.agent_path``) means:
 
 * a shipped name (:data:`BUILTIN_ENVIRONMENTS`: ``math``, ``python_tool``, ``alfworld``, ``textworld``);
 * ``MODULE:CLASS`` naming an :class:`~flashreinforce.envs.Environment` subclass;
-* ``FILE.py`` (its one ``Environment`` subclass) or ``FILE.py:CLASS``.
+* ``FILE.py`` (its one ``Environment`` subclass) or ``FILE.py:CLASS``;
+* ``PREFIX:NAME`` for another library's environments (:data:`LIBRARY_ENVIRONMENTS`):
+  ``reasoning_gym:TASK``, ``verifiers:MODULE`` / ``verifiers:FILE.py``, ``openenv:MODULE:CLASS`` /
+  ``openenv:FILE.py:CLASS`` / ``openenv:URL``.
 
 A module or file whose import fails is an :class:`EnvironmentSpecError` of one line
 (:func:`import_failure`): a syntax error names the file, the line and the message; any other
@@ -39,8 +42,8 @@ from flashreinforce.envs.base import Environment
 from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, TaskEnvironment,
                                        chat_template_from_tokenizer, load_tasks)
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "EnvConfig", "EnvSpec", "EnvironmentSpecError", "accepts_chat_template", "dataset_tasks",
-           "environment_class",
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvConfig", "EnvSpec", "EnvironmentSpecError", "LIBRARY_ENVIRONMENTS",
+           "accepts_chat_template", "dataset_tasks", "environment_class", "library_environment",
            "ImportFileError", "import_failure", "import_file", "import_module", "make_environment", "num_prompts"]
 
 
@@ -250,10 +253,12 @@ def make_environment(spec: str, config: EnvConfig | Mapping[str, Any] | None = N
     builtin = spec in BUILTIN_ENVIRONMENTS
     cls = environment_class(spec)
     kwargs = dict(env_kwargs)
-    if spec.startswith(REASONING_GYM_PREFIX):  # the task's own generator makes the prompt set
-        kwargs["task"] = spec[len(REASONING_GYM_PREFIX):]
+    library = library_environment(spec)
+    if library is not None:  # the library makes the prompt set (reasoning-gym's generator, a verifiers taskset)
+        prefix, (_, argument) = library
+        kwargs[argument] = spec[len(prefix):]
         if view.prompt_dataset is not None:
-            raise ValueError(f"environment {spec!r} makes its own prompt set (size and seed in env.kwargs); it takes "
+            raise ValueError(f"environment {spec!r} makes its own prompt set (its settings in env.kwargs); it takes "
                              "no data.prompt_dataset or eval.dataset")
     if view.max_turns is not None:
         kwargs.setdefault("max_turns", view.max_turns)
@@ -346,14 +351,31 @@ def _load_file(path: str, class_name: str) -> str:
 #: ``--env reasoning_gym:TASK``: a task of the reasoning-gym library (the task's name goes to the environment).
 REASONING_GYM_PREFIX = "reasoning_gym:"
 REASONING_GYM_ENVIRONMENT = "flashreinforce.envs.reasoning_gym_env:ReasoningGymEnv"
+#: ``--env PREFIX:NAME``: an environment of another library; prefix -> (``module:Class``, the constructor
+#: argument that gets NAME). reasoning-gym's tasks, verifiers' tasksets (played through the agent
+#: endpoint), OpenEnv's environments (a class the run serves, or a server's URL).
+LIBRARY_ENVIRONMENTS = {
+    REASONING_GYM_PREFIX: (REASONING_GYM_ENVIRONMENT, "task"),
+    "verifiers:": ("flashreinforce.envs.standards.verifiers_env:VerifiersEnvironment", "taskset"),
+    "openenv:": ("flashreinforce.envs.standards.openenv_env:OpenEnvEnvironment", "target"),
+}
+
+
+def library_environment(spec: str) -> tuple[str, tuple[str, str]] | None:
+    """``(prefix, (module:Class, argument))`` when ``spec`` names another library's environment."""
+    for prefix, entry in LIBRARY_ENVIRONMENTS.items():
+        if isinstance(spec, str) and spec.startswith(prefix):
+            return prefix, entry
+    return None
 
 
 def _canonical(spec: str) -> str:
     """``spec`` as ``module:Class`` (shipped names looked up, files imported)."""
     if spec in BUILTIN_ENVIRONMENTS:
         return BUILTIN_ENVIRONMENTS[spec]
-    if spec.startswith(REASONING_GYM_PREFIX):
-        return REASONING_GYM_ENVIRONMENT
+    library = library_environment(spec)
+    if library is not None:
+        return library[1][0]
     if spec.endswith(".py"):
         return _load_file(spec, "")
     if ".py:" in spec:

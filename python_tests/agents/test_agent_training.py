@@ -103,3 +103,48 @@ def test_an_env_or_reward_replaces_a_preset_s_agent():
     assert cfg.train.agent_path == "reward_functions" and "agent" not in cfg.env_kwargs
     with pytest.raises(ConfigError, match="--agent and --env math both"):  # both given: still refused
         TrainerConfig.from_layers({"env": "math", "agent": "a.py:f"}, preset)
+
+
+def test_an_agent_run_gets_tool_use_limits_unless_its_user_sets_them():
+    from flashreinforce.config.presets import PRESETS
+
+    cfg = TrainerConfig.from_layers({"agent": "a.py:f"}, dict(PRESETS["arith"], preset="arith"))
+    assert (cfg.rollout.max_turns, cfg.data.max_len, cfg.rollout.max_new_tokens) == (8, 2048, 256)
+    assert cfg.notes == ["--agent: an agent run's limits: rollout.max_turns 8, data.max_len 2048, "
+                         "rollout.max_new_tokens 256 (a model call past them is refused and the episode truncated; "
+                         "set the flags to change them)"]
+    cfg = TrainerConfig.from_layers({"agent": "a.py:f", "rollout.max_turns": 2, "data.max_len": 300},
+                                    dict(PRESETS["arith"], preset="arith"))
+    assert (cfg.rollout.max_turns, cfg.data.max_len, cfg.rollout.max_new_tokens) == (2, 300, 256)
+    assert "rollout.max_turns" not in cfg.notes[0] and "rollout.max_new_tokens 256" in cfg.notes[0]
+    # a preset whose own agent it is keeps its limits; a verifiers taskset is an agent run too
+    cfg = TrainerConfig.from_layers({}, dict(PRESETS["arith_tool_agent"], preset="arith_tool_agent"))
+    assert (cfg.rollout.max_turns, cfg.data.max_len, cfg.notes) == (3, 1024, [])
+    cfg = TrainerConfig.from_layers({"env": "verifiers:my_taskset"})
+    assert cfg.rollout.max_turns == 8 and cfg.notes[0].startswith("--env verifiers:my_taskset: an agent run's limits")
+
+
+SILENT = "def play(client, row):\n    return 1.0\n"
+LONG = ("def play(client, row):\n"
+        "    client.chat.completions.create(model='m', messages=[{'role': 'user', 'content': 'q ' * 300}])\n"
+        "    return 1.0\n")
+
+
+@pytest.mark.parametrize("source, line", [
+    (SILENT, r"none of the first \d+ episodes gave a token to train on \(a batch is 4\); the last one: agent "
+             r"play made no model call"),
+    (LONG, r"the first episode of agent play was cut short: the prompt has \d+ tokens and leaves no room for an "
+           r"answer in data.max_len 128; give a larger --data.max_len \(now 128\)"),
+])
+def test_a_run_that_cannot_train_stops_in_its_first_batch_with_one_line(tmp_path, gguf_path, source, line):
+    import re
+
+    (tmp_path / "agent.py").write_text(source)
+    out = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", "--model", gguf_path, "--agent",
+                          f"{tmp_path / 'agent.py'}:play", "--train.max_steps", "3", "--rollout.batch_size", "4",
+                          "--train.batch_size", "4", "--data.max_len", "128", "--rollout.max_new_tokens", "8",
+                          "--rollout.num_workers", "1",
+                          "--eval.steps", "0", "--output", str(tmp_path / "run"), "--no_progress"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert re.search(line, out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]

@@ -52,7 +52,9 @@ def test_parser_registry_by_name():
 
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "messages": [{"role": "user", "content": "q"}], "n": 2}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": "yes"}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "q"}], "stream_options": {}}, "stream_options"),
+    ({"model": "m", "messages": [{"role": "user", "content": "q"}], "return_token_ids": 1}, "return_token_ids"),
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "robot", "content": "q"}]}, "messages[0]"),
     ({"model": "m", "messages": [{"role": "user", "content": "q"}], "temperature": 3}, "temperature"),
@@ -79,6 +81,27 @@ def test_chat_and_completion_requests_read_the_sampling_fields():
                              "tool_choice": "none"}).parse_tools
     assert completion_request({"model": "m", "prompt": [5, 6, 7]}).prompt_ids == [5, 6, 7]
     assert completion_request({"model": "m", "prompt": ["text"]}).prompt_text == "text"
+    streamed = chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True,
+                             "stream_options": {"include_usage": True}, "return_token_ids": True})
+    assert (streamed.stream, streamed.include_usage, streamed.return_token_ids) == (True, True, True)
+    with pytest.raises(APIError, match="chat completions only"):
+        completion_request({"model": "m", "prompt": "q", "stream": True})
+
+
+def test_a_streamed_chat_answer_is_the_whole_message_in_openai_chunks():
+    from flashreinforce.agents.protocol import chat_response, chat_stream_events, with_token_ids
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]
+    body = with_token_ids(chat_response("m", "hi", calls, "tool_calls", 4, 2, None), [1, 2, 3, 4], [7, 8])
+    events = chat_stream_events(body, include_usage=True)
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    assert events[-1] == "data: [DONE]\n\n" and all(e.endswith("\n\n") for e in events)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "hi",
+                                                "tool_calls": [{"index": 0, **calls[0]}]}
+    assert chunks[0]["prompt_token_ids"] == [1, 2, 3, 4] and chunks[0]["choices"][0]["token_ids"] == [7, 8]
+    assert chunks[1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[2]["choices"] == [] and chunks[2]["usage"]["completion_tokens"] == 2
+    assert len(chat_stream_events(body, include_usage=False)) == 3
 
 
 @pytest.fixture(scope="module")

@@ -96,16 +96,22 @@ def split_for_run(out: str | Path | None, num_prompts: int, requested: int, seed
     return HeldOutSplit(tuple(heldout_rows(num_prompts, requested, seed)), num_prompts, seed)
 
 
-def run_split(cfg, num_prompts: int | None, out: str | Path | None) -> HeldOutSplit | None:
+def run_split(cfg, num_prompts: int | None, out: str | Path | None,
+              env_rows: tuple[int, ...] | None = None) -> HeldOutSplit | None:
     """The held-out split of a run that evaluates (``cfg``: the resolved configuration): None with
     ``eval.dataset`` (its rows are the evaluation) or an endless environment (evaluation seeds are
     disjoint from training seeds already); ``out``: the run directory to read a recorded split from
-    (``--resume``, ``flashreinforce eval`` of a run), or None. A prompt set too small to hold out a
-    row is a :class:`~flashreinforce.config.ConfigError` that names the ways out."""
+    (``--resume``, ``flashreinforce eval`` of a run), or None; ``env_rows``: the rows of an evaluation
+    split the environment defines itself (a verifiers ``eval_taskset``), held out whole instead of
+    drawn. A prompt set too small to hold out a row is a :class:`~flashreinforce.config.ConfigError`
+    that names the ways out."""
     from flashreinforce.config import ConfigError
 
     if cfg.eval.dataset or num_prompts is None:
         return None
+    if env_rows:
+        recorded = read_split(out) if out is not None else None
+        return recorded or HeldOutSplit(tuple(env_rows), num_prompts, cfg.seed)
     try:
         split = split_for_run(out, num_prompts, cfg.eval.num_prompts, cfg.seed)
     except SplitError as err:

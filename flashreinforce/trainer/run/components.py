@@ -141,6 +141,7 @@ class RunEnvironments:
     num_prompts: int | None
     max_turns: int | None = None
     moot_warnings: tuple[str, ...] = ()
+    eval_rows: tuple[int, ...] | None = None
 
 
 def episode_turn_limit(cfg: ResolvedConfig, env_cls: type, env_kwargs: dict[str, Any]) -> int:
@@ -189,9 +190,20 @@ def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
     probe = factory()
     try:
         prompts = num_prompts(probe)
+        eval_rows = _evaluation_rows(probe)
     finally:
         probe.close()
-    return RunEnvironments(env_spec, factory, prompts, max_turns, moot)
+    return RunEnvironments(env_spec, factory, prompts, max_turns, moot, eval_rows)
+
+
+def _evaluation_rows(env: Environment) -> tuple[int, ...] | None:
+    """The rows of the environment's own evaluation split (``evaluation_rows``, a dataset wrapper unwrapped)."""
+    while env is not None:
+        rows = getattr(env, "evaluation_rows", None)
+        if rows:
+            return tuple(int(r) for r in rows)
+        env = getattr(env, "env", None)
+    return None
 
 
 def settled_config(cfg: ResolvedConfig, policy: Policy, envs: RunEnvironments) -> ResolvedConfig:

@@ -135,7 +135,8 @@ class Trainer:
         evaluates = cfg.eval.steps or cfg.eval.every_min or cfg.eval.eval_at_start
         self.eval_envs = components.eval_environments(cfg, self.envs, self.tokenizer) if evaluates else self.envs
         # Without eval.dataset, a finite prompt set gives part of itself to the evaluation, never trained on.
-        self.split = run_split(cfg, self.envs.num_prompts, self.out if cfg.resume else None) if evaluates else None
+        self.split = run_split(cfg, self.envs.num_prompts, self.out if cfg.resume else None,
+                               self.envs.eval_rows) if evaluates else None
         self.num_prompts = self.envs.num_prompts if self.split is None else len(self.split.train_rows)
         self.max_steps = components.total_updates(cfg, self.num_prompts)
         settings = components.learner_settings(cfg, self.max_steps, self.device)

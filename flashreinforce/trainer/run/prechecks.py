@@ -59,6 +59,23 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
             if dataset is not None:
                 raise ConfigError(f"{flag}: --env {spec} makes its own prompt set from the task's generator (its size "
                                   "and seed in --env.kwargs); give no dataset")
+    if spec.startswith(("verifiers:", "openenv:")):  # the library, the taskset or class, before the model loads
+        for flag, dataset in (("--data.prompt_dataset", cfg.data.prompt_dataset), ("--eval.dataset", cfg.eval.dataset)):
+            if dataset is not None:
+                raise ConfigError(f"{flag}: --env {spec} makes its own prompt set; give no dataset")
+        if spec.startswith("verifiers:"):
+            from flashreinforce.agents.server import require_server_packages
+            from flashreinforce.envs.standards.verifiers_env import check_taskset
+
+            try:
+                require_server_packages()
+            except ImportError as err:
+                raise ConfigError(f"--env {spec}: {err}") from None
+            check_taskset(spec[len("verifiers:"):])
+        else:
+            from flashreinforce.envs.standards.openenv_env import check_target
+
+            check_target(spec[len("openenv:"):])
     if spec == AGENT_ENVIRONMENT and cfg.env_kwargs.get("agent") is not None:  # --agent's file and function
         from flashreinforce.agents.server import require_server_packages
         from flashreinforce.envs.agent_env import load_agent
