@@ -36,8 +36,10 @@ __all__ = ["RUN_OPTIONS", "TrainerConfig"]
 #: ``train.agent_path`` and ``actor.model_name_or_path``.
 RUN_OPTIONS = {
     "preset": "a named preset (see --help); other settings override it",
-    "env": "environment (alias of --train.agent_path): a shipped name, MODULE:CLASS, FILE.py[:CLASS], or "
-           "reasoning_gym:TASK (a reasoning-gym task, its configuration in --env.kwargs)",
+    "env": "environment (alias of --train.agent_path): a shipped name, MODULE:CLASS, FILE.py[:CLASS], "
+           "reasoning_gym:TASK (a reasoning-gym task, its configuration in --env.kwargs), verifiers:MODULE or "
+           "verifiers:FILE.py (a verifiers taskset, played through the agent endpoint), or openenv:MODULE:CLASS, "
+           "openenv:FILE.py[:CLASS] or openenv:URL (an OpenEnv environment; a class is served by the run)",
     "env.kwargs": "JSON object of environment constructor arguments",
     "model": "policy model (alias of --actor.model_name_or_path)",
     "reward": "a reward function MODULE:FUNC or FILE.py:FUNC, optionally =WEIGHT (repeatable): reward(prompt, "

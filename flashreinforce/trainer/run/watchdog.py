@@ -43,10 +43,10 @@ class Watchdog:
         failed = int(buffer_stats.get("failed_in_a_row", 0))
         first = int(buffer_stats.get("batch_episodes", 0) or 0)
         if self.max_failed_in_a_row and first and not buffer_stats.get("put_trajectories") and \
-                failed >= min(first, self.max_failed_in_a_row):
+                first <= failed and first < self.max_failed_in_a_row:
             last = buffer_stats.get("last_failure") or "unknown"
-            raise RunStalled(f"none of the first {failed} episodes gave a token to train on (a batch is {first}); "
-                             f"the last one: {last}")
+            raise RunStalled(f"none of the first {failed} episodes gave a token to train on (a batch is {first}; "
+                             f"--rollout.max_failed_episodes_in_a_row 0 lets a run go on); the last one: {last}")
         if self.max_failed_in_a_row and failed >= self.max_failed_in_a_row:
             last = buffer_stats.get("last_failure") or "unknown"
             raise RunStalled(f"{failed} episodes in a row could not be trained on "

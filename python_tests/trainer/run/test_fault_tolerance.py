@@ -313,6 +313,9 @@ def test_a_run_whose_first_batch_trains_nothing_stops_within_it_naming_the_cause
     dog.check(first, [])
     with pytest.raises(RunStalled, match=r"none of the first 32 episodes gave a token to train on.*made no model call"):
         dog.check(dict(first, failed_in_a_row=32), [])
+    # a limit below the batch is the limit that speaks
+    with pytest.raises(RunStalled, match=r"4 episodes in a row could not be trained on"):
+        Watchdog(stall_timeout_s=0, max_failed_in_a_row=4).check(dict(first, failed_in_a_row=4), [])
     # once something was trained on, failures count against max_failed_episodes_in_a_row as before
     dog.check(dict(first, failed_in_a_row=200, put_trajectories=5), [])
     # and 0 still means never
@@ -449,8 +452,9 @@ def test_a_run_whose_every_reward_is_nan_stops_with_a_clear_error(tmp_path, caps
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
     assert "Traceback" not in err
-    found = re.search(r"(\d+) episodes in a row", err)
-    assert found and int(found.group(1)) >= 40, err
+    # nothing of the first batch (8) could be trained on: the run stops within it, not after 40 in a row
+    found = re.search(r"none of the first (\d+) episodes gave a token to train on \(a batch is 8", err)
+    assert found and int(found.group(1)) >= 8, err
     assert "rollout.max_failed_episodes_in_a_row" in err and "reward nan is not finite" in err
 
 
@@ -469,7 +473,7 @@ def test_a_failed_run_whose_last_checkpoint_fails_too_reports_the_first_error(tm
     err = capsys.readouterr().err
     assert code == 1, err[-3000:]
     assert "Traceback" not in err
-    assert "episodes in a row" in err  # the first error, not the checkpoint's
+    assert "gave a token to train on" in err  # the first error, not the checkpoint's
     assert "no checkpoint could be written after the failure (ConnectionError: the buffer is unreachable)" in caplog.text
 
 
