@@ -11,8 +11,9 @@ environment, through OpenEnv's own client:
   per process when the class declares ``SUPPORTS_CONCURRENT_SESSIONS`` and one per environment
   instance otherwise; ``env_kwargs`` are the class's constructor arguments. Given a URL
   (``http://HOST:PORT``), the run connects to a server already running;
-* an episode is a session: ``reset(seed=SEED)`` (the seed reaches the environment's ``reset`` when
-  it takes one) gives the first observation, which is the prompt; each policy turn is one
+* each instance keeps one session (opened at its first episode) and an episode is a ``reset`` in it:
+  ``reset(seed=SEED)`` (the seed reaches the environment's ``reset`` when it takes one) gives the
+  first observation, which is the prompt; each policy turn is one
   ``step``: the turn's text fills the action's text field, and the observation that comes back is
   the next turn's observation text, until the observation says ``done`` or the run's turn limit;
 * the reward of the episode is the sum of the steps' rewards (a ``None`` reward counts 0);
