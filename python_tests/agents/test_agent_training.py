@@ -131,8 +131,9 @@ LONG = ("def play(client, row):\n"
 
 
 @pytest.mark.parametrize("source, line", [
-    (SILENT, r"none of the first \d+ episodes gave a token to train on \(a batch is 4\); the last one: agent "
-             r"play made no model call"),
+    (SILENT, r"none of the first \d+ episodes gave a token to train on \(a batch is 4; "
+             r"--rollout.max_failed_episodes_in_a_row 0 lets a run go on\); the last one: agent play made no model "
+             r"call"),
     (LONG, r"the first episode of agent play was cut short: the prompt has \d+ tokens and leaves no room for an "
            r"answer in data.max_len 128; give a larger --data.max_len \(now 128\)"),
 ])
