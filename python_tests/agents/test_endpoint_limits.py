@@ -205,6 +205,7 @@ def huge_message(client, row):
 
 def test_a_message_too_long_for_max_len_is_refused_without_tokenizing(tiny):
     worker = _worker(tiny, huge_message, max_body_mb=16)
+    worker._first_finished = True  # as a run's first episode, cut short by data.max_len, it would stop the run
     calls = []
     encode = worker.renderer.tok.__class__.__call__
 

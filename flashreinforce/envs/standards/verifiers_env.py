@@ -37,6 +37,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,8 @@ __all__ = ["PREFIX", "VerifiersEnvironment", "check_taskset", "taskset_id"]
 
 PREFIX = "verifiers:"
 _INSTALL = "pip install -e '.[verifiers]' (or pip install 'verifiers>=0.4')"
-#: The environment variable verifiers reads the endpoint's API key from (the endpoint checks none).
-_KEY_VARIABLE = "FLASHREINFORCE_ENDPOINT_KEY"
+#: The prefix of the environment variables verifiers reads each episode's token from (its API key).
+_KEY_VARIABLE = "FLASHREINFORCE_EPISODE_API_KEY"  # verifiers keeps names with API_KEY from its child processes
 
 
 def _vf(target: str):
@@ -172,7 +173,7 @@ class VerifiersEnvironment(AgentEnvironment):
                  eval_taskset: dict | None = None, harness: Any = None, runtime: dict | None = None,
                  env_config: dict | None = None, size: int | None = None, tool_parser: str = "hermes",
                  host: str = "127.0.0.1", port: int = 0, batch_wait_s: float = 0.05, model_name: str = "policy",
-                 max_turns: int | None = None) -> None:
+                 max_turns: int | None = None, **endpoint: Any) -> None:
         if tasks is not None:
             raise ConfigError(f"--env verifiers:{taskset} makes its own prompt set from the taskset; give no "
                               "--data.prompt_dataset")
@@ -194,7 +195,7 @@ class VerifiersEnvironment(AgentEnvironment):
         train, evaluation = self._load_tasks(cls, eval_taskset, size)
         rows = [Task(prompt=t.data.prompt_text, index=i, extra={"vf_task": i}) for i, t in enumerate(train + evaluation)]
         super().__init__(self.play, rows, tool_parser=tool_parser, host=host, port=port, batch_wait_s=batch_wait_s,
-                         model_name=model_name, max_turns=turns)
+                         model_name=model_name, max_turns=turns, **endpoint)
         self.agent_name = f"verifiers:{taskset}"
         self._tasks = train + evaluation
         #: the rows of the taskset's own evaluation split (``None``: the run holds rows out)
@@ -240,15 +241,24 @@ class VerifiersEnvironment(AgentEnvironment):
         await asyncio.shield(entry.ready)
         return entry
 
-    async def play(self, client: Any, row: dict, base_url: str) -> dict:
-        """One episode: verifiers' ``Env.run_episode`` of the row's task against this episode's endpoint."""
+    async def play(self, client: Any, row: dict, base_url: str, api_key: str) -> dict:
+        """One episode: verifiers' ``Env.run_episode`` of the row's task against this episode's endpoint.
+
+        verifiers reads an endpoint's API key from an environment variable: the episode's token goes
+        into one named after the episode for the episode's length."""
         import verifiers.v1 as vf
 
         served = await self._served()
         task = self._tasks[row["vf_task"]]
-        context = vf.ModelContext(model=self.model_name,
-                                  client=vf.EvalClientConfig(base_url=base_url, api_key_var=_KEY_VARIABLE))
-        episode = await served.env.run_episode(task, context)
+        variable = f"{_KEY_VARIABLE}_{secrets.token_hex(8).upper()}"
+        os.environ[variable] = api_key
+        try:
+            context = vf.ModelContext(model=self.model_name,
+                                      client=vf.EvalClientConfig(base_url=base_url, api_key_var=variable))
+            episode = await served.env.run_episode(task, context)
+        finally:
+            os.environ.pop(variable, None)
+            await _drop_client(served.env, context.client)
         return episode_outcome(episode, self.agent_name)
 
     def close(self) -> None:
@@ -261,6 +271,20 @@ class VerifiersEnvironment(AgentEnvironment):
                 asyncio.run_coroutine_threadsafe(entry.stack.aclose(), entry.loop).result(timeout=60)
             except Exception:  # closing must not hide the run's own outcome
                 pass
+
+
+async def _drop_client(env: Any, config: Any) -> None:
+    """Close the HTTP client verifiers' interception server keeps for ``config`` (one per distinct
+    endpoint configuration, kept until the server stops): each episode has a base URL and a token of its
+    own, so without this every episode would leave one open behind."""
+    interception = getattr(env, "_interception", None)
+    key = config.model_dump_json()
+    for server in getattr(interception, "servers", None) or [interception]:
+        clients = getattr(server, "clients", None)
+        client = clients.pop(key, None) if isinstance(clients, dict) else None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
 
 
 def episode_outcome(episode: Any, name: str) -> dict:
