@@ -232,6 +232,25 @@ def base_accuracy(args, task: str) -> float:
     return float(first["eval_success_rate"])
 
 
+def _same_as_the_gate(args, cell: Cell, root: Path) -> dict | None:
+    """At K = 0 nothing is stale: when the gate's run of the same seed dropped no trajectory and every
+    trajectory's drift in this column's metric stayed within the column's delta, this column's run is
+    the same computation (the gate decides nothing), so its result is that run's, marked as such."""
+    if cell.grid != "main" or cell.lag != 0 or cell.column not in ("gate_off", "kpop", "k3", "log_ratio"):
+        return None
+    gate = root / cell.task / f"main_K0_gate_s{cell.seed}" / "result.json"
+    if not gate.is_file():
+        return None
+    result = json.loads(gate.read_text())
+    metric = COLUMN_METRIC.get(cell.column, "binary_kl")
+    delta = math.inf if cell.column == "gate_off" else float(args.metric_deltas.get(metric, math.nan))
+    if result["gated_share"] != 0.0 or not result["drift"].get(metric, {}).get("max", math.inf) <= delta:
+        return None
+    return dict(result, column=cell.column, flags=cell.flags, wall_s=0.0,
+                identical_to=gate.parent.name, reason=f"K = 0: the gate dropped nothing and every trajectory's "
+                f"{metric} drift (max {result['drift'][metric]['max']:.3g}) is within delta {delta:g}")
+
+
 def _load() -> str:
     try:
         return f"load average {os.getloadavg()[0]:.1f}"
@@ -248,6 +267,12 @@ def run_grid(args) -> None:
     for i, cell in enumerate(todo, 1):
         folder = root / cell.task / cell.name
         if (folder / "result.json").is_file():
+            continue
+        same = _same_as_the_gate(args, cell, root)
+        if same is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "result.json").write_text(json.dumps(same, indent=1))
+            print(f"[{i}/{len(todo)}] {cell.name}: {same['reason']}: the gate's run", flush=True)
             continue
         while (root / "PAUSE").exists():
             (root / "STATUS").write_text(f"paused before {cell.name} ({time.strftime('%H:%M:%S')})\n")
