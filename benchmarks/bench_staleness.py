@@ -330,27 +330,70 @@ def _results(root: Path, task: str) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((root / task).glob("*/result.json"))]
 
 
-def _table(rows: list[dict], key_row: str, key_col: str, base: float) -> tuple[list[str], list[list[str]]]:
-    row_keys = sorted({r[key_row] for r in rows}, key=lambda x: (isinstance(x, str), x))
-    col_keys = [c for c in list(COLUMNS) + sorted({r[key_col] for r in rows}) if c in {r[key_col] for r in rows}]
-    col_keys = list(dict.fromkeys(col_keys))
-    header = [key_row] + col_keys
-    lines = []
-    for rk in row_keys:
-        line = [str(rk)]
-        for ck in col_keys:
-            cell = [r for r in rows if r[key_row] == rk and r[key_col] == ck]
-            if not cell:
-                line.append("-")
+def _ordered(keys) -> list:
+    return sorted(keys, key=lambda x: (isinstance(x, str), x))
+
+
+def _columns(rows: list[dict], key_col: str) -> list:
+    present = {r[key_col] for r in rows}
+    return [c for c in list(COLUMNS) if c in present] + sorted(present - set(COLUMNS))
+
+
+def _tables(rows: list[dict], key_row: str, key_col: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """One table per statistic: rows ``key_row``, columns ``key_col``; a cell is the mean over seeds and the
+    range (or, for the gradient norm, the largest; for collapses, how many of the seeds)."""
+    row_keys, col_keys = _ordered({r[key_row] for r in rows}), _columns(rows, key_col)
+    stats = [("final held-out greedy accuracy (%), mean (min-max)",
+              lambda c: _spread([r["final_accuracy"] for r in c], ".1f", 100)),
+             ("area under the accuracy curve (%), mean (min-max)", lambda c: _spread([r["auc"] for r in c], ".1f", 100)),
+             ("share of trajectories the gate dropped (%)",
+              lambda c: f"{100 * statistics.fmean(r['gated_share'] for r in c):.1f}"),
+             ("largest gradient norm (before clipping)", lambda c: f"{max(r['grad_norm_max'] or 0.0 for r in c):.3g}"),
+             ("collapses (an evaluation 20 points below the run's earlier peak) / seeds",
+              lambda c: f"{sum(r['collapsed'] for r in c)}/{len(c)}")]
+    out = []
+    for title, fn in stats:
+        lines = []
+        for rk in row_keys:
+            line = [str(rk)]
+            for ck in col_keys:
+                cell = [r for r in rows if r[key_row] == rk and r[key_col] == ck]
+                line.append(fn(cell) if cell else "-")
+            lines.append(line)
+        out.append((title, [key_row] + [str(c) for c in col_keys], lines))
+    return out
+
+
+def _verdicts(rows: list[dict], base: float) -> list[str]:
+    """The main grid's questions, answered from the finished cells: where a neighbour beats the gate, and
+    the gate's gain kept at each lag against K = 0."""
+    out = []
+    for lag in _ordered({r["lag"] for r in rows}):
+        gate = [r for r in rows if r["lag"] == lag and r["column"] == "gate"]
+        if not gate:
+            continue
+        g_final, g_auc = (statistics.fmean(r[k] for r in gate) for k in ("final_accuracy", "auc"))
+        better = []
+        for col in _columns(rows, "column"):
+            if col == "gate":
                 continue
-            final = _spread([r["final_accuracy"] for r in cell], ".1f", 100)
-            auc = _spread([r["auc"] for r in cell], ".1f", 100)
-            gated = statistics.fmean(r["gated_share"] for r in cell)
-            grad = max(r["grad_norm_max"] or 0.0 for r in cell)
-            collapses = sum(r["collapsed"] for r in cell)
-            line.append(f"{final} / {auc} / {gated:.2f} / {grad:.2g} / {collapses}c n={len(cell)}")
-        lines.append(line)
-    return header, lines
+            other = [r for r in rows if r["lag"] == lag and r["column"] == col]
+            if not other:
+                continue
+            o_final, o_auc = (statistics.fmean(r[k] for r in other) for k in ("final_accuracy", "auc"))
+            if o_final > g_final or o_auc > g_auc:
+                better.append(f"{col} ({100 * o_final:.1f} / {100 * o_auc:.1f})")
+        out.append(f"- K = {lag}: the gate {100 * g_final:.1f} final / {100 * g_auc:.1f} AUC (n = {len(gate)}); "
+                   f"beaten on final accuracy or AUC by: {', '.join(better) if better else 'none'}")
+    k0 = [r for r in rows if r["lag"] == 0 and r["column"] == "gate"]
+    if k0:
+        gain0 = statistics.fmean(r["final_accuracy"] for r in k0) - base
+        for lag in _ordered({r["lag"] for r in rows} - {0}):
+            k = [r for r in rows if r["lag"] == lag and r["column"] == "gate"]
+            if k and gain0 > 0:
+                kept = (statistics.fmean(r["final_accuracy"] for r in k) - base) / gain0
+                out.append(f"- the gate's gain over the base model at K = {lag}: {100 * kept:.0f}% of its K = 0 gain")
+    return out
 
 
 def _markdown(header: list[str], lines: list[list[str]]) -> str:
@@ -373,16 +416,25 @@ def report(args) -> None:
             name = f"{r['grid']}_K{r['lag']}_{r['column']}_lr{_lr_text(r['lr'])}_s{r['seed']}.json"
             (target / name).write_text(json.dumps(r, indent=1))
         (target / "base.json").write_text((root / task / "base.json").read_text())
-        text = [f"# {task}: base model held-out greedy accuracy {100 * base:.1f}\n",
-                "Cells: final accuracy (mean, min-max over seeds) / AUC / gated share / largest gradient norm / "
-                "collapses, n seeds\n"]
+        text = [f"# {task}: base model held-out greedy accuracy {100 * base:.1f}\n"]
         for grid, key_row, key_col in (("pilot", "lr", "column"), ("main", "lag", "column"),
                                        ("delta", "lag", "column"), ("groups", "lag", "column")):
             rows = [r for r in results if r["grid"] == grid]
+            if grid == "delta":  # the main grid's gate (its delta) and gate-off cells at the sweep's lag belong here
+                lags = {r["lag"] for r in rows}
+                rows += [dict(r, column="delta" + ("inf" if r["column"] == "gate_off" else "default"))
+                         for r in results if r["grid"] == "main" and r["lag"] in lags and r["column"] in ("gate",
+                                                                                                          "gate_off")]
             if not rows:
                 continue
-            header, lines = _table(rows, key_row, key_col, base)
-            text.append(f"## {grid}\n\n" + _markdown(header, lines) + "\n")
+            text.append(f"## {grid}\n")
+            for title, header, lines in _tables(rows, key_row, key_col):
+                text.append(f"{title}:\n\n" + _markdown(header, lines) + "\n")
+            if grid == "main":
+                text.append("\n".join(_verdicts(rows, base)) + "\n")
+            if grid == "groups":
+                text.append("distinct problems trained on: " + ", ".join(
+                    f"{r['column']} seed {r['seed']}: {r['distinct_problems']}" for r in rows) + "\n")
             _figure(rows, grid, key_row, key_col, base, data / f"{task}_{grid}.png")
         drift_rows = [r for r in results if r["grid"] in ("main", "pilot") and r["column"] == "gate_off"]
         if drift_rows:
