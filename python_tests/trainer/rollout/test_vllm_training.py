@@ -86,9 +86,8 @@ def test_a_killed_vllm_engine_core_stops_the_run_with_one_line_and_a_checkpoint(
         while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
             assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach two updates"
             time.sleep(0.5)
-        children = {int(p): " ".join(Path(f"/proc/{p}/cmdline").read_text().split("\0")) for p in os.listdir("/proc")
-                    if p.isdigit() and (proc_stat(int(p)) or ["", "0"])[1] == str(proc.pid)}
-        core = next(pid for pid, command in children.items() if "EngineCore" in command)
+        children = _descendants_of(proc.pid)  # {pid: (start time, command line)}
+        core = next(pid for pid, (_, command) in children.items() if "EngineCore" in command)
         os.kill(core, signal.SIGKILL)
         stdout, stderr = proc.communicate(timeout=600)
     finally:
@@ -100,5 +99,45 @@ def test_a_killed_vllm_engine_core_stops_the_run_with_one_line_and_a_checkpoint(
     assert f"process {core} ended unexpectedly" in line and "EngineCore" in line and "--resume" in line, line
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step_{steps[-1]:08d}"
-    assert not any(os.path.exists(f"/proc/{pid}") and (proc_stat(pid) or ["Z"])[0] not in ("Z", "X")
-                   for pid in children)  # none of vLLM's processes is left
+    # None of the processes the run had is left. multiprocessing's helpers (its resource tracker) end on
+    # their own once they see the trainer gone, which can take a moment after the trainer's exit.
+    left = _still_running(children)
+    deadline = time.monotonic() + 60
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _still_running(children)
+    assert not left, f"still running after the trainer ended: {left}"
+
+
+def _descendants_of(root: int) -> dict:
+    """``{pid: (start time, command line)}`` of the processes under ``root``."""
+    from flashreinforce.engines.vllm_process import proc_stat
+
+    parents, info = {}, {}
+    for name in os.listdir("/proc"):
+        fields = proc_stat(int(name)) if name.isdigit() else None
+        if fields is not None and len(fields) > 19:
+            parents.setdefault(int(fields[1]), []).append(int(name))
+            try:
+                command = " ".join(Path(f"/proc/{name}/cmdline").read_text().split("\0")).strip()
+            except OSError:
+                command = ""
+            info[int(name)] = (fields[19], command)
+    out, todo = {}, [root]
+    while todo:
+        for child in parents.get(todo.pop(), ()):
+            if child not in out:
+                out[child] = info[child]
+                todo.append(child)
+    return out
+
+
+def _still_running(procs: dict) -> dict:
+    from flashreinforce.engines.vllm_process import proc_stat
+
+    alive = {}
+    for pid, (started, command) in procs.items():
+        fields = proc_stat(pid)
+        if fields is not None and len(fields) > 19 and fields[19] == started and fields[0] not in ("Z", "X"):
+            alive[pid] = command
+    return alive
