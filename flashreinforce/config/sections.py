@@ -87,6 +87,10 @@ class ActorConfig(Freezable):
     min_lr_ratio: float = option("float", 0.1, "final learning rate of cosine_with_min_lr, as a fraction of lr",
                                  minimum=0, maximum=1)
     max_norm: float = option("float", 1.0, "gradient-norm clipping threshold (<= 0: no clipping)")
+    step_on_zero_gradient: bool = option("bool", True, "make the optimizer step when the update's gradient is exactly "
+                                         "zero (the gate admitted nothing, or every advantage was 0): AdamW's momentum "
+                                         "and weight decay still move the weights; false: weights and optimizer state "
+                                         "stay, the schedule and the version advance")
     gradient_checkpoint: str = option("str", "none", "activation checkpointing of the learner model: full or none",
                                       choices=("full", "none", "true", "false"))
     num_nodes: int = option("int", 1, "learner nodes (the learner's ranks are torchrun's)", minimum=1)

@@ -55,7 +55,10 @@ class LearnerSettings:
     ``loss_scale_factor`` and ``eps_clip_low_high`` flags and ``algo.advantage.no_whiten``). lr,
     weight_decay, betas [actor.adam.*]; scheduler [actor.lr_scheduler], warmup_ratio
     [actor.lr_warmup_ratio], min_lr_ratio [actor.min_lr_ratio], total_steps (optimizer steps of the
-    run); max_norm [actor.max_norm, <= 0: no clipping]; entropy_coef [actor.entropy_coef];
+    run); max_norm [actor.max_norm, <= 0: no clipping]; step_on_zero_gradient
+    [actor.step_on_zero_gradient]: an update whose gradient is exactly zero still makes the optimizer step
+    (AdamW's momentum and weight decay move the weights); false: it leaves the weights and the optimizer's
+    state as they were (the scheduler steps and the version advances all the same); entropy_coef [actor.entropy_coef];
     temperature: the sampling temperature the log-probabilities are computed at [rollout.temperature];
     micro_batch_trajectories [train.micro_batch_size] and micro_batch_tokens (0: no limit);
     packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
@@ -79,6 +82,7 @@ class LearnerSettings:
     min_lr_ratio: float = 0.1
     total_steps: int = 1
     max_norm: float = 1.0
+    step_on_zero_gradient: bool = True
     entropy_coef: float = 0.0
     temperature: float = 1.0
     micro_batch_trajectories: int = 0
@@ -371,8 +375,10 @@ class Learner:
     def apply_gradients(self) -> dict[str, float]:
         """Clip the accumulated gradients, make one optimizer and scheduler step, bump the version.
 
-        Returns ``grad_norm`` (before clipping) and ``lr`` (of this step). Raises ``FloatingPointError``
-        (gradients dropped, weights and version unchanged) when the gradient norm is not finite.
+        Returns ``grad_norm`` (before clipping), ``lr`` (of this step) and ``optimizer_step_skipped`` (1 when
+        the gradient was exactly zero and ``step_on_zero_gradient`` is false: weights and optimizer state
+        unchanged, scheduler and version advanced). Raises ``FloatingPointError`` (gradients dropped,
+        weights and version unchanged) when the gradient norm is not finite.
         """
         s = self.settings
         params = [p for p in self.scorer.parameters() if p.grad is not None]
@@ -386,11 +392,13 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        skip = grad_norm == 0.0 and not s.step_on_zero_gradient
+        if not skip:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr, "optimizer_step_skipped": float(skip)}
 
     def accumulate_gradients(self, trajectories: Sequence[Trajectory],
                              group_ids: Sequence[int] | None = None) -> dict[str, float]:

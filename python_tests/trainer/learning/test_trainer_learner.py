@@ -293,3 +293,32 @@ def test_deferred_loss_errors_with_collective_forwards_are_kept_not_raised():
     learner.defer_loss_errors = True
     parts = learner.accumulate_gradient_parts(trajs, BatchTotals.of(trajs, None, settings), collective_forwards=True)
     assert isinstance(parts.error, ValueError) and "log probability 0.5" in str(parts.error)
+
+
+def _gated_out_batch(model, seed):
+    """A batch the trust gate admits nothing of: the behavior policy was nearly sure of every token
+    (probability 0.99) that the current one gives about 1/50."""
+    return [Trajectory(t.token_ids, t.action_mask, [math.log(0.99) if m else 0.0 for m in t.action_mask],
+                       reward=t.reward, failed=t.failed) for t in random_batch(seed, model, n=4)]
+
+
+@pytest.mark.parametrize("step_on_zero", [True, False])
+def test_a_zero_gradient_update_steps_adamw_only_when_asked(step_on_zero):
+    # A batch the gate admits nothing of has a gradient of exactly zero. AdamW still moves the weights
+    # (momentum of the earlier updates, weight decay) unless step_on_zero_gradient is false.
+    model = tiny_model(11)
+    learner = Learner(model, LearnerSettings(lr=1e-2, weight_decay=0.1, loss=LossOptions(delta=0.05),
+                                             step_on_zero_gradient=step_on_zero))
+    first = learner.step(random_batch(3, model, n=4))  # an ordinary update: the optimizer gets momentum
+    assert first["grad_norm"] > 0 and first["optimizer_step_skipped"] == 0.0
+    weights = copy.deepcopy(model.state_dict())
+    moments = copy.deepcopy(learner.optimizer.state_dict()["state"])
+    out = learner.step(_gated_out_batch(model, 4))
+    assert out["acceptance_rate"] == 0.0 and out["grad_norm"] == 0.0
+    assert learner.version == 2  # the update counts either way (schedule and version advance)
+    moved = any(not torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert moved is step_on_zero
+    assert out["optimizer_step_skipped"] == float(not step_on_zero)
+    if not step_on_zero:
+        state = learner.optimizer.state_dict()["state"]
+        assert all(torch.equal(state[i][name], moments[i][name]) for i in moments for name in moments[i])
