@@ -30,3 +30,17 @@ def generator(seed) -> torch.Generator:
 
 cuda_available = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not cuda_available, reason="needs a CUDA device (none found)")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_gguf_cache(tmp_path_factory):
+    """The tests' dequantized GGUF files go to a cache of their own (flashreinforce.models.gguf_cache),
+    not the user's; subprocesses inherit it through the environment."""
+    if "FLASHREINFORCE_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["FLASHREINFORCE_CACHE_DIR"] = str(tmp_path_factory.mktemp("flashreinforce-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("FLASHREINFORCE_CACHE_DIR", None)
