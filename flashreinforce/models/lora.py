@@ -29,9 +29,9 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_name", "frozen_state_names",
-           "has_lora", "is_adapter_name", "load_adapter_dir", "merged_model", "peft_adapter_state", "save_adapter",
-           "write_adapter"]
+__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_model_copy", "base_name",
+           "frozen_state_names", "has_lora", "is_adapter_name", "load_adapter_dir", "merged_model",
+           "peft_adapter_state", "save_adapter", "write_adapter"]
 
 #: ``lora.target_modules default``: the attention and MLP projections of the Llama / Qwen / Mistral
 #: families (the names ``transformers`` gives them).
@@ -276,6 +276,28 @@ def merged_model(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(merged, "_flashreinforce_lora"):
         del merged._flashreinforce_lora
     return merged
+
+
+def base_model_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` without its adapters: the frozen base weights the adapters were trained on (in
+    their dtype), as a plain model, the base of an exported adapter."""
+    base = copy.deepcopy(model)
+    if not has_lora(base):
+        return base
+    _import_peft()
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(base.named_modules()):
+        if isinstance(module, LoraLayer):
+            parent_name, _, child = name.rpartition(".")
+            parent = base.get_submodule(parent_name) if parent_name else base
+            setattr(parent, child, module.get_base_layer())
+    for p in base.parameters():
+        p.requires_grad_(True)
+    for attr in ("_flashreinforce_lora", "peft_config", "_hf_peft_config_loaded"):
+        if attr in vars(base):
+            delattr(base, attr)
+    return base
 
 
 def load_adapter_dir(directory: str | Path, base: torch.nn.Module) -> torch.nn.Module:
