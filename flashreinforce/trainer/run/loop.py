@@ -50,7 +50,7 @@ from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_i
 from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
-from flashreinforce.trainer.run.interrupts import InterruptWatch, signal_label
+from flashreinforce.trainer.run.interrupts import SIGNALS, InterruptWatch, signal_label
 from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
@@ -59,8 +59,11 @@ from flashreinforce.trainer.run.prechecks import check_before_model, check_rollo
 from flashreinforce.trainer.persistence.run_dir import RunLock, create_output, remove_created
 from flashreinforce.trainer.persistence.run_history import HistoryRecord
 from flashreinforce.trainer.reporting.summary import write_run_summary
+from flashreinforce.analysis.runs import read_jsonl
 from flashreinforce.trainer.run.watchdog import Watchdog
-from flashreinforce.models.lora import has_lora, merged_model, save_adapter
+from flashreinforce.models.lora import has_lora
+from flashreinforce.trainer.persistence.export import export_policy
+from flashreinforce.trainer.rollout.agent_worker import is_agent_spec
 from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
 from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
@@ -71,6 +74,10 @@ log = logging.getLogger("flashreinforce.trainer")
 
 #: A reward of at least this magnitude is named when an update is skipped for a non-finite gradient.
 LARGE_REWARD = 1e6
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 class Trainer:
@@ -222,15 +229,11 @@ class Trainer:
 
     def _export(self) -> None:
         """The final policy in Hugging Face format in ``hf/``; with LoRA, the adapters merged in, and the
-        adapters alone in PEFT's format in ``hf/adapter`` (``peft.PeftModel.from_pretrained(base, ...)``)."""
-        self.hf_dir.mkdir(parents=True, exist_ok=True)
+        adapters alone in PEFT's format in ``hf/adapter`` with a loadable base
+        (:mod:`~flashreinforce.trainer.persistence.export`)."""
         model = self.learner.full_model() if self.learner.sharded else self.model
-        if has_lora(model):
-            save_adapter(model, self.hf_dir / "adapter", base_model=str(self.cfg.actor.model_name_or_path))
-            self.tokenizer.save_pretrained(self.hf_dir / "adapter")
-            model = merged_model(model)
-        model.save_pretrained(str(self.hf_dir))
-        self.tokenizer.save_pretrained(self.hf_dir)
+        export_policy(self.hf_dir, model, self.tokenizer, base_spec=str(self.cfg.actor.model_name_or_path),
+                      checkpoints_dir=self.ckpt_dir, agent=is_agent_spec(self.envs.spec.spec))
 
     def _make_workers(self) -> RolloutBackend:
         return self.rollout.make_workers(
@@ -284,13 +287,43 @@ class Trainer:
     def _write_eval(self, metrics: dict[str, float]) -> None:
         append_eval_record(self.out / "eval.jsonl", self.step, metrics)
 
+    def _evaluates_at_stop(self) -> bool:
+        eval_cfg = self.cfg.eval
+        return bool(eval_cfg.eval_at_stop and (eval_cfg.steps or eval_cfg.every_min or eval_cfg.eval_at_start))
+
+    def _evaluate_at_stop(self, note, train_s: float) -> None:
+        """The final policy's evaluation (``eval.eval_at_stop``), unless ``eval.jsonl`` already ends with one
+        of this update; Ctrl-C skips it (the checkpoint is saved by then)."""
+        records = read_jsonl(self.out / "eval.jsonl")
+        if not self._evaluates_at_stop() or (records and records[-1].get("step") == self.step):
+            return
+        # From here Ctrl-C or SIGTERM ends this evaluation only (the checkpoint is saved).
+        self._watch_signals.uninstall()
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, _raise_interrupt) for s in SIGNALS} if main else {}
+        try:
+            note(self._eval_note(f"evaluation at stop (update {self.step})"))
+            ev = self.evaluate()
+        except KeyboardInterrupt:
+            note("flashreinforce: evaluation at stop skipped (interrupted); the checkpoint is saved")
+            return
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        self._write_eval(dict(ev, train_time_s=train_s))
+        note(f"eval at stop (update {self.step}): reward {ev['eval_reward_mean']:.3f}, success "
+             f"{ev['eval_success_rate']:.3f}")
+        self.callbacks.on_eval(self.step, dict(ev, train_time_s=train_s))
+
     # ------------------------------------------------------------------ signals
     def _interrupt_message(self) -> str:
         signum = self._watch_signals.first_signal if self._watch_signals is not None else None
         what = signal_label(signum)
+        then = "saves a checkpoint, evaluates the policy" if self._evaluates_at_stop() else "saves a checkpoint"
+        after = f" (once the checkpoint is saved: skips the evaluation)" if self._evaluates_at_stop() else ""
         return (f"flashreinforce: interrupted ({what}): the run stops when update {self.step + 1} (in progress) "
-                f"ends, then saves a checkpoint and exits with status {128 + int(signum or signal.SIGINT)}; "
-                f"{what} again aborts without saving")
+                f"ends, then {then} and exits with status {128 + int(signum or signal.SIGINT)}; "
+                f"{what} again aborts without saving{after}")
 
     def _skipped(self, err: FloatingPointError, trajectories, in_a_row: int) -> None:
         """Report an update skipped for a non-finite gradient; :class:`RunFailure` once
@@ -467,6 +500,7 @@ class Trainer:
             # Training time: wall time without evaluations and checkpoint saves (earlier sessions included),
             # the clock of eval.every_min and of train_time_s in metrics.jsonl.
             train_before, pauses = self.counters.get("train_time_s", 0.0), 0.0
+            metrics_log.start_clock(train_before)
             every_s = cfg.eval.every_min * 60.0
             next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
             skipped_in_a_row = 0
@@ -570,6 +604,8 @@ class Trainer:
         if status in ("completed", "stopped"):
             log.info("exporting the model to %s ...", self.hf_dir)
             self._export()
+        if status in ("completed", "stopped", "interrupted"):
+            self._evaluate_at_stop(metrics_log.note, self.counters.get("train_time_s", 0.0))
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
         summary["summary_file"] = str(write_run_summary(
@@ -577,7 +613,9 @@ class Trainer:
             policy_version=self.learner.version, training_wall_s=self.counters["wall_time_s"],
             session_started=self._started, resumed=self._resume_point is not None, checkpoints_dir=self.ckpt_dir,
             checkpoint=ckpt, export_dir=self.hf_dir if status in ("completed", "stopped") else None,
-            extra={"stop_reason": self.stop_reason} if self.stop_reason else None))
+            extra={"stop_reason": self.stop_reason} if self.stop_reason else None,
+            train_time_s=self.counters.get("train_time_s"),
+            warn_no_tool_calls_steps=cfg.logger.warn_no_tool_calls_steps))
         # The training reward as summary.json has it (over every session's updates), so that both say the same.
         written = json.loads(Path(summary["summary_file"]).read_text())
         summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})
