@@ -4,14 +4,17 @@ The same wire format as the agent endpoint of training (:mod:`.protocol`), the s
 ``messages`` and ``tools`` into token ids (:class:`~.chat.ChatRenderer`: the model's chat template,
 the Hermes tool form where the template has none) and the same tool-call parsers
 (:mod:`.toolcalls`), so that an agent written against the OpenAI API runs, and can be evaluated,
-with the code it was trained with. Unlike training there are no episodes: the routes are the usual
-ones and every call renders its messages afresh.
+with the code it was trained with. Unlike training, every call renders its messages afresh (no
+conversation is kept between calls).
 
 * ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
-* The same refusals as the training endpoint (``n`` other than 1, ``stream``, penalties,
-  ``top_logprobs``, ...). ``temperature``, ``top_p`` and ``max_tokens`` default to the served run's
-  (``rollout.temperature``, ``rollout.top_p``, ``rollout.max_new_tokens``); a prompt must leave room
-  in ``max_len`` (the run's ``data.max_len``). ``seed`` is ignored: each call draws its own.
+* It is the training endpoint's app (:class:`~.server.AgentServer`) serving one episode, whose calls
+  the usual routes take: its API key (``Authorization: Bearer KEY``, 401 without it; the ``api_key``
+  given, else a random one), its limits (connections, header and body time, body size, strict JSON)
+  and its refusals (``n`` other than 1, ``stream``, penalties, ``top_logprobs``, ...).
+* ``temperature``, ``top_p`` and ``max_tokens`` default to the served run's (``rollout.temperature``,
+  ``rollout.top_p``, ``rollout.max_new_tokens``); a prompt must leave room in ``max_len`` (the run's
+  ``data.max_len``). ``seed`` is ignored: each call draws its own.
 
 :class:`ServeEndpoint` serves; a thread of its own takes the queued calls, groups those with the
 same sampling and hands each group to ``sample`` (one batched generation: ``flashreinforce serve``
@@ -19,7 +22,6 @@ passes its engine's). Nothing here imports torch.
 """
 
 # No ``from __future__ import annotations``: FastAPI reads the routes' annotations (``Request``) at run time.
-import json
 import logging
 import queue
 import secrets
@@ -29,12 +31,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flashreinforce.agents.chat import ChatRenderer
-from flashreinforce.agents.protocol import (APIError, CallRequest, chat_request, chat_response, completion_request,
-                                            completion_response, error_body, models_body)
+from flashreinforce.agents.protocol import APIError, CallRequest, chat_response, completion_response
 from flashreinforce.agents.server import AgentServer, PendingCall
 from flashreinforce.agents.toolcalls import get_parser
 
-__all__ = ["Sample", "SampleRequest", "ServeEndpoint", "ServeSettings"]
+__all__ = ["SERVED", "Sample", "SampleRequest", "ServeEndpoint", "ServeSettings"]
+
+#: The one episode of the training endpoint this endpoint serves: every call is one of its calls.
+SERVED = "served"
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +90,12 @@ class ServeEndpoint(AgentServer):
 
     def __init__(self, tokenizer, stop_token_ids: Sequence[int], decode: Callable[[Sequence[int]], str],
                  sample: Sampler, settings: ServeSettings = ServeSettings(), *, host: str = "127.0.0.1",
-                 port: int = 8000) -> None:
+                 port: int = 8000, api_key: str | None = None) -> None:
         super().__init__(host=host, port=port, model_name=settings.model_name)
+        #: What clients send as their API key (``Authorization: Bearer KEY``): ``api_key``, else a random one.
+        self.api_key = self.open_episode(SERVED)
+        if api_key:
+            self._tokens[SERVED] = self.api_key = str(api_key)
         self.tok, self.decode, self.sample, self.settings = tokenizer, decode, sample, settings
         self.stop_token_ids = tuple(int(i) for i in stop_token_ids)
         self.parse = get_parser(settings.tool_parser)
@@ -120,58 +128,28 @@ class ServeEndpoint(AgentServer):
 
     # ------------------------------------------------------------------ the app
     def app(self):
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-        from starlette.exceptions import HTTPException
+        """The training endpoint's app (its request checks, limits and API-key check) with the usual routes:
+        ``/v1/...`` answer as the one episode this endpoint serves, and ``GET /health``."""
+        from fastapi import Request
 
-        app = FastAPI(title="flashreinforce serve", docs_url=None, redoc_url=None, openapi_url=None)
+        app = super().app()
+        routes = {getattr(r, "path", None): r for r in app.router.routes}
+        chat = routes["/episodes/{episode}/v1/chat/completions"].endpoint
+        completions = routes["/episodes/{episode}/v1/completions"].endpoint
+        app.router.routes = [r for r in app.router.routes
+                             if getattr(r, "path", None) not in ("/v1/chat/completions", "/v1/completions")]
 
-        def error(err: APIError) -> JSONResponse:
-            return JSONResponse(error_body(err), status_code=err.status)
+        @app.post("/v1/chat/completions")
+        async def served_chat(request: Request):
+            return await chat(SERVED, request)
 
-        @app.exception_handler(HTTPException)
-        async def http_error(request, exc: HTTPException):
-            code = "not_found" if exc.status_code == 404 else None
-            return error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", code=code))
-
-        @app.get("/v1/models")
-        async def models():
-            return models_body(self.model_name)
+        @app.post("/v1/completions")
+        async def served_completions(request: Request):
+            return await completions(SERVED, request)
 
         @app.get("/health")
         async def health():
             return {"status": "ok", "served": self.served}
-
-        async def submit(request: Request, parse) -> JSONResponse:
-            import asyncio
-
-            self.requests += 1
-            try:
-                body = json.loads(await request.body())
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                return error(APIError(400, f"the request body is not valid JSON ({err})"))
-            try:
-                checked = parse(body)
-            except APIError as err:
-                return error(err)
-            loop = asyncio.get_running_loop()
-            future = loop.create_future()
-
-            def settle(status: int, payload: dict[str, Any]) -> None:
-                if not future.done():
-                    future.set_result((status, payload))
-
-            self.calls.put(PendingCall("", checked, lambda s, p: loop.call_soon_threadsafe(settle, s, p)))
-            status, payload = await future
-            return JSONResponse(payload, status_code=status)
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            return await submit(request, chat_request)
-
-        @app.post("/v1/completions")
-        async def completions(request: Request):
-            return await submit(request, completion_request)
 
         return app
 

@@ -1,7 +1,8 @@
 """``flashreinforce serve``: an OpenAI-compatible endpoint over a trained run or any model ``--model`` takes.
 
 ``flashreinforce serve RUN_OR_MODEL [--host H] [--port P] [--model_name NAME] [--tool_parser NAME]
-[--temperature T] [--top_p P] [--top_k K] [--max_tokens N] [--max_len N] [--device D] [--torch_threads N]``
+[--temperature T] [--top_p P] [--top_k K] [--max_tokens N] [--max_len N] [--api_key KEY] [--device D]
+[--torch_threads N]``
 
 ``RUN_OR_MODEL`` is what ``--model`` takes: a run directory (its newest checkpoint; the adapters of a
 LoRA run merged into its base), its ``hf`` export or ``hf/adapter`` folder (base and adapter), a
@@ -9,8 +10,10 @@ Hugging Face folder, a ``.gguf`` file or an alias. Calls are rendered and their 
 as during training (:mod:`flashreinforce.agents.serving`), and sampled by the project's own engine
 with the run's settings as defaults: ``rollout.temperature``, ``rollout.top_p``, ``rollout.top_k``,
 ``rollout.max_new_tokens`` (``max_tokens``), ``data.max_len``, and, for an agent run, its
-``tool_parser`` and ``model_name`` (a flag given here wins). Serves until Ctrl-C or SIGTERM; one line
-on stderr gives the ``base_url``. Exit status 0, or 2 for a model or option that cannot be served.
+``tool_parser`` and ``model_name`` (a flag given here wins). Clients send the API key
+(``--api_key``, ``$FLASHREINFORCE_SERVE_API_KEY``, else a random one); the endpoint has the training
+endpoint's limits. Serves until Ctrl-C or SIGTERM; one line on stderr gives the ``base_url`` (and a
+random key). Exit status 0, or 2 for a model or option that cannot be served.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["serve", "start_endpoint"]
+__all__ = ["API_KEY_ENV", "serve", "start_endpoint"]
+
+#: The API key clients must send, when ``--api_key`` is not given (else a random one is printed).
+API_KEY_ENV = "FLASHREINFORCE_SERVE_API_KEY"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                                                   "rollout.max_new_tokens, else 512)")
     p.add_argument("--max_len", type=int, help="prompt and answer tokens at most (default: the run's data.max_len, "
                                                "else the model's maximum position)")
+    p.add_argument("--api_key", help="the API key clients must send (default: $FLASHREINFORCE_SERVE_API_KEY, else a "
+                                     "random one, printed at the start)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--torch_threads", type=int, help="PyTorch intra-op threads (default: PyTorch's)")
     return p
@@ -124,7 +133,8 @@ def start_endpoint(args: dict[str, Any]):
 
     try:
         endpoint = ServeEndpoint(tokenizer.tok, tokenizer.eos_token_ids, tokenizer.decode, sample, settings,
-                                 host=args.get("host") or "127.0.0.1", port=int(args.get("port", 8000)))
+                                 host=args.get("host") or "127.0.0.1", port=int(args.get("port", 8000)),
+                                 api_key=args.get("api_key") or os.environ.get(API_KEY_ENV) or None)
     except ValueError as err:  # an unknown tool parser
         raise ConfigError(f"--tool_parser: {err}") from None
     endpoint.start()
@@ -151,8 +161,9 @@ def serve(argv: Sequence[str]) -> int:
         print(f"flashreinforce serve: error: {err}", file=sys.stderr)
         return 2
     s = endpoint.settings
-    print(f"flashreinforce serve: {args['model']} at {endpoint.url} (model name {s.model_name!r}; defaults "
-          f"{json.dumps({k: getattr(s, k) for k in ('temperature', 'top_p', 'top_k', 'max_tokens', 'max_len')})}, "
+    key = "the API key given" if args.get("api_key") or os.environ.get(API_KEY_ENV) else f"API key {endpoint.api_key}"
+    print(f"flashreinforce serve: {args['model']} at {endpoint.url} ({key}; model name {s.model_name!r}; "
+          f"defaults {json.dumps({k: getattr(s, k) for k in ('temperature', 'top_p', 'top_k', 'max_tokens', 'max_len')})}, "
           f"tool parser {s.tool_parser}); Ctrl-C stops", file=sys.stderr, flush=True)
     done = threading.Event()
     previous = signal.signal(signal.SIGTERM, lambda *_: done.set())

@@ -131,7 +131,7 @@ def test_serve_over_the_run_and_over_the_adapter_answers_the_openai_client(run):
             if model == out:  # the run's own sampling and lengths are the defaults
                 assert (s.temperature, s.max_tokens, s.max_len, s.tool_parser, s.model_name) == (0.9, 4, 2048, "hermes",
                                                                                                   "policy")
-            client = openai.OpenAI(base_url=endpoint.url, api_key="unused", max_retries=0)
+            client = openai.OpenAI(base_url=endpoint.url, api_key=endpoint.api_key, max_retries=0)
             reply = client.chat.completions.create(model="policy", messages=SEEN[0], tools=TOOLS, max_tokens=3)
             assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
             assert reply.usage.prompt_tokens == len(endpoint.prompt_ids(_chat(SEEN[0])))

@@ -66,7 +66,7 @@ def _endpoint(tok, answers, **settings):
     endpoint = ServeEndpoint(tokenizer.tok, tokenizer.eos_token_ids, tokenizer.decode, sampler,
                              ServeSettings(**{"max_len": 4096, "temperature": 0.7, **settings}), port=0)
     endpoint.start()
-    return endpoint, sampler, openai.OpenAI(base_url=endpoint.url, api_key="unused", max_retries=0)
+    return endpoint, sampler, openai.OpenAI(base_url=endpoint.url, api_key=endpoint.api_key, max_retries=0)
 
 
 def test_a_chat_call_is_rendered_as_in_training_and_its_tool_calls_parsed(tok):
@@ -107,8 +107,21 @@ def test_stop_strings_logprobs_completions_and_refusals(tok):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
         with pytest.raises(openai.BadRequestError, match="leaves no room for an answer in max_len 300"):
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 400}])
+        # the training endpoint's API-key check and limits hold here too
+        stranger = openai.OpenAI(base_url=endpoint.url, api_key="not-the-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert len(sampler.asked) == 2  # nothing sampled for it
+        assert requests_get(endpoint.root_url + "/health")["status"] == "ok"
     finally:
         endpoint.stop()
+
+
+def requests_get(url: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
 
 
 def test_the_serve_command_answers_the_openai_client_and_stops_on_sigterm(tok):
@@ -116,14 +129,13 @@ def test_the_serve_command_answers_the_openai_client_and_stops_on_sigterm(tok):
     proc = subprocess.Popen([sys.executable, "-m", "flashreinforce.cli", "serve", str(gguf), "--port", "0",
                              "--max_tokens", "3"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        url, seen, deadline = None, "", time.time() + 240
-        while url is None and time.time() < deadline and proc.poll() is None:
+        found, seen, deadline = None, "", time.time() + 240
+        while found is None and time.time() < deadline and proc.poll() is None:
             line = proc.stderr.readline()
             seen += line
-            match = re.search(r" at (http://127\.0\.0\.1:\d+/v1) ", line)
-            url = match.group(1) if match else None
-        assert url is not None, seen
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+            found = re.search(r" at (http://127\.0\.0\.1:\d+/v1) \(API key (\S+);", line)
+        assert found is not None, seen
+        client = openai.OpenAI(base_url=found.group(1), api_key=found.group(2), max_retries=0)
         reply = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hello"}])
         assert reply.usage.completion_tokens <= 3 and reply.choices[0].finish_reason in ("stop", "length")
         proc.send_signal(signal.SIGTERM)

@@ -50,7 +50,8 @@ from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_i
 from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
-from flashreinforce.trainer.run.interrupts import SIGNALS, InterruptWatch, signal_label
+from flashreinforce.trainer.run.interrupts import InterruptWatch, signal_label
+from flashreinforce.trainer.run.stop_evaluation import evaluate_at_stop, evaluates_at_stop
 from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
@@ -59,7 +60,6 @@ from flashreinforce.trainer.run.prechecks import check_before_model, check_rollo
 from flashreinforce.trainer.persistence.run_dir import RunLock, create_output, remove_created
 from flashreinforce.trainer.persistence.run_history import HistoryRecord
 from flashreinforce.trainer.reporting.summary import write_run_summary
-from flashreinforce.analysis.runs import read_jsonl
 from flashreinforce.trainer.run.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora
 from flashreinforce.trainer.persistence.export import export_policy
@@ -74,10 +74,6 @@ log = logging.getLogger("flashreinforce.trainer")
 
 #: A reward of at least this magnitude is named when an update is skipped for a non-finite gradient.
 LARGE_REWARD = 1e6
-
-
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 class Trainer:
@@ -230,8 +226,7 @@ class Trainer:
 
     def _export(self) -> None:
         """The final policy in Hugging Face format in ``hf/``; with LoRA, the adapters merged in, and the
-        adapters alone in PEFT's format in ``hf/adapter`` with a loadable base
-        (:mod:`~flashreinforce.trainer.persistence.export`)."""
+        adapters alone in PEFT's format in ``hf/adapter`` with a loadable base (persistence/export.py)."""
         model = self.learner.full_model() if self.learner.sharded else self.model
         export_policy(self.hf_dir, model, self.tokenizer, base_spec=str(self.cfg.actor.model_name_or_path),
                       checkpoints_dir=self.ckpt_dir, agent=is_agent_spec(self.envs.spec.spec))
@@ -245,9 +240,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Mean reward and success rate of the current policy on the evaluation prompts. The evaluation's
-        engine is built for the call and released after it: between evaluations the run does not hold
-        its packed weights and caches (0.5 GB for SmolLM2-135M; the frozen base is shared either way)."""
+        """Mean reward and success rate of the current policy on the evaluation prompts; the evaluation's engine
+        is released after the call (its packed weights and caches: 0.5 GB for SmolLM2-135M)."""
         if self._evaluator is None:
             cfg = self.cfg
             envs = self.eval_envs
@@ -295,40 +289,12 @@ class Trainer:
     def _write_eval(self, metrics: dict[str, float]) -> None:
         append_eval_record(self.out / "eval.jsonl", self.step, metrics)
 
-    def _evaluates_at_stop(self) -> bool:
-        eval_cfg = self.cfg.eval
-        return bool(eval_cfg.eval_at_stop and (eval_cfg.steps or eval_cfg.every_min or eval_cfg.eval_at_start))
-
-    def _evaluate_at_stop(self, note, train_s: float) -> None:
-        """The final policy's evaluation (``eval.eval_at_stop``), unless ``eval.jsonl`` already ends with one
-        of this update; Ctrl-C skips it (the checkpoint is saved by then)."""
-        records = read_jsonl(self.out / "eval.jsonl")
-        if not self._evaluates_at_stop() or (records and records[-1].get("step") == self.step):
-            return
-        # From here Ctrl-C or SIGTERM ends this evaluation only (the checkpoint is saved).
-        self._watch_signals.uninstall()
-        main = threading.current_thread() is threading.main_thread()
-        previous = {s: signal.signal(s, _raise_interrupt) for s in SIGNALS} if main else {}
-        try:
-            note(self._eval_note(f"evaluation at stop (update {self.step})"))
-            ev = self.evaluate()
-        except KeyboardInterrupt:
-            note("flashreinforce: evaluation at stop skipped (interrupted); the checkpoint is saved")
-            return
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        self._write_eval(dict(ev, train_time_s=train_s))
-        note(f"eval at stop (update {self.step}): reward {ev['eval_reward_mean']:.3f}, success "
-             f"{ev['eval_success_rate']:.3f}")
-        self.callbacks.on_eval(self.step, dict(ev, train_time_s=train_s))
-
     # ------------------------------------------------------------------ signals
     def _interrupt_message(self) -> str:
         signum = self._watch_signals.first_signal if self._watch_signals is not None else None
         what = signal_label(signum)
-        then = "saves a checkpoint, evaluates the policy" if self._evaluates_at_stop() else "saves a checkpoint"
-        after = f" (once the checkpoint is saved: skips the evaluation)" if self._evaluates_at_stop() else ""
+        then, after = (("saves a checkpoint, evaluates the policy", " (once the checkpoint is saved: skips the "
+                        "evaluation)") if evaluates_at_stop(self.cfg) else ("saves a checkpoint", ""))
         return (f"flashreinforce: interrupted ({what}): the run stops when update {self.step + 1} (in progress) "
                 f"ends, then {then} and exits with status {128 + int(signum or signal.SIGINT)}; "
                 f"{what} again aborts without saving{after}")
@@ -613,7 +579,8 @@ class Trainer:
             log.info("exporting the model to %s ...", self.hf_dir)
             self._export()
         if status in ("completed", "stopped", "interrupted"):
-            self._evaluate_at_stop(metrics_log.note, self.counters.get("train_time_s", 0.0))
+            self._watch_signals.uninstall()  # from here Ctrl-C and SIGTERM skip the evaluation at the stop
+            evaluate_at_stop(self, metrics_log.note, self.counters.get("train_time_s", 0.0))
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
         summary["summary_file"] = str(write_run_summary(
@@ -622,8 +589,7 @@ class Trainer:
             session_started=self._started, resumed=self._resume_point is not None, checkpoints_dir=self.ckpt_dir,
             checkpoint=ckpt, export_dir=self.hf_dir if status in ("completed", "stopped") else None,
             extra={"stop_reason": self.stop_reason} if self.stop_reason else None,
-            train_time_s=self.counters.get("train_time_s"),
-            warn_no_tool_calls_steps=cfg.logger.warn_no_tool_calls_steps))
+            train_time_s=self.counters.get("train_time_s"), warn_no_tool_calls_steps=cfg.logger.warn_no_tool_calls_steps))
         # The training reward as summary.json has it (over every session's updates), so that both say the same.
         written = json.loads(Path(summary["summary_file"]).read_text())
         summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})
