@@ -240,8 +240,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Mean reward and success rate of the current policy on the evaluation prompts; the evaluation's engine
-        is released after the call (its packed weights and caches: 0.5 GB for SmolLM2-135M)."""
+        """Mean reward and success rate on the evaluation prompts; the evaluation's engine is released after each call."""
         if self._evaluator is None:
             cfg = self.cfg
             envs = self.eval_envs
