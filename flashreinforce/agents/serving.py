@@ -11,7 +11,8 @@ conversation is kept between calls).
 * It is the training endpoint's app (:class:`~.server.AgentServer`) serving one episode, whose calls
   the usual routes take: its API key (``Authorization: Bearer KEY``, 401 without it; the ``api_key``
   given, else a random one), its limits (connections, header and body time, body size, strict JSON)
-  and its refusals (``n`` other than 1, ``stream``, penalties, ``top_logprobs``, ...).
+  and its refusals (``n`` other than 1, ``stream`` on completions, penalties, ``top_logprobs``, ...);
+  ``stream`` on chat completions (the whole answer as chunks) and ``return_token_ids`` as there.
 * ``temperature``, ``top_p`` and ``max_tokens`` default to the served run's (``rollout.temperature``,
   ``rollout.top_p``, ``rollout.max_new_tokens``); a prompt must leave room in ``max_len`` (the run's
   ``data.max_len``). ``seed`` is ignored: each call draws its own.
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from flashreinforce.agents.chat import ChatRenderer
-from flashreinforce.agents.protocol import APIError, CallRequest, chat_response, completion_response
+from flashreinforce.agents.protocol import APIError, CallRequest, chat_response, completion_response, with_token_ids
 from flashreinforce.agents.server import AgentServer, PendingCall
 from flashreinforce.agents.toolcalls import get_parser
 
@@ -245,11 +246,13 @@ class ServeEndpoint(AgentServer):
                 logprobs.append({"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8")),
                                  "top_logprobs": []})
         if req.kind != "chat":
-            return completion_response(req.model, text, finish_reason, len(prompt), len(ids), logprobs)
-        content, tool_calls = text, []
-        if req.parse_tools:
-            parsed = self.parse(text)
-            content, tool_calls = parsed.content, parsed.tool_calls
-            if tool_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
-        return chat_response(req.model, content, tool_calls, finish_reason, len(prompt), len(ids), logprobs)
+            body = completion_response(req.model, text, finish_reason, len(prompt), len(ids), logprobs)
+        else:
+            content, tool_calls = text, []
+            if req.parse_tools:
+                parsed = self.parse(text)
+                content, tool_calls = parsed.content, parsed.tool_calls
+                if tool_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            body = chat_response(req.model, content, tool_calls, finish_reason, len(prompt), len(ids), logprobs)
+        return with_token_ids(body, prompt, ids) if req.return_token_ids else body

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a run directory, its hf export or hf/adapter folder, a Hugging Face folder, a "
                                  ".gguf file or an alias")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
-                                                       "only; the endpoint has no authentication)")
+                                                       "only; every call needs the API key)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument("--model_name", help="the name /v1/models lists (default: the run's, else 'policy'; any name is "
                                         "accepted in requests)")

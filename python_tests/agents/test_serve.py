@@ -117,6 +117,34 @@ def test_stop_strings_logprobs_completions_and_refusals(tok):
         endpoint.stop()
 
 
+def test_token_ids_and_a_streamed_answer_as_the_training_endpoint_gives_them(tok):
+    tokenizer, _ = tok
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 2"}}\n</tool_call>'
+    endpoint, sampler, client = _endpoint(tok, ["four", "abc", call])
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    try:
+        reply = client.chat.completions.create(model="m", messages=messages, extra_body={"return_token_ids": True})
+        ids = tokenizer.tok("hi there", add_special_tokens=False)["input_ids"]
+        text = client.completions.create(model="m", prompt=ids, extra_body={"return_token_ids": True})
+        chunks = list(client.chat.completions.create(model="m", messages=messages, tools=TOOLS, stream=True,
+                                                     stream_options={"include_usage": True}))
+    finally:
+        endpoint.stop()
+    extra = reply.model_extra
+    assert extra["prompt_token_ids"] == sampler.asked[0][0].prompt_ids
+    answer = reply.choices[0].model_extra["token_ids"]
+    assert answer[-1] == tokenizer.eos_token_ids[0] and tokenizer.decode(answer) == "four"
+    choice = text.choices[0].model_extra
+    assert choice["prompt_token_ids"] == list(ids) and tokenizer.decode(choice["token_ids"]) == "abc"
+    # streamed: the whole answer as chunks, its tool call parsed, then the finish reason and the usage
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    (tool_call,) = [t for d in deltas for t in (d.tool_calls or [])]
+    assert tool_call.function.name == "calculator" and json.loads(tool_call.function.arguments) == {
+        "expression": "2 + 2"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert chunks[-1].usage.prompt_tokens == len(sampler.asked[2][0].prompt_ids)
+
+
 def requests_get(url: str) -> dict:
     import urllib.request
 
