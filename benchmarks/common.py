@@ -448,6 +448,7 @@ def run_ours(args, flags: dict, out: Path, extra: list[str], seed: int, name: st
         cmd = arith_curve.cli("train", "--preset", args.preset, "--model", args.model, "--output", str(run_dir),
                               "--eval.steps", "0", "--eval.every_min", str(args.eval_every_min),
                               "--eval.num_prompts", str(args.eval_prompts), "--eval.eval_at_start", "true",
+                              "--eval.eval_at_stop", "false",
                               "--ckpt.save_steps", "0", "--seed", str(seed), "--no_progress", *resume,
                               *(["--torch_threads", str(args.ours_threads)] if args.ours_threads else []), *extra)
         print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)

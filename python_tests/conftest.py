@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -30,3 +33,16 @@ def generator(seed) -> torch.Generator:
 
 cuda_available = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not cuda_available, reason="needs a CUDA device (none found)")
+
+
+def _private_gguf_cache() -> None:
+    """The tests' dequantized GGUF files go to a cache of their own (flashreinforce.models.gguf_cache), not
+    the user's, removed at exit; set before anything starts, so subprocesses and Ray workers inherit it."""
+    if "FLASHREINFORCE_CACHE_DIR" in os.environ:
+        return
+    folder = tempfile.mkdtemp(prefix="flashreinforce-test-cache-")
+    os.environ["FLASHREINFORCE_CACHE_DIR"] = folder
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+
+
+_private_gguf_cache()

@@ -195,6 +195,29 @@ def test_train_max_minutes_stops_the_session_after_the_update_that_used_it_up(tm
     assert again["status"] == "stopped" and again["step"] == 2
 
 
+def test_a_run_that_evaluates_does_so_before_training_and_at_its_stop(tmp_path):
+    config = _quick(tmp_path, "before_after")
+    config.train.max_steps, config.train.max_minutes = 50, 1e-9  # the budget stops it after update 1
+    config.eval.eval_at_start, config.eval.num_prompts = True, 8
+    summary = fr.train(config, env=SayA)
+    assert summary["status"] == "stopped" and summary["step"] == 1
+    out = tmp_path / "before_after"
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1]  # eval.steps 50 never came: the stop evaluated
+    written = json.loads((out / "summary.json").read_text())
+    assert written["start_eval"]["step"] == 0 and written["final_eval"]["step"] == 1
+    assert written["eval_change"]["steps"] == [0, 1] and written["final_eval"]["eval_temperature"] == 0.0
+    # training time is the budget's clock (without evaluations and saves), within the wall-clock time
+    assert 0 < written["train_time_s"] <= written["training_wall_s"]
+    # The evaluation at the stop came after the checkpoint: a resumed run goes on from that checkpoint's records
+    # without it, and evaluates again when it stops (here it does not: eval.eval_at_stop false)
+    config.eval.eval_at_stop = False
+    config.train.max_minutes = 0.0
+    config.train.max_steps = 2
+    fr.train(config, env=SayA, resume="latest")
+    assert [json.loads(x)["step"] for x in (out / "eval.jsonl").read_text().splitlines()] == [0]
+
+
 def test_the_printed_summary_has_the_reward_of_summary_json(tmp_path):
     config = _quick(tmp_path, "rewardwin")
     config.train.max_steps = 8

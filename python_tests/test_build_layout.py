@@ -31,3 +31,33 @@ def test_an_object_compiled_before_a_fresh_configure_is_not_compiled_again(tmp_p
     dry = subprocess.run([ninja, "-C", str(tmp_path), "-n", "-d", "explain", OBJECT], check=True, capture_output=True,
                          text=True)
     assert "no work to do" in dry.stdout, dry.stdout + dry.stderr
+
+
+BINDINGS = "core/CMakeFiles/_C.dir/bindings.cpp.o"
+
+
+def test_bindings_are_not_compiled_again_when_pybind11_comes_from_another_folder(tmp_path):
+    """pip installs pybind11 into a new temporary folder for every build; its headers keep one path."""
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if cmake is None or ninja is None:
+        pytest.skip("needs cmake and ninja (pip install cmake ninja)")
+    pybind11 = pytest.importorskip("pybind11")
+    source = Path(pybind11.__file__).parent
+    for name in ("first", "second"):  # two copies, as two build environments would hold
+        shutil.copytree(source, tmp_path / name / "pybind11")
+    build = tmp_path / "build"
+
+    def configure(name: str) -> None:
+        subprocess.run([cmake, "-S", str(ROOT), "-B", str(build), "-G", "Ninja", "-DFLASHREINFORCE_CUDA=OFF",
+                        "-DCMAKE_BUILD_TYPE=Release", f"-Dpybind11_DIR={tmp_path / name / 'pybind11/share/cmake/pybind11'}"],
+                       check=True, capture_output=True, text=True)
+
+    configure("first")
+    subprocess.run([ninja, "-C", str(build), BINDINGS], check=True, capture_output=True, text=True)
+    shutil.rmtree(tmp_path / "first")  # the first build environment is gone, as pip removes it
+    (build / "CMakeCache.txt").unlink()
+    shutil.rmtree(build / "CMakeFiles")
+    configure("second")
+    dry = subprocess.run([ninja, "-C", str(build), "-n", "-d", "explain", BINDINGS], check=True, capture_output=True,
+                         text=True)
+    assert "no work to do" in dry.stdout, dry.stdout + dry.stderr

@@ -96,7 +96,7 @@ def train_for(budget_s: float, run_dir: Path, args: argparse.Namespace, extra: l
     resume = ["--resume"] if (run_dir / "checkpoints" / "latest").is_file() else []
     cmd = cli("train", "--preset", args.preset, "--model", args.model, "--output", str(run_dir),
               "--eval.steps", str(args.eval_every), "--eval.num_prompts", str(args.eval_prompts),
-              "--eval.eval_at_start", "false", "--no_progress", *resume, *extra)
+              "--eval.eval_at_start", "false", "--eval.eval_at_stop", "false", "--no_progress", *resume, *extra)
     print(f"[curve] {' '.join(cmd[2:])}", flush=True)
     with open(log, "a") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -151,7 +151,7 @@ def summarize(out: Path, base: dict, final: dict | None, budget_s: float) -> dic
     run = out / "run"
     metrics, evals = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "eval.jsonl")
     times = training_times(metrics, evals)
-    base_tools = (base.get("episode_means") or {}).get("tool_calls")
+    base_tools = (base.get("greedy_episode_means") or base.get("episode_means") or {}).get("tool_calls")
     rows = [{"step": 0, "train_min": 0.0, "heldout_greedy_accuracy": base["accuracy"], "source": "base_eval",
              **({} if base_tools is None else {"tool_calls": base_tools})}]
     for e in evals:
@@ -161,7 +161,7 @@ def summarize(out: Path, base: dict, final: dict | None, budget_s: float) -> dic
                          "source": "periodic",
                          **({"tool_calls": e["eval_env/tool_calls"]} if "eval_env/tool_calls" in e else {})})
     if final is not None and metrics:
-        final_tools = (final.get("episode_means") or {}).get("tool_calls")
+        final_tools = (final.get("greedy_episode_means") or final.get("episode_means") or {}).get("tool_calls")
         rows.append({"step": final.get("checkpoint_step") or int(metrics[-1]["step"]),
                      "train_min": max(times.values()) / 60, "heldout_greedy_accuracy": final["accuracy"],
                      "source": "final_eval", **({} if final_tools is None else {"tool_calls": final_tools})})

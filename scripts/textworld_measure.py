@@ -121,7 +121,8 @@ def train(run: Path, budget_s: float, args, extra: list[str], log: Path) -> str:
         return "kept"
     resume = ["--resume"] if (run / "checkpoints" / "latest").is_file() else []
     cmd = cli("train", "--preset", "textworld", "--model", args.model, "--output", str(run),
-              "--eval.num_prompts", str(args.eval_prompts), "--no_progress", *resume, *extra)
+              "--eval.num_prompts", str(args.eval_prompts), "--eval.eval_at_stop", "false", "--no_progress", *resume,
+              *extra)
     note(" ".join(cmd[2:]))
     stopped, last = False, 0.0
     with open(log, "a") as fh:

@@ -37,6 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("flashreinforce.cli.train:train", "train a policy with asynchronous FlashREINFORCE"),
     "eval": ("flashreinforce.cli.eval:eval_command", "score a model or a run's newest checkpoint on held-out prompts"),
     "plot": ("flashreinforce.cli.plot:plot", "draw the training curves of one or more runs into a PNG"),
+    "serve": ("flashreinforce.cli.serve:serve", "serve a trained run on an OpenAI-compatible endpoint (tool calls "
+                                                "rendered and parsed as in training)"),
 }
 
 

@@ -1,17 +1,25 @@
 """``flashreinforce eval``: score a base model or a run's newest checkpoint on the held-out prompts.
 
-``flashreinforce eval [--preset NAME] [--env SPEC] --model PATH_OR_ALIAS_OR_RUN_DIR [--eval.num_prompts N]
-[--eval.temperature T] [--eval.n_samples_per_prompt K] [--output FILE] [--samples FILE] [--FLAG VALUE ...]``
+``flashreinforce eval [--preset NAME] [--env SPEC | --agent FILE.py:FUNC] --model PATH_OR_ALIAS_OR_RUN_DIR
+[--eval.num_prompts N] [--eval.temperature T] [--eval.n_samples_per_prompt K] [--output FILE] [--samples FILE]
+[--FLAG VALUE ...]``
 
 It takes the training flags (the same preset, environment and lengths as training, so the
 prompts, chat template and limits are the ones the training loop evaluates with) and plays the
 evaluation seeds of the environment (for :mod:`flashreinforce.envs.arith`: its held-out split)
 twice with :class:`~flashreinforce.trainer.reporting.evaluation.Evaluator`:
 
-* greedy (temperature 0, one sample per prompt): ``accuracy`` is its success rate;
+* greedy (temperature 0, one sample per prompt): ``accuracy`` is its success rate, ``reward_mean``
+  its mean reward and ``greedy_episode_means`` what the environment reported per episode (tool
+  calls, turns, ...);
 * sampled at ``eval.temperature`` (or, when that is 0, at ``rollout.temperature``, the training
   temperature) with ``eval.n_samples_per_prompt`` samples per prompt: ``pass@1`` is the mean
-  success over all samples (skipped with ``--no_sampled``).
+  success over all samples, ``sampled_reward_mean`` and ``sampled_episode_means`` the same as above
+  (skipped with ``--no_sampled``).
+
+Success is what the environment counts as solved (an episode not ``failed``); the reward can differ
+from it under partial credit (a reward between 0 and 1, a format bonus), so ``accuracy`` and
+``reward_mean`` agree only for 0/1 rewards. The output's ``legend`` says this in one line per key.
 
 A preset's ``torch_threads`` (a training run's split of the cores) is not applied: evaluation
 runs in one thread with torch's default thread count unless ``--torch_threads`` is given.
@@ -55,8 +63,20 @@ EVAL_COMMAND_FILE = "eval_command.jsonl"
 _EVAL_FLAGS = ("actor.model_name_or_path", "train.agent_path", "fsdp.attn_implementation", "rollout.max_new_tokens",
                "rollout.max_turns", "rollout.temperature", "rollout.top_p", "rollout.top_k",
                "rollout.vllm_generate_batch_size", "rollout.env_timeout_s", "rollout.env_parallel_calls")
-_EVAL_OPTIONS = ("config", "preset", "env", "env.kwargs", "model", "reward", "tokenizer", "output", "seed", "device",
-                 "torch_threads")
+_EVAL_OPTIONS = ("config", "preset", "env", "env.kwargs", "agent", "model", "reward", "tokenizer", "output", "seed",
+                 "device", "torch_threads")
+
+#: The output's ``legend``: what the numbers are.
+LEGEND = {
+    "accuracy": "greedy pass (temperature 0, one episode per prompt): share of episodes the environment counted "
+                "as solved (not failed)",
+    "reward_mean": "greedy pass: mean reward; equals accuracy only when rewards are 0 or 1 (partial credit or a "
+                   "format bonus makes them differ)",
+    "greedy_episode_means": "greedy pass: per-episode means of what the environment or agent reported",
+    "pass@1": "sampled pass (pass@1_temperature, pass@1_samples_per_prompt per prompt): share of solved episodes",
+    "sampled_reward_mean": "sampled pass: mean reward",
+    "sampled_episode_means": "sampled pass: per-episode means of what the environment or agent reported",
+}
 
 
 def _shown(name: str) -> bool:
@@ -67,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     from flashreinforce.config.command_line import build_parser
 
     p = build_parser(prog="flashreinforce eval", shown=_shown, usage=(
-        "flashreinforce eval [--preset NAME | --config FILE] --model M [--env SPEC | --reward FILE.py:FUNC\n"
-        "         --data.prompt_dataset PATH] [--output FILE] [--samples FILE] [--no_sampled] [--FLAG VALUE ...]"),
+        "flashreinforce eval [--preset NAME | --config FILE] --model M [--env SPEC | --agent FILE.py:FUNC |\n"
+        "         --reward FILE.py:FUNC --data.prompt_dataset PATH] [--output FILE] [--samples FILE] [--no_sampled]\n"
+        "         [--FLAG VALUE ...]"),
         description=(
         "Score a model (a Hugging Face folder, a .gguf file, an alias, a run directory or a checkpoint) on the "
         "evaluation prompts: greedy accuracy and sampled pass@1; prints one JSON object. --output FILE also "
@@ -101,6 +122,10 @@ def _checkpoint_step(path: Path) -> int | None:
     if state.is_file():
         return int(json.loads(state.read_text())["step"])
     return None
+
+
+def _episode_means(metrics: dict[str, Any]) -> dict[str, float]:
+    return {k[len("eval_env/"):]: v for k, v in metrics.items() if k.startswith("eval_env/")}
 
 
 def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None) -> dict[str, Any]:
@@ -181,7 +206,7 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
             "torch_threads": torch.get_num_threads(),
             # What the environment reported per episode, averaged (for the Python tool: tool calls per
             # trajectory, tool errors, answers taken from the tool's output, turns).
-            "episode_means": {k[len("eval_env/"):]: v for k, v in g.items() if k.startswith("eval_env/")},
+            "greedy_episode_means": _episode_means(g),
             "turns_mean": sum(t.num_turns for t in trajectories) / max(1, len(trajectories)),
         }
         if sampled:
@@ -190,9 +215,11 @@ def evaluate_model(cfg, *, sampled: bool = True, samples_path: str | None = None
                                    progress=progress_lines(_say, "  sampled"))
             result.update({"pass@1": s["eval_success_rate"], "pass@1_temperature": temperature,
                            "pass@1_top_p": top_p, "pass@1_samples_per_prompt": cfg.eval.n_samples_per_prompt,
-                           "sampled_reward_mean": s["eval_reward_mean"], "sampled_s": s["eval_time_s"]})
+                           "sampled_reward_mean": s["eval_reward_mean"], "sampled_episode_means": _episode_means(s),
+                           "sampled_s": s["eval_time_s"]})
         else:
             result["pass@1"] = None
+        result["legend"] = {k: v for k, v in LEGEND.items() if k in result}
         if samples_path:
             with open(samples_path, "w") as fh:
                 for t in trajectories:

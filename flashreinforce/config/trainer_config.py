@@ -191,7 +191,9 @@ class TrainerConfig(Freezable):
         notes = []
         if (agent is not None and any("agent" in layer for layer in (file, given))) or \
                 any(str(n).startswith(VERIFIERS_PREFIX) for n in named):
-            notes = _agent_limits(cfg, (file, given), "--agent" if agent is not None else f"--env {spec}")
+            # a preset made for agent functions sets its own limits, as a user would
+            own = (file, given, preset) if run.get("preset") in AGENT_PRESETS else (file, given)
+            notes = _agent_limits(cfg, own, "--agent" if agent is not None else f"--env {spec}")
         overwrite = bool(run.get("overwrite", False))
         if overwrite and run.get("resume"):
             raise ConfigError("--overwrite and --resume contradict each other: --resume continues the run in --output, "
@@ -363,6 +365,9 @@ VERIFIERS_PREFIX = "verifiers:"
 #: The limits an agent run gets unless its user sets them (a preset's single-turn limits do not fit tool use):
 #: flag -> (value, whether a larger value the preset sets is kept).
 AGENT_LIMITS = {"rollout.max_turns": (8, False), "data.max_len": (2048, True), "rollout.max_new_tokens": (256, True)}
+#: Presets made for the user's own agent function (``--preset agent --agent FILE.py:FUNC``): their limits
+#: are kept, as the config file's and the command line's are.
+AGENT_PRESETS = frozenset({"agent"})
 
 
 def _agent_limits(cfg: "TrainerConfig", user_layers: tuple, what: str) -> list[str]:

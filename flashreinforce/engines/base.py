@@ -169,9 +169,10 @@ class LocalWeightStore(WeightStore):
     device of the published tensors (engines on another device copy from it when they load).
 
     The learner keeps training its own parameters; the copy taken at :meth:`publish` is immutable,
-    so an engine can load it at any time without a lock on the learner. A ``frozen`` tensor is copied
-    at its first publication only: later versions hold the same tensor object, which tells an engine
-    that it has not changed (an engine that already holds it need not load it again).
+    so an engine can load it at any time without a lock on the learner. A ``frozen`` tensor never
+    changes, so it is not copied: the store keeps the published tensor itself (the learner's own, under
+    LoRA its base weights), and later versions hold the same object, which tells an engine that it has
+    not changed (an engine that already holds it need not load it again).
     """
 
     def __init__(self) -> None:
@@ -185,8 +186,8 @@ class LocalWeightStore(WeightStore):
             raise ValueError(f"publish: version {version} is not newer than {self._version}")
         keep = set(frozen)
         old = self._state
-        copy = {k: old[k] if k in keep and k in old and old[k].shape == v.shape else v.detach().clone()
-                for k, v in state_dict.items()}
+        copy = {k: (old[k] if k in old and old[k].shape == v.shape else v.detach()) if k in keep
+                else v.detach().clone() for k, v in state_dict.items()}
         with self._lock:
             self._state, self._version = copy, int(version)
 

@@ -146,6 +146,12 @@ def sample_tokens(log_probs: Tensor, uniforms: Tensor, workspace: SamplingWorksp
     return index.clamp_(max=log_probs.shape[-1] - 1)
 
 
+def _same_storage(own: Tensor | None, new: Tensor) -> bool:
+    """Whether ``own`` (an engine weight) already is ``new``'s memory: same place, dtype, shape and strides."""
+    return (own is not None and own.device == new.device and own.dtype == new.dtype and own.shape == new.shape
+            and own.stride() == new.stride() and own.data_ptr() == new.data_ptr())
+
+
 class HFEngine(RolloutEngine):
     """Rollout engine around ``model`` (a ``transformers`` causal LM), used in inference mode.
 
@@ -245,8 +251,14 @@ class HFEngine(RolloutEngine):
         must hold every weight (a tied output projection may be absent)."""
         t0 = time.perf_counter()
         changed = {k: v for k, v in state_dict.items() if _loaded_object(self._loaded, k) is not v}
+        # A tensor whose storage this engine's weight already is (a frozen base weight shared with the
+        # learner's model, learning.Learner.full_model) is never copied onto itself: the learner may be
+        # reading it (its autograd would see the in-place write).
+        own = self.model.state_dict(keep_vars=True)
+        copy = {k: v for k, v in changed.items() if not _same_storage(own.get(k), v)}
         with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(changed, strict=False)
+            missing, unexpected = self.model.load_state_dict(copy, strict=False)
+        missing = [k for k in missing if k not in changed]  # those it already holds are not missing
         # Tied output embeddings may be absent from a state dict; anything else is an error. (The tied
         # names once per load: under LoRA most names are missing from an adapters-only load, and
         # walking the parameters once per missing name took about a second.)
@@ -260,7 +272,7 @@ class HFEngine(RolloutEngine):
             self._fast.refresh()
         self._loaded.update({k: weakref.ref(v) for k, v in changed.items()})
         self.version = int(version)
-        nbytes = sum(v.numel() * v.element_size() for v in changed.values())
+        nbytes = sum(v.numel() * v.element_size() for v in copy.values())
         self.last_load = (time.perf_counter() - t0, int(nbytes))
 
     def _tied_keys(self) -> set[str]:

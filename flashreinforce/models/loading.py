@@ -32,7 +32,8 @@ import torch
 from flashreinforce.config.flags import ConfigError
 
 __all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "adopt_model", "build_model",
-           "checkpoint_directory", "describe_object", "load_gguf_model", "require_gguf", "resolve_model_spec",
+           "checkpoint_directory", "describe_object", "gguf_tokenizer", "load_gguf_model", "require_gguf",
+           "resolve_model_spec",
            "run_checkpoint"]
 
 #: Tiny Qwen2-architecture configurations (``transformers.Qwen2Config`` keyword arguments), built
@@ -164,11 +165,47 @@ def load_gguf_model(path: str | Path, **kwargs: Any) -> torch.nn.Module:
     (it refuses ``save_pretrained`` and carries a ``quantization_config``). The weights are moved
     into a model built from the same config without that flag, so checkpoints and exports are
     ordinary Hugging Face folders. ``kwargs`` go to the model constructor (``attn_implementation``).
+
+    The result is kept in the user's cache of dequantized files (:mod:`.gguf_cache`, with the
+    file's tokenizer), and a later load of the same file reads it from there.
     """
     import transformers
 
+    from flashreinforce.models import gguf_cache
+
     path = Path(path)
     require_gguf(f"--model {path}")
+    entry = gguf_cache.cached_entry(path)
+    if entry is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(entry), local_files_only=True, **{_dtype_kwarg(): torch.float32}, **kwargs)
+    model = _dequantize_gguf(path, kwargs)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(str(folder), safe_serialization=True)
+        gguf_tokenizer(path).save_pretrained(str(folder))
+
+    gguf_cache.write_entry(path, save, {"transformers": transformers.__version__})
+    return model
+
+
+def gguf_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer (and chat template) stored in the ``.gguf`` file ``path``: from the
+    cache of dequantized files when it holds the file (:mod:`.gguf_cache`), else built from the file."""
+    import transformers
+
+    from flashreinforce.models import gguf_cache
+
+    path = Path(path)
+    entry = gguf_cache.cached_entry(path)
+    if entry is not None:
+        return transformers.AutoTokenizer.from_pretrained(str(entry), local_files_only=True)
+    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+
+
+def _dequantize_gguf(path: Path, kwargs: dict[str, Any]) -> torch.nn.Module:
+    import transformers
+
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, local_files_only=True, **{_dtype_kwarg(): torch.float32})
     config = loaded.config
@@ -328,40 +365,29 @@ def _build(spec: str, path: Path, kwargs: dict[str, Any]) -> tuple[torch.nn.Modu
     return model, tok
 
 
-def checkpoint_directory(spec: str, cache_dir: str | Path | None = None) -> Path:
+def checkpoint_directory(spec: str) -> Path:
     """A Hugging Face checkpoint directory (config, safetensors weights, tokenizer) of ``--model spec``,
     for engines that read a directory themselves (vLLM).
 
     A checkpoint or run directory is returned as it is; a ``.gguf`` file or an alias is dequantized
-    to float32 once and written under ``cache_dir`` (default ``$XDG_CACHE_HOME/flashreinforce/
-    checkpoints``, else ``~/.cache/...``), in a folder named after the file and its size and
-    modification time, and reused from then on.
+    once into the user's cache of dequantized files (:mod:`.gguf_cache`) and its entry returned.
     """
+    from flashreinforce.models import gguf_cache
+
     resolved = Path(resolve_model_spec(spec))
     if resolved.is_dir() and (resolved / "config.json").is_file():
         return resolved
     if not (resolved.is_file() and resolved.suffix == ".gguf"):
         raise ConfigError(f"--model {spec}: only a checkpoint directory, a run directory, a .gguf file or an alias "
                           f"can be written as a checkpoint directory")
-    stat = resolved.stat()
-    root = Path(cache_dir) if cache_dir else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    if not cache_dir:
-        root = root / "flashreinforce" / "checkpoints"
-    target = root / f"{resolved.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    import transformers
-
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    model = load_gguf_model(resolved)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(resolved.parent), gguf_file=resolved.name,
-                                                           local_files_only=True)
-    tokenizer.save_pretrained(str(tmp))
-    if target.exists():  # another process wrote it meanwhile
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.rename(target)
-    return target
+    if not gguf_cache.cache_enabled():
+        raise ConfigError(f"--model {spec}: this engine reads a checkpoint directory, which a .gguf file gets in the "
+                          f"cache of dequantized files; {gguf_cache.CACHE_OFF_ENV} turns that cache off")
+    entry = gguf_cache.cached_entry(resolved)
+    if entry is None:
+        load_gguf_model(resolved)  # writes the entry
+        entry = gguf_cache.cached_entry(resolved)
+    if entry is None:
+        raise ConfigError(f"--model {spec}: the cache of dequantized files ({gguf_cache.cache_root()}) cannot be "
+                          "written or is not private to this user (the log says why)")
+    return entry

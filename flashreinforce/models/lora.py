@@ -29,9 +29,9 @@ import torch
 
 from flashreinforce.config.flags import ConfigError
 
-__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_name", "frozen_state_names",
-           "has_lora", "is_adapter_name", "load_adapter_dir", "merged_model", "peft_adapter_state", "save_adapter",
-           "write_adapter"]
+__all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_model_copy", "base_name",
+           "copy_sharing_frozen", "frozen_state_names", "has_lora", "is_adapter_name", "load_adapter_dir", "merged_model",
+           "peft_adapter_state", "save_adapter", "write_adapter"]
 
 #: ``lora.target_modules default``: the attention and MLP projections of the Llama / Qwen / Mistral
 #: families (the names ``transformers`` gives them).
@@ -276,6 +276,38 @@ def merged_model(model: torch.nn.Module) -> torch.nn.Module:
     if hasattr(merged, "_flashreinforce_lora"):
         del merged._flashreinforce_lora
     return merged
+
+
+def copy_sharing_frozen(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose frozen parameters (``requires_grad`` False: the base weights under LoRA)
+    are new ``Parameter`` objects over the same storage, so that the copy costs only the trainable
+    weights. The copy's own parameter objects may be cast or replaced (``.to(dtype)`` rebinds them) without
+    touching ``model``'s; writing into a shared one in place would change both, which engines never do
+    (:meth:`flashreinforce.engines.hf.HFEngine.load_weights` skips a tensor whose storage it already holds).
+    """
+    memo = {id(p): torch.nn.Parameter(p.data, requires_grad=False)  # .data: a version counter of its own
+            for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, memo)
+
+
+def base_model_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` without its adapters: the frozen base weights the adapters were trained on (in
+    their dtype, sharing ``model``'s storage), as a plain model, the base of an exported adapter."""
+    base = copy_sharing_frozen(model)
+    if not has_lora(base):
+        return base
+    _import_peft()
+    from peft.tuners.lora import LoraLayer
+
+    for name, module in list(base.named_modules()):
+        if isinstance(module, LoraLayer):
+            parent_name, _, child = name.rpartition(".")
+            parent = base.get_submodule(parent_name) if parent_name else base
+            setattr(parent, child, module.get_base_layer())
+    for attr in ("_flashreinforce_lora", "peft_config", "_hf_peft_config_loaded"):
+        if attr in vars(base):
+            delattr(base, attr)
+    return base
 
 
 def load_adapter_dir(directory: str | Path, base: torch.nn.Module) -> torch.nn.Module:

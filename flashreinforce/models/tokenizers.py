@@ -162,7 +162,7 @@ def load_tokenizer(spec: str, *, chat_prompt: bool = False, chat_observations: b
     stored in the GGUF file; a run directory gives its newest checkpoint's tokenizer."""
     if spec == "char":
         return CharTokenizer()
-    from flashreinforce.models.loading import require_gguf, resolve_model_spec
+    from flashreinforce.models.loading import gguf_tokenizer, require_gguf, resolve_model_spec
 
     path = Path(resolve_model_spec(spec))
     if (path / CHAR_TOKENIZER_FILE).is_file():
@@ -171,7 +171,7 @@ def load_tokenizer(spec: str, *, chat_prompt: bool = False, chat_observations: b
 
     if path.is_file() and path.suffix == ".gguf":
         require_gguf(f"tokenizer {spec}")
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tok = gguf_tokenizer(path)
     elif path.is_dir():
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     else:

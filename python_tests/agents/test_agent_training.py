@@ -120,6 +120,12 @@ def test_an_agent_run_gets_tool_use_limits_unless_its_user_sets_them():
     # a preset whose own agent it is keeps its limits; a verifiers taskset is an agent run too
     cfg = TrainerConfig.from_layers({}, dict(PRESETS["arith_tool_agent"], preset="arith_tool_agent"))
     assert (cfg.rollout.max_turns, cfg.data.max_len, cfg.notes) == (3, 1024, [])
+    # --preset agent is made for the user's agent function: its limits stand, the flags still win
+    cfg = TrainerConfig.from_layers({"agent": "a.py:f"}, dict(PRESETS["agent"], preset="agent"))
+    assert (cfg.rollout.max_turns, cfg.data.max_len, cfg.rollout.max_new_tokens, cfg.notes) == (8, 1024, 64, [])
+    cfg = TrainerConfig.from_layers({"agent": "a.py:f", "rollout.max_new_tokens": 128},
+                                    dict(PRESETS["agent"], preset="agent"))
+    assert (cfg.data.max_len, cfg.rollout.max_new_tokens) == (1024, 128)
     cfg = TrainerConfig.from_layers({"env": "verifiers:my_taskset"})
     assert cfg.rollout.max_turns == 8 and cfg.notes[0].startswith("--env verifiers:my_taskset: an agent run's limits")
 

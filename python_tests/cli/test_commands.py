@@ -33,7 +33,7 @@ def test_the_console_script_exits_with_status_2():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "flashreinforce: error: unknown command 'trian'; did you mean 'train'? commands: train, eval, plot "
+        "flashreinforce: error: unknown command 'trian'; did you mean 'train'? commands: train, eval, plot, serve "
         "(flashreinforce --help describes them)"]
 
 

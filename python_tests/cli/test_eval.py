@@ -65,6 +65,12 @@ def test_eval_scores_the_heldout_split_greedy_and_sampled(tmp_path):
     assert printed["accuracy"] == pytest.approx(expected)
     assert printed["pass@1"] == pytest.approx(expected)  # the answer is "3" whatever the sampling noise
     assert printed["pass@1_temperature"] == 1.0 and printed["pass@1_samples_per_prompt"] == 3
+    # each pass's numbers say which pass they are, and the legend says how accuracy and reward differ
+    assert printed["reward_mean"] == pytest.approx(expected) and "episode_means" not in printed
+    assert printed["greedy_episode_means"].keys() == printed["sampled_episode_means"].keys()
+    assert set(printed["legend"]) == {"accuracy", "reward_mean", "greedy_episode_means", "pass@1",
+                                      "sampled_reward_mean", "sampled_episode_means"}
+    assert "partial credit" in printed["legend"]["reward_mean"]
     assert printed["seeds"] == [HELDOUT_SEED_OFFSET, HELDOUT_SEED_OFFSET + 11]
     rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
     assert [r["response"] for r in rows] == ["3"] * 12
@@ -174,3 +180,12 @@ def test_eval_of_a_base_model_plays_the_rows_a_run_holds_out_and_a_tiny_set_whol
     assert eval_command(base + ["--data.prompt_dataset", str(tiny)]) == 0
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["num_prompts"] == 4 and result["heldout"] is None
+
+
+def test_eval_usage_names_agent_functions(capsys):
+    from flashreinforce.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    usage = capsys.readouterr().out
+    assert "--agent FILE.py:FUNC" in usage.split("options:")[0] and "--agent" in usage

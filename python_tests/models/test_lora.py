@@ -19,8 +19,8 @@ from flashreinforce.config import ConfigError  # noqa: E402
 from flashreinforce.engines import (GenerationRequest, LocalWeightStore, SamplingParams, create_engine,  # noqa: E402
                                     sampling_log_probs)
 from flashreinforce.loss import flashreinforce_loss_packed  # noqa: E402
-from flashreinforce.models.lora import (LoraSettings, adapter_state, apply_lora, frozen_state_names,  # noqa: E402
-                                        has_lora, merged_model, save_adapter)
+from flashreinforce.models.lora import (LoraSettings, adapter_state, apply_lora, copy_sharing_frozen,  # noqa: E402
+                                        frozen_state_names, has_lora, merged_model, save_adapter)
 from flashreinforce.trainer.learning.packing import pack  # noqa: E402
 from flashreinforce.trainer.learning.scoring import token_log_probs  # noqa: E402
 from python_tests.builders import random_trajectory, tiny_causal_lm  # noqa: E402
@@ -172,6 +172,34 @@ def test_frozen_names_cover_a_tied_output_projection_so_only_adapters_travel_aft
     assert kept == frozen
 
 
+def test_engines_share_the_learners_frozen_base_and_never_write_into_it():
+    """The learner's model, the weight store and each engine's copy hold one base; an engine's first load
+    copies the adapters only, writes nothing into the shared base, and samples as an engine with its own
+    copy does; an engine that casts its weights gets its own, leaving the learner's alone."""
+    model = lora_model(dtype=torch.float32)
+    frozen = frozen_state_names(model)
+    base = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    before = {n: (p.data_ptr(), p._version, p.dtype) for n, p in base.items()}
+    store = LocalWeightStore()
+    store.publish(model.state_dict(), 0, frozen)
+    shared = create_engine("hf", copy_sharing_frozen(model), pad_token_id=0, version=-1)
+    own = create_engine("hf", tiny_causal_lm(VOCAB), pad_token_id=0, version=-1,
+                        options={"lora": {"rank": 3, "alpha": 6.0}})
+    cast = create_engine("hf", copy_sharing_frozen(model), pad_token_id=0, version=-1, options={"dtype": "bfloat16"})
+    for engine in (shared, own, cast):
+        assert store.sync(engine)
+    adapters = sum(v.numel() * 4 for v in adapter_state(model).values())
+    assert shared.last_load[1] == adapters < own.last_load[1]
+    weights = dict(shared.model.named_parameters())
+    assert all(weights[n].data_ptr() == before[n][0] for n in base)  # one base in memory
+    assert all(store.fetch(-1)[1][n].data_ptr() == before[n][0] for n in frozen if n in base)
+    assert {n: (p.data_ptr(), p._version, p.dtype) for n, p in base.items()} == before  # never written, never cast
+    assert all(p.dtype == torch.bfloat16 for p in cast.model.parameters())
+    req, params = GenerationRequest([5, 9, 11, 3], 6, seed=3), SamplingParams(temperature=1.0)
+    a, b = shared.generate([req], params)[0], own.generate([req], params)[0]
+    assert a.token_ids == b.token_ids and a.log_probs == pytest.approx(b.log_probs, abs=1e-5)
+
+
 def test_an_adapter_folder_loads_with_peft_and_as_a_model(tmp_path):
     model = lora_model(dtype=torch.float32)
     folder = save_adapter(model, tmp_path / "adapter", base_model="tiny-qwen2")
@@ -223,13 +251,14 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_exports_both_for
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     synced = [r["weight_sync_bytes"] for r in rows if r["weight_sync_bytes"]]
-    # The frozen base travels once (each worker's first load), then adapters only.
-    assert synced and synced[-1] < 0.3 * max(synced)
     ckpt = out / "checkpoints" / "step_00000006"
     from safetensors.torch import load_file
 
     stored = load_file(str(ckpt / "model.safetensors"))
     assert stored and all(".lora_" in k for k in stored)
+    # The frozen base is never copied to the engines (they share the learner's): only the adapters travel,
+    # from the first load on.
+    assert synced and set(synced) == {float(sum(t.numel() * t.element_size() for t in stored.values()))}
     assert (out / "hf" / "adapter" / "adapter_config.json").is_file() and (out / "hf" / "config.json").is_file()
     # Resume continues the adapters; resuming them as a full-model run is refused naming the flag.
     proc = _train(out, "--resume", "--train.max_steps", "8")

@@ -33,7 +33,7 @@ from torch import Tensor
 from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.dtypes import torch_dtype
 from flashreinforce.models.attention import use_document_attention
-from flashreinforce.models.lora import frozen_state_names
+from flashreinforce.models.lora import copy_sharing_frozen, frozen_state_names
 from flashreinforce.objective import DEFAULT_LOSS_MODE, LossOptions
 from flashreinforce.ops.logprobs import wide_gemm_available
 from flashreinforce.ops.loss_modes import BatchContext, LossMode, MicroBatch, get_loss_mode
@@ -531,8 +531,12 @@ class Learner:
 
     def full_model(self, device: torch.device | str = "cpu") -> torch.nn.Module:
         """A copy of the current policy on ``device`` (for an engine or an export), with the model's
-        own attention implementation."""
-        return self.with_engine_attention(copy.deepcopy(self.model).to(device))
+        own attention implementation. On the model's own device its frozen weights (the base under LoRA)
+        share the model's storage (:func:`~flashreinforce.models.lora.copy_sharing_frozen`): an engine's copy
+        then costs the adapters, not another copy of the base."""
+        here = next(self.model.parameters()).device == torch.device(device)
+        model = copy_sharing_frozen(self.model) if here else copy.deepcopy(self.model)
+        return self.with_engine_attention(model.to(device))
 
     def with_engine_attention(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` (a copy of the policy) switched back to the attention implementation it was built

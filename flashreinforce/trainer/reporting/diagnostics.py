@@ -1,4 +1,4 @@
-"""Warnings about a run that trains but cannot learn.
+"""Warnings about a run that trains but cannot learn, or learns without its tools.
 
 :class:`ZeroSignalWatch`: when each of the first ``n`` updates of a run had no reward variance where
 the advantage is taken (the whole batch for FlashREINFORCE, each prompt's group of samples for
@@ -6,18 +6,26 @@ GRPO), every advantage was 0 and those updates changed nothing. The run goes on;
 one warning with the batch's most common failure kind and one decoded sample, which usually shows
 at once what is wrong (no answer in the expected format, answers cut at ``rollout.max_new_tokens``,
 a reward function that never pays).
+
+:class:`ToolUseWatch`: when tools were offered in each of ``n`` updates in a row and the policy
+called none of them, the rewards it earns come without the tools (a small model that only sees a
+tool declared rarely calls it, and its mental arithmetic may still improve, so the reward alone
+looks like success). It reads the update records (``env/calls_with_tools``: model calls of an agent
+that declared tools; an environment whose episodes report ``tool_calls`` offers a tool in every
+episode) and warns once, naming the remedies. :func:`tool_use_warnings` replays it over a run's
+``metrics.jsonl`` for ``summary.json``.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from flashreinforce.trainer.reporting.outcomes import failure_kind
 from flashreinforce.trainer.reporting.samples import clip_text, decode_turns
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
-__all__ = ["ZeroSignalWatch", "has_reward_signal"]
+__all__ = ["NO_TOOL_CALLS", "ToolUseWatch", "ZeroSignalWatch", "has_reward_signal", "tool_use_warnings"]
 
 
 def has_reward_signal(trajectories: Sequence[Trajectory]) -> bool:
@@ -85,3 +93,76 @@ class ZeroSignalWatch:
         lines.append("  check the reward and the answer format the environment expects, rollout.max_new_tokens "
                      "and data.max_len (OUTPUT/samples.jsonl has more samples)")
         return "\n".join(lines)
+
+
+#: The kind of :class:`ToolUseWatch`'s warning in ``summary.json``.
+NO_TOOL_CALLS = "no_tool_calls"
+
+
+def _number(record: Mapping[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class ToolUseWatch:
+    """Warns once when tools were offered in each of ``n`` updates in a row and never called (see the
+    module docstring); ``n`` = ``logger.warn_no_tool_calls_steps`` (0: off)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        self.n = n
+        self.run = 0  # updates in a row with tools offered and no call
+        self.offered_calls = 0.0
+        self.malformed = 0.0
+        self.agent = False
+        self.fired: dict[str, Any] | None = None
+
+    def observe(self, record: Mapping[str, Any]) -> str | None:
+        """Feed one update's ``metrics.jsonl`` record; returns the warning once, at the ``n``-th update in
+        a row without a tool call, else None."""
+        if self.n <= 0 or self.fired is not None:
+            return None
+        calls, offered = _number(record, "env/tool_calls"), _number(record, "env/calls_with_tools")
+        trajectories = _number(record, "trajectories") or 0.0
+        agent = offered is not None
+        if calls is None or (agent and offered <= 0) or calls > 0:
+            self.run, self.offered_calls, self.malformed = 0, 0.0, 0.0
+            return None
+        self.run += 1
+        self.agent = agent
+        self.offered_calls += (offered or 0.0) * trajectories
+        self.malformed += (_number(record, "env/malformed_tool_calls") or 0.0) * trajectories
+        if self.run < self.n:
+            return None
+        step = int(record.get("step", 0))
+        self.fired = {"kind": NO_TOOL_CALLS, "step": step, "updates": self.run, "message": self._message(step)}
+        return self.fired["message"]
+
+    def _message(self, step: int) -> str:
+        first = step - self.run + 1
+        if self.agent:
+            what = (f"the agent offered tools in {self.offered_calls:.0f} model calls of updates {first}-{step} and "
+                    "the policy called none")
+        else:
+            what = f"the environment offers a tool and no episode of updates {first}-{step} called it"
+        lines = [f"warning: {what}: the reward comes without the tools (it may still rise, from answers the model "
+                 "works out itself). The run goes on."]
+        if self.malformed > 0:
+            lines.append(f"  {self.malformed:.0f} replies held tool-call markup the parser could not read "
+                         "(env/malformed_tool_calls; --env.kwargs tool_parser, OUTPUT/samples.jsonl)")
+        lines.append("  remedies: show worked episodes before the task (earlier messages with a tool call, its result "
+                     "and the answer: docs/environments.md, \"Tools and small models\"), a model whose chat template "
+                     "has tool syntax, or a task the model cannot solve without the tool")
+        return "\n".join(lines)
+
+
+def tool_use_warnings(records: Iterable[Mapping[str, Any]], n: int) -> list[dict[str, Any]]:
+    """What :class:`ToolUseWatch` warned over ``records`` (a run's ``metrics.jsonl``): ``[]`` or one
+    ``{"kind", "step", "updates", "message"}``."""
+    watch = ToolUseWatch(n)
+    for record in records:
+        watch.observe(record)
+        if watch.fired is not None:
+            return [watch.fired]
+    return []

@@ -130,6 +130,7 @@ class Evaluator:
                                                  for t in trajs),
                 "eval_trajectories": len(trajs), "eval_quarantined_episodes": quarantined,
                 "eval_policy_version": policy_version,
+                "eval_temperature": (sampling or saved).temperature, "eval_samples_per_prompt": n,
                 "eval_time_s": time.perf_counter() - t0,
                 **{f"eval_{key}": value for key, value in episode_means(trajs).items()}}
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashreinforce.trainer.reporting.diagnostics import ZeroSignalWatch
+from flashreinforce.trainer.reporting.diagnostics import ToolUseWatch, ZeroSignalWatch
 from flashreinforce.trainer.reporting.loggers import close_sinks, open_sinks
 from flashreinforce.trainer.reporting.outcomes import episode_means, failure_kind
 from flashreinforce.trainer.reporting.samples import SampleLog, short_sample
@@ -158,12 +158,16 @@ class MetricsLog:
     Observers (all optional): ``sinks`` (:mod:`.loggers`: TensorBoard, W&B) get every record;
     ``samples`` (:class:`~.samples.SampleLog`) writes decoded trajectories on its steps, and every
     ``console_sample_every``-th of those steps one of them is shown on the console; ``watch``
-    (:class:`~.diagnostics.ZeroSignalWatch`) warns once when the first updates cannot learn.
+    (:class:`~.diagnostics.ZeroSignalWatch`) warns once when the first updates cannot learn, and
+    ``tool_watch`` (:class:`~.diagnostics.ToolUseWatch`) when tools are offered and never called.
+
+    ``budget_s``: this session's training-time budget (``train.max_minutes``); with it the bar counts
+    training seconds up to the budget (the update count beside it) rather than updates up to ``total``.
     """
 
     def __init__(self, out: str | Path, *, total: int, initial: int, progress: bool, logging_steps: int,
-                 sinks: Sequence[Any] = (), samples: Any = None, watch: Any = None,
-                 console_sample_every: int = 10) -> None:
+                 sinks: Sequence[Any] = (), samples: Any = None, watch: Any = None, tool_watch: Any = None,
+                 console_sample_every: int = 10, budget_s: float | None = None) -> None:
         from tqdm import tqdm
 
         self.path = Path(out) / "metrics.jsonl"
@@ -174,10 +178,20 @@ class MetricsLog:
         self._failed_sinks: list[Any] = []
         self.samples = samples
         self.watch = watch
+        self.tool_watch = tool_watch
         self.console_sample_every = console_sample_every
         self._sample_steps = 0
-        self.bar = tqdm(total=total, initial=initial, disable=not progress, desc="train", dynamic_ncols=True,
-                        file=sys.stderr)
+        self.total = total
+        self.budget_s = budget_s if budget_s and math.isfinite(budget_s) else None
+        self._train_s_before: float | None = None  # training time of earlier sessions (budget_s counts this one)
+        if self.budget_s is None:
+            self.bar = tqdm(total=total, initial=initial, disable=not progress, desc="train", dynamic_ncols=True,
+                            file=sys.stderr)
+        else:  # the budget ends the run first: the bar is its minutes
+            self.bar = tqdm(total=round(self.budget_s), initial=0, disable=not progress, desc="train (time budget)",
+                            unit="s", dynamic_ncols=True, file=sys.stderr,
+                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s of training "
+                                       "[{elapsed}<{remaining}{postfix}]")
 
     def write(self, record: Mapping[str, Any], *, trajectories: Sequence[Trajectory] | None = None,
               learner: Mapping[str, Any] | None = None) -> None:
@@ -195,10 +209,15 @@ class MetricsLog:
         # "success" is the share of rewarded episodes; "admitted" the share of trajectories the trust gate
         # kept (acceptance_rate), which is not an accuracy. The numbers are set before the count moves, so
         # that the redraw update() makes shows this update's numbers beside its count.
-        self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", success=f"{record.get('success_rate', 0.0):.2f}",
+        shown = {"update": f"{step}/{self.total}"} if self.budget_s is not None else {}
+        self.bar.set_postfix(**shown, reward=f"{record['reward_mean']:.3f}",
+                             success=f"{record.get('success_rate', 0.0):.2f}",
                              admitted=f"{record['acceptance_rate']:.2f}", lag=f"{record['policy_lag_mean']:.1f}",
                              refresh=False)
-        self.bar.update(1)
+        if self.budget_s is None:
+            self.bar.update(1)
+        else:
+            self._advance_clock(record)
         if not self.progress and record["step"] % self.logging_steps == 0:
             print(f"step {record['step']}: reward {record['reward_mean']:.3f} success "
                   f"{record.get('success_rate', 0.0):.2f} gate-admitted {record['acceptance_rate']:.2f} lag "
@@ -216,6 +235,24 @@ class MetricsLog:
             warning = self.watch.observe(step, trajectories)
             if warning:
                 self.note(f"flashreinforce: {warning}")
+        if self.tool_watch is not None:
+            warning = self.tool_watch.observe(record)
+            if warning:
+                self.note(f"flashreinforce: {warning}")
+
+    def start_clock(self, train_s_before: float) -> None:
+        """The training seconds of earlier sessions: the time-budget bar counts this session's from there."""
+        self._train_s_before = float(train_s_before)
+
+    def _advance_clock(self, record: Mapping[str, Any]) -> None:
+        train_s = record.get("train_time_s")
+        if not isinstance(train_s, (int, float)):
+            self.bar.refresh()
+            return
+        if self._train_s_before is None:  # not told (start_clock): what came before this update's step
+            self._train_s_before = float(train_s) - float(record.get("step_time_s", 0.0))
+        done = min(float(self.bar.total), max(0.0, float(train_s) - self._train_s_before))
+        self.bar.update(done - self.bar.n)
 
     def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Evaluation results outside an update record (the evaluation at start) to the trackers."""
@@ -262,4 +299,6 @@ def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: in
                         initial_step=initial if resume else 0)
     watch = ZeroSignalWatch(log_cfg.warn_zero_variance_steps, tokenizer, initial_step=initial)
     return MetricsLog(out, total=total, initial=initial, progress=cfg.progress, logging_steps=log_cfg.logging_steps,
-                      sinks=sinks, samples=samples, watch=watch)
+                      sinks=sinks, samples=samples, watch=watch,
+                      tool_watch=ToolUseWatch(log_cfg.warn_no_tool_calls_steps),
+                      budget_s=cfg.train.max_minutes * 60.0 or None)

@@ -3,9 +3,11 @@
 Written when a run completes and after Ctrl-C (status ``completed`` / ``interrupted``): the status,
 the configuration hash (same flags, preset, environment arguments, tokenizer and seed give the same
 hash), the versions of the package, PyTorch, transformers and Python and the source's git commit
-(when the package runs from a git checkout), steps done and planned, training and session
-wall-clock, the training reward at the start and the end, the final and the best evaluation (from
-``eval.jsonl``), and where the checkpoints and the exported model are.
+(when the package runs from a git checkout), steps done and planned, training time and wall-clock,
+the training reward at the start and the end, the evaluation before training (``start_eval``, update 0),
+the final and the best evaluation (from ``eval.jsonl``) and the change between the first two
+(``eval_change``), the warnings of the run (``warnings``: tools offered and never called,
+:mod:`.diagnostics`), and where the checkpoints and the exported model are.
 
 ``--resume`` continues the file: the earlier sessions stay in ``sessions`` (one entry each: start,
 end, status, steps, config hash), the current one is added, and the top-level fields describe the
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flashreinforce.analysis.runs import read_jsonl
+from flashreinforce.trainer.reporting.diagnostics import tool_use_warnings
 
 __all__ = ["SUMMARY_FILE", "config_hash", "software_versions", "write_run_summary"]
 
@@ -79,13 +82,30 @@ def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _eval_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+def _eval_entry(e: dict[str, Any]) -> dict[str, Any]:
+    """One evaluation as the summary shows it: step, reward, success rate, episodes; with the sampling
+    (``eval_temperature``, 0 = greedy) and what the environment reported per episode when recorded."""
     keys = ("step", "eval_reward_mean", "eval_success_rate", "eval_trajectories")
+    out = {k: e.get(k) for k in keys}
+    out.update({k: v for k, v in e.items()
+                if k in ("eval_temperature", "eval_samples_per_prompt") or k.startswith("eval_env/")})
+    return out
+
+
+def _eval_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
     scored = [e for e in evals if _finite(e.get("eval_reward_mean"))]
     if not scored:
-        return {"final_eval": None, "best_eval": None}
+        return {"start_eval": None, "final_eval": None, "best_eval": None, "eval_change": None}
     best = max(scored, key=lambda e: (e["eval_reward_mean"], -e.get("step", 0)))  # the earliest of equal bests
-    return {"final_eval": {k: scored[-1].get(k) for k in keys}, "best_eval": {k: best.get(k) for k in keys}}
+    start = next((e for e in scored if e.get("step") == 0), None)
+    final = scored[-1]
+    change = None
+    if start is not None and final is not start:
+        change = {k: final[k] - start[k] for k in ("eval_reward_mean", "eval_success_rate")
+                  if _finite(final.get(k)) and _finite(start.get(k))}
+        change["steps"] = [0, final.get("step")]
+    return {"start_eval": None if start is None else _eval_entry(start), "final_eval": _eval_entry(final),
+            "best_eval": _eval_entry(best), "eval_change": change}
 
 
 def _train_reward(metrics: list[dict[str, Any]], k: int = 10) -> dict[str, Any]:
@@ -103,14 +123,17 @@ def _iso(t: float) -> str:
 def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str, step: int, max_steps: int,
                       policy_version: int, training_wall_s: float, session_started: float, resumed: bool,
                       checkpoints_dir: str | Path, checkpoint: str | Path | None, export_dir: str | Path | None,
-                      extra: Mapping[str, Any] | None = None) -> Path:
+                      extra: Mapping[str, Any] | None = None, train_time_s: float | None = None,
+                      warn_no_tool_calls_steps: int = 0) -> Path:
     """Write ``OUT/summary.json`` (see the module docstring); returns its path.
 
-    ``config``: ``ResolvedConfig.to_json()``. ``training_wall_s``: training seconds over every
-    session. ``session_started``: this session's start (``time.time()``). ``resumed``: keep the
-    earlier sessions of an existing summary. ``checkpoint``: the newest checkpoint written;
-    ``export_dir``: the exported model (None when the run was not exported). ``extra``: more
-    top-level fields.
+    ``config``: ``ResolvedConfig.to_json()``. ``training_wall_s``: wall-clock seconds of the update
+    loops over every session (evaluations and checkpoint saves inside them included);
+    ``train_time_s``: the same without them (the clock of ``train.max_minutes``). ``session_started``:
+    this session's start (``time.time()``). ``resumed``: keep the earlier sessions of an existing
+    summary. ``checkpoint``: the newest checkpoint written; ``export_dir``: the exported model (None
+    when the run was not exported). ``extra``: more top-level fields. ``warn_no_tool_calls_steps``:
+    ``logger.warn_no_tool_calls_steps`` (:func:`~.diagnostics.tool_use_warnings` over ``metrics.jsonl``).
     """
     out = Path(out)
     path = out / SUMMARY_FILE
@@ -126,6 +149,7 @@ def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str
     sessions.append({"started": _iso(session_started), "ended": _iso(now), "status": status, "last_step": step,
                      "session_s": round(now - session_started, 3), "config_hash": chash})
     metrics = read_jsonl(out / "metrics.jsonl")
+    evals = read_jsonl(out / "eval.jsonl")
     summary: dict[str, Any] = {
         "status": status,
         "step": step,
@@ -135,9 +159,12 @@ def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str
         "config_changed_on_resume": len({s.get("config_hash") for s in sessions}) > 1,
         "versions": software_versions(),
         "training_wall_s": round(float(training_wall_s), 3),
+        "train_time_s": None if train_time_s is None else round(float(train_time_s), 3),
+        "eval_time_s": round(sum(float(e["eval_time_s"]) for e in evals if _finite(e.get("eval_time_s"))), 3),
         "sessions_wall_s": round(sum(float(s.get("session_s", 0.0)) for s in sessions), 3),
         **_train_reward(metrics),
-        **_eval_summary(read_jsonl(out / "eval.jsonl")),
+        **_eval_summary(evals),
+        "warnings": tool_use_warnings(metrics, warn_no_tool_calls_steps),
         "checkpoints_dir": str(checkpoints_dir),
         "latest_checkpoint": None if checkpoint is None else str(checkpoint),
         "exported_model": None if export_dir is None else str(export_dir),

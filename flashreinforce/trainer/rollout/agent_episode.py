@@ -35,8 +35,8 @@ __all__ = ["AgentEpisode", "Call", "EPISODE_COUNTERS", "Segment", "call_sampling
            "sampling_warning"]
 
 #: Counters of an episode, averaged per update as ``env/KEY``.
-EPISODE_COUNTERS = ("agent_calls", "tool_calls", "malformed_tool_calls", "history_rewrites", "mismatched_renderings",
-                    "off_policy_calls", "refused_calls", "length_finishes")
+EPISODE_COUNTERS = ("agent_calls", "calls_with_tools", "tool_calls", "malformed_tool_calls", "history_rewrites",
+                    "mismatched_renderings", "off_policy_calls", "refused_calls", "length_finishes")
 
 
 @dataclass

@@ -419,6 +419,7 @@ class AgentRolloutWorker(RolloutWorker):
         finish_reason = "stop" if finish == "stop" else "length"
         content, tool_calls = text, []
         if req.kind == "chat" and req.parse_tools:
+            e.counts["calls_with_tools"] += 1  # tools offered: the run warns when none is ever called
             parsed = self._parser(text)
             if parsed.malformed:
                 e.counts["malformed_tool_calls"] += 1

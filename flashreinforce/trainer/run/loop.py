@@ -51,6 +51,7 @@ from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
 from flashreinforce.trainer.run.interrupts import InterruptWatch, signal_label
+from flashreinforce.trainer.run.stop_evaluation import evaluate_at_stop, evaluates_at_stop
 from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
@@ -60,7 +61,9 @@ from flashreinforce.trainer.persistence.run_dir import RunLock, create_output, r
 from flashreinforce.trainer.persistence.run_history import HistoryRecord
 from flashreinforce.trainer.reporting.summary import write_run_summary
 from flashreinforce.trainer.run.watchdog import Watchdog
-from flashreinforce.models.lora import has_lora, merged_model, save_adapter
+from flashreinforce.models.lora import has_lora
+from flashreinforce.trainer.persistence.export import export_policy
+from flashreinforce.trainer.rollout.agent_worker import is_agent_spec
 from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
 from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
@@ -101,6 +104,7 @@ class Trainer:
         self._interrupted = threading.Event()
         self._watch_signals: InterruptWatch | None = None  # Ctrl-C and SIGTERM while training
         self._evaluator: Evaluator | None = None
+        self.evaluation_seeds: list[int] | None = None
         self.dist = None  # DistContext under torchrun
         self.rollout: RolloutSide | None = None
         self.learner: PolicyLearner | None = None
@@ -222,15 +226,10 @@ class Trainer:
 
     def _export(self) -> None:
         """The final policy in Hugging Face format in ``hf/``; with LoRA, the adapters merged in, and the
-        adapters alone in PEFT's format in ``hf/adapter`` (``peft.PeftModel.from_pretrained(base, ...)``)."""
-        self.hf_dir.mkdir(parents=True, exist_ok=True)
+        adapters alone in PEFT's format in ``hf/adapter`` with a loadable base (persistence/export.py)."""
         model = self.learner.full_model() if self.learner.sharded else self.model
-        if has_lora(model):
-            save_adapter(model, self.hf_dir / "adapter", base_model=str(self.cfg.actor.model_name_or_path))
-            self.tokenizer.save_pretrained(self.hf_dir / "adapter")
-            model = merged_model(model)
-        model.save_pretrained(str(self.hf_dir))
-        self.tokenizer.save_pretrained(self.hf_dir)
+        export_policy(self.hf_dir, model, self.tokenizer, base_spec=str(self.cfg.actor.model_name_or_path),
+                      checkpoints_dir=self.ckpt_dir, agent=is_agent_spec(self.envs.spec.spec))
 
     def _make_workers(self) -> RolloutBackend:
         return self.rollout.make_workers(
@@ -241,7 +240,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
-        """Mean reward and success rate of the current policy on the evaluation prompts."""
+        """Mean reward and success rate on the evaluation prompts; the evaluation's engine is released after each call."""
         if self._evaluator is None:
             cfg = self.cfg
             envs = self.eval_envs
@@ -251,6 +250,7 @@ class Trainer:
                 seeds = eval_seeds(envs.num_prompts, cfg.eval.num_prompts)
             else:  # every row of the evaluation dataset
                 seeds = eval_seeds(envs.num_prompts, envs.num_prompts or cfg.eval.num_prompts)
+            self.evaluation_seeds = seeds  # what the evaluations play (tools and tests read it)
             self._evaluator = Evaluator(
                 env_factory=envs.factory, seeds=seeds, model=self.learner.full_model(self.device),
                 tokenizer=self.tokenizer, weights=self.weights, rollout_settings=self.rollout_settings,
@@ -258,8 +258,12 @@ class Trainer:
                 n_samples=cfg.eval.n_samples_per_prompt, episodes_per_call=cfg.rollout.episodes_per_call,
                 seed=self.cfg.seed + 1)
         note = getattr(self, "_note", None)
-        return self._evaluator.evaluate(self.learner.version,
-                                        progress=progress_lines(note, "  evaluating") if note else None)
+        try:
+            return self._evaluator.evaluate(self.learner.version,
+                                            progress=progress_lines(note, "  evaluating") if note else None)
+        finally:
+            evaluator, self._evaluator = self._evaluator, None
+            evaluator.close()
 
     def _evaluate_paused(self) -> dict[str, float]:
         """:meth:`evaluate` with the rollouts paused (no prompt handed out, workers waiting between engine
@@ -288,9 +292,11 @@ class Trainer:
     def _interrupt_message(self) -> str:
         signum = self._watch_signals.first_signal if self._watch_signals is not None else None
         what = signal_label(signum)
+        then, after = (("saves a checkpoint, evaluates the policy", " (once the checkpoint is saved: skips the "
+                        "evaluation)") if evaluates_at_stop(self.cfg) else ("saves a checkpoint", ""))
         return (f"flashreinforce: interrupted ({what}): the run stops when update {self.step + 1} (in progress) "
-                f"ends, then saves a checkpoint and exits with status {128 + int(signum or signal.SIGINT)}; "
-                f"{what} again aborts without saving")
+                f"ends, then {then} and exits with status {128 + int(signum or signal.SIGINT)}; "
+                f"{what} again aborts without saving{after}")
 
     def _skipped(self, err: FloatingPointError, trajectories, in_a_row: int) -> None:
         """Report an update skipped for a non-finite gradient; :class:`RunFailure` once
@@ -467,6 +473,7 @@ class Trainer:
             # Training time: wall time without evaluations and checkpoint saves (earlier sessions included),
             # the clock of eval.every_min and of train_time_s in metrics.jsonl.
             train_before, pauses = self.counters.get("train_time_s", 0.0), 0.0
+            metrics_log.start_clock(train_before)
             every_s = cfg.eval.every_min * 60.0
             next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
             skipped_in_a_row = 0
@@ -570,6 +577,9 @@ class Trainer:
         if status in ("completed", "stopped"):
             log.info("exporting the model to %s ...", self.hf_dir)
             self._export()
+        if status in ("completed", "stopped", "interrupted"):
+            self._watch_signals.uninstall()  # from here Ctrl-C and SIGTERM skip the evaluation at the stop
+            evaluate_at_stop(self, metrics_log.note, self.counters.get("train_time_s", 0.0))
         summary = {"status": status, "step": self.step, "policy_version": self.learner.version,
                    "output": str(self.out), "buffer": self.buffer.stats(), "loss_impl": self.learner.loss_impl}
         summary["summary_file"] = str(write_run_summary(
@@ -577,7 +587,8 @@ class Trainer:
             policy_version=self.learner.version, training_wall_s=self.counters["wall_time_s"],
             session_started=self._started, resumed=self._resume_point is not None, checkpoints_dir=self.ckpt_dir,
             checkpoint=ckpt, export_dir=self.hf_dir if status in ("completed", "stopped") else None,
-            extra={"stop_reason": self.stop_reason} if self.stop_reason else None))
+            extra={"stop_reason": self.stop_reason} if self.stop_reason else None,
+            train_time_s=self.counters.get("train_time_s"), warn_no_tool_calls_steps=cfg.logger.warn_no_tool_calls_steps))
         # The training reward as summary.json has it (over every session's updates), so that both say the same.
         written = json.loads(Path(summary["summary_file"]).read_text())
         summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})

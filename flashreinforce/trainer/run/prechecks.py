@@ -42,7 +42,10 @@ def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = Non
 
     spec = cfg.train.agent_path
     if spec is None:
-        raise ConfigError("no environment: give --env MODULE:CLASS (or --train.agent_path, or a --preset)")
+        if cfg.preset == "agent":
+            raise ConfigError("--preset agent: name your agent function with --agent FILE.py:FUNC (or MODULE:FUNC)")
+        raise ConfigError("no environment: give --env MODULE:CLASS, --agent FILE.py:FUNC, --reward FILE.py:FUNC "
+                          "with --data.prompt_dataset, or a --preset")
     try:
         environment_class(spec)
     except EnvironmentSpecError as err:

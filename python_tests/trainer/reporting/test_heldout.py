@@ -63,7 +63,8 @@ def test_without_eval_dataset_the_evaluation_is_held_out_of_training(tmp_path):
     assert summary["status"] == "completed"
     split = read_split(tmp_path / "split")
     assert split is not None and split.num_prompts == 40 and len(split.rows) == 5
-    assert trainer._evaluator.seeds == list(split.rows)  # the evaluation plays exactly the held-out rows
+    assert trainer.evaluation_seeds == list(split.rows)  # the evaluation plays exactly the held-out rows
+    assert trainer._evaluator is None  # its engine is released after each evaluation
     handed = _handed_out(trainer)
     assert handed and not handed & set(split.rows)  # and training never got one of them
     record = json.loads((tmp_path / "split" / "config.json").read_text())
@@ -82,7 +83,7 @@ def test_resume_keeps_the_recorded_split_even_with_other_eval_settings(tmp_path)
     trainer = Trainer(config)
     assert trainer.run()["status"] == "completed"
     assert read_split(tmp_path / "resume") == first
-    assert trainer._evaluator.seeds == list(first.rows)
+    assert trainer.evaluation_seeds == list(first.rows)
     assert not _handed_out(trainer) & set(first.rows)
 
 

@@ -12,7 +12,8 @@ import pytest
 from flashreinforce.objective import LossOptions
 from flashreinforce.config.resolution import resolve
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.reporting.diagnostics import ZeroSignalWatch, has_reward_signal
+from flashreinforce.trainer.reporting.diagnostics import (ToolUseWatch, ZeroSignalWatch, has_reward_signal,
+                                                          tool_use_warnings)
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
 from flashreinforce.trainer.reporting.loggers import TensorBoardSink, WandbSink, flat_scalars, open_sinks
 from flashreinforce.trainer.reporting.metrics import (MetricsLog, UpdateTimings, failure_kinds, no_answer_fraction,
@@ -431,3 +432,92 @@ def test_sample_log_writes_a_lone_surrogate_as_its_json_escape(tmp_path):
     (record,) = read_samples(tmp_path)
     assert record["info"]["failure_kind"] == "bad \ud800 text"
     assert "\\ud800" in (tmp_path / "samples.jsonl").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------- tools never called
+
+
+def _agent_record(step: int, calls: float, offered: float = 2.0, malformed: float = 0.0) -> dict:
+    return {"step": step, "trajectories": 4, "env/tool_calls": calls, "env/calls_with_tools": offered,
+            "env/malformed_tool_calls": malformed}
+
+
+def test_tools_offered_and_never_called_for_n_updates_in_a_row_warn_once():
+    watch = ToolUseWatch(3)
+    assert watch.observe(_agent_record(1, 0.0)) is None and watch.observe(_agent_record(2, 0.0)) is None
+    assert watch.observe(_agent_record(3, 0.5)) is None  # a call: the count starts over
+    assert [watch.observe(_agent_record(s, 0.0, malformed=0.25)) for s in (4, 5)] == [None, None]
+    text = watch.observe(_agent_record(6, 0.0, malformed=0.25))
+    assert text.startswith("warning: the agent offered tools in 24 model calls of updates 4-6 and the policy called "
+                           "none")
+    assert "3 replies held tool-call markup the parser could not read" in text
+    assert "worked episodes" in text and "docs/environments.md" in text
+    assert watch.fired == {"kind": "no_tool_calls", "step": 6, "updates": 3, "message": text}
+    assert watch.observe(_agent_record(7, 0.0)) is None  # once
+
+
+def test_no_warning_without_tools_or_when_off():
+    watch = ToolUseWatch(2)
+    # an agent that declares no tools, and an environment without a tool
+    records = [_agent_record(1, 0.0, offered=0.0), _agent_record(2, 0.0, offered=0.0), {"step": 3}, {"step": 4}]
+    assert [watch.observe(r) for r in records] == [None] * 4
+    assert ToolUseWatch(0).observe(_agent_record(1, 0.0)) is None
+    # an environment whose episodes report tool_calls offers a tool in every one
+    env = ToolUseWatch(2)
+    assert env.observe({"step": 1, "trajectories": 4, "env/tool_calls": 0.0}) is None
+    assert env.observe({"step": 2, "trajectories": 4, "env/tool_calls": 0.0}).startswith(
+        "warning: the environment offers a tool and no episode of updates 1-2 called it")
+
+
+def test_the_log_and_the_summary_carry_the_tool_warning(tmp_path, capsys):
+    log = MetricsLog(tmp_path, total=5, initial=0, progress=False, logging_steps=100, tool_watch=ToolUseWatch(2))
+    for step in (1, 2, 3):
+        log.write({**record_of([episode("q", [("a", "")], reward=1.0)], step),
+                   **_agent_record(step, 0.0)}, trajectories=[episode("q", [("a", "")], reward=1.0)])
+    log.close()
+    assert capsys.readouterr().err.count("flashreinforce: warning: the agent offered tools") == 1
+    cfg = resolve({"seed": 1}).to_json()
+    write_run_summary(tmp_path, config=cfg, status="completed", step=3, max_steps=3, policy_version=3,
+                      training_wall_s=1.0, session_started=0.0, resumed=False, checkpoints_dir=tmp_path / "c",
+                      checkpoint=None, export_dir=None, warn_no_tool_calls_steps=2)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(w["kind"], w["step"]) for w in summary["warnings"]] == [("no_tool_calls", 2)]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert tool_use_warnings(records, 0) == [] and tool_use_warnings(records, 4) == []
+
+
+def test_summary_has_the_evaluation_before_training_and_the_change_to_the_final_one(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    evals = [{"step": 0, "eval_reward_mean": 0.25, "eval_success_rate": 0.2, "eval_temperature": 0.0,
+              "eval_env/tool_calls": 0.0, "eval_time_s": 3.0},
+             {"step": 7, "eval_reward_mean": 0.75, "eval_success_rate": 0.9, "eval_temperature": 0.0,
+              "eval_env/tool_calls": 1.0, "eval_time_s": 2.0}]
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    cfg = resolve({"seed": 1}).to_json()
+    write_run_summary(tmp_path, config=cfg, status="stopped", step=7, max_steps=9, policy_version=7,
+                      training_wall_s=20.0, train_time_s=14.5, session_started=0.0, resumed=False,
+                      checkpoints_dir=tmp_path / "c", checkpoint=None, export_dir=None)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["start_eval"]["step"] == 0 and summary["start_eval"]["eval_env/tool_calls"] == 0.0
+    assert summary["final_eval"]["step"] == 7 and summary["final_eval"]["eval_temperature"] == 0.0
+    assert summary["eval_change"] == {"eval_reward_mean": 0.5, "eval_success_rate": pytest.approx(0.7),
+                                      "steps": [0, 7]}
+    assert (summary["train_time_s"], summary["training_wall_s"], summary["eval_time_s"]) == (14.5, 20.0, 5.0)
+    assert summary["warnings"] == []
+
+
+def test_with_a_time_budget_the_bar_counts_training_seconds(tmp_path, monkeypatch):
+    import io
+
+    screen = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", screen)
+    bar = MetricsLog(tmp_path, total=2000, initial=0, progress=True, logging_steps=100, budget_s=120.0)
+    bar.bar.mininterval = 0
+    bar.start_clock(30.0)  # 30 s in earlier sessions: the budget is this session's
+    for step, train_s in ((1, 55.0), (2, 90.0), (3, 200.0)):
+        bar.write({**record_of([episode("q", [("a", "")], reward=1.0)], step), "train_time_s": train_s})
+        assert bar.bar.n == min(120.0, train_s - 30.0)
+    bar.close()
+    frames = screen.getvalue().replace("\r", "\n")
+    assert "60/120 s of training" in frames and "update=2/2000" in frames
+    assert "/2000 [" not in frames  # not a count of updates towards max_steps

@@ -65,6 +65,9 @@ def test_samples_tensorboard_and_summary_across_ctrl_c_and_resume(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == stopped and summary["exported_model"] is None
     assert summary["latest_checkpoint"].endswith(f"step_{stopped:08d}")
+    # Ctrl-C: the policy is evaluated at the update the run stopped after (no evaluation at the start here)
+    assert [e["step"] for e in lines(out / "eval.jsonl")] == sorted({*range(4, stopped + 1, 4), stopped})
+    assert summary["final_eval"]["step"] == stopped and summary["start_eval"] is None is summary["eval_change"]
     samples = lines(out / "samples.jsonl")
     assert sorted({s["step"] for s in samples}) == list(range(2, stopped + 1, 2)) and len(samples) == 3 * (stopped // 2)
     for s in samples:
@@ -84,7 +87,9 @@ def test_samples_tensorboard_and_summary_across_ctrl_c_and_resume(tmp_path):
     assert summary["status"] == "completed" and summary["step"] == final
     assert summary["exported_model"] == str(out / "hf") and summary["latest_checkpoint"].endswith(f"step_{final:08d}")
     assert [(s["status"], s["last_step"]) for s in summary["sessions"]] == [("interrupted", stopped), ("completed", final)]
-    assert summary["final_eval"]["step"] == max(s for s in range(4, final + 1, 4))
+    assert summary["final_eval"]["step"] == final  # evaluated at the stop
+    # the resumed run's history is the checkpoint's: the evaluation at the Ctrl-C came after it and is gone
+    assert [e["step"] for e in lines(out / "eval.jsonl")] == sorted({*range(4, final + 1, 4), final})
     assert json.loads(resumed.stdout.strip().splitlines()[-1])["summary_file"] == str(out / "summary.json")
     steps = [s["step"] for s in lines(out / "samples.jsonl")]
     assert steps == sorted(steps) and set(steps) == set(range(2, final + 1, 2))  # nothing duplicated by the resume

@@ -99,7 +99,7 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--output", str(out),
            "--train.max_steps", "100000", "--ckpt.save_steps", "0", "--rollout.batch_size", "16",
-           "--train.batch_size", "16", *QUIET]
+           "--train.batch_size", "16", *QUIET, "--eval.eval_at_start", "true", "--eval.num_prompts", "8"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
@@ -121,6 +121,9 @@ def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     assert latest == f"step_{step:08d}"
     state = json.loads((out / "checkpoints" / latest / "state.json").read_text())
     assert state["step"] == state["version"] == step
+    # evaluated before training and at the Ctrl-C (the first evaluation by eval.steps would be at update 50)
+    assert [json.loads(x)["step"] for x in (out / "eval.jsonl").read_text().splitlines()] == [0, step]
+    assert "evaluates the policy and exits with status 130" in stderr and f"eval at stop (update {step})" in stderr
     proc2 = train("--preset", "toy", "--output", str(out), "--train.max_steps", str(step + 2), "--resume",
                   "--rollout.batch_size", "16", "--train.batch_size", "16", *QUIET)
     assert proc2.returncode == 0, proc2.stderr[-3000:]
