@@ -7,8 +7,9 @@ versions behind the policy that trains on it), the same number of updates whatev
 updates, and every trajectory's drift statistics in ``samples.jsonl``. Grids (``--grid``):
 
 * ``pilot``: the learning-rate regime (K = 8, gate and gate off, at each ``--lrs``);
-* ``main``: rows K in ``--lags``, columns :data:`COLUMNS` (the gate, gate off, no IS, truncated IS,
-  the other gate metrics, ppo);
+* ``main``: rows K in ``--lags``, columns :data:`MAIN_COLUMNS` (the gate, gate off, no IS, truncated IS,
+  the other gate metrics, ppo); ``--columns gate_hold`` adds the gate without an optimizer step on
+  updates it admitted nothing of (``--actor.step_on_zero_gradient false``);
 * ``delta``: the gate at each of ``--deltas`` at K = ``--delta-lag``;
 * ``groups``: ``--groups`` samples per prompt at an equal rollout budget (``rollout.batch_size`` =
   trajectories / G; G = 1 is the method, G > 1 GRPO: the ppo loss with group advantages, not whitened).
@@ -57,7 +58,12 @@ COLUMNS: dict[str, list[str]] = {
     "log_ratio": ["--actor.gate_metric", "log_ratio"],
     "ppo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--algo.advantage.no_whiten", "true",
             "--actor.eps_clip_low_high", "0.2", "0.2"],
+    # The gate, and no optimizer step for an update it admitted nothing of (AdamW's momentum otherwise keeps
+    # moving the weights); not in the main grid by default: --columns gate_hold.
+    "gate_hold": ["--actor.step_on_zero_gradient", "false"],
 }
+#: The main grid's columns unless --columns says otherwise.
+MAIN_COLUMNS = [c for c in COLUMNS if c != "gate_hold"]
 #: The gate metric each column's delta is for (``--metric-deltas`` overrides the task's default delta).
 COLUMN_METRIC = {"gate": "binary_kl", "kpop": "kpop", "k3": "k3", "log_ratio": "log_ratio"}
 
@@ -547,7 +553,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=4e-5)
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 4e-5, 8e-5])
     p.add_argument("--lags", type=int, nargs="+", default=[0, 8, 2, 4, 16])
-    p.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
+    p.add_argument("--columns", nargs="+", default=MAIN_COLUMNS, choices=list(COLUMNS))
     p.add_argument("--metric-deltas", type=json.loads, default={},
                    help='JSON {metric: delta} for the gate-metric columns, e.g. {"k3": 0.02}')
     p.add_argument("--deltas", type=float, nargs="+", default=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2])
