@@ -32,7 +32,9 @@ import torch
 
 import flashreinforce as fr
 from flashreinforce import _C
+from flashreinforce.objective import LossOptions
 from flashreinforce.ops import fused_loss_capturable, raise_for_error, reference
+from flashreinforce.ops.contract import op_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import eager_loss, eager_step, fused_step, loss_batch, print_table  # noqa: E402
@@ -78,8 +80,9 @@ def copy_bandwidth(nbytes: int) -> float:
 def fused_forward(d, **opts):
     return lambda: torch.ops.flashreinforce.fused_loss(
         d["log_probs"], d["behavior_log_probs"], d["rewards"], d["cu_seqlens"], d["action_mask"],
-        opts.get("entropies"), opts.get("failures"), 3e-3, opts.get("negative_token_fraction", 1.0), None, None,
-        "seq-mean-token-mean", None, None, False, opts.get("raise_errors", False))
+        opts.get("entropies"), opts.get("failures"),
+        op_options(LossOptions(delta=3e-3, negative_token_fraction=opts.get("negative_token_fraction", 1.0))),
+        opts.get("raise_errors", False))
 
 
 def main() -> None:

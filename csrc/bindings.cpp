@@ -6,8 +6,9 @@
 // and calls loss_forward(views, options, launch) with three dicts:
 //   views:   name -> (data_ptr: int, numel: int, dtype: str) or None, one per LossParams view
 //            (log_probs, ..., retained_tokens) plus "workspace" (CUDA) and "error_record";
-//   options: the LossOptions fields by name (reward_baseline, num_trajectories, loss_scale_factor
-//            and num_policy_tokens may be None; gate_metric by its name, is_truncation inf when off);
+//   options: the LossOptions fields by name, read through the core's field table (core.h,
+//            kLossOptionFields: optional values may be None, enums are given by name); this file
+//            names no option;
 //   launch:  device ("cpu" or "cuda"), padded_row_length (0: packed form), num_threads, stream,
 //            synchronize (CUDA: wait and return the error record).
 // Views are contiguous by construction (fused.py passes contiguous tensors). The only checks
@@ -19,6 +20,8 @@
 
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -59,8 +62,6 @@ constexpr ViewField kViewFields[] = {
     {"retained_tokens", &LossParams::retained_tokens},
 };
 
-constexpr const char* kLossAggNames[] = {"seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"};
-
 [[noreturn]] void invalid(const std::string& what) {
   throw std::runtime_error("flashreinforce._C.loss_forward: " + what);
 }
@@ -93,6 +94,60 @@ TensorView view_of(const char* name, py::handle obj) {
   return v;
 }
 
+// Fills LossOptions from a mapping of its fields by name through the core's field table (core.h,
+// kLossOptionFields): every field is required, and no other key is accepted.
+void fill_options(const py::dict& options, LossOptions& o) {
+  char* const base = reinterpret_cast<char*>(&o);
+  for (const OptionField& f : kLossOptionFields) {
+    if (!options.contains(f.name)) invalid(std::string("options: missing '") + f.name + "'");
+    const py::object value = options[f.name];
+    char* const at = base + f.offset;
+    switch (f.kind) {
+      case OptionKind::kReal: {
+        const double v = value.cast<double>();
+        if (f.minimum > -std::numeric_limits<double>::infinity() && !(v >= f.minimum)) {
+          invalid(std::string(f.name) + " must be >= " + std::to_string(f.minimum));
+        }
+        std::memcpy(at, &v, sizeof v);
+        break;
+      }
+      case OptionKind::kOptionalReal: {
+        const bool given = !value.is_none();
+        const double v = given ? value.cast<double>() : 0.0;
+        std::memcpy(at, &v, sizeof v);
+        if (f.given_offset != kNoMember) std::memcpy(base + f.given_offset, &given, sizeof given);
+        break;
+      }
+      case OptionKind::kCount: {
+        const int64_t v = value.is_none() ? 0 : value.cast<int64_t>();
+        std::memcpy(at, &v, sizeof v);
+        break;
+      }
+      case OptionKind::kFlag: {
+        const bool v = value.cast<bool>();
+        std::memcpy(at, &v, sizeof v);
+        break;
+      }
+      case OptionKind::kChoice: {
+        const std::string name = value.cast<std::string>();
+        int32_t k = 0;
+        while (k < f.num_choices && name != f.choices[k]) ++k;
+        if (k == f.num_choices) invalid(std::string("unknown ") + f.name + " '" + name + "'");
+        std::memcpy(at, &k, sizeof k);
+        break;
+      }
+    }
+  }
+  if (options.size() != static_cast<size_t>(kNumLossOptionFields)) {
+    for (auto item : options) {
+      const std::string key = item.first.cast<std::string>();
+      bool known = false;
+      for (const OptionField& f : kLossOptionFields) known = known || key == f.name;
+      if (!known) invalid("unknown option '" + key + "'");
+    }
+  }
+}
+
 // Fills params (once) from the three dicts; returns the workspace and error-record views.
 void fill(const py::dict& views, const py::dict& options, const py::dict& launch, LossParams& p,
           TensorView& workspace, TensorView& error_record) {
@@ -116,39 +171,7 @@ void fill(const py::dict& views, const py::dict& options, const py::dict& launch
     }
     if (!known) invalid("unknown view '" + key + "'");
   }
-  LossOptions& o = p.options;
-  o.delta = options["delta"].cast<double>();
-  o.negative_token_fraction = options["negative_token_fraction"].cast<double>();
-  const py::object baseline = options["reward_baseline"];
-  o.has_reward_baseline = !baseline.is_none();
-  o.reward_baseline = o.has_reward_baseline ? baseline.cast<double>() : 0.0;
-  const py::object num_trajectories = options["num_trajectories"];
-  o.num_trajectories = num_trajectories.is_none() ? 0 : num_trajectories.cast<int64_t>();
-  const std::string agg = options["loss_agg"].cast<std::string>();
-  bool agg_known = false;
-  for (int k = 0; k < 3; ++k) {
-    if (agg == kLossAggNames[k]) {
-      o.loss_agg = static_cast<LossAgg>(k);
-      agg_known = true;
-    }
-  }
-  if (!agg_known) invalid("unknown loss_agg '" + agg + "'");
-  const py::object factor = options["loss_scale_factor"];
-  o.loss_scale_factor = factor.is_none() ? 0.0 : factor.cast<double>();
-  const py::object num_policy_tokens = options["num_policy_tokens"];
-  o.num_policy_tokens = num_policy_tokens.is_none() ? 0 : num_policy_tokens.cast<int64_t>();
-  o.no_is = options["no_is"].cast<bool>();
-  const std::string metric = options["gate_metric"].cast<std::string>();
-  bool metric_known = false;
-  for (int k = 0; k < kNumGateMetrics; ++k) {
-    if (metric == gate_metric_name(static_cast<GateMetric>(k))) {
-      o.gate_metric = static_cast<GateMetric>(k);
-      metric_known = true;
-    }
-  }
-  if (!metric_known) invalid("unknown gate_metric '" + metric + "'");
-  o.is_truncation = options["is_truncation"].cast<double>();
-  if (!(o.is_truncation >= 1.0)) invalid("is_truncation must be >= 1 (inf: off)");
+  fill_options(options, p.options);
   p.padded_row_length = launch["padded_row_length"].cast<int64_t>();
   if (const char* problem = check_params(p)) invalid(problem);
   if (!error_record.present() || error_record.dtype != DType::kInt64 || error_record.numel != 2) {
@@ -250,6 +273,18 @@ PYBIND11_MODULE(_C, m) {
         return py::tuple(names);
       },
       "Names of the LossParams views, inputs then outputs, in the struct's order.");
+  m.def(
+      "loss_option_fields",
+      []() {
+        py::list rows;
+        for (const OptionField& f : kLossOptionFields) {
+          py::list choices;
+          for (int k = 0; k < f.num_choices; ++k) choices.append(f.choices[k]);
+          rows.append(py::make_tuple(f.name, option_kind_name(f.kind), py::tuple(choices)));
+        }
+        return py::tuple(rows);
+      },
+      "The core's LossOptions fields in its table's order: (name, kind, choices) each.");
   m.def(
       "error_code_names",
       []() {

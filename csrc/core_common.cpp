@@ -68,6 +68,17 @@ const char* error_code_name(ErrorCode code) {
   return "unknown";
 }
 
+const char* option_kind_name(OptionKind kind) {
+  switch (kind) {
+    case OptionKind::kReal: return "real";
+    case OptionKind::kOptionalReal: return "optional_real";
+    case OptionKind::kCount: return "count";
+    case OptionKind::kFlag: return "flag";
+    case OptionKind::kChoice: return "choice";
+  }
+  return "unknown";
+}
+
 const char* gate_metric_name(GateMetric metric) {
   switch (metric) {
     case GateMetric::kBinaryKl: return "binary_kl";

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, fields
 from numbers import Real
 from typing import Any, Mapping
 
-__all__ = ["DEFAULT_LOSS_MODE", "GATE_METRICS", "LOSS_AGGREGATIONS", "LOSS_MODE_REGISTRY", "OPTION_FLAGS", "LossModeConfig",
-           "LossOptions", "advantage_estimators", "loss_mode_config", "loss_mode_names", "owned_flags"]
+__all__ = ["DEFAULT_LOSS_MODE", "GATE_METRICS", "KERNEL_OPTIONS", "LOSS_AGGREGATIONS", "LOSS_MODE_REGISTRY",
+           "OPTION_FIELDS", "OPTION_FLAGS", "LossModeConfig", "LossOptions", "config_fields", "flag_message",
+           "mode_options", "options_from_flags", "advantage_estimators", "loss_mode_config", "loss_mode_names", "owned_flags"]
 
 #: Supported values of ``loss_agg``: mean over each trajectory's policy tokens then over B (the
 #: method); one mean over all policy tokens of the batch; each trajectory's sum divided by the
@@ -77,9 +78,30 @@ def _real(name: str, value: Any, requirement: str) -> float:
     return float(value)
 
 
+def _option(default: Any, flag: str, kind: str, help: str, *, mode: str, kernel: bool = False,
+            choices: tuple[str, ...] | None = None, negated: bool = False) -> Any:
+    """A :class:`LossOptions` field and its metadata: everything the other layers derive from it.
+
+    flag: the trainer's dotted flag (``negated``: the flag is the option's negation, as
+    ``algo.advantage.no_whiten`` is ``not whiten``). kind: the flag's kind (``float``, ``str``, ``bool``,
+    ``float2``). help: the flag's help. mode: the loss mode that reads it (its flags are that mode's own).
+    kernel: the fused op carries it to the compiled core (an entry of ``kLossOptionFields`` in
+    csrc/flashreinforce/core.h, and a keyword of the public loss functions). choices: a string option's values.
+    """
+    meta = {"flag": flag, "kind": kind, "help": help, "mode": mode, "kernel": kernel, "choices": choices,
+            "negated": negated}
+    return field(default=default, metadata=meta)
+
+
 @dataclass(frozen=True)
 class LossOptions:
-    """The options of the objective (docs/semantics.md), validated when built.
+    """The options of the objective (docs/semantics.md), validated when built: the one definition.
+
+    Each field's metadata (:func:`_option`) names its trainer flag, the flag's kind and help, the loss mode that
+    reads it and whether the fused op carries it to the compiled core. From it are derived: the trainer's
+    flags (:func:`config_fields`, the configuration's sections), :data:`OPTION_FLAGS`, the public loss
+    functions' keywords (:data:`KERNEL_OPTIONS`, :mod:`flashreinforce.ops.contract`), the op's one options
+    argument, the resume rules' identity flags and each loss mode's own flags and options.
 
     delta: trust threshold of the sequence Bernoulli-KL gate (``inf``: no gate).
     negative_token_fraction: q of the entropy filter; failed trajectories keep ``ceil(q * T_i)``
@@ -95,15 +117,28 @@ class LossOptions:
     Raises ``ValueError`` naming the option for a bad value, ``TypeError`` for a flag that is not a bool.
     """
 
-    delta: float = 3e-3
-    negative_token_fraction: float = 1.0
-    loss_agg: str = LOSS_AGGREGATIONS[0]
-    loss_scale_factor: float | None = None
-    no_is: bool = False
-    gate_metric: str = GATE_METRICS[0]
-    is_truncation: float = math.inf
-    eps_clip: tuple[float, float] = (0.2, 0.2)
-    whiten: bool = False
+    delta: float = _option(3e-3, "actor.flash_gate_delta", "float", "trust threshold delta of the sequence "
+                           "Bernoulli-KL gate (inf: off)", mode="flash_reinforce", kernel=True)
+    negative_token_fraction: float = _option(1.0, "actor.flash_neg_topq", "float", "entropy filter q in [0, 1]: "
+                                             "failed trajectories keep ceil(q T) tokens (1: off)",
+                                             mode="flash_reinforce", kernel=True)
+    loss_agg: str = _option(LOSS_AGGREGATIONS[0], "actor.flash_loss_agg", "str", "loss aggregation",
+                            mode="flash_reinforce", kernel=True, choices=LOSS_AGGREGATIONS)
+    loss_scale_factor: float | None = _option(None, "actor.loss_scale_factor", "float", "constant divisor of "
+                                              "seq-mean-token-sum-norm", mode="flash_reinforce", kernel=True)
+    no_is: bool = _option(False, "actor.flash_no_is", "bool", "no importance correction (ratio 1; the gate admits "
+                          "everything)", mode="flash_reinforce", kernel=True)
+    gate_metric: str = _option(GATE_METRICS[0], "actor.gate_metric", "str", "per-token divergence the trust gate "
+                               "averages over a trajectory: binary_kl (the method), kpop (max of forward and reverse "
+                               "Bernoulli KL), k3 (e^d - 1 - d) or log_ratio (|d|), d = current - behavior log-prob",
+                               mode="flash_reinforce", kernel=True, choices=GATE_METRICS)
+    is_truncation: float = _option(math.inf, "actor.is_truncation", "float", "clip importance ratios at this value, "
+                                   ">= 1 (truncated IS; inf: no clip)", mode="flash_reinforce", kernel=True)
+    eps_clip: tuple[float, float] = _option((0.2, 0.2), "actor.eps_clip_low_high", "float2", "PPO ratio clip range "
+                                            "(low high), loss_mode ppo", mode="ppo")
+    whiten: bool = _option(False, "algo.advantage.no_whiten", "bool", "grpo: advantages are reward minus the group "
+                           "mean (true, the default, as every published grpo launcher sets it); false also divides "
+                           "them by the group std + 1e-6", mode="ppo", negated=True)
 
     def __post_init__(self) -> None:
         delta = _real("delta", self.delta, "must be a non-negative number (inf disables the gate)")
@@ -149,20 +184,63 @@ class LossOptions:
         """Whether the entropy filter is on (``negative_token_fraction < 1``)."""
         return self.negative_token_fraction < 1.0
 
-    def objective_kwargs(self) -> dict[str, Any]:
-        """The keyword options of the public loss functions (the objective's fields, not PPO's)."""
-        return {"delta": self.delta, "negative_token_fraction": self.negative_token_fraction,
-                "loss_agg": self.loss_agg, "loss_scale_factor": self.loss_scale_factor, "no_is": self.no_is,
-                "gate_metric": self.gate_metric, "is_truncation": self.is_truncation}
 
-
+#: The loss options' fields, in definition order, and their metadata.
+OPTION_FIELDS = fields(LossOptions)
 #: The trainer flag of each :class:`LossOptions` field (``whiten`` is the negation of its flag).
-OPTION_FLAGS = {"delta": "actor.flash_gate_delta", "negative_token_fraction": "actor.flash_neg_topq",
-                "loss_agg": "actor.flash_loss_agg", "loss_scale_factor": "actor.loss_scale_factor",
-                "no_is": "actor.flash_no_is", "gate_metric": "actor.gate_metric",
-                "is_truncation": "actor.is_truncation", "eps_clip": "actor.eps_clip_low_high",
-                "whiten": "algo.advantage.no_whiten"}
-assert set(OPTION_FLAGS) == {f.name for f in fields(LossOptions)}
+OPTION_FLAGS = {f.name: f.metadata["flag"] for f in OPTION_FIELDS}
+#: The options the fused op carries to the compiled core (the public loss functions' option keywords).
+KERNEL_OPTIONS = tuple(f.name for f in OPTION_FIELDS if f.metadata["kernel"])
+
+
+def mode_options(mode: str) -> tuple[str, ...]:
+    """The :class:`LossOptions` fields loss mode ``mode`` reads."""
+    return tuple(f.name for f in OPTION_FIELDS if f.metadata["mode"] == mode)
+
+
+def config_fields(section: str) -> tuple[tuple[str, str, Any, str, tuple[str, ...] | None], ...]:
+    """The configuration fields the loss options define in ``section`` (a dotted section name, ``actor``):
+    ``(attribute, kind, default, help, choices)`` each, the default in the flag's sense (negated flags too)."""
+    rows = []
+    for f in OPTION_FIELDS:
+        owner, _, attribute = f.metadata["flag"].rpartition(".")
+        if owner == section:
+            default = (not f.default) if f.metadata["negated"] else f.default
+            rows.append((attribute, f.metadata["kind"], default, f.metadata["help"], f.metadata["choices"]))
+    return tuple(rows)
+
+
+def flag_message(err: BaseException) -> str:
+    """The message of a :class:`LossOptions` error, its leading option name replaced by the option's flag:
+    the one place option names become flag names in messages."""
+    text = str(err)
+    option = text.split(" ", 1)[0]
+    return OPTION_FLAGS[option] + text[len(option):] if option in OPTION_FLAGS else text
+
+
+def options_from_flags(flags: Mapping[str, Any], names: tuple[str, ...] | None = None) -> LossOptions:
+    """The :class:`LossOptions` of flat dotted ``flags`` (the options ``names``, default all; an absent flag:
+    the option's default). ``loss_scale_factor`` is dropped unless the aggregation uses it (the configuration
+    records it as inactive). Raises ``ValueError`` whose message names the flag (:func:`flag_message`)."""
+    values = {}
+    for f in OPTION_FIELDS:
+        flag = f.metadata["flag"]
+        if (names is not None and f.name not in names) or flag not in flags:
+            continue
+        value = flags[flag]
+        if f.metadata["negated"]:
+            value = value if not _is_bool(value) else not value
+        if f.metadata["kind"] == "float2" and value is not None and not isinstance(value, str):
+            value = tuple(value)
+        values[f.name] = value
+    if values.get("loss_agg", LOSS_AGGREGATIONS[0]) != "seq-mean-token-sum-norm":
+        factor = values.pop("loss_scale_factor", None)  # inactive with another aggregation, but finite
+        if isinstance(factor, Real) and not _is_bool(factor) and not math.isfinite(factor):
+            raise ValueError(f"{OPTION_FLAGS['loss_scale_factor']} must be finite, got {factor}")
+    try:
+        return LossOptions(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(flag_message(err)) from None
 
 
 @dataclass(frozen=True)
@@ -203,18 +281,10 @@ class LossModeConfig:
         if self.one_sample_per_prompt and samples != 1:
             errors.append(f"actor.loss_mode {self.name} uses one sample per prompt; got rollout.n_samples_per_prompt "
                           f"{samples}")
-        values = {opt: flags[OPTION_FLAGS[opt]] for opt in self.options if OPTION_FLAGS[opt] in flags}
-        if "eps_clip" in values and values["eps_clip"] is not None:
-            values["eps_clip"] = tuple(values["eps_clip"])
-        values.pop("whiten", None)  # a switch of the flag's own kind, checked as a flag
-        if values.get("loss_agg", LOSS_AGGREGATIONS[0]) != "seq-mean-token-sum-norm":
-            values.pop("loss_scale_factor", None)  # inactive with another aggregation
-        try:
-            LossOptions(**values)
-        except (TypeError, ValueError) as err:
-            text = str(err)
-            option = text.split(" ", 1)[0]
-            errors.append(OPTION_FLAGS.get(option, option) + text[len(option):])
+        try:  # whiten is a switch of the flag's own kind, checked as a flag
+            options_from_flags(flags, tuple(o for o in self.options if o != "whiten"))
+        except ValueError as err:
+            errors.append(str(err))
         return errors
 
     def inactive(self, flags: Mapping[str, Any]) -> dict[str, str]:
@@ -239,13 +309,12 @@ LOSS_MODE_REGISTRY: dict[str, LossModeConfig] = {
     "flash_reinforce": LossModeConfig(
         name="flash_reinforce", implementation="flashreinforce.ops.loss_modes:FlashReinforceLoss",
         estimator="flash_reinforce",
-        flags=("actor.flash_gate_delta", "actor.flash_gate_level", "actor.flash_neg_topq", "actor.flash_loss_agg",
-               "actor.loss_scale_factor", "actor.flash_no_is", "actor.gate_metric", "actor.is_truncation"),
-        options=("delta", "negative_token_fraction", "loss_agg", "loss_scale_factor", "no_is", "gate_metric",
-                 "is_truncation"),
+        flags=("actor.flash_gate_delta", "actor.flash_gate_level") + tuple(
+            OPTION_FLAGS[o] for o in mode_options("flash_reinforce") if o != "delta"),
+        options=mode_options("flash_reinforce"),
         one_sample_per_prompt=True, own_behavior_correction=True,
         notes=(("actor.loss_scale_factor", "actor.flash_loss_agg=seq-mean-token-sum-norm"),)),
     "ppo": LossModeConfig(
         name="ppo", implementation="flashreinforce.ops.loss_modes:PPOClippedLoss", estimator="grpo",
-        flags=("actor.eps_clip_low_high", "algo.advantage.no_whiten"), options=("eps_clip", "whiten")),
+        flags=tuple(OPTION_FLAGS[o] for o in mode_options("ppo")), options=mode_options("ppo")),
 }

@@ -59,6 +59,7 @@ enum class LossAgg : int32_t {
   kTokenMean = 1,            // s_i = 1 / num_policy_tokens                 (one mean over all tokens)
   kSeqMeanTokenSumNorm = 2,  // s_i = 1 / (loss_scale_factor * num_trajectories)
 };
+constexpr const char* kLossAggNames[] = {"seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"};
 
 // The per-token divergence whose mean over a trajectory's policy tokens the trust gate compares
 // with delta (docs/semantics.md, "Gate metrics"). b = behavior log-prob, c = current log-prob,
@@ -71,6 +72,7 @@ enum class GateMetric : int32_t {
 };
 constexpr int kNumGateMetrics = 4;
 const char* gate_metric_name(GateMetric metric);  // "binary_kl", "kpop", "k3", "log_ratio"
+constexpr const char* kGateMetricNames[] = {"binary_kl", "kpop", "k3", "log_ratio"};
 
 // is_truncation's "off": ratios are never clipped.
 constexpr double kNoTruncation = std::numeric_limits<double>::infinity();
@@ -91,6 +93,46 @@ struct LossOptions {
 
   bool filter() const { return negative_token_fraction < 1.0; }
 };
+
+// How a caller fills LossOptions by name: one row per field, which the bindings (csrc/bindings.cpp)
+// iterate; no other code names an option on its way from Python to the core. The Python side is
+// flashreinforce.objective.LossOptions (the fields its metadata marks "kernel") plus the call's scalars
+// (flashreinforce.ops.contract.CALL_SCALARS); a test checks that both sides list the same names and
+// choices. Adding an option: its LossOptions member above, its row here, and the kernels that read it.
+enum class OptionKind : int32_t {
+  kReal = 0,          // double (below a finite `minimum`, NaN included: refused)
+  kOptionalReal = 1,  // double, or None: 0.0 (and the bool at `given_offset`, if any, false)
+  kCount = 2,         // int64_t, or None: 0
+  kFlag = 3,          // bool
+  kChoice = 4,        // an int32_t enum, given by its name among `choices`
+};
+constexpr size_t kNoMember = static_cast<size_t>(-1);
+struct OptionField {
+  const char* name;
+  OptionKind kind;
+  size_t offset;                           // of the member in LossOptions
+  size_t given_offset = kNoMember;         // kOptionalReal: of its bool "given" member, if any
+  const char* const* choices = nullptr;    // kChoice: the names by enum value
+  int num_choices = 0;
+  double minimum = -std::numeric_limits<double>::infinity();  // kReal
+};
+const char* option_kind_name(OptionKind kind);  // "real", "optional_real", "count", "flag", "choice"
+
+#define FR_OPTION(member, kind) #member, OptionKind::kind, offsetof(LossOptions, member)
+inline constexpr OptionField kLossOptionFields[] = {
+    {FR_OPTION(delta, kReal)},
+    {FR_OPTION(negative_token_fraction, kReal)},
+    {FR_OPTION(reward_baseline, kOptionalReal), offsetof(LossOptions, has_reward_baseline)},
+    {FR_OPTION(num_trajectories, kCount)},
+    {FR_OPTION(loss_agg, kChoice), kNoMember, kLossAggNames, 3},
+    {FR_OPTION(loss_scale_factor, kOptionalReal)},
+    {FR_OPTION(num_policy_tokens, kCount)},
+    {FR_OPTION(no_is, kFlag)},
+    {FR_OPTION(gate_metric, kChoice), kNoMember, kGateMetricNames, kNumGateMetrics},
+    {FR_OPTION(is_truncation, kReal), kNoMember, nullptr, 0, 1.0},
+};
+#undef FR_OPTION
+constexpr int kNumLossOptionFields = sizeof(kLossOptionFields) / sizeof(kLossOptionFields[0]);
 
 // Everything one loss evaluation reads and writes. N = log_probs.numel (tokens),
 // B = rewards.numel (trajectories); C is the compute dtype (compute_dtype(log_probs.dtype)).

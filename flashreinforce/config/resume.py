@@ -33,23 +33,22 @@ from flashreinforce.config.paths import absolute_paths
 from flashreinforce.config.schema import ConfigError
 from flashreinforce.config.trainer_config import FLAG_BY_NAME, FLAGS, TrainerConfig, file_value, reward_spec
 from flashreinforce.config.values import shown
+from flashreinforce.objective import OPTION_FLAGS
 
 __all__ = ["IDENTITY", "LOCKED", "RUN_SETTINGS", "Change", "changes", "locked_changes_error", "recorded_settings",
            "review", "rule", "saved_settings", "settings_config"]
 
-#: What a run is: the model, its environment and data, the loss.
+#: What a run is: the model, its environment and data, the loss (every loss option's flag, from
+#: :class:`flashreinforce.objective.LossOptions`).
 IDENTITY = ("preset", "actor.model_name_or_path", "tokenizer", "train.agent_path", "env_kwargs", "rewards",
             "data.prompt_dataset", "data.input_key", "data.label_key", "data.apply_chat_template", "actor.loss_mode",
-            "algo.advantage.estimator", "rollout.n_samples_per_prompt", "actor.flash_gate_delta", "actor.flash_neg_topq",
-            "actor.flash_loss_agg", "actor.loss_scale_factor", "actor.flash_no_is", "actor.gate_metric",
-            "actor.is_truncation", "actor.eps_clip_low_high")
+            "algo.advantage.estimator", "rollout.n_samples_per_prompt") + tuple(OPTION_FLAGS.values())
 #: Locked on resume: what the run is, and what its saved state was counted in. ``seed``: the prompt
 #: order of the passes in progress and the sampling noise; the batch sizes and ``data.max_samples``:
-#: the updates a pass makes and the prompt set the saved stream position counts in;
-#: ``algo.advantage.no_whiten``: part of the loss; ``lora.*`` but dropout: which weights train and
-#: how the adapters scale (a checkpoint holds the adapters only).
-LOCKED = IDENTITY + ("seed", "rollout.batch_size", "train.batch_size", "data.max_samples", "algo.advantage.no_whiten",
-                     "lora.rank", "lora.alpha", "lora.target_modules", "lora.base_dtype")
+#: the updates a pass makes and the prompt set the saved stream position counts in; ``lora.*`` but
+#: dropout: which weights train and how the adapters scale (a checkpoint holds the adapters only).
+LOCKED = IDENTITY + ("seed", "rollout.batch_size", "train.batch_size", "data.max_samples", "lora.rank", "lora.alpha",
+                     "lora.target_modules", "lora.base_dtype")
 #: The run options compared on resume besides the flags (``env_kwargs``/``rewards`` as their file keys).
 RUN_SETTINGS = ("preset", "tokenizer", "env_kwargs", "rewards", "seed", "device", "torch_threads")
 

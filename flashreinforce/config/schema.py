@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from flashreinforce.config.values import shown
 
-__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "Freezable",
+__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "Freezable", "with_fields",
            "FrozenConfigError", "FrozenDict", "FrozenList", "check_value", "flag_table", "freeze", "get_path", "option",
            "section", "set_path", "thaw", "thawed"]
 
@@ -100,6 +100,27 @@ def option(kind: str, default: Any, help: str, *, choices: tuple | Callable[[], 
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def with_fields(rows, *, after: str | None = None) -> Callable[[type], type]:
+    """Class decorator (under ``@dataclass``): add an :func:`option` field per row ``(attribute, kind,
+    default, help, choices)``, placed after the field ``after`` (default: last). A section whose fields are
+    defined elsewhere (the loss options, :func:`flashreinforce.objective.config_fields`) takes them this way."""
+
+    def add(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        added = {}
+        for attribute, kind, default, help, choices in rows:
+            if attribute in own:
+                raise TypeError(f"{cls.__name__}.{attribute} is defined twice")
+            added[attribute] = "Any"
+            setattr(cls, attribute, option(kind, default, help, choices=choices))
+        keys = list(own)
+        at = keys.index(after) + 1 if after is not None else len(keys)
+        cls.__annotations__ = {**{k: own[k] for k in keys[:at]}, **added, **{k: own[k] for k in keys[at:]}}
+        return cls
+
+    return add
 
 
 def section(cls: type, help: str = "") -> Any:

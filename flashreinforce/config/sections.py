@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flashreinforce.config.schema import Freezable, option, section
+from flashreinforce.config.schema import Freezable, option, section, with_fields
 from flashreinforce.dtypes import DTYPE_NAMES
-from flashreinforce.objective import (DEFAULT_LOSS_MODE, GATE_METRICS, LOSS_AGGREGATIONS, LOSS_MODE_REGISTRY,
-                                      LossOptions, advantage_estimators, loss_mode_names)
+from flashreinforce.objective import (DEFAULT_LOSS_MODE, LOSS_MODE_REGISTRY, advantage_estimators, config_fields,
+                                      loss_mode_names)
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
@@ -45,6 +45,7 @@ class AdamConfig(Freezable):
 
 
 @dataclass
+@with_fields(config_fields("actor"), after="loss_mode")
 class ActorConfig(Freezable):
     """The policy: model, loss, optimizer and schedule."""
 
@@ -55,27 +56,12 @@ class ActorConfig(Freezable):
     loss_mode: str = option("str", DEFAULT_LOSS_MODE, "loss mode, a name registered in flashreinforce.objective."
                             "LOSS_MODE_REGISTRY: flash_reinforce (the fused loss) or ppo (GRPO comparison)",
                             choices=loss_mode_names)
-    # The loss options' defaults are LossOptions' own (flashreinforce.objective), so the command line,
-    # a config file and the Python loss functions gate alike; their values are checked once, by
-    # LossOptions (config.rules). The published settings give actor.flash_gate_delta explicitly.
-    flash_gate_delta: float = option("float", LossOptions.delta, "trust threshold delta of the sequence "
-                                     "Bernoulli-KL gate (inf: off)")
     flash_gate_level: str = option("str", "seq", "gate level; only seq (whole trajectories) exists", choices=("seq",))
-    flash_neg_topq: float = option("float", LossOptions.negative_token_fraction, "entropy filter q in [0, 1]: failed "
-                                   "trajectories keep ceil(q T) tokens (1: off)")
-    flash_loss_agg: str = option("str", LossOptions.loss_agg, "loss aggregation", choices=LOSS_AGGREGATIONS)
-    loss_scale_factor: float | None = option("float", LossOptions.loss_scale_factor, "constant divisor of "
-                                             "seq-mean-token-sum-norm")
-    flash_no_is: bool = option("bool", LossOptions.no_is, "no importance correction (ratio 1; the gate admits "
-                               "everything)")
-    gate_metric: str = option("str", LossOptions.gate_metric, "per-token divergence the trust gate averages over a "
-                              "trajectory: binary_kl (the method), kpop (max of forward and reverse Bernoulli KL), "
-                              "k3 (e^d - 1 - d) or log_ratio (|d|), d = current - behavior log-prob",
-                              choices=GATE_METRICS)
-    is_truncation: float = option("float", LossOptions.is_truncation, "clip importance ratios at this value, >= 1 "
-                                  "(truncated IS; inf: no clip)")
-    eps_clip_low_high: tuple[float, float] = option("float2", LossOptions.eps_clip, "PPO ratio clip range (low high), "
-                                                    "loss_mode ppo")
+    # The loss options (flash_gate_delta, flash_neg_topq, ..., eps_clip_low_high) are LossOptions' fields
+    # (flashreinforce.objective), added here by with_fields: their flags, kinds, help and defaults are
+    # defined there once, so the command line, a config file and the Python loss functions agree; their
+    # values are checked once, by LossOptions (config.rules). The published settings give
+    # actor.flash_gate_delta explicitly.
     entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")
     optim: str = option("str", "adam", "optimizer: adam (decoupled weight decay, i.e. AdamW) or adamw",
                         choices=("adam", "adamw"))
@@ -101,8 +87,6 @@ class ActorConfig(Freezable):
         if not math.isfinite(self.entropy_coef) or not math.isfinite(self.max_norm):
             errors.append(f"--actor.entropy_coef and --actor.max_norm must be finite, got {self.entropy_coef} and "
                           f"{self.max_norm}")
-        if self.loss_scale_factor is not None and not math.isfinite(self.loss_scale_factor):
-            errors.append(f"--actor.loss_scale_factor must be finite, got {self.loss_scale_factor}")
 
 
 @dataclass
@@ -114,15 +98,14 @@ class RefConfig(Freezable):
 
 
 @dataclass
+@with_fields(config_fields("algo.advantage"))
 class AdvantageConfig(Freezable):
     estimator: str = option("str", LOSS_MODE_REGISTRY[DEFAULT_LOSS_MODE].estimator, "flash_reinforce (reward minus "
                             "batch mean) or grpo (reward minus prompt-group mean): the one the loss mode goes with",
                             choices=advantage_estimators)
     is_correction_level: str = option("str", "off", "external importance correction; must be off (the fused loss "
                                       "does its own behavior correction)")
-    no_whiten: bool = option("bool", True, "grpo: advantages are reward minus the group mean (true, the default, "
-                             "as every published grpo launcher sets it); false also divides them by the group "
-                             "std + 1e-6")
+    # no_whiten: LossOptions.whiten negated (added by with_fields).
 
 
 @dataclass

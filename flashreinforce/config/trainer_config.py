@@ -28,7 +28,7 @@ from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
                                             TrainConfig, VllmConfig)
 from flashreinforce.config.values import shown
-from flashreinforce.objective import OPTION_FLAGS, LossOptions
+from flashreinforce.objective import OPTION_FLAGS, LossOptions, options_from_flags
 
 __all__ = ["RUN_OPTIONS", "TrainerConfig"]
 
@@ -266,20 +266,12 @@ class TrainerConfig(Freezable):
         set_path(self, flag.attribute, check_value(flag, value))
 
     def loss_options(self) -> LossOptions:
-        """The loss options of the actor's flags (``ConfigError`` naming the flag of a bad value)."""
-        values = {opt: self[flag] for opt, flag in OPTION_FLAGS.items()}
-        values["whiten"] = not values["whiten"]  # the flag is algo.advantage.no_whiten
-        values["eps_clip"] = tuple(values["eps_clip"])
-        if values["loss_agg"] != "seq-mean-token-sum-norm":
-            values["loss_scale_factor"] = None  # recorded as inactive, not applied
+        """The loss options of the flags (``ConfigError`` naming the flag of a bad value); built once per run
+        (the trainer's components) and handed down to the learner and its loss mode."""
         try:
-            return LossOptions(**values)
-        except (TypeError, ValueError) as err:
-            text = str(err)
-            option = text.split(" ", 1)[0]
-            if option in OPTION_FLAGS:
-                text = OPTION_FLAGS[option] + text[len(option):]
-            raise ConfigError(text) from None
+            return options_from_flags({flag: self[flag] for flag in OPTION_FLAGS.values()})
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
     def copy(self) -> "TrainerConfig":
         """A deep copy, unfrozen (a frozen configuration's copy can be changed and validated again)."""

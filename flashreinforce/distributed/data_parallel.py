@@ -7,7 +7,7 @@ the other ranks *follow* (:meth:`DataParallelLearner.serve`) and only compute gr
 
 One update on a batch of B trajectories:
 
-1. rank 0 computes the batch totals once (:class:`~flashreinforce.trainer.learning.learner.BatchTotals`: B, the
+1. rank 0 computes the batch totals once (:func:`~flashreinforce.trainer.learning.learner.batch_totals`: B, the
    float64 mean reward used as the baseline, the policy-token count, GRPO group advantages) and
    partitions the trajectories over the ranks balanced by tokens (:func:`partition_by_tokens`);
    one ``scatter_object_list`` hands each rank its trajectories, their batch rows and the totals;
@@ -50,7 +50,7 @@ from torch import Tensor
 
 from flashreinforce.models.lora import frozen_state_names
 from flashreinforce.trainer.learning.flops import utilization
-from flashreinforce.trainer.learning.learner import (BatchTotals, GradientParts, Learner, LearnerSettings,
+from flashreinforce.trainer.learning.learner import (GradientParts, Learner, LearnerSettings, batch_totals,
                                                      summarize_parts)
 from flashreinforce.trainer.learning.scoring import PolicyLogProbs
 from flashreinforce.trainer.rollout.trajectory import Trajectory
@@ -270,7 +270,7 @@ class DataParallelLearner:
         """
         t0 = time.perf_counter()
         trajectories = list(trajectories)
-        totals = BatchTotals.of(trajectories, group_ids, self.settings)
+        totals = batch_totals(trajectories, group_ids, self.settings)
         shards = partition_by_tokens([t.num_tokens for t in trajectories], self.ctx.world_size)
         rank_tokens = [sum(trajectories[i].num_tokens for i in s) for s in shards]
         per_rank = [{"trajectories": [trajectories[i] for i in s], "rows": s, "totals": totals} for s in shards]

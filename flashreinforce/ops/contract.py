@@ -2,7 +2,10 @@
 
 One definition each of what both entry points must agree on (docs/semantics.md):
 
-* the keyword options and their defaults (:data:`DEFAULTS`, in signature order);
+* the keywords and their defaults (:data:`KEYWORDS`, :data:`DEFAULTS`, in signature order: the loss options'
+  from :class:`flashreinforce.objective.LossOptions`), and the signature both entry points take from them
+  (:func:`entry_point`);
+* the op's one options argument (:func:`op_options`);
 * the outputs of the fused op in order (:data:`OUTPUTS`) and the statistics (:data:`STAT_NAMES`);
 * the argument rules (:func:`check_arguments`): tensor kinds, dtypes, devices, shapes and option
   values, all O(1) (no pass over the tokens, no read of device memory except a tensor
@@ -16,21 +19,26 @@ This module imports only the standard library, NumPy and PyTorch.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import inspect
 import math
-from dataclasses import dataclass, fields
 from numbers import Integral, Real
+from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from flashreinforce.objective import LOSS_AGGREGATIONS, LossOptions
+from flashreinforce.objective import KERNEL_OPTIONS, LOSS_AGGREGATIONS, OPTION_FIELDS, LossOptions
 
 __all__ = [
+    "CALL_KEYWORDS",
+    "CALL_SCALARS",
     "DEFAULTS",
     "KEYWORDS",
     "LOSS_AGGREGATIONS",
+    "OP_OPTION_NAMES",
     "OUTPUTS",
     "OUTPUT_NAMES",
     "PROB_CLAMP",
@@ -38,7 +46,10 @@ __all__ = [
     "Arguments",
     "ErrorCode",
     "check_arguments",
+    "entry_point",
     "error_for",
+    "op_options",
+    "options_mapping",
     "make_stats",
 ]
 
@@ -47,27 +58,47 @@ __all__ = [
 PROB_CLAMP = 1e-6
 
 
-@dataclass(frozen=True)
-class Defaults:
-    """The keyword-only parameters of both entry points, in signature order, with their defaults
-    (the options' defaults are :class:`flashreinforce.objective.LossOptions`')."""
+#: The keywords of one call besides the loss options: its optional tensors and the batch-global values that
+#: make a part of a batch a summand of the whole batch's loss. Each defaults to ``None``.
+CALL_KEYWORDS = ("entropies", "failures", "reward_baseline", "num_trajectories", "num_policy_tokens")
+#: The scalars of one call the fused op carries to the core beside the loss options (its ``LossOptions``
+#: struct has both: csrc/flashreinforce/core.h, ``kLossOptionFields``).
+CALL_SCALARS = CALL_KEYWORDS[2:]
+#: The keyword-only parameters of both entry points, in signature order: the loss options the op
+#: carries (:data:`flashreinforce.objective.KERNEL_OPTIONS`, from :class:`LossOptions`' own definition), the
+#: call's keywords, and ``options``: a :class:`LossOptions` built once (a run's), which the option keywords
+#: given with it override.
+KEYWORDS = KERNEL_OPTIONS + CALL_KEYWORDS + ("options",)
+#: The defaults of :data:`KEYWORDS` (``DEFAULTS.delta`` is ``LossOptions.delta``).
+DEFAULTS = SimpleNamespace(**{name: getattr(LossOptions, name) for name in KERNEL_OPTIONS},
+                           **{name: None for name in CALL_KEYWORDS + ("options",)})
+_ANNOTATIONS = {"entropies": "Optional[Tensor]", "failures": "Optional[Tensor]",
+                "reward_baseline": "Optional[float | Tensor]", "num_trajectories": "Optional[int]",
+                "num_policy_tokens": "Optional[int]", "options": "Optional[LossOptions]"}
 
-    delta: float = LossOptions.delta
-    negative_token_fraction: float = LossOptions.negative_token_fraction
-    entropies: Optional[Tensor] = None
-    failures: Optional[Tensor] = None
-    reward_baseline: Optional[float] = None
-    num_trajectories: Optional[int] = None
-    loss_agg: str = LossOptions.loss_agg
-    loss_scale_factor: Optional[float] = LossOptions.loss_scale_factor
-    num_policy_tokens: Optional[int] = None
-    no_is: bool = LossOptions.no_is
-    gate_metric: str = LossOptions.gate_metric
-    is_truncation: float = LossOptions.is_truncation
+
+def entry_point(function):
+    """Gives a loss function written as ``f(tensors..., **keywords)`` the signature of :data:`KEYWORDS`
+    (keyword-only, with :data:`DEFAULTS`) and its documentation, both derived from :class:`LossOptions`:
+    a new option edits neither the fused op's nor the reference's functions. The keywords themselves are
+    checked by :func:`check_arguments` (an unknown one is a ``TypeError``, as Python's own)."""
+    signature = inspect.signature(function)
+    positional = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    annotations = {f.name: _annotation(f) for f in OPTION_FIELDS if f.name in KERNEL_OPTIONS} | _ANNOTATIONS
+    keywords = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, name),
+                                  annotation=annotations[name]) for name in KEYWORDS]
+    function.__signature__ = signature.replace(parameters=positional + keywords)
+    lines = [f"        {f.name}: {f.metadata['help']} (flag ``--{f.metadata['flag']}``; default ``{f.default!r}``)."
+             for f in OPTION_FIELDS if f.name in KERNEL_OPTIONS]
+    function.__doc__ = (function.__doc__ or "").rstrip() + "\n\n    Loss options (keyword-only; " \
+        ":class:`flashreinforce.objective.LossOptions`, docs/semantics.md), or ``options=LossOptions(...)``:\n" + \
+        "\n".join(lines) + "\n"
+    return function
 
 
-DEFAULTS = Defaults()
-KEYWORDS = tuple(f.name for f in fields(Defaults))
+def _annotation(f) -> str:
+    return {"float": "float", "str": "str", "bool": "bool"}[f.metadata["kind"]] + (
+        " | None" if f.default is None else "")
 
 
 class Output(NamedTuple):
@@ -118,7 +149,8 @@ class Arguments(NamedTuple):
     """The arguments of one call after :func:`check_arguments` (tensors as given, options normalized).
 
     ``cu_seqlens`` is ``None`` for the padded form, whose offsets are ``cu[i] = i * padded_width``;
-    ``padded_width`` is 0 for the packed form. ``filter`` is ``negative_token_fraction < 1``.
+    ``padded_width`` is 0 for the packed form. ``options``: the call's :class:`LossOptions`; ``filter`` is
+    its ``entropy_filter``.
     """
 
     log_probs: Tensor
@@ -132,20 +164,14 @@ class Arguments(NamedTuple):
     batch: int
     padded_width: int
     compute_dtype: torch.dtype
-    delta: float
-    negative_token_fraction: float
+    options: LossOptions
     reward_baseline: Optional[float]
     num_trajectories: Optional[int]
-    loss_agg: str
-    loss_scale_factor: Optional[float]
     num_policy_tokens: Optional[int]
-    no_is: bool
-    gate_metric: str
-    is_truncation: float
 
     @property
     def filter(self) -> bool:
-        return self.negative_token_fraction < 1.0
+        return self.options.entropy_filter
 
 
 def _type_name(value) -> str:
@@ -220,18 +246,21 @@ def _reward_baseline(value, compute_dtype: torch.dtype) -> Optional[float]:
     return value
 
 
-def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, *, padded: bool, delta,
-                    negative_token_fraction, entropies, failures, reward_baseline, num_trajectories, loss_agg,
-                    loss_scale_factor, num_policy_tokens, no_is, gate_metric=DEFAULTS.gate_metric,
-                    is_truncation=DEFAULTS.is_truncation) -> Arguments:
+def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, *, padded: bool,
+                    caller: str = "flashreinforce_loss_packed", **keywords) -> Arguments:
     """Validates one call's arguments (both entry points, both layouts) and normalizes the options.
 
     ``padded``: the ``[B, T]`` form (``cu_seqlens`` is not an argument there and must be ``None``),
     else the packed ``[N]`` form. Order of the checks: tensor kinds, dtypes, devices, shapes, then
     the options; the first failing rule raises. O(1): nothing here reads tensor data (except a
     tensor ``reward_baseline``). Data errors (offsets, masks, values, overflows) are left to the pass
-    over the data, see :class:`ErrorCode`.
+    over the data, see :class:`ErrorCode`. ``keywords``: those of :data:`KEYWORDS` (``caller`` names the
+    function in the ``TypeError`` of any other).
     """
+    unknown = [name for name in keywords if name not in _KEYWORD_SET]
+    if unknown:
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}")
+    entropies, failures = keywords.get("entropies"), keywords.get("failures")
     # Kinds.
     _tensor("log_probs", log_probs, True)
     _tensor("behavior_log_probs", behavior_log_probs, True)
@@ -292,20 +321,69 @@ def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_m
 
     # Options: the objective's own (one check, LossOptions'), then those that depend on this call.
     compute_dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
-    options = LossOptions(delta=delta, negative_token_fraction=negative_token_fraction, loss_agg=loss_agg,
-                          loss_scale_factor=loss_scale_factor, no_is=no_is, gate_metric=gate_metric,
-                          is_truncation=is_truncation)
+    options = keywords.get("options")
+    overrides = {name: keywords[name] for name in KERNEL_OPTIONS if name in keywords}
+    if options is None:
+        options = LossOptions(**overrides)
+    elif not isinstance(options, LossOptions):
+        raise TypeError(f"options must be a flashreinforce.objective.LossOptions, got {_type_name(options)}")
+    elif overrides:
+        options = dataclasses.replace(options, **overrides)
     if options.entropy_filter and (entropies is None or failures is None):
         missing = " and ".join(n for n, v in (("entropies", entropies), ("failures", failures)) if v is None)
         raise ValueError(f"negative_token_fraction < 1 needs entropies and failures; missing {missing}")
-    reward_baseline = _reward_baseline(reward_baseline, compute_dtype)
-    num_trajectories = _count("num_trajectories", num_trajectories, batch, "the batch's trajectory count")
-    num_policy_tokens = _count("num_policy_tokens", num_policy_tokens, 1, "one token")
+    reward_baseline = _reward_baseline(keywords.get("reward_baseline"), compute_dtype)
+    num_trajectories = _count("num_trajectories", keywords.get("num_trajectories"), batch,
+                              "the batch's trajectory count")
+    num_policy_tokens = _count("num_policy_tokens", keywords.get("num_policy_tokens"), 1, "one token")
 
     return Arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures,
-                     num_tokens, batch, width, compute_dtype, options.delta, options.negative_token_fraction,
-                     reward_baseline, num_trajectories, options.loss_agg, options.loss_scale_factor, num_policy_tokens,
-                     options.no_is, options.gate_metric, options.is_truncation)
+                     num_tokens, batch, width, compute_dtype, options, reward_baseline, num_trajectories,
+                     num_policy_tokens)
+
+
+_KEYWORD_SET = frozenset(KEYWORDS)
+
+
+#: The names of the fused op's options, in the order of its one options argument (:func:`op_options`).
+OP_OPTION_NAMES = KERNEL_OPTIONS + CALL_SCALARS
+_CHOICES = {f.name: f.metadata["choices"] for f in OPTION_FIELDS if f.metadata["choices"]}
+_COUNTS = frozenset(("num_trajectories", "num_policy_tokens"))
+
+
+def op_options(options: LossOptions, reward_baseline: Optional[float] = None, num_trajectories: Optional[int] = None,
+               num_policy_tokens: Optional[int] = None) -> list:
+    """The fused op's one options argument (a ``Scalar[]`` of the registered op): the values of
+    :data:`OP_OPTION_NAMES` in order, the loss options it carries (:data:`KERNEL_OPTIONS` of the checked
+    ``options``) then the call's checked scalars (:data:`CALL_SCALARS`). Exact for every value (64-bit counts stay
+    integers); a string option is its index among its choices, ``None`` is NaN (a real: no option takes NaN)
+    or -1 (a count). Plain Python, so that ``torch.compile`` traces it (symbolic floats included).
+    :func:`options_mapping` reads it back; the core fills its ``LossOptions`` from that mapping through its field
+    table (csrc/flashreinforce/core.h)."""
+    values = [getattr(options, name) for name in KERNEL_OPTIONS] + [reward_baseline, num_trajectories,
+                                                                     num_policy_tokens]
+    packed = []
+    for name, value in zip(OP_OPTION_NAMES, values):
+        if name in _CHOICES:
+            value = _CHOICES[name].index(value)
+        elif value is None:
+            value = -1 if name in _COUNTS else math.nan
+        packed.append(value)
+    return packed
+
+
+def options_mapping(packed) -> dict:
+    """The mapping by name of the op's options argument (:func:`op_options`), as the core reads it."""
+    out = {}
+    for name, value in zip(OP_OPTION_NAMES, packed):
+        if name in _CHOICES:
+            value = _CHOICES[name][int(value)]
+        elif name in _COUNTS:
+            value = None if value == -1 else int(value)
+        elif isinstance(value, float) and math.isnan(value):
+            value = None
+        out[name] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

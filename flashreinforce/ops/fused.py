@@ -18,14 +18,18 @@ the module was built with it) on the current CUDA stream.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import inspect
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from flashreinforce import _C
-from flashreinforce.ops.contract import DEFAULTS, KEYWORDS, OUTPUTS, STAT_NAMES, Arguments, check_arguments, error_for
+from flashreinforce.objective import KERNEL_OPTIONS, LossOptions
+from flashreinforce.ops.contract import (CALL_SCALARS, OUTPUTS, STAT_NAMES, Arguments, check_arguments, entry_point,
+                                         error_for, op_options, options_mapping)
 
 __all__ = [
     "flashreinforce_loss_packed",
@@ -118,24 +122,17 @@ def _fused_loss_impl(
     action_mask: Optional[Tensor],
     entropies: Optional[Tensor],
     failures: Optional[Tensor],
-    delta: float,
-    negative_token_fraction: float,
-    reward_baseline: Optional[float],
-    num_trajectories: Optional[int],
-    loss_agg: str,
-    loss_scale_factor: Optional[float],
-    num_policy_tokens: Optional[int],
-    no_is: bool,
-    gate_metric: str,
-    is_truncation: float,
+    options: Sequence[Union[int, float, bool]],
     raise_errors: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Forward of the fused loss on validated arguments. ``cu_seqlens=None``: the padded ``[B, T]`` layout.
 
-    Returns the outputs of :data:`~flashreinforce.ops.contract.OUTPUTS` (``grad`` is
+    ``options``: the loss options and the call's scalars as one argument
+    (:func:`~flashreinforce.ops.contract.op_options`), read once per distinct value. Returns the outputs of :data:`~flashreinforce.ops.contract.OUTPUTS` (``grad`` is
     d loss / d log_probs), then ``error``, the int64 record ``[code, index]`` (code 0: no error)
     of the launch. With ``raise_errors`` a recorded error is raised (ValueError / FloatingPointError).
     """
+    values = _options_mapping(tuple(options))
     padded = cu_seqlens is None
     log_probs_c = log_probs.detach().contiguous()
     inputs = (log_probs_c, behavior_log_probs.contiguous(), rewards.contiguous(),
@@ -151,25 +148,22 @@ def _fused_loss_impl(
     for output, t in zip(OUTPUTS, outputs):
         views[output.name] = _view(t)
     views["error_record"] = _view(error)
-    options = {"delta": delta, "negative_token_fraction": negative_token_fraction, "reward_baseline": reward_baseline,
-               "num_trajectories": num_trajectories, "loss_agg": loss_agg, "loss_scale_factor": loss_scale_factor,
-               "num_policy_tokens": num_policy_tokens, "no_is": no_is, "gate_metric": gate_metric,
-               "is_truncation": is_truncation}
     launch = {"device": device.type, "padded_row_length": log_probs.shape[1] if padded else 0,
               "num_threads": torch.get_num_threads(), "stream": 0, "synchronize": raise_errors}
     if device.type == "cuda":
-        nbytes = _C.cuda_workspace_bytes(log_probs.numel(), batch, negative_token_fraction < 1.0)
+        # The entropy filter's workspace whenever its inputs are given (the core needs them when it filters).
+        nbytes = _C.cuda_workspace_bytes(log_probs.numel(), batch, entropies is not None)
         workspace = torch.empty(max(int(nbytes), 1), dtype=torch.uint8, device=device)
         views["workspace"] = _view(workspace)
         launch["stream"] = torch.cuda.current_stream(device).cuda_stream
         with torch.cuda.device(device):  # kernels run on the inputs' device, on its current stream
-            code, index = _C.loss_forward(views, options, launch)
+            code, index = _C.loss_forward(views, values, launch)
     else:
-        code, index = _C.loss_forward(views, options, launch)
+        code, index = _C.loss_forward(views, values, launch)
     if code != 0 and raise_errors:
+        loss_options = LossOptions(**{name: values[name] for name in KERNEL_OPTIONS})
         args = Arguments(*inputs, log_probs.numel(), batch, launch["padded_row_length"], _compute_dtype(log_probs),
-                         delta, negative_token_fraction, reward_baseline, num_trajectories, loss_agg,
-                         loss_scale_factor, num_policy_tokens, no_is, gate_metric, is_truncation)
+                         loss_options, *(values[name] for name in CALL_SCALARS))
         raise error_for(code, index, args)
     return (*outputs, error)
 
@@ -179,10 +173,14 @@ def _fused_loss_impl(
 _fused_loss = torch.library.custom_op("flashreinforce::fused_loss", mutates_args=())(_fused_loss_impl)
 
 
+@functools.lru_cache(maxsize=256)
+def _options_mapping(packed: tuple) -> dict:
+    """The op's options argument as the mapping the core reads (shared, never changed: cached per value)."""
+    return options_mapping(packed)
+
+
 @_fused_loss.register_fake
-def _(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures, delta,
-      negative_token_fraction, reward_baseline, num_trajectories, loss_agg, loss_scale_factor,
-      num_policy_tokens, no_is, gate_metric, is_truncation, raise_errors):
+def _(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, entropies, failures, options, raise_errors):
     batch = _batch_size(log_probs, rewards, cu_seqlens)
     grad = torch.empty(log_probs.shape, dtype=log_probs.dtype, device=log_probs.device)
     error = torch.empty(2, dtype=torch.int64, device=log_probs.device)
@@ -210,7 +208,8 @@ def _plain_cpu_scalar(t: Tensor) -> bool:
     return type(t) is torch.Tensor and t.device.type == "cpu" and t.dim() == 0 and _outside_tracing()
 
 
-_NUM_OP_INPUTS = 18  # the arguments of _fused_loss_impl; only log_probs gets a gradient
+# The arguments of _fused_loss_impl (only log_probs gets a gradient), counted from its signature.
+_NUM_OP_INPUTS = len(inspect.signature(_fused_loss_impl).parameters)
 
 
 def _backward(ctx, grad_loss, *unused):
@@ -262,9 +261,7 @@ def _run(args: Arguments, raise_errors: bool = True):
     entropies, failures = (args.entropies, args.failures) if args.filter else (None, None)
     tensors = (args.log_probs, args.behavior_log_probs, args.rewards, args.cu_seqlens, args.action_mask, entropies,
                failures)
-    op_args = (*tensors, args.delta, args.negative_token_fraction, args.reward_baseline, args.num_trajectories,
-               args.loss_agg, args.loss_scale_factor, args.num_policy_tokens, args.no_is, args.gate_metric,
-               args.is_truncation, raise_errors)
+    op_args = (*tensors, op_options(args.options, *(getattr(args, name) for name in CALL_SCALARS)), raise_errors)
     if _use_eager_function(tensors):
         return _EagerFusedLoss.apply(*op_args)
     return torch.ops.flashreinforce.fused_loss(*op_args)
@@ -278,26 +275,9 @@ def _stats(out) -> dict[str, Tensor]:
 # Public entry points (signatures: those of flashreinforce.ops.reference, defaults from the contract)
 
 
-def flashreinforce_loss_packed(
-    log_probs: Tensor,
-    behavior_log_probs: Tensor,
-    rewards: Tensor,
-    cu_seqlens: Tensor,
-    action_mask: Optional[Tensor] = None,
-    *,
-    delta: float = DEFAULTS.delta,
-    negative_token_fraction: float = DEFAULTS.negative_token_fraction,
-    entropies: Optional[Tensor] = DEFAULTS.entropies,
-    failures: Optional[Tensor] = DEFAULTS.failures,
-    reward_baseline: Optional[float | Tensor] = DEFAULTS.reward_baseline,
-    num_trajectories: Optional[int] = DEFAULTS.num_trajectories,
-    loss_agg: str = DEFAULTS.loss_agg,
-    loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
-    num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
-    no_is: bool = DEFAULTS.no_is,
-    gate_metric: str = DEFAULTS.gate_metric,
-    is_truncation: float = DEFAULTS.is_truncation,
-) -> tuple[Tensor, dict[str, Tensor]]:
+@entry_point
+def flashreinforce_loss_packed(log_probs: Tensor, behavior_log_probs: Tensor, rewards: Tensor, cu_seqlens: Tensor,
+                               action_mask: Optional[Tensor] = None, **keywords) -> tuple[Tensor, dict[str, Tensor]]:
     """Fused FlashREINFORCE loss over packed trajectories (compiled CPU / CUDA kernel).
 
     The contract (every argument, default, step, error and the worked numbers) is docs/semantics.md;
@@ -311,21 +291,14 @@ def flashreinforce_loss_packed(
         rewards: ``[B]`` real (floating-point or integer), one scalar reward per trajectory.
         cu_seqlens: ``[B+1]`` int32/int64 offsets; trajectory i owns tokens ``[cu[i], cu[i+1])``.
         action_mask: ``[N]`` bool, True on policy tokens; ``None``: every token is a policy token.
-        delta: trust threshold on the per-trajectory Bernoulli KL (inclusive); ``inf`` disables it.
-        negative_token_fraction: q in [0, 1]; below 1 each failed trajectory keeps its
-            ``ceil(q T_i)`` highest-entropy policy tokens (ties: earlier first).
         entropies: ``[N]`` float, per-token policy entropy (needed when q < 1).
         failures: ``[B]`` bool, failure labels (needed when q < 1).
         reward_baseline: baseline subtracted from the rewards (default: their mean).
         num_trajectories: B of the denominators, at least ``len(rewards)`` (default ``len(rewards)``).
-        loss_agg: ``"seq-mean-token-mean"``, ``"token-mean"`` or ``"seq-mean-token-sum-norm"``.
-        loss_scale_factor: divisor of ``"seq-mean-token-sum-norm"`` (required there only).
         num_policy_tokens: denominator of ``"token-mean"``, at least the batch's policy-token count
             (default: that count).
-        no_is: detached denominator = current policy (ratios 1, every trajectory admitted); a bool.
-        gate_metric: the per-token divergence the gate averages: ``"binary_kl"`` (the method),
-            ``"kpop"``, ``"k3"`` or ``"log_ratio"`` (docs/semantics.md, "Gate metrics").
-        is_truncation: clip each importance ratio at this value, >= 1 (truncated IS); ``inf``: never.
+        options: a :class:`flashreinforce.objective.LossOptions` (a run's, built once); option keywords
+            given with it override its fields.
 
     Returns:
         ``(loss, stats)``: 0-d loss in the compute dtype (float64 for float64 ``log_probs``, else
@@ -334,38 +307,19 @@ def flashreinforce_loss_packed(
 
     Raises:
         ValueError: a bad shape, dtype, device, offset, option or value (the message names it).
-        TypeError: ``no_is`` is not a bool.
+        TypeError: a flag option is not a bool, or an unknown keyword.
         FloatingPointError: an importance ratio, or a gradient element in the dtype of
             ``log_probs``, overflows on an active token.
     """
-    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, delta=delta,
-                           negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
-                           reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
-                           gate_metric=gate_metric, is_truncation=is_truncation)
+    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False,
+                           caller="flashreinforce_loss_packed", **keywords)
     out = _run(args)
     return out[0], _stats(out)
 
 
-def flashreinforce_loss(
-    log_probs: Tensor,
-    behavior_log_probs: Tensor,
-    rewards: Tensor,
-    action_mask: Tensor,
-    *,
-    delta: float = DEFAULTS.delta,
-    negative_token_fraction: float = DEFAULTS.negative_token_fraction,
-    entropies: Optional[Tensor] = DEFAULTS.entropies,
-    failures: Optional[Tensor] = DEFAULTS.failures,
-    reward_baseline: Optional[float | Tensor] = DEFAULTS.reward_baseline,
-    num_trajectories: Optional[int] = DEFAULTS.num_trajectories,
-    loss_agg: str = DEFAULTS.loss_agg,
-    loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
-    num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
-    no_is: bool = DEFAULTS.no_is,
-    gate_metric: str = DEFAULTS.gate_metric,
-    is_truncation: float = DEFAULTS.is_truncation,
-) -> tuple[Tensor, dict[str, Tensor]]:
+@entry_point
+def flashreinforce_loss(log_probs: Tensor, behavior_log_probs: Tensor, rewards: Tensor, action_mask: Tensor,
+                        **keywords) -> tuple[Tensor, dict[str, Tensor]]:
     """Fused FlashREINFORCE loss over padded ``[B, T]`` trajectories.
 
     The same computation as :func:`flashreinforce_loss_packed` with ``cu_seqlens[i] = i * T``
@@ -373,11 +327,8 @@ def flashreinforce_loss(
     ``action_mask`` (bool, required; padding slots False) and ``entropies`` are ``[B, T]``;
     ``rewards`` and ``failures`` are ``[B]``. The gradient has ``log_probs``' shape and dtype.
     """
-    args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True, delta=delta,
-                           negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
-                           reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
-                           gate_metric=gate_metric, is_truncation=is_truncation)
+    args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True,
+                           caller="flashreinforce_loss", **keywords)
     out = _run(args)
     return out[0], _stats(out)
 
@@ -398,11 +349,8 @@ def fused_loss_capturable(log_probs, behavior_log_probs, rewards, cu_seqlens, ac
 
 def _run_unchecked(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, options: dict):
     """The packed op without the error read-back: ``(outputs with the error record last, arguments)``."""
-    unknown = set(options) - set(KEYWORDS)
-    if unknown:
-        raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
-    keywords = {name: options.get(name, getattr(DEFAULTS, name)) for name in KEYWORDS}
-    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, **keywords)
+    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False,
+                           caller="fused_loss_capturable", **options)
     return _run(args, raise_errors=False), args
 
 

@@ -30,7 +30,7 @@ import functools
 import importlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -60,17 +60,34 @@ class LossImplementation:
 
 @dataclass(frozen=True)
 class BatchContext:
-    """Batch-global quantities that make a micro-batch's loss a summand of the batch's loss.
+    """Batch-global quantities that make the loss of any part of a batch (a micro-batch, a rank's share)
+    a summand of the whole batch's loss; the learner computes them once per batch (:meth:`of`).
 
     num_trajectories: B. reward_baseline: float64 mean reward of the B trajectories.
-    policy_tokens: policy tokens of the whole batch. advantages: ``[B]`` float32 by batch row,
-    from :meth:`LossMode.advantages` (``None`` when the mode needs none).
+    policy_tokens: policy tokens of the whole batch (``token-mean`` and the ppo loss divide by it).
+    advantages: ``[B]`` float32 by batch row, from :meth:`LossMode.advantages` (``None`` when the mode
+    needs none).
     """
 
     num_trajectories: int
     reward_baseline: float
     policy_tokens: int
     advantages: Tensor | None = None
+
+    @classmethod
+    def of(cls, rewards: Sequence[float], policy_tokens: int, group_ids: Sequence[int] | None, mode: "LossMode",
+           options: LossOptions) -> "BatchContext":
+        """The context of a whole batch: its ``rewards`` (float64 mean), its ``policy_tokens``, and the
+        advantages ``mode`` computes (``group_ids[i]``: the prompt group of trajectory i; default one each)."""
+        b = len(rewards)
+        if b == 0:
+            raise ValueError("Learner: no trajectories")
+        values = torch.tensor([float(r) for r in rewards], dtype=torch.float64)
+        gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
+        if gids.numel() != b:
+            raise ValueError(f"group_ids has {gids.numel()} entries for {b} trajectories")
+        return cls(num_trajectories=b, reward_baseline=float(values.mean()), policy_tokens=policy_tokens,
+                   advantages=mode.advantages(values, gids, options))
 
 
 @dataclass(frozen=True)
@@ -230,8 +247,7 @@ class FlashReinforceLoss(LossMode):
             mb.log_probs, mb.behavior_log_probs, mb.rewards, mb.cu_seqlens, mb.action_mask,
             entropies=mb.entropies if use_filter else None, failures=mb.failures if use_filter else None,
             reward_baseline=batch.reward_baseline, num_trajectories=batch.num_trajectories,
-            num_policy_tokens=batch.policy_tokens if options.loss_agg == "token-mean" else None,
-            **options.objective_kwargs())
+            num_policy_tokens=batch.policy_tokens if options.loss_agg == "token-mean" else None, options=options)
         per_trajectory = {"sequence_kl": stats["sequence_kl"], "admitted": stats["admitted"],
                           "retained": stats["retained_tokens"]}
         per_trajectory.update(_drifts(mb, stats["policy_tokens"]))

@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from flashreinforce.objective import GATE_METRICS
-from flashreinforce.ops.contract import (DEFAULTS, LOSS_AGGREGATIONS, PROB_CLAMP, Arguments, ErrorCode,
-                                         check_arguments, error_for, make_stats)
+from flashreinforce.ops.contract import (LOSS_AGGREGATIONS, PROB_CLAMP, Arguments, ErrorCode, check_arguments,
+                                         entry_point, error_for, make_stats)
 
 __all__ = [
     "LOSS_AGGREGATIONS",
@@ -52,26 +52,9 @@ __all__ = [
 ]
 
 
-def flashreinforce_loss_packed(
-    log_probs: Tensor,
-    behavior_log_probs: Tensor,
-    rewards: Tensor,
-    cu_seqlens: Tensor,
-    action_mask: Optional[Tensor] = None,
-    *,
-    delta: float = DEFAULTS.delta,
-    negative_token_fraction: float = DEFAULTS.negative_token_fraction,
-    entropies: Optional[Tensor] = DEFAULTS.entropies,
-    failures: Optional[Tensor] = DEFAULTS.failures,
-    reward_baseline: Optional[float | Tensor] = DEFAULTS.reward_baseline,
-    num_trajectories: Optional[int] = DEFAULTS.num_trajectories,
-    loss_agg: str = DEFAULTS.loss_agg,
-    loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
-    num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
-    no_is: bool = DEFAULTS.no_is,
-    gate_metric: str = DEFAULTS.gate_metric,
-    is_truncation: float = DEFAULTS.is_truncation,
-) -> tuple[Tensor, dict[str, Tensor]]:
+@entry_point
+def flashreinforce_loss_packed(log_probs: Tensor, behavior_log_probs: Tensor, rewards: Tensor, cu_seqlens: Tensor,
+                               action_mask: Optional[Tensor] = None, **keywords) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss over packed trajectories (reference implementation).
 
     Args:
@@ -80,26 +63,16 @@ def flashreinforce_loss_packed(
         rewards: ``[B]`` real (floating-point or integer), scalar reward per trajectory.
         cu_seqlens: ``[B+1]`` int32/int64 offsets; trajectory i owns ``[cu[i], cu[i+1])``.
         action_mask: ``[N]`` bool, True on policy tokens; ``None`` means every token is a policy token.
-        delta: trust threshold on the per-trajectory Bernoulli KL (inclusive); ``inf`` disables the gate.
-        negative_token_fraction: q in [0, 1]; below 1, failed trajectories keep ``ceil(q T_i)`` tokens,
-            with ``ceil(q * T_i)`` evaluated in floating point (q = 0.07, T_i = 100 keeps 8).
         entropies: ``[N]`` float, full categorical entropy per token (required when q < 1).
         failures: ``[B]`` bool, explicit failure labels (required when q < 1).
         reward_baseline: baseline subtracted from rewards; default the mean of ``rewards``. Pass the
             global batch mean when a batch is split over microbatches or ranks.
         num_trajectories: the B in the denominator, at least ``len(rewards)``; default ``len(rewards)``
             (pass the global B when split).
-        loss_agg: ``"seq-mean-token-mean"`` (the method), ``"token-mean"`` or ``"seq-mean-token-sum-norm"``.
-        loss_scale_factor: the constant token-sum divisor of ``"seq-mean-token-sum-norm"`` (required there).
         num_policy_tokens: denominator of ``"token-mean"``, at least the batch's policy-token count;
             default that count.
-        no_is: use the current policy as the detached denominator: ratios are 1, every trajectory
-            admitted. A bool.
-        gate_metric: the per-token divergence the gate averages over a trajectory's policy tokens:
-            ``"binary_kl"`` (the clamped Bernoulli KL, the method), ``"kpop"`` (the larger of the
-            forward and reverse Bernoulli KL), ``"k3"`` (``e^d - 1 - d``) or ``"log_ratio"`` (``|d|``),
-            with ``d = log_probs - behavior_log_probs``.
-        is_truncation: clip every importance ratio at this value (>= 1; truncated IS); ``inf``: never.
+        options: a :class:`flashreinforce.objective.LossOptions` (a run's, built once); option keywords
+            given with it override its fields.
 
     Returns:
         ``(loss, stats)``: a 0-d loss in the compute dtype (float64 for float64 inputs, else float32)
@@ -108,48 +81,26 @@ def flashreinforce_loss_packed(
 
     Raises:
         ValueError: invalid shapes, dtypes, devices, offsets, options or values (docs/semantics.md).
-        TypeError: ``no_is`` is not a bool.
+        TypeError: a flag option is not a bool, or an unknown keyword.
         FloatingPointError: an importance ratio, or a gradient element in the dtype of ``log_probs``,
             overflows on an active token.
     """
-    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False, delta=delta,
-                           negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
-                           reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
-                           gate_metric=gate_metric, is_truncation=is_truncation)
+    args = check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_mask, padded=False,
+                           caller="flashreinforce_loss_packed", **keywords)
     return _objective(args)
 
 
-def flashreinforce_loss(
-    log_probs: Tensor,
-    behavior_log_probs: Tensor,
-    rewards: Tensor,
-    action_mask: Tensor,
-    *,
-    delta: float = DEFAULTS.delta,
-    negative_token_fraction: float = DEFAULTS.negative_token_fraction,
-    entropies: Optional[Tensor] = DEFAULTS.entropies,
-    failures: Optional[Tensor] = DEFAULTS.failures,
-    reward_baseline: Optional[float | Tensor] = DEFAULTS.reward_baseline,
-    num_trajectories: Optional[int] = DEFAULTS.num_trajectories,
-    loss_agg: str = DEFAULTS.loss_agg,
-    loss_scale_factor: Optional[float] = DEFAULTS.loss_scale_factor,
-    num_policy_tokens: Optional[int] = DEFAULTS.num_policy_tokens,
-    no_is: bool = DEFAULTS.no_is,
-    gate_metric: str = DEFAULTS.gate_metric,
-    is_truncation: float = DEFAULTS.is_truncation,
-) -> tuple[Tensor, dict[str, Tensor]]:
+@entry_point
+def flashreinforce_loss(log_probs: Tensor, behavior_log_probs: Tensor, rewards: Tensor, action_mask: Tensor,
+                        **keywords) -> tuple[Tensor, dict[str, Tensor]]:
     """FlashREINFORCE loss over padded ``[B, T]`` trajectories (reference implementation).
 
     Identical to :func:`flashreinforce_loss_packed` with ``cu_seqlens[i] = i * T``; ``log_probs``,
     ``behavior_log_probs``, ``action_mask`` (bool) and ``entropies`` are ``[B, T]``; ``rewards`` and
     ``failures`` are ``[B]``. Padding slots must be False in ``action_mask``; their values are ignored.
     """
-    args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True, delta=delta,
-                           negative_token_fraction=negative_token_fraction, entropies=entropies, failures=failures,
-                           reward_baseline=reward_baseline, num_trajectories=num_trajectories, loss_agg=loss_agg,
-                           loss_scale_factor=loss_scale_factor, num_policy_tokens=num_policy_tokens, no_is=no_is,
-                           gate_metric=gate_metric, is_truncation=is_truncation)
+    args = check_arguments(log_probs, behavior_log_probs, rewards, None, action_mask, padded=True,
+                           caller="flashreinforce_loss", **keywords)
     return _objective(args)
 
 
@@ -216,7 +167,7 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
 
     entropies = None if a.entropies is None else a.entropies.reshape(-1)
     _raise_first(a, ErrorCode.BAD_LOG_PROB, mask & ~_valid_log_prob(log_probs))
-    if not a.no_is:
+    if not a.options.no_is:
         _raise_first(a, ErrorCode.BAD_BEHAVIOR_LOG_PROB, mask & ~_valid_log_prob(a.behavior_log_probs.reshape(-1)))
     if a.filter:
         _raise_first(a, ErrorCode.BAD_ENTROPY, mask & ~torch.isfinite(entropies))
@@ -225,7 +176,7 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
     current = torch.where(mask, log_probs.to(compute), 0.0)
 
     with torch.no_grad():
-        if a.no_is:
+        if a.options.no_is:
             behavior = current.detach()
         else:
             behavior = torch.where(mask, a.behavior_log_probs.reshape(-1).to(compute), 0.0)
@@ -235,20 +186,20 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
         # percents of the value. (The fused kernel uses a cancellation-free form in the compute dtype.)
         # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
         # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
-        divergence = torch.where(mask, gate_divergence(behavior.double(), current.detach().double(), a.gate_metric),
+        divergence = torch.where(mask, gate_divergence(behavior.double(), current.detach().double(), a.options.gate_metric),
                                  0.0)
         kl_sum = torch.zeros(batch, dtype=torch.float64, device=device).index_add_(0, segment, divergence)
         sequence_kl = (kl_sum / policy_tokens).clamp_min(0.0).to(compute)
-        admitted = sequence_kl.double() <= a.delta
+        admitted = sequence_kl.double() <= a.options.delta
 
         kept = mask
         if a.filter:
-            kept = _entropy_filter(mask, entropies, a.failures, offsets, policy_tokens, a.negative_token_fraction)
+            kept = _entropy_filter(mask, entropies, a.failures, offsets, policy_tokens, a.options.negative_token_fraction)
         active = kept & admitted[segment]
 
         # Inactive tokens never exponentiate anything (their difference is replaced by 0).
         ratio = torch.exp(torch.where(active, current.detach() - behavior, 0.0))
-        ratio = ratio.clamp_max(a.is_truncation)  # truncated IS (inf: unchanged); an overflow becomes the cap
+        ratio = ratio.clamp_max(a.options.is_truncation)  # truncated IS (inf: unchanged); an overflow becomes the cap
         _raise_first(a, ErrorCode.RATIO_OVERFLOW, ~torch.isfinite(ratio))
         # s_i in float64, and A_i s_i rounded once to the compute dtype: the gradient on an active
         # token is then exactly -ratio * (A_i s_i), the fused kernel's formula.
@@ -293,12 +244,12 @@ def _trajectory_scale(a: Arguments, policy_tokens: Tensor) -> Tensor:
     """Per-trajectory factor ``s_i`` (float64) of ``loss = -sum_i s_i sum_t w_t log_prob_t``."""
     lengths = policy_tokens.double()
     num_trajectories = a.batch if a.num_trajectories is None else a.num_trajectories
-    if a.loss_agg == "seq-mean-token-mean":
+    if a.options.loss_agg == "seq-mean-token-mean":
         return 1.0 / (lengths * num_trajectories)
-    if a.loss_agg == "token-mean":
+    if a.options.loss_agg == "token-mean":
         total = float(lengths.sum()) if a.num_policy_tokens is None else float(a.num_policy_tokens)
         return torch.full_like(lengths, 1.0 / total)
-    return torch.full_like(lengths, 1.0 / (a.loss_scale_factor * num_trajectories))
+    return torch.full_like(lengths, 1.0 / (a.options.loss_scale_factor * num_trajectories))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -112,7 +112,6 @@ def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
     """The trust threshold (and every other loss option) defaults alike on the command line, in the
     Python loss functions and in the C++ core's options struct."""
     import re
-    from dataclasses import fields
 
     from flashreinforce import objective
     from flashreinforce.ops import contract
@@ -124,9 +123,9 @@ def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():
         if option == "whiten":  # the flag is its negation, algo.advantage.no_whiten
             expected = not expected
         assert cfg[flag] == expected, flag
-    for f in fields(contract.Defaults):
-        if hasattr(defaults, f.name):
-            assert getattr(contract.DEFAULTS, f.name) == getattr(defaults, f.name), f.name
+    for name in contract.KEYWORDS:
+        if hasattr(defaults, name):
+            assert getattr(contract.DEFAULTS, name) == getattr(defaults, name), name
     core = (ROOT / "csrc" / "flashreinforce" / "core.h").read_text()
     for name in ("delta", "negative_token_fraction"):
         found = re.search(rf"^\s*double {name} = ([0-9.eE+-]+);", core, re.M)

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from flashreinforce.objective import LossOptions
 from flashreinforce.ops import contract, fused, reference
 
 
@@ -45,9 +46,8 @@ def test_outputs_follow_the_contract_in_order(generator):
     """The registered op returns OUTPUTS (shapes and dtypes as specified), then the error record."""
     lp = -torch.rand(2, 5, generator=generator, dtype=torch.float16)
     mask = torch.ones(2, 5, dtype=torch.bool)
-    out = torch.ops.flashreinforce.fused_loss(lp, lp, torch.tensor([1.0, 0.0]), None, mask, None, None, 0.1, 1.0,
-                                              None, None, "seq-mean-token-mean", None, None, False, "binary_kl",
-                                              math.inf, True)
+    out = torch.ops.flashreinforce.fused_loss(lp, lp, torch.tensor([1.0, 0.0]), None, mask, None, None,
+                                              contract.op_options(LossOptions(delta=0.1)), True)
     assert len(out) == len(contract.OUTPUTS) + 1
     for spec, tensor in zip(contract.OUTPUTS, out):
         shape = {(): (), "N": (2, 5), "B": (2,)}[spec.shape]

@@ -9,6 +9,8 @@ import torch
 
 import flashreinforce as fr
 import flashreinforce.ops  # registers torch.ops.flashreinforce.fused_loss
+from flashreinforce.objective import LossOptions
+from flashreinforce.ops.contract import op_options
 from python_tests.ops.fused_cases import random_batch
 
 
@@ -21,16 +23,7 @@ def op_args(b, delta=0.05, q=1.0, packed=True):
         b.action_mask,
         b.entropies if q < 1 else None,
         b.failures if q < 1 else None,
-        delta,
-        q,
-        None,
-        None,
-        "seq-mean-token-mean",
-        None,
-        None,
-        False,
-        "binary_kl",
-        math.inf,
+        op_options(LossOptions(delta=delta, negative_token_fraction=q)),
         True,
     )
 
@@ -119,3 +112,23 @@ def test_eager_entry_point_equals_the_registered_op(generator):
                              "retained_tokens"], start=2):
         assert torch.equal(stats[key], out_op[i]), key
         assert not stats[key].requires_grad
+
+
+def test_compiled_calls_follow_changing_option_values(generator):
+    """The op's one options argument is traced like the scalars it replaced: a compiled function called with
+    other option values (floats the trace makes symbolic after a recompile) matches the eager calls."""
+    torch._dynamo.reset()
+    b = random_batch(generator, dtype=torch.float32, batch=6, max_long=50)
+
+    def step(lp, delta, cap):
+        loss, stats = fr.flashreinforce_loss_packed(lp, b.behavior_log_probs, b.rewards, b.cu_seqlens, b.action_mask,
+                                                    delta=delta, is_truncation=cap)
+        return loss, stats["acceptance_rate"]
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    seen = set()
+    for delta, cap in [(1e-4, 1.5), (1.0, 1.5), (1.0, math.inf), (1e-4, 1.5)]:
+        eager, out = step(b.log_probs, delta, cap), compiled(b.log_probs, delta, cap)
+        assert all(torch.equal(x, y) for x, y in zip(eager, out)), (delta, cap)
+        seen.add(float(eager[1]))
+    assert len(seen) == 2  # the gate admitted different sets: the values reached the kernel

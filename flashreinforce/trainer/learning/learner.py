@@ -2,8 +2,8 @@
 
 For a batch of B trajectories (FlashREINFORCE: one per prompt; GRPO: groups of samples):
 
-1. the batch totals, once (:class:`BatchTotals`: B, the float64 mean reward, the policy-token
-   count, and the loss mode's advantages when it needs them);
+1. the batch totals, once (:func:`batch_totals`, a :class:`~flashreinforce.ops.loss_modes.BatchContext`: B,
+   the float64 mean reward, the policy-token count, and the loss mode's advantages when it needs them);
 2. per micro-batch (:func:`flashreinforce.trainer.learning.packing.micro_batches`): the current
    log-probabilities (:mod:`flashreinforce.trainer.learning.scoring`), the loss mode's loss as a summand of
    the batch's loss (:mod:`flashreinforce.ops.loss_modes`: the fused FlashREINFORCE op or the
@@ -44,15 +44,15 @@ from flashreinforce.trainer.learning.schedule import SCHEDULERS, apply_settings,
 from flashreinforce.trainer.learning.scoring import PolicyLogProbs
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
-__all__ = ["BatchTotals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
+__all__ = ["batch_totals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
 
 @dataclass
 class LearnerSettings:
     """Learner configuration (the flag each field comes from in brackets).
 
     loss_mode: a registered loss mode, ``flash_reinforce`` or ``ppo`` [actor.loss_mode]. loss: the
-    objective's options, :class:`flashreinforce.objective.LossOptions` (the actor's ``flash_*``,
-    ``loss_scale_factor`` and ``eps_clip_low_high`` flags and ``algo.advantage.no_whiten``). lr,
+    objective's options, :class:`flashreinforce.objective.LossOptions`, built once per run from their flags
+    (``TrainerConfig.loss_options``; each field's flag is in its metadata). lr,
     weight_decay, betas [actor.adam.*]; scheduler [actor.lr_scheduler], warmup_ratio
     [actor.lr_warmup_ratio], min_lr_ratio [actor.min_lr_ratio], total_steps (optimizer steps of the
     run); max_norm [actor.max_norm, <= 0: no clipping]; step_on_zero_gradient
@@ -145,38 +145,13 @@ class LearnerSettings:
         return get_loss_mode(self.loss_mode).needs_entropy(self.loss) or self.entropy_coef != 0.0
 
 
-@dataclass
-class BatchTotals:
-    """Batch-global quantities that make the loss of any part of a batch a summand of the batch's loss.
-
-    num_trajectories: B of the whole batch. reward_baseline: mean reward of the whole batch.
-    policy_tokens: action tokens of the whole batch (``token-mean`` and the ppo loss divide by it).
-    advantages: ``[B]`` float32 advantages by batch row from the loss mode (``ppo``), else ``None``.
-    """
-
-    num_trajectories: int
-    reward_baseline: float
-    policy_tokens: int
-    advantages: Tensor | None = None
-
-    @classmethod
-    def of(cls, trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None,
-           settings: LearnerSettings) -> "BatchTotals":
-        """The totals of the whole batch ``trajectories`` (float64 mean of the rewards);
-        ``group_ids[i]``: the prompt group of trajectory i (default: one group each)."""
-        b = len(trajectories)
-        if b == 0:
-            raise ValueError("Learner: no trajectories")
-        rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float64)
-        gids = torch.tensor(list(range(b)) if group_ids is None else list(group_ids), dtype=torch.int64)
-        if gids.numel() != b:
-            raise ValueError(f"group_ids has {gids.numel()} entries for {b} trajectories")
-        advantages = get_loss_mode(settings.loss_mode).advantages(rewards, gids, settings.loss)
-        return cls(num_trajectories=b, reward_baseline=float(rewards.mean()),
-                   policy_tokens=sum(t.num_action_tokens for t in trajectories), advantages=advantages)
-
-    def context(self) -> BatchContext:
-        return BatchContext(self.num_trajectories, self.reward_baseline, self.policy_tokens, self.advantages)
+def batch_totals(trajectories: Sequence[Trajectory], group_ids: Sequence[int] | None,
+                 settings: LearnerSettings) -> BatchContext:
+    """The batch-global quantities of the whole batch ``trajectories`` (:class:`BatchContext`: B, the float64
+    mean reward, the policy tokens, the loss mode's advantages); ``group_ids[i]``: the prompt group of
+    trajectory i (default: one group each)."""
+    return BatchContext.of([t.reward for t in trajectories], sum(t.num_action_tokens for t in trajectories),
+                           group_ids, get_loss_mode(settings.loss_mode), settings.loss)
 
 
 @dataclass
@@ -199,7 +174,7 @@ class GradientParts:
     error: BaseException | None = None
 
 
-def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, settings: LearnerSettings) -> dict[str, float]:
+def summarize_parts(parts: Sequence[GradientParts], totals: BatchContext, settings: LearnerSettings) -> dict[str, float]:
     """The batch's loss and statistics from the parts that cover it (each row exactly once)."""
     mode = get_loss_mode(settings.loss_mode)
     b = totals.num_trajectories
@@ -220,7 +195,7 @@ def summarize_parts(parts: Sequence[GradientParts], totals: BatchTotals, setting
     tokens = totals.policy_tokens
     metrics = {"loss": sum(p.loss for p in parts), "reward_baseline": totals.reward_baseline, "policy_tokens": tokens,
                "model_flops": sum(p.flops for p in parts)}
-    metrics.update(mode.summarize(per_trajectory, sums, totals.context()))
+    metrics.update(mode.summarize(per_trajectory, sums, totals))
     # Per-trajectory statistics by batch row (``sequence_kl``, ``admitted``, ...), for the run's samples.
     metrics["per_trajectory"] = {name: values.tolist() for name, values in per_trajectory.items()}
     if settings.needs_entropy:
@@ -407,17 +382,17 @@ class Learner:
         Returns the loss and the loss statistics of the batch.
         """
         trajectories = list(trajectories)
-        totals = BatchTotals.of(trajectories, group_ids, self.settings)
+        totals = batch_totals(trajectories, group_ids, self.settings)
         parts = self.accumulate_gradient_parts(trajectories, totals)
         return summarize_parts([parts], totals, self.settings)
 
-    def accumulate_gradient_parts(self, trajectories: Sequence[Trajectory], totals: BatchTotals, *,
+    def accumulate_gradient_parts(self, trajectories: Sequence[Trajectory], totals: BatchContext, *,
                                   rows: Sequence[int] | None = None, num_micro_batches: int | None = None,
                                   collective_forwards: bool = False) -> GradientParts:
         """Forward and backward of a part of a batch, adding into ``p.grad``.
 
         ``trajectories`` are the part's trajectories, ``rows`` their rows in the whole batch (default
-        0..n-1), ``totals`` the whole batch's :class:`BatchTotals`: the part's loss and gradients are
+        0..n-1), ``totals`` the whole batch's :class:`BatchContext` (:func:`batch_totals`): the part's loss and gradients are
         then exactly its summand of the whole batch's. The part may be empty. ``num_micro_batches``:
         run at least this many forward/backward passes, padding with passes that contribute zero
         (FSDP ranks must run the same number of forwards, since each one gathers parameters).
@@ -488,7 +463,7 @@ class Learner:
                 "pad_token_id": self.pad_token_id, "autocast_dtype": s.autocast_dtype,
                 "share_prefixes": s.share_prefixes, "head_operand_dtype": self.head_operand_dtype}
 
-    def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchTotals,
+    def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchContext,
                    pending: "_PendingStats", errors=None) -> Tensor:
         """The loss of micro-batch ``mb`` as a summand of the whole batch's; its statistics go to
         ``pending``, the loss's unchecked error records to ``errors`` (the loss mode's ``pending_errors()``; ``None``:
@@ -500,7 +475,7 @@ class Learner:
                            cu_seqlens=mb.cu_seqlens.to(dev), action_mask=mb.action_mask.to(dev),
                            failures=mb.failures.to(dev), rows=torch.tensor([rows[i] for i in mb.rows]), entropies=ent,
                            pending_errors=errors)
-        loss, per_trajectory, sums = self.loss_mode.loss(batch, totals.context(), s.loss)
+        loss, per_trajectory, sums = self.loss_mode.loss(batch, totals, s.loss)
         pending.per_trajectory.append((local, {name: values.detach() for name, values in per_trajectory.items()}))
         for name, value in sums.items():
             pending.sums.setdefault(name, []).append(value.detach() if isinstance(value, Tensor) else float(value))

@@ -280,7 +280,7 @@ def test_deferred_loss_errors_give_the_same_update_and_the_same_error():
 
 def test_deferred_loss_errors_with_collective_forwards_are_kept_not_raised():
     """A data-parallel rank must finish its passes: the deferred error lands in ``error``."""
-    from flashreinforce.trainer.learning.learner import BatchTotals
+    from flashreinforce.trainer.learning.learner import batch_totals
 
     base = tiny_model(9)
     trajs = random_batch(5, base, n=4)
@@ -291,7 +291,7 @@ def test_deferred_loss_errors_with_collective_forwards_are_kept_not_raised():
     settings = LearnerSettings(loss=LossOptions(delta=0.5), micro_batch_trajectories=1)
     learner = Learner(copy.deepcopy(base), settings)
     learner.defer_loss_errors = True
-    parts = learner.accumulate_gradient_parts(trajs, BatchTotals.of(trajs, None, settings), collective_forwards=True)
+    parts = learner.accumulate_gradient_parts(trajs, batch_totals(trajs, None, settings), collective_forwards=True)
     assert isinstance(parts.error, ValueError) and "log probability 0.5" in str(parts.error)
 
 
