@@ -13,7 +13,9 @@ start inside it), on the policy ``--model`` (default SmolLM2-135M-Instruct, real
 * **weight sync**: seconds and bytes of :meth:`load_weights` of a full version that differs from
   the engine's (every tensor changed), the way the trainer publishes one after each update: the
   first load and the median of ``--sync-repeats`` more; for vLLM also split into the shared-memory
-  write in this process and the engine's side (its workers' reload and prefix-cache reset);
+  write in this process and the engine's side (its workers' load and prefix-cache reset); with
+  ``--vllm-weight-load direct reload`` the loads alternate between vLLM's CPU kernels built straight
+  from the buffer and vLLM's own reload, side by side on one engine, each with its median;
 * **tokens/s** for every ``--requests`` x ``--new-tokens`` pair: each call samples ``new tokens``
   for each of ``requests`` distinct chat-templated prompts (temperature 1, no stop token, so every
   request runs to the limit); the median of ``--repeats`` calls after a warm-up call.
@@ -175,6 +177,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sync-repeats", type=int, default=3)
+    p.add_argument("--vllm-weight-load", nargs="+", default=["direct"], choices=("direct", "reload"),
+                   help="vLLM on a CPU: how its worker takes a version; several alternate over the weight syncs of "
+                        "one engine (the first sync uses the first), each with its own median")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM: no compilation (faster start)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--threads", type=int, default=None, help="torch threads of this process")
@@ -246,21 +251,31 @@ def main() -> None:
             kind = f"hf ({decode})"
         try:
             t_sync, parts = [], []
-            for r in range(1 + args.sync_repeats):
+            paths = args.vllm_weight_load if kind == "vllm" else [None]
+            for r in range(1 + args.sync_repeats * len(paths)):
                 new = perturbed(state, r)
+                if paths[0] is not None:
+                    engine.cpu_weight_load = paths[r % len(paths)]
                 t1 = time.perf_counter()
                 engine.load_weights(new, r + 1)
                 t_sync.append(time.perf_counter() - t1)
-                parts.append(getattr(engine, "last_load_parts", {}))
+                parts.append(dict(getattr(engine, "last_load_parts", {}), asked=paths[r % len(paths)]))
             sync_bytes = engine.last_load[1] or sum(v.numel() * DTYPES[args.dtype].itemsize for v in state.values())
+            if paths[0] is not None:
+                engine.cpu_weight_load = paths[0]
             engine.load_weights(state, 10_000)  # the real weights for sampling
-            starts.append([kind, f"{start:.1f}"])
-            split = "-"
-            if all(p.get("write_s") is not None for p in parts[1:]):  # vLLM: this process's write, the engine's side
-                split = (f"{statistics.median(p['write_s'] for p in parts[1:]):.3f} / "
-                         f"{statistics.median(p['engine_s'] for p in parts[1:]):.3f}")
-            syncs.append([kind, f"{t_sync[0]:.3f}", f"{statistics.median(t_sync[1:]):.3f}", split,
-                          f"{sync_bytes / 2**20:.0f}"])
+            starts.append([kind, f"{start:.1f}" + (f" (buffer {engine.prepare_s:.2f})" if kind == "vllm" else "")])
+            for path in paths:
+                mine = [k for k in range(1, len(t_sync)) if parts[k]["asked"] == path]
+                split = "-"
+                if all(parts[k].get("write_s") is not None for k in mine):  # vLLM: this process's write, the engine's
+                    split = (f"{statistics.median(parts[k]['write_s'] for k in mine):.3f} / "
+                             f"{statistics.median(parts[k]['engine_s'] for k in mine):.3f}")
+                used = sorted({str(parts[k].get("path")) for k in mine}) if path else []
+                syncs.append([kind + (f", {path} load (ran: {'/'.join(used)})" if path else ""),
+                              f"{t_sync[0]:.3f}" if parts[0]["asked"] == path else "-",
+                              f"{statistics.median(t_sync[k] for k in mine):.3f}", split,
+                              f"{sync_bytes / 2**20:.0f}"])
             for n in args.requests:
                 for new_tokens in args.new_tokens:
                     reqs = [GenerationRequest(prompts_all[i], new_tokens, seed=i) for i in range(n)]

@@ -128,6 +128,12 @@ class RolloutEngine(abc.ABC):
         engine holds); the others keep their values.
         """
 
+    def holds(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Note that the engine already holds exactly the weights of ``state_dict``, the published tensors of
+        ``version`` (it was built from a copy of them): it records which tensor objects those are, so that
+        a later :meth:`load_weights` skips the ones published again unchanged (a frozen base under LoRA)
+        and the first sync sends only what changed. Engines that keep no such record ignore it."""
+
     def close(self) -> None:
         """Release the engine's resources."""
 

@@ -275,6 +275,12 @@ class HFEngine(RolloutEngine):
         nbytes = sum(v.numel() * v.element_size() for v in copy.values())
         self.last_load = (time.perf_counter() - t0, int(nbytes))
 
+    def holds(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Record the tensor objects of ``state_dict`` as loaded when ``version`` is the engine's own (it was
+        built from a copy of that version): a later load sends only the tensors published anew since."""
+        if int(version) == self.version:
+            self._loaded.update({k: weakref.ref(v) for k, v in state_dict.items()})
+
     def _tied_keys(self) -> set[str]:
         if getattr(self.model.config, "tie_word_embeddings", False):
             return {n for n, _ in self.model.named_parameters(remove_duplicate=False) if n.startswith("lm_head")}

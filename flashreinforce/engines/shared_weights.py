@@ -36,8 +36,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-__all__ = ["ALIGNMENT", "Manifest", "SharedWeightWriter", "check_private_file", "read_manifest", "shared_memory_dir",
-           "views_of"]
+__all__ = ["ALIGNMENT", "Manifest", "SharedWeightWriter", "check_private_file", "map_shared", "read_manifest",
+           "shared_memory_dir", "views_of"]
 
 #: Byte alignment of every tensor in the buffer (any dtype's view, and a cache line).
 ALIGNMENT = 64
@@ -129,6 +129,23 @@ class SharedWeightWriter:
                 return False
         return self._buffer is not None
 
+    def prepare(self, layout: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> Manifest:
+        """Lay out a new buffer for the tensors ``(name, shape, dtype)`` that later versions will write (in
+        this order: a fused projection's parts given one after the other are adjacent in it) and fault
+        its memory in now, so that the first version is written into pages already mapped. Returns the
+        manifest of the whole buffer (no entries: nothing is written yet)."""
+        items = [(str(name), torch.empty(tuple(shape), dtype=dtype, device="meta"), dtype) for name, shape, dtype in layout]
+        if not items:
+            raise ValueError("shared weights: nothing to prepare")
+        with self._lock:
+            self._new_buffer(items)
+            page = 4096 if self.device.type == "cpu" else None
+            if page is not None:
+                self._buffer[::page].zero_()  # one write per page: each page is faulted in here, not later
+            else:
+                self._buffer.zero_()
+            return Manifest(self._key, self._size, [])
+
     def _new_buffer(self, items) -> None:
         self.close()
         slots, total = {}, 0
@@ -218,16 +235,29 @@ def check_private_file(path: str) -> None:
                               f"{stat.filemode(st.st_mode)}, owner uid {st.st_uid}); refusing to read weights from it")
 
 
+def _mapped(path: str, size: int) -> torch.Tensor:
+    """The file ``path`` of ``size`` bytes mapped (once per path; the mapping of an earlier path is dropped)."""
+    buf = _MAPPED.get(path)
+    if buf is None or buf.numel() != size:
+        check_private_file(path)
+        _MAPPED.clear()
+        buf = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        _MAPPED[path] = buf
+    return buf
+
+
+def map_shared(path: str, size: int) -> int:
+    """The reader's side of :meth:`SharedWeightWriter.prepare`: map the buffer and touch every page of it
+    (so that reading the first version faults nothing in); returns ``size``."""
+    buf = _mapped(path, int(size))
+    int(buf[::4096].sum())  # one read per page
+    return int(size)
+
+
 def read_manifest(manifest: Manifest | Mapping) -> list[tuple[str, torch.Tensor]]:
     """The reader's side on the CPU: ``(name, view)`` of every tensor of ``manifest`` (tensors sharing
     the file's memory, valid until the writer overwrites them with the next version). The file is
     mapped once per path; the mapping of an earlier path is dropped."""
     if not isinstance(manifest, Manifest):
         manifest = Manifest.from_plain(manifest)
-    buf = _MAPPED.get(manifest.path)
-    if buf is None or buf.numel() != manifest.size:
-        check_private_file(manifest.path)
-        _MAPPED.clear()
-        buf = torch.from_file(manifest.path, shared=True, size=manifest.size, dtype=torch.uint8)
-        _MAPPED[manifest.path] = buf
-    return views_of(buf, manifest.entries)
+    return views_of(_mapped(manifest.path, manifest.size), manifest.entries)

@@ -21,8 +21,9 @@ checks that vLLM and transformers' model classes import, and names that fix when
   worker (a ``/dev/shm`` file on a CPU, a CUDA IPC buffer on a GPU; see
   :mod:`~flashreinforce.engines.shared_weights`) and calls the worker's
   :class:`~flashreinforce.engines.vllm_worker.WeightUpdateExtension` through ``LLM.collective_rpc``
-  with a manifest of plain values; the worker loads views of that buffer with the model's own
-  ``load_weights``. Then the prefix cache is reset, so no KV computed by old weights is reused.
+  with a manifest of plain values; the worker loads views of that buffer, on a CPU straight into vLLM's
+  packed kernels (:mod:`~flashreinforce.engines.vllm_weights`), else through vLLM's in-place reload. The
+  buffer is laid out and faulted in when the engine starts. Then the prefix cache is reset.
 * **In-flight weight updates**: with ``should_pause`` (see :meth:`RolloutEngine.generate`) a call
   decodes in chunks of ``pause_check_tokens`` tokens (a chunk continues its request from the context
   so far; with prefix caching that recomputes less than one KV block) and asks ``should_pause``
@@ -60,6 +61,7 @@ from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEn
 from flashreinforce.engines.registry import EngineKind
 from flashreinforce.engines.shared_weights import SharedWeightWriter
 from flashreinforce.engines.vllm_process import FILE_PREFIX, TRAINER_PID_VAR, EngineProcesses, environment
+from flashreinforce.engines.vllm_weights import changed_blocks, last_sent, weight_layout
 
 __all__ = ["CPU_INSTALL", "GPU_INSTALL", "MIN_VLLM_VERSION", "VLLM_ENGINE", "VLLMEngine", "VLLMEngineKind", "import_vllm",
            "kv_bytes_per_token"]
@@ -175,29 +177,6 @@ def _seed_of_chunk(seed: int, done: int) -> int:
     return (int(seed) * 0x9E3779B97F4A7C15 + done * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
 
-def _block_of(name: str) -> str:
-    """The block a weight belongs to: its name without the last two parts
-    (``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3.self_attn``)."""
-    parts = name.split(".")
-    return ".".join(parts[:-2]) if len(parts) > 2 else name
-
-
-def _changed_blocks(state_dict: Mapping[str, torch.Tensor],
-                    sent: Mapping[str, weakref.ref]) -> list[tuple[str, torch.Tensor]]:
-    """The tensors of ``state_dict`` to send: every tensor of a block in which any tensor is not the
-    object last sent (a tensor published again unchanged is the same object). Whole blocks, because
-    vLLM fuses sibling projections (q/k/v, gate/up) into one parameter and reprocesses a layer as a
-    whole: it must receive all of a fused parameter's parts at once."""
-    dirty = {_block_of(n) for n, t in state_dict.items() if _last(sent, n) is not t}
-    return [(n, t) for n, t in state_dict.items() if _block_of(n) in dirty]
-
-
-def _last(sent: Mapping[str, weakref.ref], name: str):
-    """The tensor last sent under ``name`` if it is still alive, else ``None``."""
-    ref = sent.get(name)
-    return ref() if ref is not None else None
-
-
 def _logprob_of(position, token: int) -> float:
     """The log-probability vLLM recorded for ``token`` at one output position (dict or flat form)."""
     entry = position[token]
@@ -227,6 +206,9 @@ class VLLMEngine(RolloutEngine):
         pause_check_tokens: tokens per decoding chunk when ``generate`` gets ``should_pause``.
         weight_sync: ``"auto"`` (CUDA IPC for CUDA weights, shared memory otherwise),
             ``"shared_memory"`` or ``"cuda_ipc"``.
+        cpu_weight_load: on a CPU, how the worker takes a version: ``"direct"`` (into vLLM's CPU kernels,
+            :mod:`~flashreinforce.engines.vllm_weights`; vLLM's reload where that path does not know the
+            model) or ``"reload"`` (vLLM's layer-by-layer reload always).
         lora: the policy's LoRA settings (:class:`~flashreinforce.models.lora.LoraSettings` fields) when it
             trains adapters: the engine serves vLLM's LoRA (``enable_lora``), the base weights arrive once
             and each version's adapters as a LoRA adapter of its own (see :meth:`load_weights`).
@@ -240,9 +222,13 @@ class VLLMEngine(RolloutEngine):
                  max_model_len: int | None = None, max_num_seqs: int | None = None, enforce_eager: bool = False,
                  enable_prefix_caching: bool = True, kv_cache_bytes: int | None = None,
                  cpu_threads: int | None = None, pause_check_tokens: int = 128, weight_sync: str = "auto",
-                 lora: Mapping[str, Any] | None = None, llm_kwargs: Mapping[str, Any] | None = None) -> None:
+                 cpu_weight_load: str = "direct", lora: Mapping[str, Any] | None = None,
+                 llm_kwargs: Mapping[str, Any] | None = None) -> None:
         if weight_sync not in ("auto", "shared_memory", "cuda_ipc"):
             raise ValueError(f"VLLMEngine: weight_sync must be auto, shared_memory or cuda_ipc, got {weight_sync!r}")
+        if cpu_weight_load not in ("direct", "reload"):
+            raise ValueError(f"VLLMEngine: cpu_weight_load must be direct or reload, got {cpu_weight_load!r}")
+        self.cpu_weight_load = cpu_weight_load
         if pause_check_tokens < 1:
             raise ValueError(f"VLLMEngine: pause_check_tokens must be >= 1, got {pause_check_tokens}")
         vllm = import_vllm()
@@ -289,7 +275,7 @@ class VLLMEngine(RolloutEngine):
         self._lora_dirs: list[str] = []
         self._lora_count = 0
         #: Seconds of the last full or partial weight load by part (see :meth:`load_weights`).
-        self.last_load_parts: dict[str, float] = {}
+        self.last_load_parts: dict[str, Any] = {}
         if self.lora:
             ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the caps vLLM's LoRA takes
             rank = int(self.lora["rank"])
@@ -317,8 +303,26 @@ class VLLMEngine(RolloutEngine):
         self.start_s = time.perf_counter() - t0
         self.dtype = self._model_dtype()
         self.version = -1 if load_format == "dummy" and weights is None else int(version)
+        #: Seconds spent at the start laying out the weight buffer and faulting it in on both sides.
+        self.prepare_s = self._prepare_buffer(model) if self.on_cpu and weight_sync != "cuda_ipc" else 0.0
         if weights is not None:
             self.load_weights(weights, version)
+
+    def _prepare_buffer(self, model: Any) -> float:
+        """The shared weight buffer laid out for the model's tensors and faulted in by this process and by
+        vLLM's workers now, at the start: the first version then costs what the later ones cost (fresh
+        pages on both sides made it 1.8-3.2 s against 0.4-0.7 s). Best effort: without it the first write
+        lays the buffer out."""
+        t0 = time.perf_counter()
+        try:
+            layout = weight_layout(_read_config(model), self.dtype or torch.float32)
+        except Exception as err:  # a model transformers cannot build on the meta device: laid out later
+            log.debug("vLLM engine: no weight buffer prepared (%s)", err)
+            return 0.0
+        self._writer = SharedWeightWriter("cpu")
+        manifest = self._writer.prepare(layout)
+        self.llm.collective_rpc("flashreinforce_map_shared", args=(manifest.path, manifest.size))
+        return time.perf_counter() - t0
 
     @staticmethod
     def _check_cpu_head_size(model: Any) -> None:
@@ -369,9 +373,9 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the tensors of ``state_dict`` that differ from the ones this engine last loaded, by
-        block (see :func:`_changed_blocks`); sets :attr:`last_load` and :attr:`last_load_parts` (seconds
-        of the shared-memory write, in this process, and of the engine's side: its workers' reload and
-        the prefix-cache reset).
+        block (see :func:`~flashreinforce.engines.vllm_weights.changed_blocks`); sets :attr:`last_load` and
+        :attr:`last_load_parts` (seconds of the shared-memory write, in this process, and of the engine's
+        side: its workers' load and the prefix-cache reset; ``path``: ``direct`` or ``reload``).
 
         With LoRA (``lora``): the base weights (the model's ``...base_layer.weight`` names are given
         their Hugging Face names) go the same way, so a frozen base travels once; the adapters, when
@@ -390,7 +394,7 @@ class VLLMEngine(RolloutEngine):
             state_dict = {base_name(k): v for k, v in state_dict.items() if not is_adapter_name(k)}
         # A tied output projection travels too: vLLM's CPU build packs it for its logits GEMM apart from
         # the embedding, and repacks it only when it is loaded.
-        changed = _changed_blocks(state_dict, self._sent) if state_dict else []
+        changed = changed_blocks(state_dict, self._sent) if state_dict else []
         nbytes = 0
         if changed:
             tensors = [t for _, t in changed]
@@ -406,15 +410,17 @@ class VLLMEngine(RolloutEngine):
                 counts = self.llm.collective_rpc("flashreinforce_load_cuda_ipc", args=(
                     manifest.path, self._writer.cuda_ipc_handles(), manifest.entries))
             else:
-                counts = self.llm.collective_rpc("flashreinforce_load_shared", args=(manifest.as_plain(),))
-            if counts and int(counts[0]) != len(changed):
-                raise RuntimeError(f"vLLM's worker loaded {counts[0]} tensors of {len(changed)}")
+                counts = self.llm.collective_rpc("flashreinforce_load_shared", args=(
+                    manifest.as_plain(), self.cpu_weight_load == "direct"))
+            if counts and int(counts[0][0]) != len(changed):
+                raise RuntimeError(f"vLLM's worker loaded {counts[0][0]} tensors of {len(changed)}")
             for name, t in changed:
                 self._sent[name] = weakref.ref(t)
                 nbytes += t.numel() * (self.dtype or t.dtype).itemsize
             self.llm.reset_prefix_cache()  # no KV computed by the old weights is reused
-            self.last_load_parts = {"write_s": t_write - t0, "engine_s": time.perf_counter() - t_write}
-        if adapters and any(_last(self._sent, k) is not v for k, v in adapters.items()):
+            self.last_load_parts = {"write_s": t_write - t0, "engine_s": time.perf_counter() - t_write,
+                                    "path": str(counts[0][1]) if counts else "reload"}
+        if adapters and any(last_sent(self._sent, k) is not v for k, v in adapters.items()):
             nbytes += self._load_adapter(adapters, version)
         self.version = int(version)
         self.last_load = (time.perf_counter() - t0, nbytes)
@@ -561,7 +567,7 @@ class VLLMEngineKind(EngineKind):
     options_accepted = frozenset({
         "tensor_parallel_size", "gpu_memory_utilization", "dtype", "seed", "max_model_len", "max_num_seqs",
         "enforce_eager", "enable_prefix_caching", "kv_cache_bytes", "cpu_threads", "pause_check_tokens",
-        "weight_sync", "lora", "llm_kwargs"})
+        "weight_sync", "cpu_weight_load", "lora", "llm_kwargs"})
 
     def check_installed(self) -> None:
         import_vllm()

@@ -18,9 +18,12 @@ also starts :func:`watch_trainer`: when that trainer is gone (killed outright, s
 vLLM's processes itself) it removes the trainer's files from shared memory, ends the EngineCore
 process that started this one, and ends this process.
 
-Either way vLLM's own in-place reload (Hugging Face names; vLLM fuses projections and re-runs each
-layer's weight processing itself) copies the views into the model. This module imports no vLLM and runs in the trainer's
-process only for tests.
+Either way the views reach the model one of two ways. On a CPU, by default, straight into vLLM's CPU
+kernels (:func:`~flashreinforce.engines.vllm_weights.load_direct`: each layer's packed kernel built by
+vLLM's own processing from the shared tensors, no other copy); elsewhere, or for a model that path does
+not know, through vLLM's own in-place reload (Hugging Face names; vLLM fuses projections and re-runs
+each layer's weight processing itself). This module imports no vLLM and runs in the trainer's process
+only for tests.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from typing import Any
 
 import torch
 
-from flashreinforce.engines.shared_weights import read_manifest, views_of
+from flashreinforce.engines.shared_weights import map_shared, read_manifest, views_of
 from flashreinforce.engines.vllm_process import TRAINER_PID_VAR, proc_stat, remove_files_of
+from flashreinforce.engines.vllm_weights import load_direct
 
 __all__ = ["WeightUpdateExtension", "load_named", "open_cuda_buffer", "watch_trainer"]
 
@@ -65,15 +69,31 @@ def open_cuda_buffer(key: str, handles_b64: str) -> torch.Tensor:
     raise RuntimeError(f"CUDA IPC weight buffer: none of the GPUs {sorted(handles)} is visible to this vLLM worker")
 
 
-def load_named(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
+def _reset_derived_state(runner: Any) -> None:
+    """What vLLM's reload resets after new weights (state computed from the old ones), where it exists."""
+    for name in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        reset = getattr(runner, name, None)
+        if callable(reset):
+            reset()
+
+
+def load_named(worker: Any, weights: list[tuple[str, torch.Tensor]], direct: bool = True) -> list:
     """Load ``weights`` (Hugging Face names) into the model of vLLM ``worker``, in place.
 
-    Through the worker's ``reload_weights`` where it has one: vLLM re-runs each layer's weight
+    On a CPU with ``direct``: into vLLM's CPU kernels without its reload
+    (:func:`~flashreinforce.engines.vllm_weights.load_direct`), where that path knows the model.
+    Otherwise through the worker's ``reload_weights`` where it has one: vLLM re-runs each layer's weight
     processing after loading (its CPU build repacks linear weights for its GEMM kernels, so copying
     into the parameters alone would not reach the kernels); else the model's ``load_weights``.
+    Returns ``[tensors loaded, "direct" or "reload"]``.
     """
     dev = getattr(worker, "device", None)
     dev = torch.device(dev) if dev is not None else None
+    runner = getattr(worker, "model_runner", None)
+    if direct and (dev is None or dev.type == "cpu") and runner is not None:
+        if load_direct(runner.model, weights):
+            _reset_derived_state(runner)
+            return [len(weights), "direct"]
     if dev is not None:
         weights = [(n, t if t.device == dev else t.to(dev, non_blocking=True)) for n, t in weights]
     reload = getattr(worker, "reload_weights", None)
@@ -86,7 +106,7 @@ def load_named(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> int:
         worker.model_runner.model.load_weights(weights=weights)
     if dev is not None and dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    return len(weights)
+    return [len(weights), "reload"]
 
 
 class WeightUpdateExtension:
@@ -95,11 +115,17 @@ class WeightUpdateExtension:
     ``self.model_runner`` and ``self.device`` are the vLLM worker's own attributes.
     """
 
-    def flashreinforce_load_shared(self, manifest: dict) -> int:
-        """Load the tensors a shared-memory manifest lists; returns how many were loaded."""
-        return load_named(self, read_manifest(manifest))
+    def flashreinforce_load_shared(self, manifest: dict, direct: bool = True) -> list:
+        """Load the tensors a shared-memory manifest lists; returns how many were loaded and how (``direct``:
+        see :func:`load_named`)."""
+        return load_named(self, read_manifest(manifest), direct)
 
-    def flashreinforce_load_cuda_ipc(self, key: str, handles_b64: str, entries: list) -> int:
+    def flashreinforce_map_shared(self, path: str, size: int) -> int:
+        """Map the trainer's weight buffer ahead of its first version and touch every page of it, so that
+        the first load reads pages already mapped; returns the bytes mapped."""
+        return map_shared(path, size)
+
+    def flashreinforce_load_cuda_ipc(self, key: str, handles_b64: str, entries: list) -> list:
         """Load the tensors ``entries`` lists from the trainer's CUDA buffer (opened once per ``key``)."""
         buf = open_cuda_buffer(key, handles_b64)
         return load_named(self, views_of(buf, entries))

@@ -157,6 +157,40 @@ def test_vllm_weight_sync_sends_changed_blocks_through_shared_memory(vllm_engine
 
 @pytest.mark.vllm
 @needs_vllm
+def test_vllm_cpu_weights_go_straight_into_its_kernels_as_its_reload_would_put_them(vllm_engine):
+    """On a CPU a version goes into vLLM's packed kernels directly (no layer-by-layer reload): the
+    generations are bit for bit those after vLLM's own reload of the same weights, the float64 probe holds,
+    and a version that changes one block rebuilds that block only."""
+    if not vllm_engine.on_cpu:
+        pytest.skip("the direct load is the CPU build's")
+    params = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, stop_token_ids=())
+    reqs = requests(seed=5)
+    runs = {}
+    try:
+        for version, path in enumerate(("reload", "direct", "reload", "direct"), start=300):
+            vllm_engine.cpu_weight_load = path
+            state = {k: v.detach().clone() for k, v in contract_model(5 + (version - 300) // 2).state_dict().items()}
+            vllm_engine.load_weights(state, version)
+            assert vllm_engine.last_load_parts["path"] == path
+            vllm_engine.generate(reqs, params)  # the first call after a load may batch differently
+            runs.setdefault((version - 300) // 2, []).append(
+                [(g.token_ids, g.log_probs) for g in vllm_engine.generate(reqs, params)])
+            model64 = contract_model(0).double()
+            model64.load_state_dict({k: v.double() for k, v in state.items()})
+            for r, (ids, lps) in zip(reqs, runs[(version - 300) // 2][-1]):
+                assert lps == pytest.approx(reference_log_probs(model64, list(r.token_ids), ids, params), abs=2e-3)
+        assert all(by_path[0] == by_path[1] for by_path in runs.values())
+        name = "model.layers.0.mlp.down_proj.weight"
+        state = dict(state, **{name: state[name] * 0.5})
+        vllm_engine.load_weights(state, 310)
+        assert vllm_engine.last_load_parts["path"] == "direct"
+        assert vllm_engine.last_load[1] == sum(v.numel() * 4 for k, v in state.items() if k.startswith("model.layers.0.mlp."))
+    finally:
+        vllm_engine.cpu_weight_load = "direct"
+
+
+@pytest.mark.vllm
+@needs_vllm
 def test_vllm_engine_pauses_between_chunks_and_continues_exactly(vllm_engine):
     vllm_engine.load_weights({k: v.clone() for k, v in contract_model(4).state_dict().items()}, 200)
     params = SamplingParams(temperature=0.8, top_p=1.0, top_k=0, stop_token_ids=())

@@ -256,8 +256,8 @@ def test_a_lora_run_syncs_adapters_checkpoints_them_resumes_and_exports_both_for
 
     stored = load_file(str(ckpt / "model.safetensors"))
     assert stored and all(".lora_" in k for k in stored)
-    # The frozen base is never copied to the engines (they share the learner's): only the adapters travel,
-    # from the first load on.
+    # The frozen base is never copied to the engines (they share the learner's, and start from the base the
+    # learner wraps): only the adapters travel, from the first load on.
     assert synced and set(synced) == {float(sum(t.numel() * t.element_size() for t in stored.values()))}
     assert (out / "hf" / "adapter" / "adapter_config.json").is_file() and (out / "hf" / "config.json").is_file()
     # Resume continues the adapters; resuming them as a full-model run is refused naming the flag.

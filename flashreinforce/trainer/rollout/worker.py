@@ -152,6 +152,7 @@ class RolloutWorker:
         self.weight_loads = 0
         self.weight_sync_s = 0.0  # seconds spent loading weights, all loads
         self.last_weight_sync: tuple[float, int] = (0.0, 0)  # seconds and bytes of the last load
+        self.start_weight_load: tuple[float, int] = (0.0, 0)  # a load at the start (an engine without weights)
         self.inflight_pauses = 0  # engine calls continued after loading newer weights mid-turn
         self.engine_failures_in_a_row = 0
         self.last_error: str | None = None
@@ -276,6 +277,30 @@ class RolloutWorker:
         self._last_version_check = now
         self._newest_seen = self.weights.latest_version()
         return self._newest_seen > self.engine.version
+
+    def _start_weights(self) -> None:
+        """Before the first episode. An engine built from a copy of the policy at the newest published
+        version is told which published tensors it holds (:meth:`RolloutEngine.holds`), so that its first
+        sync sends only what changed since: under LoRA the adapters, not the frozen base again. An engine
+        built without weights (vLLM from the model's config) loads the newest version now, as part of its
+        start: its first sync after an update then sends what that update changed (under LoRA, the
+        adapters). A failure here is left to the first sync, which retries."""
+        try:
+            got = self.weights.fetch(self.engine.version - 1)
+            if got is None or got[0] < 0:
+                return
+            version, state = got
+            if version == self.engine.version:
+                self.engine.holds(state, version)
+            elif self.engine.version < 0:
+                t0 = time.perf_counter()
+                self.engine.load_weights(state, version)
+                self.start_weight_load = (time.perf_counter() - t0, int(getattr(self.engine, "last_load", (0.0, 0))[1]))
+                log.info("worker %d: the engine loaded version %d at its start (%.0f MiB in %.2f s)", self.worker_id,
+                         version, self.start_weight_load[1] / 2**20, self.start_weight_load[0])
+        except Exception as err:  # the first sync loads the weights instead
+            log.warning("worker %d: loading the weights at the start failed (%s); the first sync will", self.worker_id,
+                        err)
 
     def _sync_weights(self) -> None:
         """Load the newest published weights into the engine if it is behind (timed, for the metrics)."""
@@ -431,6 +456,7 @@ class RolloutWorker:
         if self.max_prompts_per_call:
             per_call = min(per_call, self.max_prompts_per_call)
         consecutive_errors = 0
+        self._start_weights()
         while not stop.is_set():
             t0 = time.perf_counter()
             tickets = self.buffer.acquire_many(per_call, timeout=0.2)
@@ -487,6 +513,7 @@ class RolloutWorker:
         return {"idle_s": self.idle_s, "busy_s": self.busy_s, "episodes": self.episodes, "errors": self.errors,
                 "weight_loads": self.weight_loads, "weight_sync_s_total": self.weight_sync_s,
                 "last_weight_sync_s": self.last_weight_sync[0], "last_weight_sync_bytes": self.last_weight_sync[1],
+                "start_weight_load_s": self.start_weight_load[0], "start_weight_load_bytes": self.start_weight_load[1],
                 "inflight_pauses": self.inflight_pauses, "quarantined_episodes": self.quarantined,
                 "env_timeouts": self._calls.timeouts, "env_timeouts_by_call": dict(self._calls.timeouts_by_call),
                 "engine_failure": self.engine.failure() or "", "current_call": call[0] if call else "",

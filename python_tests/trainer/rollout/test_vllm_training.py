@@ -56,6 +56,20 @@ def test_toy_trains_with_a_vllm_engine(tmp_path, backend):
         assert last > 3 * first
 
 
+def test_a_lora_run_with_a_vllm_engine_syncs_the_adapters_only_from_its_first_update(tmp_path):
+    """The engine starts from the base the learner wraps (loaded when its worker starts, not by an
+    update's sync): every sync, the first included, sends the adapters' bytes, not the whole model again."""
+    pytest.importorskip("peft")
+    metrics = _train(tmp_path, "--preset", "toy", "--lora.rank", "4", "--lora.alpha", "8", steps=4)
+    from flashreinforce.models.loading import build_model
+    from flashreinforce.models.lora import LoraSettings, adapter_state, apply_lora
+
+    model, _ = build_model("tiny-qwen2", device="cpu")
+    adapters = sum(p.numel() * 4 for p in adapter_state(apply_lora(model, LoraSettings(rank=4, alpha=8.0))).values())
+    synced = [m["weight_sync_bytes"] for m in metrics if m["weight_sync_bytes"]]
+    assert synced and all(b == adapters for b in synced), (synced, adapters)
+
+
 def test_multi_turn_episodes_train_with_a_vllm_engine(tmp_path):
     metrics = _train(tmp_path, "--preset", "toy_multiturn", steps=10)
     _check_on_policy(metrics)
