@@ -40,13 +40,16 @@ fraction. The readings are printed with the row.
 
 ``--breakdown`` adds, for each hf engine that decodes with its fast step, one more call per row in
 which the step's parts are timed by wrappers around them (no profiler: its per-operation overhead
-would dwarf the small operations): the packed products, attention, RMS norms, the processed
+would dwarf the small operations): the packed products, attention, RMS norms (with the residual
+update, in the compiled step), the compiled rotary embedding and SwiGLU activation, the processed
 log-probabilities, sampling, and the rest of the step, in milliseconds per decode step (the products
 include the prefill's one output projection, spread over the steps).
 
 ``--hf-kernels`` runs the hf engine once per choice, one after the other in this process: ``default``
 (its defaults: on a CPU, the fast decode step of ``engines/fast_decode.py`` where the model has one,
-with the compiled decode attention), ``sdpa`` (the same step with PyTorch's SDPA attention),
+with the compiled decode attention and the compiled operations between the products),
+``torch-glue`` (the same step with PyTorch's operations between the products), ``sdpa`` (the same
+step with PyTorch's SDPA attention and operations),
 ``packed`` (the model's forward with packed linear weights) and ``torch`` (the model's forward with
 ``F.linear``, the engine before either existed).
 """
@@ -121,10 +124,15 @@ def timed_decode_parts(acc: dict[str, float]):
     functional.scaled_dot_product_attention = timed("attention", F.scaled_dot_product_attention)
     functional.rms_norm = timed("rms_norm", F.rms_norm)
     saved = [(fast_decode, "F", F), (fast_decode, "packed_matmul", fast_decode.packed_matmul),
+             (fast_decode, "_norm", fast_decode._norm), (fast_decode, "_rotary", fast_decode._rotary),
+             (fast_decode, "_silu_mul", fast_decode._silu_mul),
              (fast_decode, "fused_decode_attention", fast_decode.fused_decode_attention),
              (hf, "sample_tokens", hf.sample_tokens), (hf, "sampling_log_probs", hf.sampling_log_probs),
              (fast_decode.FastDecoder, "step", fast_decode.FastDecoder.step)]
     fast_decode.F = functional
+    fast_decode._norm = timed("rms_norm", fast_decode._norm)
+    fast_decode._rotary = timed("rotary", fast_decode._rotary)
+    fast_decode._silu_mul = timed("activation", fast_decode._silu_mul)
     fast_decode.packed_matmul = timed("products", fast_decode.packed_matmul)
     fast_decode.fused_decode_attention = timed("attention", fast_decode.fused_decode_attention)
     hf.sample_tokens = timed("sampling", hf.sample_tokens)
@@ -145,6 +153,7 @@ def perturbed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tens
 
 #: ``--hf-kernels`` choices: the hf engine's options for each.
 HF_KERNELS = {"default": {},
+              "torch-glue": {"decode_glue": False},
               "sdpa": {"attention_kernel": "sdpa"},
               "packed": {"fast_decode": False, "linear_kernel": "packed"},
               "torch": {"fast_decode": False, "linear_kernel": "torch"}}
@@ -310,10 +319,11 @@ def main() -> None:
                             timed_call = time.perf_counter() - t1
                         steps = max(new_tokens - 1, 1)
                         ms = {k: v / steps * 1e3 for k, v in acc.items()}
-                        other = ms["step"] - ms["products"] - ms["attention"] - ms.get("rms_norm", 0.0)
+                        glue = ms.get("rotary", 0.0) + ms.get("activation", 0.0)
+                        other = ms["step"] - ms["products"] - ms["attention"] - ms.get("rms_norm", 0.0) - glue
                         breakdowns.append([kind, str(n), str(new_tokens), f"{(timed_call - prefill) / steps * 1e3:.1f}",
                                            f"{ms['products']:.1f}", f"{ms['attention']:.1f}",
-                                           f"{ms.get('rms_norm', 0.0):.1f}", f"{other:.1f}",
+                                           f"{ms.get('rms_norm', 0.0):.1f}", f"{glue:.1f}", f"{other:.1f}",
                                            f"{ms['log_probs']:.1f}", f"{ms['sampling']:.1f}"])
                     print(f"  {kind}: {n} requests x {new_tokens} tokens: {rate:.0f} tokens/s "
                           f"(floor {floor:.0f}, {rate / floor:.2f}); prefill {prefill:.2f} s, decode step "
@@ -331,7 +341,7 @@ def main() -> None:
     if breakdowns:
         print_table("Where a decode step goes (ms per step; the timed call's step, then its parts)",
                     ["engine", "requests", "new tokens", "decode step", "products", "attention", "RMS norms",
-                     "rest of the fast step", "log-probs", "sampling"], breakdowns)
+                     "compiled rotary + SwiGLU", "rest of the fast step", "log-probs", "sampling"], breakdowns)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@
 
 #include "flashreinforce/core.h"
 #include "flashreinforce/decode_attention.h"
+#include "flashreinforce/decode_step.h"
 
 namespace py = pybind11;
 using namespace flashreinforce;
@@ -256,6 +257,61 @@ void decode_attention(const py::dict& args) {
   decode_attention_cpu(p, num_threads);
 }
 
+// The decode step's small operations (flashreinforce/decode_step.h), called once per layer and step
+// by flashreinforce/engines/fast_decode.py, which passes checked tensors: positional arguments (a dict
+// per call would cost more than some of the operations), pointers as integers, element strides. The
+// core's check is raised as ValueError; the computation runs without the GIL.
+DType step_dtype(const std::string& name, const char* fn) {
+  DType dt;
+  if (!find_dtype(name, dt)) throw py::value_error(std::string("flashreinforce._C.") + fn + ": unknown dtype " + name);
+  return dt;
+}
+
+const void* as_ptr(uintptr_t value) { return reinterpret_cast<const void*>(value); }
+
+void decode_norm(const std::string& dtype, int64_t rows, int64_t hidden, uintptr_t x, int64_t x_stride,
+                 uintptr_t delta, int64_t delta_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, float eps,
+                 int num_threads) {
+  DecodeNormParams p;
+  p.dtype = step_dtype(dtype, "decode_norm");
+  p.rows = rows, p.hidden = hidden, p.x = const_cast<void*>(as_ptr(x)), p.x_stride = x_stride;
+  p.delta = delta ? as_ptr(delta) : nullptr, p.delta_stride = delta_stride, p.weight = as_ptr(weight);
+  p.out = const_cast<void*>(as_ptr(out)), p.out_stride = out_stride, p.eps = eps;
+  const std::string problem = decode_norm_check(p);
+  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_norm: " + problem);
+  py::gil_scoped_release release;
+  decode_norm_cpu(p, num_threads);
+}
+
+void decode_rotary(const std::string& dtype, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                   uintptr_t qkv, int64_t qkv_stride, uintptr_t cos, uintptr_t sin, int64_t cs_stride, uintptr_t q_out,
+                   uintptr_t k_slot, int64_t k_stride_batch, int64_t k_stride_head, uintptr_t v_slot,
+                   int64_t v_stride_batch, int64_t v_stride_head, int num_threads) {
+  DecodeRotaryParams p;
+  p.dtype = step_dtype(dtype, "decode_rotary");
+  p.batch = batch, p.heads = heads, p.kv_heads = kv_heads, p.head_dim = head_dim;
+  p.qkv = as_ptr(qkv), p.qkv_stride = qkv_stride, p.cos = as_ptr(cos), p.sin = as_ptr(sin), p.cs_stride = cs_stride;
+  p.q_out = const_cast<void*>(as_ptr(q_out));
+  p.k_slot = const_cast<void*>(as_ptr(k_slot)), p.k_stride_batch = k_stride_batch, p.k_stride_head = k_stride_head;
+  p.v_slot = const_cast<void*>(as_ptr(v_slot)), p.v_stride_batch = v_stride_batch, p.v_stride_head = v_stride_head;
+  const std::string problem = decode_rotary_check(p);
+  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_rotary: " + problem);
+  py::gil_scoped_release release;
+  decode_rotary_cpu(p, num_threads);
+}
+
+void decode_silu_mul(const std::string& dtype, int64_t rows, int64_t width, uintptr_t gate_up, int64_t stride,
+                     uintptr_t out, int64_t out_stride, int num_threads) {
+  DecodeSiluMulParams p;
+  p.dtype = step_dtype(dtype, "decode_silu_mul");
+  p.rows = rows, p.width = width, p.gate_up = as_ptr(gate_up), p.stride = stride;
+  p.out = const_cast<void*>(as_ptr(out)), p.out_stride = out_stride;
+  const std::string problem = decode_silu_mul_check(p);
+  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_silu_mul: " + problem);
+  py::gil_scoped_release release;
+  decode_silu_mul_cpu(p, num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -306,4 +362,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("decode_attention", &decode_attention, py::arg("args"),
         "Decode-step attention of grouped query heads against a key/value cache on the CPU, written into "
         "args['out'] (flashreinforce/decode_attention.h; called by flashreinforce.engines.decode_attention).");
+  m.def("decode_norm", &decode_norm, "A decode step's residual update and RMS norm (flashreinforce/decode_step.h).");
+  m.def("decode_rotary", &decode_rotary,
+        "A decode step's rotary embedding of queries and keys, the keys and values written to the cache slots "
+        "(flashreinforce/decode_step.h).");
+  m.def("decode_silu_mul", &decode_silu_mul, "A decode step's SwiGLU activation (flashreinforce/decode_step.h).");
 }

@@ -20,7 +20,13 @@ fifteen operations per layer:
   head, by the compiled core's decode attention
   (:func:`flashreinforce.engines.decode_attention.fused_decode_attention`; ``attention="sdpa"``, or a
   dtype it does not take, uses PyTorch's ``scaled_dot_product_attention`` instead);
-* the padding mask of the step is built once for all layers.
+* the padding mask of the step is built once for all layers;
+* with the compiled attention, the small operations between the products are the compiled core's too
+  (``glue``, :func:`compiled_glue_available`; ``csrc/flashreinforce/decode_step.h``): the residual
+  update and RMS norm in one call, the rotary embedding of queries and keys written straight into
+  the query buffer and the cache's next slot, and the SwiGLU activation: four calls and four products
+  per layer instead of about fifteen PyTorch operations (float32 arithmetic, each result rounded once
+  to the model's dtype, where PyTorch rounds after each operation).
 
 Only decode steps (one new token per request) use it; the prefill is the model's own layers
 (:meth:`FastDecoder.prefill`, with the packed output projection on the last positions), and both
@@ -44,7 +50,7 @@ from torch import Tensor
 from flashreinforce.engines.decode_attention import compiled_attention_available, fused_decode_attention
 from flashreinforce.engines.packed_linear import pack_weight, packed_linear_available, packed_matmul
 
-__all__ = ["ATTENTION_KERNELS", "SUPPORTED_MODELS", "FastDecoder", "unsupported_reason"]
+__all__ = ["ATTENTION_KERNELS", "SUPPORTED_MODELS", "FastDecoder", "compiled_glue_available", "unsupported_reason"]
 
 #: Attention kernels of a decode step: ``auto`` (the compiled one where it takes the model's dtype),
 #: ``compiled`` (an error where it does not) or ``sdpa`` (PyTorch's).
@@ -83,6 +89,50 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def compiled_glue_available() -> bool:
+    """Whether the installed compiled module has the decode step's small operations."""
+    try:
+        from flashreinforce import _C
+    except ImportError:
+        return False
+    return all(hasattr(_C, n) for n in ("decode_norm", "decode_rotary", "decode_silu_mul"))
+
+
+def _dtype_name(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _norm(x: Tensor, delta: Tensor | None, weight: Tensor, out: Tensor, eps: float) -> Tensor:
+    """``x += delta`` (in place, when given), then ``out = weight * rms_norm(x)`` (compiled core)."""
+    from flashreinforce import _C
+
+    rows, hidden = x.shape
+    _C.decode_norm(_dtype_name(x), rows, hidden, x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(),
+                   0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), float(eps),
+                   torch.get_num_threads())
+    return out
+
+
+def _rotary(qkv: Tensor, cos: Tensor, sin: Tensor, q_out: Tensor, k_slot: Tensor, v_slot: Tensor,
+            heads: int, kv_heads: int, head_dim: int) -> None:
+    """The step's rotary embedding: queries into ``q_out [b, heads, d]``, keys and values of ``qkv`` into
+    the cache slots ``k_slot``/``v_slot [b, kv_heads, 1, d]`` (compiled core)."""
+    from flashreinforce import _C
+
+    _C.decode_rotary(_dtype_name(qkv), qkv.shape[0], heads, kv_heads, head_dim, qkv.data_ptr(), qkv.stride(0),
+                     cos.data_ptr(), sin.data_ptr(), cos.stride(0), q_out.data_ptr(), k_slot.data_ptr(), k_slot.stride(0),
+                     k_slot.stride(1), v_slot.data_ptr(), v_slot.stride(0), v_slot.stride(1), torch.get_num_threads())
+
+
+def _silu_mul(gate_up: Tensor, out: Tensor) -> Tensor:
+    """``out = silu(gate) * up`` of the fused ``gate_up [b, 2 I]`` (compiled core)."""
+    from flashreinforce import _C
+
+    _C.decode_silu_mul(_dtype_name(gate_up), gate_up.shape[0], out.shape[1], gate_up.data_ptr(), gate_up.stride(0),
+                       out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
+
+
 def _cat_bias(*linears: torch.nn.Linear) -> Tensor | None:
     biases = [lin.bias for lin in linears]
     if all(b is None for b in biases):
@@ -108,7 +158,7 @@ class _Layer:
 class FastDecoder:
     """Decode steps of ``model`` (see the module docstring); build with :meth:`build`."""
 
-    def __init__(self, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto", glue: bool = True) -> None:
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"FastDecoder: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
         dtype = model.lm_head.weight.dtype
@@ -128,16 +178,26 @@ class FastDecoder:
         self.kv_heads = int(config.num_key_value_heads)
         self.scaling = float(first.scaling)
         self.intermediate = int(inner.layers[0].mlp.gate_proj.out_features)
+        #: Whether the small operations between the products are the compiled core's (module docstring).
+        self.glue = (bool(glue) and self.attention == "compiled" and compiled_glue_available()
+                     and getattr(config, "hidden_act", "silu") == "silu" and self.head_dim % 2 == 0)
+        self._eps = [(self._eps_of(layer.input_layernorm), self._eps_of(layer.post_attention_layernorm))
+                     for layer in inner.layers]
         self._layers: list[_Layer] = []
         self._lm_head: Tensor | None = None
         self._key: tuple | None = None
 
     @classmethod
-    def build(cls, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto") -> "FastDecoder | None":
+    def build(cls, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto",
+              glue: bool = True) -> "FastDecoder | None":
         """A decoder for ``model``, or ``None`` where :func:`unsupported_reason` gives a reason."""
         if unsupported_reason(model) is not None:
             return None
-        return cls(model, rows_hint, attention)
+        return cls(model, rows_hint, attention, glue)
+
+    @staticmethod
+    def _eps_of(norm: torch.nn.Module) -> float:
+        return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
     def _weights_key(self) -> tuple:
         """Identity and version counter of every weight used (a change means packing again)."""
@@ -187,7 +247,7 @@ class FastDecoder:
     @staticmethod
     def _rms_norm(x: Tensor, norm: torch.nn.Module) -> Tensor:
         # As transformers' RMS norm: normalized in float32, cast back, then scaled by the weight.
-        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+        eps = FastDecoder._eps_of(norm)
         y = F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
         return norm.weight * y
 
@@ -201,6 +261,8 @@ class FastDecoder:
         of the last :meth:`refresh` (the engine refreshes after every weight load and before every
         generation, not at each step: the check walks every parameter).
         """
+        if self.glue:
+            return self._glued_step(tokens, mask, positions, cache)
         b = tokens.shape[0]
         d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
         groups = heads // kv_heads
@@ -238,3 +300,30 @@ class FastDecoder:
             x = x + packed_matmul(act, w.down, w.down_bias)
         x = self._rms_norm(x, self.inner.norm)
         return packed_matmul(x, self._lm_head, self._lm_head_bias)
+
+    def _glued_step(self, tokens: Tensor, mask: Tensor, positions: Tensor, cache) -> Tensor:
+        """:meth:`step` with the compiled core's small operations (``glue``): per layer the residual
+        update and norm, the fused products, the rotary embedding written into the cache's next slot,
+        the compiled attention, and the SwiGLU activation."""
+        b = tokens.shape[0]
+        d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
+        x = self.inner.embed_tokens(tokens).contiguous()  # [b, hidden], the residual stream (updated in place)
+        cos, sin = self.inner.rotary_emb(x[:, None, :], positions)  # [b, 1, d] each
+        cos, sin = cos.to(x.dtype).reshape(b, d).contiguous(), sin.to(x.dtype).reshape(b, d).contiguous()
+        attend = mask != 0
+        h = torch.empty_like(x)
+        q = torch.empty((b, kv_heads, heads // kv_heads, d), dtype=x.dtype)
+        act = torch.empty((b, self.intermediate), dtype=x.dtype)
+        delta = None
+        for layer, w, cache_layer, (eps_in, eps_post) in zip(self.inner.layers, self._layers, cache.layers, self._eps):
+            _norm(x, delta, layer.input_layernorm.weight, h, eps_in)
+            qkv = packed_matmul(h, w.qkv, w.qkv_bias)
+            k_slot, v_slot = cache_layer.reserve(1)
+            _rotary(qkv, cos, sin, q, k_slot, v_slot, heads, kv_heads, d)
+            attn = fused_decode_attention(q, cache_layer.keys, cache_layer.values, attend, self.scaling)
+            o = packed_matmul(attn.view(b, heads * d), w.o, w.o_bias)
+            _norm(x, o, layer.post_attention_layernorm.weight, h, eps_post)
+            gate_up = packed_matmul(h, w.gate_up, w.gate_up_bias)
+            delta = packed_matmul(_silu_mul(gate_up, act), w.down, w.down_bias)
+        _norm(x, delta, self.inner.norm.weight, h, self._eps_of(self.inner.norm))
+        return packed_matmul(h, self._lm_head, self._lm_head_bias)

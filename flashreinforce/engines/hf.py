@@ -181,6 +181,9 @@ class HFEngine(RolloutEngine):
             core's decode attention where it takes the dtype, else PyTorch's SDPA), ``"compiled"`` or
             ``"sdpa"``; ``attention_kernel_in_use`` says which one runs (``None`` without the fast
             decode step).
+        decode_glue: with the compiled attention, also run the small operations between the fast decode
+            step's products in the compiled core (:class:`FastDecoder`'s ``glue``); ``False`` keeps them
+            PyTorch's. ``decode_glue_in_use`` says whether they run.
     """
 
     can_pause = True
@@ -191,7 +194,7 @@ class HFEngine(RolloutEngine):
                  min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32",
                  kv_cache: str = "preallocated", decode_attention: bool = True,
                  linear_kernel: str = "auto", fast_decode: bool = True, attention_kernel: str = "auto",
-                 lora: Mapping[str, Any] | None = None) -> None:
+                 decode_glue: bool = True, lora: Mapping[str, Any] | None = None) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"HFEngine: kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
         if linear_kernel not in LINEAR_KERNELS:
@@ -217,10 +220,11 @@ class HFEngine(RolloutEngine):
         self.decode_attention_in_use = bool(decode_attention) and use_decode_attention(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self._fast = (FastDecoder.build(self.model, attention=attention_kernel)
+        self._fast = (FastDecoder.build(self.model, attention=attention_kernel, glue=decode_glue)
                       if fast_decode and kv_cache == "preallocated" else None)
         self.fast_decode_in_use = self._fast is not None
         self.attention_kernel_in_use = self._fast.attention if self._fast is not None else None
+        self.decode_glue_in_use = self._fast is not None and self._fast.glue
         if self._fast is not None:
             # Packed twice: the second repack's memory comes from pages the process already holds
             # afterwards, where the first weight load would otherwise pay for fresh ones (1.6 s instead
@@ -419,7 +423,8 @@ class HFEngineKind(EngineKind):
 
     name = "hf"
     takes_policy_copy = True
-    options_accepted = frozenset({"dtype", "auto_dtype", "lora", "linear_kernel", "fast_decode", "attention_kernel"})
+    options_accepted = frozenset({"dtype", "auto_dtype", "lora", "linear_kernel", "fast_decode", "attention_kernel",
+                                  "decode_glue"})
 
     def options(self, cfg, seed: int, dtype: str) -> dict:
         return {"dtype": dtype}

@@ -86,6 +86,22 @@ def _layer_class():
             self._refresh_views()
             return self.keys, self.values
 
+        def reserve(self, tokens: int = 1) -> tuple[Tensor, Tensor]:
+            """Views ``[batch, kv_heads, tokens, head_dim]`` of the key and value buffers at the next
+            ``tokens`` positions, now counted as used (the caller writes them before attention reads
+            them: the engine's own decode step writes a step's keys and values there itself)."""
+            if not self.is_initialized:
+                raise ValueError("PreallocatedLayer.reserve: the cache holds nothing yet (run the prefill first)")
+            end = self.length + int(tokens)
+            if end > self.capacity:
+                raise ValueError(f"PreallocatedLayer: {end} positions do not fit in the capacity of "
+                                 f"{self.capacity} this cache was sized for")
+            k = self._key_buffer[:, :, self.length:end]
+            v = self._value_buffer[:, :, self.length:end]
+            self.length = end
+            self._refresh_views()
+            return k, v
+
         def get_seq_length(self) -> int:
             return self.length if self.is_initialized else 0
 
