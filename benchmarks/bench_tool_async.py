@@ -13,6 +13,11 @@ other, ``--updates`` updates of:
   the learner: ``train.async_queue_size 1``);
 * ``sync``: the same with ``train.async_queue_size 0`` (rollouts wait for each update, the learner for
   each batch);
+* ``stream``: ``async`` with the worker's episodes as a stream (``rollout.episodes_in_flight 64``: up
+  to two batches of episodes in flight, new prompts started as others end, turns sampled while other
+  episodes' tool calls run; ``flashreinforce/trainer/rollout/stream.py``);
+* ``stream2``: the same with 96 episodes in flight and two batches ahead of the learner
+  (``train.async_queue_size 2``, ``train.max_policy_lag 3``);
 * ``grpo``: groups of 8 samples (``--actor.loss_mode ppo --algo.advantage.estimator grpo
   --rollout.n_samples_per_prompt 8``, 4 prompts per update of 32 trajectories), asynchronous like ``async``.
 
@@ -39,6 +44,8 @@ import arith_curve  # noqa: E402
 SCHEDULES = {
     "async": [],
     "sync": ["--train.async_queue_size", "0"],
+    "stream": ["--rollout.episodes_in_flight", "64"],
+    "stream2": ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"],
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
              "--rollout.batch_size", "4", "--train.batch_size", "32"],
 }

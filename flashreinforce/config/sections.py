@@ -247,6 +247,10 @@ class RolloutConfig(Freezable):
     env_parallel_calls: int = option("int", 32, "environment calls (reset, step) of a rollout worker's episodes "
                                      "that run at once, each in its own thread, so that slow tools overlap (1: one "
                                      "after another)", minimum=1, maximum=4096)
+    episodes_in_flight: int = option("int", 0, "episodes a rollout worker keeps in flight as a stream: new prompts "
+                                     "start as others end, and turns are sampled while other episodes' tool calls "
+                                     "run (0: episodes run call by call, each call's to its end)", minimum=0,
+                                     maximum=65536)
     max_failed_episodes_in_a_row: int = option("int", 256, "stop the run when this many episodes in a row were "
                                                "quarantined or rejected (0: never); before the first trainable "
                                                "episode, at most one batch of them", minimum=0)

@@ -6,6 +6,10 @@ when a tool is slow (a sandboxed interpreter, a web request, a game engine): run
 32 tool calls of 0.5 s each would stall the worker 16 s per turn. So each call runs in a thread of
 its own, up to ``max_parallel`` at once, and the worker waits for all of them.
 
+:meth:`EnvCalls.run` runs a set of calls and returns when every one has ended. A worker that keeps
+decoding while some episodes' tools run uses :meth:`EnvCalls.submit` and :meth:`EnvCalls.take`
+instead: calls start at once, and each outcome is taken when it is ready.
+
 Each call has its own deadline, ``timeout_s`` from its start. Python cannot stop a thread, so a call
 that does not return in time is abandoned: it keeps running in its daemon thread, which owns the
 environment instance; the worker never touches that instance again (it builds a new one) and goes
@@ -101,6 +105,82 @@ class EnvCalls:
         self.timeouts_by_call: dict[str, int] = {}  # call description (env.reset, env.step) -> timeouts
         # (call description, start) of the oldest call in progress while waiting, for the watchdog
         self.current: tuple[str, float] | None = None
+        # Calls started by submit(): waiting for a thread, running, and their descriptions.
+        self._cond = threading.Condition()
+        self._queued: deque[_Job] = deque()
+        self._running: dict[Hashable, tuple[_Job, _Caller]] = {}
+        self._described: dict[Hashable, str] = {}
+        self._ended: dict[Hashable, tuple[str, Any]] = {}
+        self._submit_limit = self.max_parallel
+
+    @property
+    def in_flight(self) -> int:
+        """Calls given to :meth:`submit` whose outcome :meth:`take` has not returned yet."""
+        return len(self._described)
+
+    def submit(self, calls: Sequence[tuple[Hashable, str, Callable[[], Any], Callable[[], None] | None]],
+               max_parallel: int | None = None) -> None:
+        """Start ``calls`` (as :meth:`run` takes them; keys distinct from those in flight) without waiting
+        for them: up to ``max_parallel`` (default: the instance's) submitted calls run at once, the rest
+        start as others end. Their outcomes come from :meth:`take`."""
+        with self._cond:
+            self._submit_limit = self.max_parallel if max_parallel is None else max(1, int(max_parallel))
+            for key, what, fn, on_abandon in calls:
+                if key in self._described:
+                    raise ValueError(f"EnvCalls.submit: a call with key {key!r} is already in flight")
+                self._described[key] = what
+                self._queued.append(_Job(key, fn, on_abandon, self._cond))
+            self._start_queued()
+
+    def _start_queued(self) -> None:
+        while self._queued and len(self._running) < self._submit_limit:
+            job = self._queued.popleft()
+            caller = self._caller()
+            self._running[job.key] = (job, caller)
+            caller.jobs.put(job)
+
+    def take(self, stop: threading.Event | None = None, wait_s: float | None = None,
+             linger_s: float = 0.0) -> dict[Hashable, tuple[str, Any]]:
+        """Outcomes ``{key: (status, value)}`` (as :meth:`run` gives them) of submitted calls that ended:
+        waits up to ``wait_s`` seconds (``None``: as long as it takes) for the first, then up to
+        ``linger_s`` more for others to join it (all of them if they all end sooner). Empty when nothing
+        ended in time or nothing is in flight. Raises :class:`StopRequested` when ``stop`` is set while
+        waiting (the calls still running are abandoned)."""
+        start = time.monotonic()
+        first: float | None = None
+        try:
+            with self._cond:
+                while self._described:
+                    self._collect(self._running, self._ended, self._described)
+                    self._start_queued()
+                    now = time.monotonic()
+                    if self._ended and first is None:
+                        first = now
+                    if first is not None and (now - first >= linger_s or len(self._ended) == len(self._described)):
+                        break
+                    if first is None and wait_s is not None and now - start >= wait_s:
+                        break
+                    if stop is not None and stop.is_set():
+                        raise StopRequested()
+                    wait = 0.5 if first is None else max(first + linger_s - now, 0.0)
+                    if first is None and wait_s is not None:
+                        wait = min(wait, max(start + wait_s - now, 0.0))
+                    oldest = min(((job.started, key) for key, (job, _) in self._running.items()
+                                  if job.started is not None), key=lambda started_key: started_key[0], default=None)
+                    if oldest is not None:
+                        self.current = (self._described[oldest[1]], oldest[0])
+                        if self.timeout_s:
+                            wait = min(wait, max(oldest[0] + self.timeout_s - now, 0.0))
+                    self._cond.wait(wait)
+                out, self._ended = self._ended, {}
+                for key in out:
+                    del self._described[key]
+                return out
+        except StopRequested:
+            self.abandon_in_flight()
+            raise
+        finally:
+            self.current = None
 
     def run(self, calls: Sequence[tuple[Hashable, str, Callable[[], Any], Callable[[], None] | None]],
             stop: threading.Event | None = None, max_parallel: int | None = None) -> dict[Hashable, tuple[str, Any]]:
@@ -147,6 +227,17 @@ class EnvCalls:
         finally:
             self.current = None
         return {key: out[key] for key in described}  # in the order given
+
+    def abandon_in_flight(self) -> None:
+        """Forget every submitted call: those running are abandoned (as a timed-out call is: their
+        ``on_abandon`` runs when they return), those not started never start."""
+        with self._cond:
+            for job, caller in self._running.values():
+                self._abandon(job, caller)
+            self._running.clear()
+            self._queued.clear()
+            self._described.clear()
+            self._ended.clear()
 
     def _collect(self, running: dict[Hashable, tuple[_Job, _Caller]], out: dict[Hashable, tuple[str, Any]],
                  described: dict[Hashable, str]) -> None:

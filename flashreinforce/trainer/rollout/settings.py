@@ -36,6 +36,10 @@ class RolloutSettings:
     agent_sampling: how agents' model calls are sampled: ``run`` (``sampling`` for every call, a
     client's own temperature and top-p ignored) or ``agent`` (the client's values; its tokens are
     still actions, trained against the log-probabilities they were sampled with).
+    episodes_in_flight: 0 runs episodes call by call (``episodes_per_call`` at a time, each call's to
+    its end); N > 0 keeps up to N episodes in flight as a stream, new prompts starting as others end and
+    turns sampled while other episodes' environment calls run
+    (:mod:`~flashreinforce.trainer.rollout.stream`).
     """
 
     max_new_tokens: int
@@ -48,10 +52,13 @@ class RolloutSettings:
     env_parallel_calls: int = 32
     inflight_weight_updates: bool = False
     agent_sampling: str = "run"
+    episodes_in_flight: int = 0
 
     def __post_init__(self) -> None:
         if self.agent_sampling not in ("run", "agent"):
             raise ValueError(f"RolloutSettings.agent_sampling must be 'run' or 'agent', got {self.agent_sampling!r}")
+        if self.episodes_in_flight < 0:
+            raise ValueError(f"RolloutSettings.episodes_in_flight must be >= 0, got {self.episodes_in_flight}")
         for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")

@@ -22,6 +22,12 @@ episode of the call. An engine call that fails on each of its requests is retrie
 time; a worker whose engine failed on every request of ``MAX_ENGINE_FAILURES_IN_A_ROW`` calls in a
 row stops (the trainer stops when no worker is left).
 
+With ``episodes_in_flight`` (``rollout.episodes_in_flight``) a worker does not run its episodes call
+by call: it keeps up to that many in flight, starts new prompts as others end, hands each finished
+group in at once, and decodes the turns of the episodes whose environment has answered while other
+episodes' tool calls still run (:mod:`~flashreinforce.trainer.rollout.stream`). Slow tools then overlap
+decoding instead of stalling it.
+
 A worker is built with :class:`~flashreinforce.trainer.rollout.settings.RolloutSettings`. Workers run
 as threads (:class:`~flashreinforce.trainer.rollout.thread_pool.ThreadRolloutPool`, the ``local``
 backend), or as Ray actors running the same :class:`RolloutWorker` against a buffer actor
@@ -451,12 +457,22 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ loop
     def run(self, stop: threading.Event) -> None:
-        """Roll out until ``stop`` is set or the buffer closes."""
+        """Roll out until ``stop`` is set or the buffer closes: call by call (every episode of a call to
+        its end, then the next prompts), or with ``episodes_in_flight`` as
+        :class:`~flashreinforce.trainer.rollout.stream.EpisodeStream` does."""
         per_call = max(1, self.settings.episodes_per_call // max(1, self.buffer.group_size))
         if self.max_prompts_per_call:
             per_call = min(per_call, self.max_prompts_per_call)
         consecutive_errors = 0
         self._start_weights()
+        if self.settings.episodes_in_flight:
+            if type(self).run_tickets is RolloutWorker.run_tickets:
+                from flashreinforce.trainer.rollout.stream import EpisodeStream
+
+                return EpisodeStream(self, _Stopped, MAX_ENGINE_FAILURES_IN_A_ROW).run(stop)
+            if self.worker_id == 0:
+                log.warning("rollout.episodes_in_flight %d has no effect on %s, which runs its episodes its own "
+                            "way", self.settings.episodes_in_flight, type(self).__name__)
         while not stop.is_set():
             t0 = time.perf_counter()
             tickets = self.buffer.acquire_many(per_call, timeout=0.2)

@@ -307,6 +307,7 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
                            episodes_per_call=cfg.rollout.episodes_per_call, seed=seed,
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            env_parallel_calls=cfg.rollout.env_parallel_calls,
+                           episodes_in_flight=cfg.rollout.episodes_in_flight,
                            inflight_weight_updates=cfg.rollout.inflight_weight_updates and
                            cfg.train.fixed_policy_lag is None,
                            agent_sampling=cfg.rollout.agent_sampling)
