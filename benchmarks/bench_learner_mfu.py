@@ -14,6 +14,10 @@ packed forward, fused loss, backward, AdamW) on the same random batch: median st
 forwards, a trained one three) over that time, its fraction of the measured peak (``mfu``), the learner's
 peak memory (resident set growth during the steps on a CPU, the CUDA allocator's peak on a GPU) and the
 bytes a weight sync sends after the first (the trainable tensors: the whole model, or the adapters).
+
+``--profile``: one more step of each policy under ``torch.profiler``, as a table of where the step's
+operator time goes (matrix products, attention, the fused loss, elementwise operations, copies, the
+optimizer; ``benchmarks/common.py``) and its heaviest operators: what keeps the step from the peak.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import SHAPES, gemm_peak, machine_line, print_table  # noqa: E402
+from common import SHAPES, gemm_peak, machine_line, print_table, profile_breakdown  # noqa: E402
 
 from flashreinforce.objective import LossOptions  # noqa: E402
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings  # noqa: E402
@@ -85,6 +89,14 @@ def run(label: str, model, args, batch, device, peak) -> list[str]:
             flops.append(metrics["model_flops"])
     step = statistics.median(times)
     rate = statistics.median(flops) / step
+    if args.profile:
+        prof = profile_breakdown(lambda: learner.step(batch), device, top=args.profile_top)
+        print_table(f"{label}: one step under the profiler ({prof['wall_ms'] / 1e3:.2f} s; operator self time "
+                    f"{prof['busy_ms'] / 1e3:.2f} s over {torch.get_num_threads()} threads)",
+                    ["category", "s", "share"], [[c, f"{ms / 1e3:.2f}", f"{share:.1%}"] for c, ms, share in
+                                                 prof["categories"]])
+        print_table(f"{label}: heaviest operators", ["operator", "calls", "s"],
+                    [[n, str(c), f"{ms / 1e3:.3f}"] for n, c, ms in prof["top"]])
     sync = sum(p.numel() * p.element_size() for p in learner.model.parameters() if p.requires_grad)
     trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
     return [label, f"{trainable / 1e6:.2f}M", f"{step:.2f}", f"{rate / 1e9:.1f}", f"{rate / peak:.1%}",
@@ -102,6 +114,9 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--profile", action="store_true", help="one more step of each under torch.profiler, by category")
+    p.add_argument("--profile-top", type=int, default=15, help="heaviest operators listed with --profile")
+    p.add_argument("--only", choices=("full", "lora"), default=None, help="one of the two policies only")
     args = p.parse_args()
     device = torch.device(args.device)
     cfg = dict(SHAPES[args.shape])
@@ -118,11 +133,14 @@ def main() -> None:
     print(f"shape {args.shape} ({config.num_hidden_layers} layers), {args.batch} trajectories, "
           f"{sum(t.num_tokens for t in batch):,} tokens; learner {args.dtype}; measured {args.dtype} GEMM peak "
           f"{peak / 1e9:.0f} GFLOP/s")
-    rows = [run("full fine-tuning", copy.deepcopy(base), args, batch, device, peak)]
-    from flashreinforce.models.lora import LoraSettings, apply_lora
+    rows = []
+    if args.only in (None, "full"):
+        rows.append(run("full fine-tuning", copy.deepcopy(base), args, batch, device, peak))
+    if args.only in (None, "lora"):
+        from flashreinforce.models.lora import LoraSettings, apply_lora
 
-    lora = apply_lora(copy.deepcopy(base), LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
-    rows.append(run(f"LoRA rank {args.lora_rank}", lora, args, batch, device, peak))
+        lora = apply_lora(copy.deepcopy(base), LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
+        rows.append(run(f"LoRA rank {args.lora_rank}", lora, args, batch, device, peak))
     print_table(f"learner step (median of {args.steps} after a first step)",
                 ["policy", "trainable", "step s", "model GFLOP/s", "of measured peak (mfu)", "peak memory MiB",
                  "sync MiB per update"], rows)

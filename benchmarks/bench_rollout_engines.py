@@ -255,7 +255,8 @@ def main() -> None:
                              checkpoint, max(args.requests), max_len, device, hf_kernels or "default")
         start = time.perf_counter() - t0
         if kind == "hf":
-            decode = (f"fast decode, {engine.attention_kernel_in_use} attention" if engine.fast_decode_in_use
+            glue = "compiled" if getattr(engine, "decode_glue_in_use", False) else "PyTorch"
+            decode = (f"fast decode, {engine.attention_kernel_in_use} attention, {glue} glue" if engine.fast_decode_in_use
                       else f"model forward, {engine.linear_kernel_in_use} linear")
             kind = f"hf ({decode})"
         try:
