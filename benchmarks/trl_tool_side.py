@@ -176,7 +176,7 @@ class ArithToolRollout:
         return rows
 
     def _record(self, e: _Episode, ids: list[int]) -> str:
-        from flashreinforce.trainer.rollout.turns import turn_cut
+        from flashreinforce.trainer.rollout.episode import turn_cut
 
         cut = turn_cut(e.env, self.tokenizer, ids)
         e.turn_ended = cut is not None and ids[cut - 1] not in self.eos

@@ -4,21 +4,27 @@ An :class:`Episode` grows token by token (``prompt | action | observation | acti
 token's id, whether the policy sampled it, the log-probability it was sampled with, and the weight
 version that sampled it (-1 on tokens the policy did not sample). :meth:`Episode.trajectory` turns it
 into the :class:`~flashreinforce.trainer.rollout.trajectory.Trajectory` the buffer takes.
+
+Where a policy turn ends when its environment ends it (:meth:`flashreinforce.envs.Environment.turn_end`):
+the worker hands the engine :func:`turn_stop` (asked after each sampled token, so an engine that can
+stops there) and cuts the sampled turn with :func:`turn_cut` (for an engine that could not), so both
+kinds of engine give the same tokens.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.envs.tasks import DatasetEnvironment
 from flashreinforce.trainer.rollout.buffer import Ticket
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
-__all__ = ["Episode", "EpisodeFault", "check_step_result"]
+__all__ = ["Episode", "EpisodeFault", "check_step_result", "ends_turns", "turn_cut", "turn_stop"]
 
 
 class EpisodeFault(Exception):
@@ -132,3 +138,38 @@ class Episode:
             policy_version_max=max(sampled, default=-1), prompt_id=self.ticket.prompt_id, seed=self.ticket.seed,
             sample_index=self.sample_index, num_turns=self.turns, worker_id=worker_id, info=info,
             token_versions=list(self.versions))
+
+
+# ------------------------------------------------------------------ where a turn ends
+def ends_turns(env: Environment | None) -> bool:
+    """Whether ``env`` (or the environment a dataset wrapper serves) ends turns itself."""
+    inner = env
+    while isinstance(inner, DatasetEnvironment):
+        inner = inner.env
+    return inner is not None and type(inner).turn_end is not Environment.turn_end
+
+
+def turn_stop(env: Environment | None, tokenizer) -> Callable[[Sequence[int]], bool] | None:
+    """The engine's stop predicate for a turn of ``env`` (``None`` when it does not end turns)."""
+    if not ends_turns(env):
+        return None
+    decode, turn_end = tokenizer.decode, env.turn_end
+    return lambda ids: turn_end(decode(ids)) is not None
+
+
+def turn_cut(env: Environment | None, tokenizer, ids: Sequence[int]) -> int | None:
+    """How many of the sampled ``ids`` the turn keeps when ``env`` ends it early (``None``: all, not
+    ended). A binary search over prefixes: ``turn_end`` is monotone in the text."""
+    if not ends_turns(env):
+        return None
+    decode, turn_end = tokenizer.decode, env.turn_end
+    if turn_end(decode(ids)) is None:
+        return None
+    lo, hi = 1, len(ids)  # the shortest prefix that has an end lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if turn_end(decode(ids[:mid])) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

@@ -49,12 +49,11 @@ from flashreinforce.envs.base import Environment, StepResult
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket
 from flashreinforce.trainer.rollout.env_calls import EnvCalls
-from flashreinforce.trainer.rollout.episode import Episode, EpisodeFault, check_step_result
+from flashreinforce.trainer.rollout.episode import Episode, EpisodeFault, check_step_result, turn_cut, turn_stop
 from flashreinforce.trainer.errors import StopRequested
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode, RepeatedProblems
 from flashreinforce.trainer.rollout.settings import RolloutSettings, episode_seed
 from flashreinforce.trainer.rollout.trajectory import Trajectory
-from flashreinforce.trainer.rollout.turns import turn_cut, turn_stop
 
 __all__ = ["MAX_ENGINE_FAILURES_IN_A_ROW", "RolloutWorker", "TurnSample", "max_token_chars"]
 
