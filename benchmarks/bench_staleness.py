@@ -208,6 +208,10 @@ def result_of(cell: Cell, run: Path, base: float, wall_s: float) -> dict:
         "final_accuracy": curve[-1][1], "peak_accuracy": max(a for _, a in curve), "auc": area(curve),
         "collapsed": collapsed(curve), "gated_share": 1.0 - statistics.fmean(acceptance) if acceptance else 0.0,
         "acceptance_by_outcome": by_outcome,
+        # Updates whose batch the gate admitted nothing of (a zero gradient: AdamW steps on its momentum
+        # unless --actor.step_on_zero_gradient false), and those that made no optimizer step.
+        "empty_updates": sum(1 for a in acceptance if a == 0.0),
+        "optimizer_steps_skipped": sum(int(m.get("optimizer_step_skipped") or 0) for m in metrics),
         "grad_norm_max": max(grad) if grad else None, "lags_after_warmup": lags,
         "reward_first10": statistics.fmean(m["reward_mean"] for m in metrics[:10]) if metrics else None,
         "reward_last10": statistics.fmean(m["reward_mean"] for m in metrics[-10:]) if metrics else None,
@@ -316,7 +320,12 @@ def reextract(args) -> None:
         base = json.loads((path.parents[1] / "base.json").read_text())["accuracy"]
         cell = Cell(old["task"], old["grid"], old["lag"], old["column"], old["seed"], old["lr"], old["flags"],
                     path.parent.name)
-        path.write_text(json.dumps(result_of(cell, path.parent / "run", base, old["wall_s"]), indent=1))
+        same = old.get("identical_to")
+        run = path.parents[1] / same / "run" if same else path.parent / "run"
+        new = result_of(cell, run, base, old["wall_s"])
+        if same:  # a column that is another cell's run (see identical_to): keep the reference and its reason
+            new.update(identical_to=same, reason=old.get("reason"))
+        path.write_text(json.dumps(new, indent=1))
         print(f"{path.parent.name}: re-extracted")
 
 
@@ -354,6 +363,8 @@ def _tables(rows: list[dict], key_row: str, key_col: str) -> list[tuple[str, lis
              ("area under the accuracy curve (%), mean (min-max)", lambda c: _spread([r["auc"] for r in c], ".1f", 100)),
              ("share of trajectories the gate dropped (%)",
               lambda c: f"{100 * statistics.fmean(r['gated_share'] for r in c):.1f}"),
+             ("updates the gate admitted nothing of, mean over seeds (of the run's updates)",
+              lambda c: f"{statistics.fmean(r.get('empty_updates', 0) for r in c):.1f}"),
              ("largest gradient norm (before clipping)", lambda c: f"{max(r['grad_norm_max'] or 0.0 for r in c):.3g}"),
              ("collapses (an evaluation 20 points below the run's earlier peak) / seeds",
               lambda c: f"{sum(r['collapsed'] for r in c)}/{len(c)}")]
