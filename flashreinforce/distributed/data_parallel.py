@@ -344,6 +344,7 @@ class DataParallelLearner:
 
         apply_settings(self.learner.optimizer, self.learner.scheduler, self.learner.settings)
         self.learner.version = int(state["version"])
+        self.learner.optimizer_steps_skipped = int(state.get("optimizer_steps_skipped", 0))
 
     def serve(self) -> int:
         """Ranks > 0: answer rank 0's commands until :meth:`stop`; returns the number of updates made."""
@@ -429,4 +430,4 @@ class DataParallelLearner:
         full = get_optimizer_state_dict(self.learner.scorer, self.learner.optimizer,
                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return {"optimizer": full, "optimizer_format": "fsdp_full", "scheduler": self.learner.scheduler.state_dict(),
-                "version": self.learner.version}
+                "version": self.learner.version, "optimizer_steps_skipped": self.learner.optimizer_steps_skipped}

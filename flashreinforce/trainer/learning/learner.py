@@ -298,6 +298,9 @@ class Learner:
         self.pad_token_id = pad_token_id
         self.device = next(model.parameters()).device
         self.version = 0
+        #: Updates that made no optimizer step (a zero gradient with ``step_on_zero_gradient`` false):
+        #: the optimizer's step count is ``version`` minus this.
+        self.optimizer_steps_skipped = 0
         if getattr(model.config, "use_cache", None) is not None:
             model.config.use_cache = False
         if settings.gradient_checkpointing:
@@ -368,7 +371,9 @@ class Learner:
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
         lr = self.optimizer.param_groups[0]["lr"]
         skip = grad_norm == 0.0 and not s.step_on_zero_gradient
-        if not skip:
+        if skip:
+            self.optimizer_steps_skipped += 1
+        else:
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -522,13 +527,14 @@ class Learner:
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "version": self.version}
+                "version": self.version, "optimizer_steps_skipped": self.optimizer_steps_skipped}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         apply_settings(self.optimizer, self.scheduler, self.settings)  # a resumed run's own lr, betas, schedule
         self.version = int(state["version"])
+        self.optimizer_steps_skipped = int(state.get("optimizer_steps_skipped", 0))
 
     def stop(self) -> None:
         """Nothing to release in one process."""

@@ -128,6 +128,10 @@ def check_state(state: Any, file: str | Path, *, dir_step: int | None = None) ->
             f.int(value, f"trainer.{key}")
         else:
             f.number(value, f"trainer.{key}")
+    if "optimizer_steps_skipped" in state:
+        skipped_steps = f.int(state["optimizer_steps_skipped"], "optimizer_steps_skipped")
+        if not 0 <= skipped_steps <= version:
+            raise f.bad(f"'optimizer_steps_skipped' {skipped_steps} is not between 0 and 'version' {version}")
     fmt = state.get("optimizer_format")
     if fmt is not None and fmt not in OPTIMIZER_FORMATS:
         raise f.bad(f"'optimizer_format' must be absent or one of {list(OPTIMIZER_FORMATS)}, got {_shown(fmt)}")
@@ -233,10 +237,11 @@ def _step_count(value: Any) -> float | None:
 
 
 def check_optimizer(optimizer: Any, file: str | Path, model: torch.nn.Module, *, version: int,
-                    by_name: bool = False) -> None:
+                    steps_skipped: int = 0, by_name: bool = False) -> None:
     """Check an AdamW state dict against ``model``'s trainable parameters (see the module docstring);
-    ``by_name``: keyed by parameter name (``model.`` + the model's name), as a ``fully_shard``
-    learner gathers it, instead of by index."""
+    ``steps_skipped``: updates of the run that made no optimizer step (``actor.step_on_zero_gradient
+    false``), so that the step count is ``version - steps_skipped``; ``by_name``: keyed by parameter
+    name (``model.`` + the model's name), as a ``fully_shard`` learner gathers it, instead of by index."""
     f = _Fields(file)
     if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state"), dict)
             and isinstance(optimizer.get("param_groups"), list)):
@@ -285,10 +290,13 @@ def check_optimizer(optimizer: Any, file: str | Path, model: torch.nn.Module, *,
                 if problem:
                     raise f.bad(f"'{key}' of parameter '{name}' {problem} (non-finite moments would make the "
                                 "weights NaN at the next update)")
-    if largest is None and version > 0:
-        raise f.bad(f"no optimizer moments, but the policy version is {version}")
-    if largest is not None and largest != version:
-        raise f.bad(f"the largest step count {int(largest)} differs from the policy version {version}")
+    steps = version - steps_skipped
+    if largest is None and steps > 0:
+        raise f.bad(f"no optimizer moments, but the policy version is {version}"
+                    + (f" and {steps_skipped} updates made no optimizer step" if steps_skipped else ""))
+    if largest is not None and largest != steps:
+        raise f.bad(f"the largest step count {int(largest)} differs from the policy version {version}"
+                    + (f" less the {steps_skipped} updates that made no optimizer step" if steps_skipped else ""))
 
 
 def check_scheduler(scheduler: Any, file: str | Path, *, version: int, num_groups: int) -> None:

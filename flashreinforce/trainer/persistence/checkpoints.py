@@ -209,6 +209,7 @@ def _refuse_to_save(ckpt_dir: Path, step: int, model: torch.nn.Module, learner_s
             raise CheckpointError(f"model.safetensors: tensor {problem}")
         optimizer = learner_state["optimizer"]
         check_optimizer(optimizer, "optimizer.pt", model, version=record["version"],
+                        steps_skipped=record.get("optimizer_steps_skipped", 0),
                         by_name=record.get("optimizer_format") == "fsdp_full")
         check_scheduler(learner_state["scheduler"], "scheduler.pt", version=record["version"],
                         num_groups=len(optimizer["param_groups"]))
@@ -229,6 +230,8 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, *, model: torch.nn.Module, 
     """
     ckpt_dir = Path(ckpt_dir)
     record = {**state, "step": step, "version": learner_state["version"]}
+    if learner_state.get("optimizer_steps_skipped"):
+        record["optimizer_steps_skipped"] = int(learner_state["optimizer_steps_skipped"])
     _refuse_to_save(ckpt_dir, step, model, learner_state, record)
     name = step_name(step)
     final = ckpt_dir / name
@@ -357,7 +360,8 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bo
         raise CheckpointError(f"{weights}: missing (the model weights)")
     tensors = read_weights(weights, model)
     optimizer = _load_pt(path / "optimizer.pt", "optimizer state")
-    check_optimizer(optimizer, path / "optimizer.pt", model, version=version,
+    skipped = state.get("optimizer_steps_skipped", 0)
+    check_optimizer(optimizer, path / "optimizer.pt", model, version=version, steps_skipped=skipped,
                     by_name=state.get("optimizer_format") == "fsdp_full")
     scheduler = _load_pt(path / "scheduler.pt", "learning-rate schedule state")
     check_scheduler(scheduler, path / "scheduler.pt", version=version, num_groups=len(optimizer["param_groups"]))
@@ -375,7 +379,7 @@ def load_checkpoint(path: str | Path, *, model: torch.nn.Module, restore_rng: bo
     model.load_state_dict(tensors, strict=False)  # names and shapes checked; a tied tensor is stored once
     if restore_rng:
         set_rng_state(rng)
-    learner = {"optimizer": optimizer, "scheduler": scheduler, "version": version}
+    learner = {"optimizer": optimizer, "scheduler": scheduler, "version": version, "optimizer_steps_skipped": skipped}
     return {"state": state, "learner": learner}
 
 

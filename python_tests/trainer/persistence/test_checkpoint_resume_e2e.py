@@ -104,3 +104,28 @@ def test_a_run_whose_disk_fills_up_stops_with_one_line_and_resumes_without_clean
     assert "Traceback" not in (logs / "second.err").read_text()
     assert (logs / "second.listing").read_text().split() == ["latest", "step_00000001", "step_00000003"]
     assert [json.loads(x)["step"] for x in (logs / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_updates_without_an_optimizer_step_are_checkpointed_and_resumed(tmp_path):
+    # With --actor.step_on_zero_gradient false an update the gate admitted nothing of makes no optimizer
+    # step, so AdamW's step count falls behind the policy version: the checkpoint records by how much
+    # (the save used to refuse it: "the largest step count 27 differs from the policy version 30").
+    out = tmp_path / "run"
+    hold = ["--actor.step_on_zero_gradient", "false", "--actor.flash_gate_delta", "0", "--train.fixed_policy_lag", "1",
+            "--ckpt.save_steps", "1"]
+    first = _train("--output", str(out), "--train.max_steps", "3", *hold)
+    assert first.returncode == 0, first.stderr[-3000:]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    skipped = sum(int(m["optimizer_step_skipped"]) for m in metrics)
+    assert skipped >= 1 and all(m["optimizer_step_skipped"] == float(m["grad_norm"] == 0.0) for m in metrics)
+    state = json.loads((out / "checkpoints" / "step_00000003" / "state.json").read_text())
+    assert state["version"] == 3 and state["optimizer_steps_skipped"] == skipped
+    steps = [int(v["step"]) for v in torch.load(out / "checkpoints" / "step_00000003" / "optimizer.pt",
+                                                weights_only=True)["state"].values()]
+    assert set(steps) <= {3 - skipped}
+    resumed = _train("--output", str(out), "--train.max_steps", "4", "--resume", *hold)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _steps(out) == [1, 2, 3, 4]
+    again = json.loads((out / "checkpoints" / "step_00000004" / "state.json").read_text())
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert again["optimizer_steps_skipped"] == skipped + int(last["optimizer_step_skipped"])
