@@ -325,6 +325,8 @@ def reextract(args) -> None:
         new = result_of(cell, run, base, old["wall_s"])
         if same:  # a column that is another cell's run (see identical_to): keep the reference and its reason
             new.update(identical_to=same, reason=old.get("reason"))
+        if old.get("note"):  # what was said of the run by hand (kept)
+            new["note"] = old["note"]
         path.write_text(json.dumps(new, indent=1))
         print(f"{path.parent.name}: re-extracted")
 
