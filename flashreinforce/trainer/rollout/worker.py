@@ -199,13 +199,23 @@ class RolloutWorker:
                              f"{value}", value)
 
     def _env_calls(self, calls: list[tuple[Episode, str, Callable[[], Any]]],
-                   stop: threading.Event | None) -> dict[int, tuple[str, Any]]:
+                   stop: threading.Event | None) -> list[tuple[Episode, str, Any]]:
+        """Run each ``(episode, what, fn)``; an episode whose call raised or timed out is quarantined, the
+        others come back as ``(episode, what, value)`` in the order of ``calls``."""
         serial = not all(getattr(e.env, "parallel_calls", True) for e, _, _ in calls)
         try:
-            return self._calls.run([(id(e), what, fn, e.env.close) for e, what, fn in calls], stop,
-                                   max_parallel=1 if serial else None)
+            results = self._calls.run([(id(e), what, fn, e.env.close) for e, what, fn in calls], stop,
+                                      max_parallel=1 if serial else None)
         except StopRequested:
             raise _Stopped() from None
+        returned = []
+        for e, what, _ in calls:
+            status, value = results[id(e)]
+            if status == "ok":
+                returned.append((e, what, value))
+            else:
+                self._failed_call(e, what, status, value)
+        return returned
 
     def _begin(self, episodes: list[Episode], stop: threading.Event | None) -> None:
         """Build each episode's environment, reset it and encode its prompt."""
@@ -217,12 +227,7 @@ class RolloutWorker:
                 self._quarantine(e, f"building the environment raised {type(err).__name__}",
                                  f"building the environment raised {type(err).__name__}: {err}", err)
         calls = [(e, "env.reset", functools.partial(e.env.reset, seed=e.ticket.seed)) for e in episodes if not e.done]
-        results = self._env_calls(calls, stop)
-        for e, what, _ in calls:
-            status, value = results[id(e)]
-            if status != "ok":
-                self._failed_call(e, what, status, value)
-                continue
+        for e, _, value in self._env_calls(calls, stop):
             try:
                 if not isinstance(value, str):
                     raise EpisodeFault("env.reset returned a wrong type",
@@ -355,6 +360,30 @@ class RolloutWorker:
             paused = [k for k in paused if isinstance(out[k], TurnSample) and out[k].finish_reason == "paused"]
         return out
 
+    def _act(self, live: list[Episode]) -> list[tuple[Episode, str]]:
+        """One generation call for the next turn of every episode in ``live``: each episode with its action
+        text; one whose generation or decoding failed is quarantined instead."""
+        acted: list[tuple[Episode, str]] = []
+        for e, g in zip(live, self._generate(live)):
+            if isinstance(g, BaseException):
+                self._failed_call(e, "engine.generate", "error", g)
+                continue
+            try:
+                acted.append((e, self._record_action(e, g)))
+            except Exception as err:
+                self._failed_call(e, "decoding the action", "error", err)
+        return acted
+
+    def _take_step(self, e: Episode, value: Any) -> None:
+        """Apply what ``e``'s ``env.step`` returned (checked); a wrong result, or an observation that does
+        not encode, quarantines it."""
+        try:
+            self._after_step(e, check_step_result(value, type(e.env).__name__))
+        except EpisodeFault as err:
+            self._failed_call(e, "env.step", "error", err)
+        except Exception as err:  # the tokenizer on the observation text
+            self._failed_call(e, "encoding the observation", "error", err)
+
     def _record_action(self, e: Episode, t: TurnSample) -> str:
         """Append the sampled turn to ``e`` (cut where its environment ends it); the action's text."""
         if not t.token_ids:
@@ -418,28 +447,9 @@ class RolloutWorker:
                 break
             self._wait_while_paused(stop)
             self._sync_weights()
-            acted: list[tuple[Episode, str]] = []
-            for e, g in zip(live, self._generate(live)):
-                if isinstance(g, BaseException):
-                    self._failed_call(e, "engine.generate", "error", g)
-                    continue
-                try:
-                    acted.append((e, self._record_action(e, g)))
-                except Exception as err:
-                    self._failed_call(e, "decoding the action", "error", err)
-            calls = [(e, "env.step", functools.partial(e.env.step, text)) for e, text in acted]
-            results = self._env_calls(calls, stop)
-            for e, what, _ in calls:
-                status, value = results[id(e)]
-                if status != "ok":
-                    self._failed_call(e, what, status, value)
-                    continue
-                try:
-                    self._after_step(e, check_step_result(value, type(e.env).__name__))
-                except EpisodeFault as err:
-                    self._failed_call(e, what, "error", err)
-                except Exception as err:  # the tokenizer on the observation text
-                    self._failed_call(e, "encoding the observation", "error", err)
+            calls = [(e, "env.step", functools.partial(e.env.step, text)) for e, text in self._act(live)]
+            for e, _, value in self._env_calls(calls, stop):
+                self._take_step(e, value)
         by_ticket: dict[int, list[Trajectory | QuarantinedEpisode]] = {t.prompt_id: [] for t in tickets}
         for e in episodes:
             by_ticket[e.ticket.prompt_id].append(e.result(self.worker_id))

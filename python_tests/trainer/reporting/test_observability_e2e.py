@@ -4,15 +4,12 @@ summary.json across a resume, and the warning about updates that cannot learn.""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from python_tests.trainer.cli_runs import train, train_until_ctrl_c
+
 SMALL = ["--preset", "toy", "--rollout.batch_size", "16", "--train.batch_size", "16", "--no_progress",
          "--eval.eval_at_start", "false", "--seed", "0"]
 
@@ -31,11 +28,6 @@ class NeverPays(Environment):
 '''
 
 
-def train(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
-
-
 def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
@@ -45,21 +37,8 @@ def test_samples_tensorboard_and_summary_across_ctrl_c_and_resume(tmp_path):
     out = tmp_path / "run"
     reporting = ["--logger.log_samples_steps", "2", "--logger.log_samples_num", "3", "--eval.steps", "4",
                  "--ckpt.save_steps", "0", *(["--logger.tensorboard.dir", str(out / "tb")] if _has("tensorboard") else [])]
-    proc = subprocess.Popen([sys.executable, "-m", "flashreinforce.cli", "train", *SMALL, "--output", str(out),
-                             "--train.max_steps", "100000", *reporting], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            f = out / "metrics.jsonl"
-            if f.is_file() and len(f.read_text().splitlines()) >= 6:
-                break
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = train_until_ctrl_c(*SMALL, "--train.max_steps", "100000", *reporting, output=out, updates=6)
+    stderr = proc.stderr
     assert proc.returncode == 130, stderr[-3000:]
     stopped = lines(out / "metrics.jsonl")[-1]["step"]
     summary = json.loads((out / "summary.json").read_text())

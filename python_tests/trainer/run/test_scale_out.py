@@ -33,11 +33,25 @@ def test_the_distributed_layer_is_a_scale_out_and_kept_by_the_trainer(tmp_path):
     assert Trainer(_cfg(tmp_path, "--rollout.backend", "ray"), scale_out=scale_out).scale_out is scale_out
 
 
-def test_the_entry_points_pass_the_distributed_scale_out():
-    import inspect
+def test_the_entry_points_pass_the_distributed_scale_out(tmp_path, monkeypatch):
+    """``flashreinforce train`` and ``flashreinforce.train`` each build their trainer with a
+    DistributedScaleOut (a short real run; the trainers they build are recorded)."""
+    import flashreinforce
+    import flashreinforce.trainer
+    from flashreinforce.cli.train import train as cli_train
 
-    from flashreinforce import api
-    from flashreinforce.cli import train
+    built = []
 
-    for module in (api, train):
-        assert "scale_out=DistributedScaleOut()" in inspect.getsource(module), module.__name__
+    class RecordedTrainer(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(flashreinforce.trainer, "Trainer", RecordedTrainer)
+    quick = ["--rollout.batch_size", "8", "--train.batch_size", "8", "--train.max_steps", "1",
+             "--rollout.num_workers", "1", "--eval.eval_at_start", "false", "--no_progress"]
+    assert cli_train(["--preset", "toy", "--output", str(tmp_path / "cli"), *quick]) == 0
+    config = _cfg(tmp_path, *quick)
+    config.output = str(tmp_path / "api")
+    assert flashreinforce.train(config)["status"] == "completed"
+    assert [type(t.scale_out) for t in built] == [DistributedScaleOut, DistributedScaleOut]

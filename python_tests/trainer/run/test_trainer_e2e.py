@@ -3,27 +3,18 @@ learning, overlap of rollouts and learner, checkpoint/resume reproducibility, Ct
 
 import json
 import shutil
-import signal
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[3]
+from python_tests.trainer.cli_runs import train, train_until_ctrl_c
+
 METRIC_KEYS = ("step", "policy_version", "reward_mean", "acceptance_rate", "sequence_kl_mean", "policy_lag_mean",
                "policy_lag_max", "trajectories", "tokens", "loss", "grad_norm", "lr", "learner_idle_s",
                "step_time_s", "tokens_per_s", "rejected_trajectories")
 QUIET = ["--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false"]
-
-
-def train(*args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "flashreinforce.cli", "train", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    return proc
 
 
 def metrics(out):
@@ -97,22 +88,10 @@ def test_resume_reproduces_the_same_next_updates(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--output", str(out),
-           "--train.max_steps", "100000", "--ckpt.save_steps", "0", "--rollout.batch_size", "16",
-           "--train.batch_size", "16", *QUIET, "--eval.eval_at_start", "true", "--eval.num_prompts", "8"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            f = out / "metrics.jsonl"
-            if f.is_file() and len(f.read_text().splitlines()) >= 5:
-                break
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = train_until_ctrl_c("--preset", "toy", "--train.max_steps", "100000", "--ckpt.save_steps", "0",
+                              "--rollout.batch_size", "16", "--train.batch_size", "16", *QUIET, "--eval.eval_at_start",
+                              "true", "--eval.num_prompts", "8", output=out, updates=5)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr
     assert json.loads(stdout.strip().splitlines()[-1])["status"] == "interrupted"

@@ -17,7 +17,8 @@ MODES = {
              "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4", "--actor.eps_clip_low_high", "0.2", "0.2"],
     "grpo_whiten": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo",
                     "--rollout.batch_size", "2", "--rollout.n_samples_per_prompt", "4"],
-    "neg_topq": ["--actor.flash_neg_topq", "0.5"],
+    # four-token answers: a failed one keeps ceil(0.5 T) < T of its tokens (one token would keep it all)
+    "neg_topq": ["--actor.flash_neg_topq", "0.5", "--rollout.max_new_tokens", "4"],
     "token_mean": ["--actor.flash_loss_agg", "token-mean", "--train.micro_batch_size", "3"],
     "sum_norm": ["--actor.flash_loss_agg", "seq-mean-token-sum-norm", "--actor.loss_scale_factor", "4"],
     "no_is": ["--actor.flash_no_is", "--actor.flash_gate_delta", "0.001"],
@@ -41,6 +42,10 @@ def test_mode_runs_end_to_end(mode, tmp_path):
     for r in rows:
         assert r["trajectories"] == 8 and r["grad_norm"] == r["grad_norm"]  # not NaN
     if mode == "neg_topq":
-        assert all(r["retained_token_fraction"] <= 1.0 for r in rows) and "entropy_mean" in rows[0]
+        # Failed trajectories keep ceil(q T) >= q T of their T tokens, the others all of theirs: the
+        # fraction lies in [q, 1), below 1 whenever a failed answer has more than one token.
+        assert any(r["success_rate"] < 1.0 for r in rows) and "entropy_mean" in rows[0]
+        for r in rows:
+            assert 0.5 <= r["retained_token_fraction"] < 1.0, r
     if mode.startswith("grpo"):
         assert "clip_fraction" in rows[0]
