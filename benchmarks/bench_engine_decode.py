@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import SHAPES, copy_bandwidth, print_table, sync  # noqa: E402
-from flashreinforce.engines.decode_attention import ATTENTION_NAME  # noqa: E402
+from flashreinforce.engines.hf.decode_attention import ATTENTION_NAME  # noqa: E402
 from flashreinforce.engines.hf import KV_CACHES  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

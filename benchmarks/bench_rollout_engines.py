@@ -46,7 +46,7 @@ log-probabilities, sampling, and the rest of the step, in milliseconds per decod
 include the prefill's one output projection, spread over the steps).
 
 ``--hf-kernels`` runs the hf engine once per choice, one after the other in this process: ``default``
-(its defaults: on a CPU, the fast decode step of ``engines/fast_decode.py`` where the model has one,
+(its defaults: on a CPU, the fast decode step of ``engines/hf/fast_decode.py`` where the model has one,
 with the compiled decode attention and the compiled operations between the products),
 ``torch-glue`` (the same step with PyTorch's operations between the products), ``sdpa`` (the same
 step with PyTorch's SDPA attention and operations),
@@ -107,8 +107,8 @@ def timed_decode_parts(acc: dict[str, float]):
 
     import torch.nn.functional as F
 
-    import flashreinforce.engines.fast_decode as fast_decode
-    import flashreinforce.engines.hf as hf
+    import flashreinforce.engines.hf.fast_decode as fast_decode
+    import flashreinforce.engines.hf.engine as hf
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):

@@ -216,7 +216,7 @@ py::tuple loss_forward(const py::dict& views, const py::dict& options, const py:
   return py::make_tuple(static_cast<int>(e.code), e.index);
 }
 
-// decode_attention(args): flashreinforce/engines/decode_attention.py validates the tensors (device,
+// decode_attention(args): flashreinforce/engines/hf/decode_attention.py validates the tensors (device,
 // dtypes, shapes, extents) and passes one dict: dtype (str), the sizes batch, kv_heads, groups,
 // head_dim, length, scale, num_threads, the pointers q, k, v, mask, out (int), and the element
 // strides q_strides (batch, head, group), k_strides and v_strides (batch, head, position) and
@@ -258,7 +258,7 @@ void decode_attention(const py::dict& args) {
 }
 
 // The decode step's small operations (flashreinforce/decode_step.h), called once per layer and step
-// by flashreinforce/engines/fast_decode.py, which passes checked tensors: positional arguments (a dict
+// by flashreinforce/engines/hf/fast_decode.py, which passes checked tensors: positional arguments (a dict
 // per call would cost more than some of the operations), pointers as integers, element strides. The
 // core's check is raised as ValueError; the computation runs without the GIL.
 DType step_dtype(const std::string& name, const char* fn) {
@@ -361,7 +361,7 @@ PYBIND11_MODULE(_C, m) {
         "record (code, index), code 0 when the inputs were valid.");
   m.def("decode_attention", &decode_attention, py::arg("args"),
         "Decode-step attention of grouped query heads against a key/value cache on the CPU, written into "
-        "args['out'] (flashreinforce/decode_attention.h; called by flashreinforce.engines.decode_attention).");
+        "args['out'] (flashreinforce/decode_attention.h; called by flashreinforce.engines.hf.decode_attention).");
   m.def("decode_norm", &decode_norm, "A decode step's residual update and RMS norm (flashreinforce/decode_step.h).");
   m.def("decode_rotary", &decode_rotary,
         "A decode step's rotary embedding of queries and keys, the keys and values written to the cache slots "

@@ -1,5 +1,5 @@
 // The small operations of a decode step between its matrix products, on the CPU: what the hf engine's
-// own decode step (flashreinforce/engines/fast_decode.py) runs between the products of each layer, a
+// own decode step (flashreinforce/engines/hf/fast_decode.py) runs between the products of each layer, a
 // few dozen rows at a time. Framework-agnostic like the rest of the core (no Python, no PyTorch):
 // plain pointers, element strides and sizes; float32 or bfloat16 data, float32 arithmetic, each
 // result rounded once to the data's type.

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
-from flashreinforce.engines.decode_attention import (ATTENTION_NAME, compiled_attention_available, decode_attention,
+from flashreinforce.engines.hf.decode_attention import (ATTENTION_NAME, compiled_attention_available, decode_attention,
                                                      fused_decode_attention)
 from python_tests.builders import tiny_causal_lm
 

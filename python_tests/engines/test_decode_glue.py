@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
-from flashreinforce.engines.fast_decode import _norm, _rotary, _silu_mul, compiled_glue_available
-from flashreinforce.engines.packed_linear import packed_linear_available
+from flashreinforce.engines.hf.fast_decode import _norm, _rotary, _silu_mul, compiled_glue_available
+from flashreinforce.engines.hf.packed_linear import packed_linear_available
 from python_tests.engines.test_fast_decode import model_of, requests
 
 pytestmark = pytest.mark.skipif(not (compiled_glue_available() and packed_linear_available(torch.float32)),

@@ -19,8 +19,8 @@ import pytest
 
 from flashreinforce.engines import HFEngine
 from flashreinforce.engines.registry import EngineKind, register_engine
-from flashreinforce.engines.shared_weights import shared_memory_dir
-from flashreinforce.engines.vllm_process import EngineProcesses, TRAINER_PID_VAR, proc_stat
+from flashreinforce.engines.vllm.shared_weights import shared_memory_dir
+from flashreinforce.engines.vllm.process import EngineProcesses, TRAINER_PID_VAR, proc_stat
 
 ROOT = Path(__file__).resolve().parents[2]
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -93,7 +93,7 @@ def test_the_command_s_forced_exit_ends_the_engines_processes(tmp_path):
         import subprocess, sys, threading, time
         from flashreinforce.cli import ROLLOUT_THREAD_PREFIX, exit_past_running_calls
         from flashreinforce.engines.base import at_exit
-        from flashreinforce.engines.vllm_process import EngineProcesses
+        from flashreinforce.engines.vllm.process import EngineProcesses
         watched = EngineProcesses("test engine")
         with watched.starting():
             subprocess.Popen({SLEEPER!r})
@@ -119,7 +119,7 @@ def test_a_trainer_killed_outright_takes_vllm_s_processes_and_its_shared_files_w
     # trainer -> "EngineCore" -> "worker" (which imports the worker extension, as vLLM's does), then
     # SIGKILL for the trainer: the worker removes the trainer's files, kills EngineCore and leaves.
     shm = Path(shared_memory_dir())
-    worker = ("import time, flashreinforce.engines.vllm_worker as w; "
+    worker = ("import time, flashreinforce.engines.vllm.worker as w; "
               "assert w._TRAINER_WATCH is not None; print('watching', flush=True); time.sleep(600)")
     core = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}]); time.sleep(600)"
     trainer = textwrap.dedent(f"""

@@ -7,9 +7,9 @@ import torch
 import transformers
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
-from flashreinforce.engines.decode_attention import compiled_attention_available
-from flashreinforce.engines.fast_decode import FastDecoder, unsupported_reason
-from flashreinforce.engines.packed_linear import packed_linear_available
+from flashreinforce.engines.hf.decode_attention import compiled_attention_available
+from flashreinforce.engines.hf.fast_decode import FastDecoder, unsupported_reason
+from flashreinforce.engines.hf.packed_linear import packed_linear_available
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
                                 reason="this PyTorch build has no oneDNN linear ops")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
-from flashreinforce.engines.kv_cache import PreallocatedLayer, preallocated_cache
+from flashreinforce.engines.hf.kv_cache import PreallocatedLayer, preallocated_cache
 from python_tests.builders import tiny_causal_lm
 
 

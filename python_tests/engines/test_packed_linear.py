@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashreinforce.engines.packed_linear import pack_linears, packed_linear_available, refresh_packed, unpack_linears
+from flashreinforce.engines.hf.packed_linear import pack_linears, packed_linear_available, refresh_packed, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
                                 reason="this PyTorch build has no oneDNN linear ops")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashreinforce.engines.shared_weights import ALIGNMENT, SharedWeightWriter, read_manifest
+from flashreinforce.engines.vllm.shared_weights import ALIGNMENT, SharedWeightWriter, read_manifest
 from python_tests.envs.unprivileged import UNPRIVILEGED_UID
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +75,7 @@ def test_another_process_reads_the_same_memory(tmp_path):
     try:
         state = _tensors(2)
         manifest = writer.write(state.items())
-        code = ("import json, sys, torch; from flashreinforce.engines.shared_weights import read_manifest; "
+        code = ("import json, sys, torch; from flashreinforce.engines.vllm.shared_weights import read_manifest; "
                 "m = json.loads(sys.argv[1]); print(json.dumps({n: float(t.double().sum()) for n, t in read_manifest(m)}))")
         import json
 
@@ -105,7 +105,7 @@ def test_the_buffer_file_is_private_to_this_user(tmp_path):
 
 
 def test_a_planted_file_or_symlink_at_the_buffer_s_name_is_never_written_through(tmp_path, monkeypatch):
-    import flashreinforce.engines.shared_weights as sw
+    import flashreinforce.engines.vllm.shared_weights as sw
 
     monkeypatch.setattr(sw.secrets, "token_hex", lambda n: "planted")
     victim = tmp_path / "victim"

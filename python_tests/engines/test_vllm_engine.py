@@ -284,7 +284,7 @@ def _wait_for(condition, what: str, timeout: float = 300.0) -> None:
 @pytest.mark.vllm
 @needs_vllm
 def test_a_trainer_killed_outright_leaves_no_vllm_process_or_shared_file(tmp_path):
-    from flashreinforce.engines.vllm_process import proc_stat
+    from flashreinforce.engines.vllm.process import proc_stat
 
     code = textwrap.dedent("""
         import json, time, torch, transformers

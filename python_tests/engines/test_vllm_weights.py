@@ -1,4 +1,4 @@
-"""The direct weight load into vLLM's CPU kernels (:mod:`flashreinforce.engines.vllm_weights`), on a model
+"""The direct weight load into vLLM's CPU kernels (:mod:`flashreinforce.engines.vllm.weights`), on a model
 built like vLLM's (fused projections, layers that pack their weight for a kernel and drop it, a tied
 output projection), so that it runs without vLLM. The same path inside vLLM is tested in
 ``test_vllm_engine.py`` (the same generations as vLLM's own reload, the float64 probe)."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashreinforce.engines.vllm_weights import changed_blocks, load_direct, plan_of, weight_layout
+from flashreinforce.engines.vllm.weights import changed_blocks, load_direct, plan_of, weight_layout
 
 
 class UnquantizedLinearMethod:

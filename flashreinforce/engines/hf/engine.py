@@ -20,25 +20,25 @@ removes most of the prompt work: for the arith preset (prompts of ~47 tokens, 35
 prefill of 32 requests does about a third of the work.
 
 KV cache: by default (``kv_cache="preallocated"``) every full-attention layer's keys and values live
-in buffers sized once per call for its longest request (:mod:`flashreinforce.engines.kv_cache`), so
+in buffers sized once per call for its longest request (:mod:`flashreinforce.engines.hf.kv_cache`), so
 a decode step writes its own token instead of copying the cache so far, as transformers'
 ``DynamicCache`` does by concatenation; ``"dynamic"`` keeps transformers' cache.
 
 Linear layers on a CPU: where the decode steps are the model's forward (below), by default
 (``linear_kernel="auto"``) every ``torch.nn.Linear`` of an engine on the CPU multiplies by a copy of
 its weight packed once per version in oneDNN's blocked layout
-(:mod:`flashreinforce.engines.packed_linear`), instead of ``F.linear`` reorganizing the weight at
+(:mod:`flashreinforce.engines.hf.packed_linear`), instead of ``F.linear`` reorganizing the weight at
 every call; ``"torch"`` keeps ``F.linear``. A GPU engine always uses ``F.linear``.
 
 Decode steps of Llama-family models on a CPU (``fast_decode=True``, the default) are computed by
-:class:`flashreinforce.engines.fast_decode.FastDecoder`: fused, packed projection weights and about
+:class:`flashreinforce.engines.hf.fast_decode.FastDecoder`: fused, packed projection weights and about
 fifteen operations per layer instead of the model's generic forward (the prefill stays the model's
 own), with the compiled core's decode attention reading the cache in place
 (``attention_kernel``); ``fast_decode_in_use`` says whether it runs (other models, LoRA adapters and
 GPU engines use the model's forward).
 
 Decode attention: a model on SDPA attention is switched to
-:func:`flashreinforce.engines.decode_attention.decode_attention` (``decode_attention=True``, the
+:func:`flashreinforce.engines.hf.decode_attention.decode_attention` (``decode_attention=True``, the
 default), which computes a decode step of grouped-query heads on the key/value heads themselves
 instead of repeating the cache per query head first.
 """
@@ -55,10 +55,10 @@ from torch import Tensor
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams
 from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
-from flashreinforce.engines.decode_attention import use_decode_attention
-from flashreinforce.engines.fast_decode import ATTENTION_KERNELS, FastDecoder
-from flashreinforce.engines.kv_cache import dynamic_cache, preallocated_cache
-from flashreinforce.engines.packed_linear import pack_linears, refresh_packed
+from flashreinforce.engines.hf.decode_attention import use_decode_attention
+from flashreinforce.engines.hf.fast_decode import ATTENTION_KERNELS, FastDecoder
+from flashreinforce.engines.hf.kv_cache import dynamic_cache, preallocated_cache
+from flashreinforce.engines.hf.packed_linear import pack_linears, refresh_packed
 from flashreinforce.engines.registry import EngineKind
 
 __all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "SamplingWorkspace", "sample_tokens",

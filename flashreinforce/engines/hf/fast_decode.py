@@ -10,15 +10,15 @@ fifteen operations per layer:
 
 * the query, key and value weights are concatenated into one matrix, and the gate and up weights
   into another, each packed once per weight version in oneDNN's blocked layout (as
-  :mod:`flashreinforce.engines.packed_linear` does for single layers), so a layer makes four
+  :mod:`flashreinforce.engines.hf.packed_linear` does for single layers), so a layer makes four
   products instead of seven;
 * RMS norms are one ``F.rms_norm`` call, computed in float32 as transformers does;
 * the rotary embedding of the step is computed once (by the model's own rotary module, so every
   rope type it supports is supported) and applied to queries and keys together;
 * attention reads the keys and values of the engine's preallocated cache
-  (:mod:`flashreinforce.engines.kv_cache`) in place, each query head grouped under its key/value
+  (:mod:`flashreinforce.engines.hf.kv_cache`) in place, each query head grouped under its key/value
   head, by the compiled core's decode attention
-  (:func:`flashreinforce.engines.decode_attention.fused_decode_attention`; ``attention="sdpa"``, or a
+  (:func:`flashreinforce.engines.hf.decode_attention.fused_decode_attention`; ``attention="sdpa"``, or a
   dtype it does not take, uses PyTorch's ``scaled_dot_product_attention`` instead);
 * the padding mask of the step is built once for all layers;
 * with the compiled attention, the small operations between the products are the compiled core's too
@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flashreinforce.engines.decode_attention import compiled_attention_available, fused_decode_attention
-from flashreinforce.engines.packed_linear import pack_weight, packed_linear_available, packed_matmul
+from flashreinforce.engines.hf.decode_attention import compiled_attention_available, fused_decode_attention
+from flashreinforce.engines.hf.packed_linear import pack_weight, packed_linear_available, packed_matmul
 
 __all__ = ["ATTENTION_KERNELS", "SUPPORTED_MODELS", "FastDecoder", "compiled_glue_available", "unsupported_reason"]
 

@@ -15,7 +15,7 @@ other's) and watches them from a thread:
 
 A trainer killed outright (SIGKILL) runs none of that. For that case vLLM's processes are told the
 trainer's process id (``FLASHREINFORCE_TRAINER_PID``, set while they start) and the worker extension
-(:mod:`flashreinforce.engines.vllm_worker`) watches it: once the trainer is gone it removes the
+(:mod:`flashreinforce.engines.vllm.worker`) watches it: once the trainer is gone it removes the
 trainer's files from shared memory and the temporary directory (:func:`remove_files_of`) and ends
 EngineCore and itself.
 
@@ -198,7 +198,7 @@ def remove_files_of(trainer_pid: int) -> list[str]:
     """Remove what the trainer with process id ``trainer_pid`` left in shared memory and the temporary
     directory (its weight buffers, adapter folders and model folders: ``flashreinforce-*-PID-*``),
     each only when it is this user's private file or folder; returns what was removed."""
-    from flashreinforce.engines.shared_weights import shared_memory_dir
+    from flashreinforce.engines.vllm.shared_weights import shared_memory_dir
 
     removed = []
     for folder in {shared_memory_dir(), tempfile.gettempdir()}:

@@ -22,7 +22,7 @@ soft-capping, attention sinks, position biases) goes to transformers' own SDPA a
 
 :func:`fused_decode_attention` is the same one-query step computed by the compiled core
 (``flashreinforce._C.decode_attention``, ``csrc/cpu/decode_attention_impl.h``) on the CPU, for the
-engine's own decode step (:mod:`flashreinforce.engines.fast_decode`): each request's keys and values
+engine's own decode step (:mod:`flashreinforce.engines.hf.fast_decode`): each request's keys and values
 are read once, straight from the cache's buffers, with every query head of a group scored against a
 key row while it is in cache. In a real decode step of 32 SmolLM2 requests PyTorch's SDPA kernel,
 built for longer query blocks, took about 0.6 ms a layer (a fifth of the step) and this one about
