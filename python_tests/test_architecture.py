@@ -27,7 +27,14 @@ RULES = {
                                      "flashreinforce.models"],
     "flashreinforce.models.loading": ["transformers", "flashreinforce.trainer", "flashreinforce.engines",
                                       "flashreinforce.envs"],
-    "flashreinforce.engines": ["transformers", "vllm", "flashreinforce.trainer", "flashreinforce.envs"],
+    # Engines: importing the package or its registry loads no torch and no engine (the configuration
+    # lists the engines' names through the registry); an engine's own package loads torch.
+    "flashreinforce.engines": ["torch", "transformers", "vllm", "flashreinforce.trainer", "flashreinforce.envs",
+                               "flashreinforce.config", "flashreinforce.engines.hf", "flashreinforce.engines.vllm"],
+    "flashreinforce.engines.hf": ["transformers", "vllm", "flashreinforce.trainer", "flashreinforce.envs",
+                                  "flashreinforce.config", "flashreinforce.engines.vllm"],
+    "flashreinforce.engines.vllm": ["vllm", "flashreinforce.trainer", "flashreinforce.envs", "flashreinforce.config",
+                                    "flashreinforce.engines.hf"],
     "flashreinforce.trainer": ["transformers", "ray", "vllm", "flashreinforce.distributed", "flashreinforce.cli"],
     "flashreinforce.experiments": ["torch", "flashreinforce.trainer"],
     # The agent endpoint, the wire format and the chat rendering: no torch, and FastAPI, uvicorn and
@@ -217,6 +224,12 @@ LAYER_RULES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # Checkpoints and the output directory know only the model and the run's errors.
     f"{TRAINER}.persistence": ((f"{TRAINER}.rollout", f"{TRAINER}.learning", f"{TRAINER}.reporting",
                                 f"{TRAINER}.run"), ()),
+    # Engines receive their typed options, never the run's configuration (see also
+    # test_engines_do_not_read_the_run_configuration); one engine does not import another.
+    "flashreinforce.engines": (("flashreinforce.config", TRAINER, "flashreinforce.envs", "flashreinforce.distributed"),
+                               ()),
+    "flashreinforce.engines.hf": (("flashreinforce.engines.vllm",), ()),
+    "flashreinforce.engines.vllm": (("flashreinforce.engines.hf",), ()),
 }
 
 MAX_FOLDER_MODULES = 12
@@ -386,3 +399,49 @@ def test_no_module_names_a_loss_mode_but_the_registry_and_the_modes_module():
     named = {name: found for name, path in _module_files().items()
              if name not in LOSS_MODE_MODULES and (found := loss_mode_names_in(path, names))}
     assert named == {}, f"modules that name a loss mode (ask the selected mode instead): {named}"
+
+
+# ------------------------------------------------------------------ registries in their packages, engines' typed views
+def config_section_reads(path: Path, sections: dict[str, set[str]]) -> list[tuple[int, str]]:
+    """``(line, "section.field")`` of each read of a configuration section's field by attribute,
+    ``x.section.field`` (``sections``: ``{section name: its field names}``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and node.attr in sections.get(node.value.attr, ())):
+            found.append((node.lineno, f"{node.value.attr}.{node.attr}"))
+    return sorted(found)
+
+
+def _section_fields() -> dict[str, set[str]]:
+    import dataclasses
+
+    from flashreinforce.config.sections import SECTIONS
+
+    return {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS}
+
+
+def test_the_section_read_finder_sees_a_planted_read(tmp_path):
+    plant = tmp_path / "plant.py"
+    plant.write_text("def options(self, cfg, w):\n"
+                     "    n = cfg.vllm.num_engines\n"
+                     "    w.data.copy_(w)\n"
+                     "    return cfg.rollout.episodes_per_call + n\n")
+    assert config_section_reads(plant, _section_fields()) == [(2, "vllm.num_engines"), (4, "rollout.episodes_per_call")]
+
+
+def test_engines_do_not_read_the_run_configuration():
+    sections = _section_fields()
+    reads = {name: found for name, path in _module_files().items()
+             if _under(name, "flashreinforce.engines") and (found := config_section_reads(path, sections))}
+    assert reads == {}, f"engines reading the run configuration (give the engine a field of its options): {reads}"
+
+
+def test_the_engine_registry_lives_in_the_engines_package():
+    import flashreinforce.config.sections as sections
+    from flashreinforce.engines.registry import ENGINE_REGISTRY, SHIPPED_ENGINES, engine_kind
+
+    assert not hasattr(sections, "ENGINE_REGISTRY")
+    for name, package in SHIPPED_ENGINES.items():
+        assert type(engine_kind(name)).__module__.startswith(package + "."), name
+        assert ENGINE_REGISTRY[name] is engine_kind(name)

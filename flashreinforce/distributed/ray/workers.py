@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ class WorkerRecipe:
     engine / engine_options: :func:`~flashreinforce.engines.create_engine`'s kind and options.
     tokenizer: the run's tokenizer object. env: the :class:`~flashreinforce.envs.registry.EnvSpec`.
     settings: the :class:`~flashreinforce.trainer.rollout.settings.RolloutSettings`. group_size: samples per prompt
-    (the buffer's). engine_options: extra engine arguments (vLLM). torch_threads: intra-op threads
+    (the buffer's). engine_options: the engine's typed options (its kind's ``options_type``), or a
+    mapping of some of them. torch_threads: intra-op threads
     of the worker process (``None``: torch's default). max_prompts_per_call: the worker's share of
     the prompts that may be in flight (set by the pool, see
     :func:`~flashreinforce.trainer.rollout.backend.fair_share`).
@@ -41,7 +42,7 @@ class WorkerRecipe:
     env: Any
     settings: RolloutSettings
     group_size: int = 1
-    engine_options: dict[str, Any] = field(default_factory=dict)
+    engine_options: Any = None
     torch_threads: int | None = None
     max_prompts_per_call: int | None = None
 

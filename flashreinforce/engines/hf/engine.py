@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass, fields
 import weakref
 from typing import Any, Callable, Mapping, Sequence
 
@@ -59,10 +60,10 @@ from flashreinforce.engines.hf.decode_attention import use_decode_attention
 from flashreinforce.engines.hf.fast_decode import ATTENTION_KERNELS, FastDecoder
 from flashreinforce.engines.hf.kv_cache import dynamic_cache, preallocated_cache
 from flashreinforce.engines.hf.packed_linear import pack_linears, refresh_packed
-from flashreinforce.engines.registry import EngineKind
+from flashreinforce.engines.registry import ENGINE_REGISTRY, EngineKind, EngineRun, register_engine
 
-__all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "SamplingWorkspace", "sample_tokens",
-           "sampling_log_probs"]
+__all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "HFOptions", "SamplingWorkspace",
+           "sample_tokens", "sampling_log_probs"]
 
 #: The KV caches :class:`HFEngine` can use (see the module docstring).
 KV_CACHES = ("preallocated", "dynamic")
@@ -415,22 +416,39 @@ def _loaded_object(loaded: Mapping[str, weakref.ref], name: str):
     return ref() if ref is not None else None
 
 
-class HFEngineKind(EngineKind):
-    """``--rollout.engine hf``: an :class:`HFEngine` on a copy of the policy, in the worker's process.
+@dataclass(frozen=True)
+class HFOptions:
+    """The ``hf`` engine's options: :class:`HFEngine`'s arguments of the same names, with its
+    defaults (python_tests/engines/test_engine_registry.py holds them equal)."""
 
-    Options: ``dtype`` (the engines' weight dtype), ``auto_dtype``, ``linear_kernel``, ``fast_decode``
-    and ``attention_kernel`` (see :class:`HFEngine`)."""
+    dtype: str | None = None
+    auto_dtype: str = "float32"
+    lora: Mapping[str, Any] | None = None
+    linear_kernel: str = "auto"
+    fast_decode: bool = True
+    attention_kernel: str = "auto"
+    decode_glue: bool = True
+
+
+@register_engine
+class HFEngineKind(EngineKind):
+    """``--rollout.engine hf``: an :class:`HFEngine` on a copy of the policy, in the worker's process,
+    with :class:`HFOptions` (a run sets ``dtype``, the engines' weight dtype)."""
 
     name = "hf"
     takes_policy_copy = True
-    options_accepted = frozenset({"dtype", "auto_dtype", "lora", "linear_kernel", "fast_decode", "attention_kernel",
-                                  "decode_glue"})
+    options_type = HFOptions
 
-    def options(self, cfg, seed: int, dtype: str) -> dict:
-        return {"dtype": dtype}
+    def options(self, run: EngineRun) -> HFOptions:
+        return HFOptions(dtype=run.dtype)
 
-    def create(self, model, *, pad_token_id: int, version: int, options) -> HFEngine:
-        return HFEngine(model, pad_token_id=pad_token_id, version=version, **options)
+    def create(self, model, *, pad_token_id: int, version: int, options: HFOptions) -> HFEngine:
+        return HFEngine(model, pad_token_id=pad_token_id, version=version, **_fields_of(options))
 
 
-HF_ENGINE = HFEngineKind()
+def _fields_of(options) -> dict[str, Any]:
+    """An options dataclass's fields as keyword arguments (not deep-copied, unlike ``asdict``)."""
+    return {f.name: getattr(options, f.name) for f in fields(options)}
+
+
+HF_ENGINE = ENGINE_REGISTRY["hf"]

@@ -58,13 +58,11 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine, SamplingParams, at_exit
-from flashreinforce.engines.registry import EngineKind
 from flashreinforce.engines.vllm.shared_weights import SharedWeightWriter
 from flashreinforce.engines.vllm.process import FILE_PREFIX, TRAINER_PID_VAR, EngineProcesses, environment
 from flashreinforce.engines.vllm.weights import changed_blocks, last_sent, weight_layout
 
-__all__ = ["CPU_INSTALL", "GPU_INSTALL", "MIN_VLLM_VERSION", "VLLM_ENGINE", "VLLMEngine", "VLLMEngineKind", "import_vllm",
-           "kv_bytes_per_token"]
+__all__ = ["CPU_INSTALL", "GPU_INSTALL", "MIN_VLLM_VERSION", "VLLMEngine", "import_vllm", "kv_bytes_per_token"]
 
 log = logging.getLogger(__name__)
 
@@ -556,41 +554,3 @@ class VLLMEngine(RolloutEngine):
         del llm
         gc.collect()
         self._release()
-
-
-class VLLMEngineKind(EngineKind):
-    """``--rollout.engine vllm``: a :class:`VLLMEngine` per rollout worker (``vllm.num_engines``),
-    built from the policy's config (weights arrive with the first sync)."""
-
-    name = "vllm"
-    takes_policy_copy = False
-    options_accepted = frozenset({
-        "tensor_parallel_size", "gpu_memory_utilization", "dtype", "seed", "max_model_len", "max_num_seqs",
-        "enforce_eager", "enable_prefix_caching", "kv_cache_bytes", "cpu_threads", "pause_check_tokens",
-        "weight_sync", "cpu_weight_load", "lora", "llm_kwargs"})
-
-    def check_installed(self) -> None:
-        import_vllm()
-
-    def options(self, cfg, seed: int, dtype: str) -> dict:
-        v = cfg.vllm
-        return {"tensor_parallel_size": v.tensor_parallel_size, "gpu_memory_utilization": v.gpu_memory_utilization,
-                "dtype": dtype, "seed": seed, "max_model_len": cfg.data.max_len,
-                "max_num_seqs": cfg.rollout.episodes_per_call, "enforce_eager": v.enforce_eager,
-                "kv_cache_bytes": int(v.kv_cache_gib * 2**30) or None, "cpu_threads": v.cpu_threads or None,
-                "pause_check_tokens": cfg.rollout.inflight_check_tokens, "weight_sync": v.weight_sync}
-
-    def num_workers(self, cfg) -> int:
-        return int(cfg.vllm.num_engines)
-
-    def gpus_per_worker(self, cfg) -> float:
-        return float(cfg.vllm.tensor_parallel_size) if torch.cuda.is_available() else 0.0
-
-    def create(self, model, *, pad_token_id: int, version: int, options) -> VLLMEngine:
-        options = dict(options)
-        if options.get("dtype") in ("fp32", "bf16", "fp16"):
-            options["dtype"] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[options["dtype"]]
-        return VLLMEngine(model, version=version, **options)
-
-
-VLLM_ENGINE = VLLMEngineKind()

@@ -10,6 +10,7 @@ derives the run's configuration with it, as a new object.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -19,9 +20,10 @@ import torch
 
 from flashreinforce.config import ConfigError, ResolvedConfig
 from flashreinforce.config.schema import thawed
+from flashreinforce.config.sections import ENGINE_SECTIONS
 from flashreinforce.config.values import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
-from flashreinforce.engines import SamplingParams, engine_kind
+from flashreinforce.engines import EngineRun, SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
 from flashreinforce.envs.registry import (EnvConfig, EnvironmentSpecError, EnvSpec, accepts_chat_template,
                                           environment_class, num_prompts)
@@ -32,7 +34,7 @@ from flashreinforce.models.tokenizers import CharTokenizer, HFTokenizer, load_to
 from flashreinforce.trainer.learning.learner import LearnerSettings
 from flashreinforce.trainer.rollout.settings import RolloutSettings
 
-__all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options",
+__all__ = ["Policy", "RunEnvironments", "device_of", "dtype_notes", "engine_dtype", "engine_options", "engine_run",
            "episode_turn_limit", "eval_environments", "learner_settings", "load_environments", "load_policy",
            "lora_settings", "rollout_settings", "sampling_params", "settled_config", "total_updates"]
 
@@ -321,18 +323,29 @@ def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str
     return resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype")
 
 
-def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """The rollout engine's options from the configuration (the engine kind's own reading of it), with
-    the policy's LoRA settings (``lora``) when it trains adapters."""
+def engine_run(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> EngineRun:
+    """What the run hands the selected engine kind (the boundary between the configuration and the
+    engines): the run-wide values engines use, and the values of the engine's own flag section."""
+    section = ENGINE_SECTIONS.get(cfg.rollout.engine)
+    values = dataclasses.asdict(getattr(cfg, section)) if section else {}
+    return EngineRun(seed=seed, dtype=engine_dtype(cfg, device), num_workers=cfg.rollout.num_workers,
+                     max_len=cfg.data.max_len, episodes_per_call=cfg.rollout.episodes_per_call,
+                     inflight_check_tokens=cfg.rollout.inflight_check_tokens, section=values)
+
+
+def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> Any:
+    """The rollout engine's typed options (its kind's ``options_type``, built from :func:`engine_run`),
+    with the policy's LoRA settings (``lora``) when it trains adapters."""
     kind = engine_kind(cfg.rollout.engine)
-    options = kind.options(cfg, seed, engine_dtype(cfg, device))
+    options = kind.options(engine_run(cfg, seed, device))
     if cfg.lora.rank > 0:
-        if "lora" not in kind.options_accepted:
+        if "lora" not in kind.option_names():
             raise ConfigError(f"--lora.rank: the {kind.name} rollout engine cannot serve LoRA adapters; use "
                               "--rollout.engine hf or vllm")
         settings = lora_settings(cfg)
-        options["lora"] = {"rank": settings.rank, "alpha": settings.alpha, "dropout": settings.dropout,
-                           "target_modules": settings.target_modules}
+        options = dataclasses.replace(options, lora={"rank": settings.rank, "alpha": settings.alpha,
+                                                     "dropout": settings.dropout,
+                                                     "target_modules": settings.target_modules})
     return options
 
 

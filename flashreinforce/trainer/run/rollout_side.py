@@ -25,6 +25,7 @@ from flashreinforce.trainer.rollout.settings import RolloutSettings
 from flashreinforce.trainer.rollout.worker import RolloutWorker
 from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.rollout.thread_pool import ThreadRolloutPool
+from flashreinforce.trainer.run.components import engine_run
 from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out
 
 __all__ = ["RolloutSide", "start_rollout_side"]
@@ -45,12 +46,12 @@ class RolloutSide:
 
     def make_workers(self, cfg: ResolvedConfig, *, learner: PolicyLearner, model_config, tokenizer,
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
-                     engine_options: dict[str, Any], device: torch.device,
+                     engine_options: Any, device: torch.device,
                      torch_threads: int | None) -> RolloutBackend:
         """The rollout workers (not started), as many as the engine kind says (``rollout.num_workers``;
         ``vllm.num_engines`` with vLLM), each with its own engine."""
         kind = engine_kind(cfg.rollout.engine)
-        num_workers = kind.num_workers(cfg)
+        num_workers = kind.num_workers(engine_run(cfg, cfg.seed, device), engine_options)
         if self.ray is not None:
             if worker_class(env_factory) is not RolloutWorker:
                 raise ConfigError("--agent runs on --rollout.backend local (each worker serves its agents' calls "
@@ -61,7 +62,7 @@ class RolloutSide:
                 torch_threads=torch_threads)
             gpus = cfg.ray.num_gpus_per_worker
             if gpus is None:
-                gpus = kind.gpus_per_worker(cfg)
+                gpus = kind.gpus_per_worker(engine_options)
             return self.ray.backend(recipe, num_workers, num_cpus=cfg.ray.num_cpus_per_worker, num_gpus=gpus,
                                     max_restarts=cfg.ray.max_restarts, resources=cfg.ray.worker_resources,
                                     strategy=cfg.ray.scheduling_strategy)
