@@ -270,12 +270,12 @@ DType step_dtype(const std::string& name, const char* fn) {
 const void* as_ptr(uintptr_t value) { return reinterpret_cast<const void*>(value); }
 
 void decode_norm(const std::string& dtype, int64_t rows, int64_t hidden, uintptr_t x, int64_t x_stride,
-                 uintptr_t delta, int64_t delta_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, float eps,
+                 uintptr_t update, int64_t update_stride, uintptr_t weight, uintptr_t out, int64_t out_stride, float eps,
                  int num_threads) {
   DecodeNormParams p;
   p.dtype = step_dtype(dtype, "decode_norm");
   p.rows = rows, p.hidden = hidden, p.x = const_cast<void*>(as_ptr(x)), p.x_stride = x_stride;
-  p.delta = delta ? as_ptr(delta) : nullptr, p.delta_stride = delta_stride, p.weight = as_ptr(weight);
+  p.update = update ? as_ptr(update) : nullptr, p.update_stride = update_stride, p.weight = as_ptr(weight);
   p.out = const_cast<void*>(as_ptr(out)), p.out_stride = out_stride, p.eps = eps;
   const std::string problem = decode_norm_check(p);
   if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_norm: " + problem);

@@ -118,7 +118,7 @@ const char* decode_norm_check(const DecodeNormParams& p) {
   if (p.rows == 0) return "";
   if (p.x == nullptr || p.weight == nullptr || p.out == nullptr) return "x, weight and out: a null data pointer";
   if ((p.rows > 1 && (p.x_stride < p.hidden || p.out_stride < p.hidden)) ||
-      (p.delta != nullptr && p.rows > 1 && p.delta_stride < p.hidden)) {
+      (p.update != nullptr && p.rows > 1 && p.update_stride < p.hidden)) {
     return "strides: smaller than hidden";
   }
   if (!(p.eps >= 0.0f)) return "eps: must be >= 0";
@@ -166,8 +166,8 @@ void decode_norm_cpu(const DecodeNormParams& p, int num_threads) {
     // x (float32: the data itself, updated in place; bfloat16: a float copy, rounded like the data)
     float* xf = dt == DType::kFloat32 ? reinterpret_cast<float*>(xr) : buf;
     if (dt != DType::kFloat32) widen(reinterpret_cast<const BFloat16*>(xr), xf, n);
-    if (p.delta != nullptr) {
-      const float* df = as_float(static_cast<const char*>(p.delta) + r * p.delta_stride * es, dt, n, buf + n);
+    if (p.update != nullptr) {
+      const float* df = as_float(static_cast<const char*>(p.update) + r * p.update_stride * es, dt, n, buf + n);
       add_in_place(xf, df, n);
       if (dt != DType::kFloat32) {
         round_to_bf16(xf, n);

@@ -5,7 +5,7 @@
 // result rounded once to the data's type.
 //
 // * norm: the residual update and RMS norm of a Llama layer,
-//     x[r, :] += delta[r, :]                                  (when delta is given; x is updated)
+//     x[r, :] += update[r, :]                                  (when update is given; x is updated)
 //     out[r, i] = weight[i] * T(x[r, i] / sqrt(mean_i x[r, i]^2 + eps))
 //   with T the rounding to the data type (as transformers' norm casts before the weight's product).
 // * rotary: the rotary embedding of one step's queries and keys (rotate_half convention: the two
@@ -23,12 +23,12 @@
 namespace flashreinforce {
 
 struct DecodeNormParams {
-  DType dtype = DType::kFloat32;  // of x, delta, weight and out: kFloat32 or kBFloat16
+  DType dtype = DType::kFloat32;  // of x, update, weight and out: kFloat32 or kBFloat16
   int64_t rows = 0, hidden = 0;
   void* x = nullptr;  // x[r, i] at x + r * x_stride + i
   int64_t x_stride = 0;
-  const void* delta = nullptr;  // nullptr: no residual update
-  int64_t delta_stride = 0;
+  const void* update = nullptr;  // nullptr: no residual update
+  int64_t update_stride = 0;
   const void* weight = nullptr;  // [hidden]
   void* out = nullptr;
   int64_t out_stride = 0;

@@ -102,13 +102,13 @@ def _dtype_name(t: Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _norm(x: Tensor, delta: Tensor | None, weight: Tensor, out: Tensor, eps: float) -> Tensor:
-    """``x += delta`` (in place, when given), then ``out = weight * rms_norm(x)`` (compiled core)."""
+def _norm(x: Tensor, update: Tensor | None, weight: Tensor, out: Tensor, eps: float) -> Tensor:
+    """``x += update`` (in place, when given), then ``out = weight * rms_norm(x)`` (compiled core)."""
     from flashreinforce import _C
 
     rows, hidden = x.shape
-    _C.decode_norm(_dtype_name(x), rows, hidden, x.data_ptr(), x.stride(0), 0 if delta is None else delta.data_ptr(),
-                   0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), float(eps),
+    _C.decode_norm(_dtype_name(x), rows, hidden, x.data_ptr(), x.stride(0), 0 if update is None else update.data_ptr(),
+                   0 if update is None else update.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), float(eps),
                    torch.get_num_threads())
     return out
 
@@ -314,9 +314,9 @@ class FastDecoder:
         h = torch.empty_like(x)
         q = torch.empty((b, kv_heads, heads // kv_heads, d), dtype=x.dtype)
         act = torch.empty((b, self.intermediate), dtype=x.dtype)
-        delta = None
+        update = None
         for layer, w, cache_layer, (eps_in, eps_post) in zip(self.inner.layers, self._layers, cache.layers, self._eps):
-            _norm(x, delta, layer.input_layernorm.weight, h, eps_in)
+            _norm(x, update, layer.input_layernorm.weight, h, eps_in)
             qkv = packed_matmul(h, w.qkv, w.qkv_bias)
             k_slot, v_slot = cache_layer.reserve(1)
             _rotary(qkv, cos, sin, q, k_slot, v_slot, heads, kv_heads, d)
@@ -324,6 +324,6 @@ class FastDecoder:
             o = packed_matmul(attn.view(b, heads * d), w.o, w.o_bias)
             _norm(x, o, layer.post_attention_layernorm.weight, h, eps_post)
             gate_up = packed_matmul(h, w.gate_up, w.gate_up_bias)
-            delta = packed_matmul(_silu_mul(gate_up, act), w.down, w.down_bias)
-        _norm(x, delta, self.inner.norm.weight, h, self._eps_of(self.inner.norm))
+            update = packed_matmul(_silu_mul(gate_up, act), w.down, w.down_bias)
+        _norm(x, update, self.inner.norm.weight, h, self._eps_of(self.inner.norm))
         return packed_matmul(h, self._lm_head, self._lm_head_bias)
