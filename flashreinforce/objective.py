@@ -8,12 +8,15 @@ configuration, which must not import PyTorch, uses them too):
   one; the learner's loss modes receive one; the trainer's flags map onto one
   (:data:`OPTION_FLAGS` names the flag of each field).
 * :data:`LOSS_AGGREGATIONS`: the loss aggregations (``loss_agg``, ``actor.flash_loss_agg``).
-* :data:`LOSS_MODE_REGISTRY`: the learner's loss modes (``actor.loss_mode``) by name, each a
-  :class:`LossModeConfig` (after prime-rl's per-variant loss configurations): the flags and options
-  the mode owns, the advantage estimator it goes with, its own rules, and where its implementation
-  lives (``"module:Class"``, imported on first use; :func:`flashreinforce.ops.loss_modes.register_loss_mode`
-  adds more). The configuration, the published settings and the learner ask the selected mode; none
-  of them names one. This module and :mod:`flashreinforce.ops.loss_modes` are the only ones that do.
+* :data:`LOSS_MODE_REGISTRY`: the configuration side of the learner's loss modes (``actor.loss_mode``)
+  by name, each a :class:`LossModeConfig` (after prime-rl's per-variant loss configurations): the flags
+  and options the mode owns, the advantage estimator it goes with and its own rules. The shipped
+  modes' entries are declared here, so that the configuration lists and checks them without PyTorch;
+  their implementations are the classes :mod:`flashreinforce.ops.loss_modes` registers under the same
+  names with its ``@register_loss_mode`` decorator (which also adds the entry of a new mode: its
+  registered base class's, renamed). The configuration, the published settings and the learner ask the
+  selected mode; none of them names one. This module and :mod:`flashreinforce.ops.loss_modes` are the
+  only ones that do.
 """
 
 from __future__ import annotations
@@ -247,8 +250,8 @@ def options_from_flags(flags: Mapping[str, Any], names: tuple[str, ...] | None =
 class LossModeConfig:
     """What one loss mode owns on the configuration side.
 
-    name: its ``actor.loss_mode`` value. implementation: its :class:`flashreinforce.ops.loss_modes.LossMode`
-    class, or where it lives (``"module:Class"``). estimator: the ``algo.advantage.estimator`` it goes
+    name: its ``actor.loss_mode`` value (the ``name`` of its :class:`flashreinforce.ops.loss_modes.LossMode`
+    class, registered under it). estimator: the ``algo.advantage.estimator`` it goes
     with (``None``: any). flags: the flags only this mode reads (recorded as inactive under another
     mode, and not allowed in a published setting of another mode). options: the :class:`LossOptions`
     fields it reads, checked by ``LossOptions`` when the mode is selected. one_sample_per_prompt: it
@@ -257,7 +260,6 @@ class LossModeConfig:
     """
 
     name: str
-    implementation: Any
     estimator: str | None = None
     flags: tuple[str, ...] = ()
     options: tuple[str, ...] = ()
@@ -303,18 +305,18 @@ class LossModeConfig:
 #: The loss mode a run uses unless ``actor.loss_mode`` says otherwise.
 DEFAULT_LOSS_MODE = "flash_reinforce"
 
-#: The loss modes by name (registration order; :func:`flashreinforce.ops.loss_modes.register_loss_mode`
-#: adds more, and puts the implementation class in place of its ``"module:Class"`` on first use).
+#: The loss modes' configurations by name, in registration order: the shipped modes' here (their classes,
+#: ``FlashReinforceLoss`` and ``PPOClippedLoss``, register under these names), a new mode's added by
+#: :func:`flashreinforce.ops.loss_modes.register_loss_mode`.
 LOSS_MODE_REGISTRY: dict[str, LossModeConfig] = {
     "flash_reinforce": LossModeConfig(
-        name="flash_reinforce", implementation="flashreinforce.ops.loss_modes:FlashReinforceLoss",
-        estimator="flash_reinforce",
+        name="flash_reinforce", estimator="flash_reinforce",
         flags=("actor.flash_gate_delta", "actor.flash_gate_level") + tuple(
             OPTION_FLAGS[o] for o in mode_options("flash_reinforce") if o != "delta"),
         options=mode_options("flash_reinforce"),
         one_sample_per_prompt=True, own_behavior_correction=True,
         notes=(("actor.loss_scale_factor", "actor.flash_loss_agg=seq-mean-token-sum-norm"),)),
     "ppo": LossModeConfig(
-        name="ppo", implementation="flashreinforce.ops.loss_modes:PPOClippedLoss", estimator="grpo",
+        name="ppo", estimator="grpo",
         flags=tuple(OPTION_FLAGS[o] for o in mode_options("ppo")), options=mode_options("ppo")),
 }

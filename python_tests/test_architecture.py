@@ -358,10 +358,10 @@ def loss_mode_names_in(path: Path, names: set[str]) -> list[tuple[int, str]]:
 
 def _loss_mode_vocabulary() -> set[str]:
     from flashreinforce.objective import LOSS_MODE_REGISTRY, advantage_estimators
-    from flashreinforce.ops.loss_modes import LossImplementation, get_loss_mode
+    from flashreinforce.ops.loss_modes import LOSS_MODES, LossImplementation, get_loss_mode
 
-    shipped = [name for name, entry in LOSS_MODE_REGISTRY.items()  # not modes a test registered for itself
-               if getattr(entry.implementation, "__module__", entry.implementation).startswith("flashreinforce.")]
+    shipped = [name for name, mode in LOSS_MODES.items()  # not modes a test registered for itself
+               if type(mode).__module__.startswith("flashreinforce.")]
     names = set(shipped) | {LOSS_MODE_REGISTRY[name].estimator for name in shipped} - {None}
     assert set(advantage_estimators()) >= names - set(shipped)
     for name in shipped:

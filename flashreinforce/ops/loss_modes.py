@@ -15,11 +15,13 @@ Each mode also owns what the learner would otherwise have to know about it: what
 code when the learner starts, and may leave its value errors to one check per step), and, through its
 :class:`flashreinforce.objective.LossModeConfig`, its flags, options and rules.
 
-A new mode is one subclass decorated with :func:`register_loss_mode`; the names live in one registry,
-:data:`flashreinforce.objective.LOSS_MODE_REGISTRY` (which the configuration reads without PyTorch), and
-every mode receives the same :class:`flashreinforce.objective.LossOptions`. A subclass of a registered
-mode inherits its configuration (flags, options, rules). This module works on tensors only: it imports
-neither the trainer nor ``transformers``.
+A mode is one :class:`LossMode` subclass with a ``name``, decorated with :func:`register_loss_mode` where
+it is implemented (the shipped ones below); every mode has the same methods and receives the same
+:class:`flashreinforce.objective.LossOptions`. :data:`LOSS_MODES` holds the registered modes by name; their
+configurations (flags, options, estimator, rules) are the entries of the same names in
+:data:`flashreinforce.objective.LOSS_MODE_REGISTRY`, which the configuration reads without PyTorch: the
+shipped modes' are declared there, a new mode gets its registered base class's (renamed), or one that owns
+no flags or options. This module works on tensors only: it imports neither the trainer nor ``transformers``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
-import importlib
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -183,26 +184,23 @@ LOSS_MODES: dict[str, LossMode] = {}
 
 
 def register_loss_mode(cls: type[LossMode]) -> type[LossMode]:
-    """Class decorator: register ``cls`` under ``cls.name`` in :data:`flashreinforce.objective.LOSS_MODE_REGISTRY`
-    and :data:`LOSS_MODES` (a shipped mode takes the name the registry gives its ``module:Class``). Its
-    configuration is the registry's entry for a shipped mode, else that of the nearest registered
-    base class (renamed), else one that owns no flags or options."""
-    path = f"{cls.__module__}:{cls.__qualname__}"
-    declared = [name for name, entry in LOSS_MODE_REGISTRY.items() if entry.implementation == path]
-    name = cls.__dict__.get("name") or (declared[0] if declared else None)
-    if not name:
-        raise TypeError(f"{cls.__name__} needs a class attribute 'name'")
-    entry = LOSS_MODE_REGISTRY.get(name)
-    if entry is not None and entry.implementation not in (path, cls):
-        shown = entry.implementation if isinstance(entry.implementation, str) else entry.implementation.__name__
-        raise ValueError(f"loss mode {name!r} is already registered ({shown})")
-    if entry is None:
-        bases = [LOSS_MODE_REGISTRY.get(getattr(base, "name", None)) for base in cls.__mro__[1:]]
-        base = next((c for c, b in zip(bases, cls.__mro__[1:]) if c is not None and c.implementation is b), None)
-        entry = dataclasses.replace(base, name=name) if base is not None else LossModeConfig(name=name,
-                                                                                             implementation=cls)
-    cls.name = name
-    LOSS_MODE_REGISTRY[name] = dataclasses.replace(entry, implementation=cls)
+    """Class decorator: register an instance of ``cls`` under ``cls.name`` (set in the class itself) in
+    :data:`LOSS_MODES`. Its configuration is the entry of that name in
+    :data:`flashreinforce.objective.LOSS_MODE_REGISTRY` (a shipped mode's is declared there), else that of
+    its nearest registered base class (renamed), else one that owns no flags or options; registering a
+    class again does nothing, another class under a registered name is a ``ValueError``."""
+    name = cls.__dict__.get("name")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"{cls.__name__} needs a class attribute 'name' (its actor.loss_mode value)")
+    current = LOSS_MODES.get(name)
+    if current is not None:
+        if type(current) is not cls:
+            raise ValueError(f"loss mode {name!r} is already registered ({type(current).__name__})")
+        return cls
+    if name not in LOSS_MODE_REGISTRY:
+        base = next((b for b in cls.__mro__[1:] if type(LOSS_MODES.get(b.__dict__.get("name"))) is b), None)
+        LOSS_MODE_REGISTRY[name] = (dataclasses.replace(LOSS_MODE_REGISTRY[base.name], name=name) if base is not None
+                                    else LossModeConfig(name=name))
     LOSS_MODES[name] = cls()
     return cls
 
@@ -210,20 +208,16 @@ def register_loss_mode(cls: type[LossMode]) -> type[LossMode]:
 def get_loss_mode(name: str) -> LossMode:
     """The registered mode ``name`` (one instance); ``ValueError`` listing the known names otherwise."""
     mode = LOSS_MODES.get(name) if isinstance(name, str) else None
-    if mode is not None:
-        return mode
-    entry = LOSS_MODE_REGISTRY.get(name) if isinstance(name, str) else None
-    if entry is None:
-        raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODE_REGISTRY)}, got {name!r}")
-    if isinstance(entry.implementation, str):  # a mode registered by where it lives: importing it registers it
-        module, _, attr = entry.implementation.partition(":")
-        getattr(importlib.import_module(module), attr)
-    return LOSS_MODES[name]
+    if mode is None:
+        raise ValueError(f"actor.loss_mode must be one of {sorted(LOSS_MODES)}, got {name!r}")
+    return mode
 
 
 @register_loss_mode
 class FlashReinforceLoss(LossMode):
     """The method: the fused FlashREINFORCE op with the batch-global baseline and B (see docs/semantics.md)."""
+
+    name = "flash_reinforce"
 
     #: Besides the gate's own statistic, each trajectory's mean of every gate metric (``drift_<metric>``,
     #: docs/semantics.md), whichever the gate uses: what a user compares ``delta`` with.
@@ -285,6 +279,8 @@ class PPOClippedLoss(LossMode):
     the batch is then the group (the batch-mean baseline of FlashREINFORCE), so that ``ppo`` with
     ``rollout.n_samples_per_prompt 1`` is the token-clipped counterpart of the method rather than a run
     that trains nothing."""
+
+    name = "ppo"
 
     def advantages(self, rewards, group_ids, options):
         if int(torch.unique(group_ids).numel()) == int(group_ids.numel()):  # groups of one

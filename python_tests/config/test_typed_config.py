@@ -156,7 +156,7 @@ def test_loss_mode_names_are_asked_of_the_registry():
         assert cfg.actor.loss_mode == "config_test_mode"
         # a subclass of the FlashREINFORCE mode owns its flags and rules: the same estimator, its options checked
         config = objective.LOSS_MODE_REGISTRY["config_test_mode"]
-        assert config.implementation is ConfigTestMode and config.flags == objective.LOSS_MODE_REGISTRY[
+        assert type(LOSS_MODES["config_test_mode"]) is ConfigTestMode and config.flags == objective.LOSS_MODE_REGISTRY[
             "flash_reinforce"].flags
         assert "actor.flash_gate_delta" not in cfg.inactive and "actor.eps_clip_low_high" in cfg.inactive
         with pytest.raises(ConfigError, match="actor.loss_mode config_test_mode needs algo.advantage.estimator"):
