@@ -24,7 +24,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from flashreinforce.config import ConfigError
 from flashreinforce.envs.base import StepResult
-from flashreinforce.envs.registry import ImportFileError, import_failure, import_file, import_module
+from flashreinforce.envs.registry import (ImportFileError, import_failure, import_file, import_module,
+                                          register_environment)
 from flashreinforce.envs.tasks import Task, TaskEnvironment
 
 __all__ = ["AgentEnvironment", "AgentOutcome", "AgentSpecError", "agent_environment", "check_agent_result",
@@ -131,6 +132,7 @@ def check_agent_result(value: Any, name: str) -> AgentOutcome:
     return AgentOutcome(float(value["reward"]), failed, {k: float(v) for k, v in info.items()})
 
 
+@register_environment("agent")
 class AgentEnvironment(TaskEnvironment):
     """The rows and options of an agent run (see the module docstring); never stepped.
 

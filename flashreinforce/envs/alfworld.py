@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment, render_prompt
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["ALFWorldEnv", "DEFAULT_INSTRUCTION", "extract_action", "resolve_game_file"]
 
@@ -68,6 +69,7 @@ def _format_admissible(commands: Sequence[str]) -> str:
     return "Admissible actions: " + ", ".join(commands) if commands else "Admissible actions: (none)"
 
 
+@register_environment("alfworld")
 class ALFWorldEnv(TaskEnvironment):
     """ALFWorld text games (see the module docstring for the protocol and requirements).
 

@@ -34,6 +34,7 @@ from typing import Sequence
 from flashreinforce.envs.base import StepResult, resolve_max_turns
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 from flashreinforce.envs.math_grader import Grade, extract_answer, extract_boxed, extract_last_number, grade_answer
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["MathEnv", "MathGrader", "Grade", "extract_answer", "extract_boxed", "grade_answer", "grade_failure_kind",
            "shared_grader"]
@@ -290,6 +291,7 @@ def grade_failure_kind(action: str, extraction: str, grade: Grade | None) -> str
     return "grade_error" if grade.error is not None else "wrong_answer"
 
 
+@register_environment("math")
 class MathEnv(TaskEnvironment):
     r"""Math problems graded on the last ``\boxed{}`` answer (see the module docstring).
 

@@ -46,6 +46,7 @@ from flashreinforce.envs.math_env import (MathGrader, extract_boxed, grade_failu
                                           shared_grader)
 from flashreinforce.envs.math_grader import first_box_end, is_plain_integer
 from flashreinforce.envs.sandbox import Sandbox, SandboxResult
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["PythonToolEnv", "extract_code", "format_tool_output",
            "DEFAULT_SYSTEM_PROMPT"]
@@ -124,6 +125,7 @@ def format_tool_output(result: SandboxResult, timeout_s: float) -> str:
     return "\n".join(parts)
 
 
+@register_environment("python_tool")
 class PythonToolEnv(TaskEnvironment):
     """Math with a Python interpreter as a tool (see the module docstring for the protocol).
 

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 from flashreinforce.config import ConfigError
 from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["DEFAULT_SIZE", "SYSTEM_PROMPT", "TASK_PREFIX", "ReasoningGymEnv", "check_task", "task_names"]
 
@@ -82,6 +83,7 @@ def _examples(value: Any) -> list[tuple[str, str]]:
     return out
 
 
+@register_environment("reasoning_gym:")
 class ReasoningGymEnv(Environment):
     """One reasoning-gym task as a finite prompt set of single-turn episodes (see the module docstring).
 

@@ -2,12 +2,18 @@
 
 One place decides what ``--env`` (``train.agent_path``) means:
 
-* a shipped name (:data:`BUILTIN_ENVIRONMENTS`: ``math``, ``python_tool``, ``alfworld``, ``textworld``);
+* a registered name (:data:`ENV_REGISTRY`; the shipped ones, :data:`SHIPPED_ENVIRONMENTS`: ``math``,
+  ``python_tool``, ``alfworld``, ``textworld``, ``reward_functions``, ``agent``);
 * ``MODULE:CLASS`` naming an :class:`~flashreinforce.envs.Environment` subclass;
 * ``FILE.py`` (its one ``Environment`` subclass) or ``FILE.py:CLASS``;
 * ``PREFIX:NAME`` for another library's environments (:data:`LIBRARY_ENVIRONMENTS`):
   ``reasoning_gym:TASK``, ``verifiers:MODULE`` / ``verifiers:FILE.py``, ``openenv:MODULE:CLASS`` /
   ``openenv:FILE.py:CLASS`` / ``openenv:URL``.
+
+An environment class registers itself by name with the :func:`register_environment` decorator, in its
+own module; a shipped one's module is imported when its name is first used, so that naming it (``--help``,
+the configuration) imports no optional package. A user's ``MODULE:CLASS`` or ``FILE.py:CLASS`` is the
+command line's input, never a registry entry.
 
 A module or file whose import fails is an :class:`EnvironmentSpecError` of one line
 (:func:`import_failure`): a syntax error names the file, the line and the message; any other
@@ -42,8 +48,9 @@ from flashreinforce.envs.base import Environment
 from flashreinforce.envs.tasks import (ChatTemplate, DatasetEnvironment, Task, TaskEnvironment,
                                        chat_template_from_tokenizer, load_tasks)
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "EnvConfig", "EnvSpec", "EnvironmentSpecError", "LIBRARY_ENVIRONMENTS",
-           "accepts_chat_template", "dataset_tasks", "environment_class", "library_environment",
+__all__ = ["BUILTIN_ENVIRONMENTS", "ENV_REGISTRY", "EnvConfig", "EnvSpec", "EnvironmentSpecError",
+           "LIBRARY_ENVIRONMENTS", "SHIPPED_ENVIRONMENTS", "accepts_chat_template", "dataset_tasks",
+           "environment_class", "environment_names", "library_environment", "register_environment",
            "ImportFileError", "import_failure", "import_file", "import_module", "make_environment", "num_prompts"]
 
 
@@ -51,17 +58,49 @@ class EnvironmentSpecError(ValueError):
     """An environment spec that names nothing usable (the message says what and why)."""
 
 
-# name -> "module:Class" of the shipped task environments.
-BUILTIN_ENVIRONMENTS = {
-    "math": "flashreinforce.envs.math_env:MathEnv",
-    "python_tool": "flashreinforce.envs.python_tool:PythonToolEnv",
-    "alfworld": "flashreinforce.envs.alfworld:ALFWorldEnv",
-    "textworld": "flashreinforce.envs.textworld_env:TextWorldEnv",
+#: The registered environments by ``--env`` name (and the other libraries' by their ``PREFIX:``), filled by
+#: :func:`register_environment`.
+ENV_REGISTRY: dict[str, type[Environment]] = {}
+#: The shipped task environments: name -> the module whose import registers the class of that name.
+SHIPPED_ENVIRONMENTS: dict[str, str] = {
+    "math": "flashreinforce.envs.math_env",
+    "python_tool": "flashreinforce.envs.python_tool",
+    "alfworld": "flashreinforce.envs.alfworld",
+    "textworld": "flashreinforce.envs.textworld_env",
     # Plain reward functions over a prompt dataset (--reward MODULE:FUNC chooses it).
-    "reward_functions": "flashreinforce.envs.rewards:RewardFunctionEnv",
+    "reward_functions": "flashreinforce.envs.rewards",
     # An agent function written against the OpenAI chat API (--agent FILE.py:FUNC chooses it).
-    "agent": "flashreinforce.envs.agent_env:AgentEnvironment",
+    "agent": "flashreinforce.envs.agent_env",
 }
+#: The former name of :data:`SHIPPED_ENVIRONMENTS` (its keys are the shipped names).
+BUILTIN_ENVIRONMENTS = SHIPPED_ENVIRONMENTS
+
+
+def register_environment(name: str) -> Callable[[type], type]:
+    """Class decorator: make an :class:`Environment` subclass ``--env NAME`` (replacing an earlier one of that
+    name; a name ending in ``:`` is another library's prefix, :data:`LIBRARY_ENVIRONMENTS`). Returns the class."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_environment: a name is needed, got {name!r}")
+
+    def register(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, Environment)):
+            raise TypeError(f"register_environment({name!r}): {cls!r} is not a flashreinforce.envs.Environment "
+                            "subclass")
+        ENV_REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def _registered(name: str, module: str | None) -> type:
+    """The class registered as ``name``, importing ``module`` (whose import registers it) on first use."""
+    if name not in ENV_REGISTRY and module is not None:
+        _import_environment_module(module)
+    cls = ENV_REGISTRY.get(name)
+    if cls is None:
+        raise EnvironmentSpecError(f"environment {name!r} is not registered (importing {module} did not register it)")
+    return cls
+
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat = {}
@@ -89,13 +128,11 @@ def import_module(name: str):
     return importlib.import_module(name)
 
 
-def _import_class(spec: str) -> type:
-    module_name, _, class_name = spec.partition(":")
-    if not module_name or not class_name:
-        raise EnvironmentSpecError(f"environment spec {spec!r} must be one of {sorted(BUILTIN_ENVIRONMENTS)} "
-                         "or 'module:Class'")
+def _import_environment_module(module_name: str):
+    """The module ``module_name``; a failing import is one line (:func:`import_failure`), but a module that
+    is not installed at all stays a ``ModuleNotFoundError`` (the caller says so)."""
     try:
-        module = import_module(module_name)
+        return import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
             raise  # the module itself is not installed (the caller says so)
@@ -104,6 +141,15 @@ def _import_class(spec: str) -> type:
         raise EnvironmentSpecError(import_failure(module_name, err)) from None
     except (Exception, SystemExit) as err:
         raise EnvironmentSpecError(import_failure(module_name, err)) from None
+
+
+def _import_class(spec: str) -> type:
+    """The :class:`Environment` subclass of a user's ``module:Class``."""
+    module_name, _, class_name = spec.partition(":")
+    if not module_name or not class_name:
+        raise EnvironmentSpecError(f"environment spec {spec!r} must be one of {sorted(environment_names())} "
+                         "or 'module:Class'")
+    module = _import_environment_module(module_name)
     try:
         cls = getattr(module, class_name)
     except AttributeError as exc:
@@ -250,7 +296,7 @@ def make_environment(spec: str, config: EnvConfig | Mapping[str, Any] | None = N
     if not isinstance(spec, str):
         raise TypeError(f"spec must be str, got {type(spec).__name__}")
     view = EnvConfig.of(config)
-    builtin = spec in BUILTIN_ENVIRONMENTS
+    builtin = spec in SHIPPED_ENVIRONMENTS
     cls = environment_class(spec)
     kwargs = dict(env_kwargs)
     library = library_environment(spec)
@@ -350,43 +396,44 @@ def _load_file(path: str, class_name: str) -> str:
 
 #: ``--env reasoning_gym:TASK``: a task of the reasoning-gym library (the task's name goes to the environment).
 REASONING_GYM_PREFIX = "reasoning_gym:"
-REASONING_GYM_ENVIRONMENT = "flashreinforce.envs.reasoning_gym_env:ReasoningGymEnv"
-#: ``--env PREFIX:NAME``: an environment of another library; prefix -> (``module:Class``, the constructor
-#: argument that gets NAME). reasoning-gym's tasks, verifiers' tasksets (played through the agent
-#: endpoint), OpenEnv's environments (a class the run serves, or a server's URL).
+#: ``--env PREFIX:NAME``: an environment of another library, registered under ``PREFIX:``; prefix -> (the
+#: module whose import registers it, the constructor argument that gets NAME). reasoning-gym's tasks,
+#: verifiers' tasksets (played through the agent endpoint), OpenEnv's environments (a class the run serves,
+#: or a server's URL).
 LIBRARY_ENVIRONMENTS = {
-    REASONING_GYM_PREFIX: (REASONING_GYM_ENVIRONMENT, "task"),
-    "verifiers:": ("flashreinforce.envs.standards.verifiers_env:VerifiersEnvironment", "taskset"),
-    "openenv:": ("flashreinforce.envs.standards.openenv_env:OpenEnvEnvironment", "target"),
+    REASONING_GYM_PREFIX: ("flashreinforce.envs.reasoning_gym_env", "task"),
+    "verifiers:": ("flashreinforce.envs.standards.verifiers_env", "taskset"),
+    "openenv:": ("flashreinforce.envs.standards.openenv_env", "target"),
 }
 
 
 def library_environment(spec: str) -> tuple[str, tuple[str, str]] | None:
-    """``(prefix, (module:Class, argument))`` when ``spec`` names another library's environment."""
+    """``(prefix, (module, argument))`` when ``spec`` names another library's environment."""
     for prefix, entry in LIBRARY_ENVIRONMENTS.items():
         if isinstance(spec, str) and spec.startswith(prefix):
             return prefix, entry
     return None
 
 
-def _canonical(spec: str) -> str:
-    """``spec`` as ``module:Class`` (shipped names looked up, files imported)."""
-    if spec in BUILTIN_ENVIRONMENTS:
-        return BUILTIN_ENVIRONMENTS[spec]
-    library = library_environment(spec)
-    if library is not None:
-        return library[1][0]
-    if spec.endswith(".py"):
-        return _load_file(spec, "")
-    if ".py:" in spec:
-        file, _, cls = spec.partition(".py:")
-        return _load_file(file + ".py", cls)
-    return spec
+def environment_names() -> tuple[str, ...]:
+    """Every ``--env`` name: the shipped ones first, then those registered from Python (nothing is imported)."""
+    return tuple(dict.fromkeys(n for n in [*SHIPPED_ENVIRONMENTS, *ENV_REGISTRY] if n not in LIBRARY_ENVIRONMENTS))
 
 
 def environment_class(spec: str) -> type:
     """The :class:`Environment` subclass ``spec`` names (see the module docstring)."""
-    return _import_class(_canonical(spec))
+    if spec in SHIPPED_ENVIRONMENTS or (spec in ENV_REGISTRY and spec not in LIBRARY_ENVIRONMENTS):
+        return _registered(spec, SHIPPED_ENVIRONMENTS.get(spec))
+    library = library_environment(spec)
+    if library is not None:
+        prefix, (module, _) = library
+        return _registered(prefix, module)
+    if spec.endswith(".py"):
+        return _import_class(_load_file(spec, ""))
+    if ".py:" in spec:
+        file, _, cls = spec.partition(".py:")
+        return _import_class(_load_file(file + ".py", cls))
+    return _import_class(spec)
 
 
 def accepts_chat_template(spec: str) -> bool:

@@ -33,7 +33,8 @@ from numbers import Real
 from typing import Any, Callable, Sequence
 
 from flashreinforce.envs.base import StepResult
-from flashreinforce.envs.registry import ImportFileError, import_failure, import_file, import_module
+from flashreinforce.envs.registry import (ImportFileError, import_failure, import_file, import_module,
+                                          register_environment)
 from flashreinforce.envs.tasks import ChatTemplate, Task, TaskEnvironment
 
 __all__ = ["RewardFunction", "RewardFunctionEnv", "RewardSpecError", "load_reward", "parse_reward_spec", "reward_value"]
@@ -137,6 +138,7 @@ def reward_value(value: Any) -> float | str:
     return number if math.isfinite(number) else "not a finite number"
 
 
+@register_environment("reward_functions")
 class RewardFunctionEnv(TaskEnvironment):
     """One dataset row per episode, one policy turn, reward = the weighted sum of the reward functions.
 

@@ -201,6 +201,29 @@ def test_make_environment_module_class_spec(tmp_path, monkeypatch):
         make_environment("math", {})
 
 
+def test_a_class_registered_by_name_is_an_env_name_and_the_shipped_ones_load_on_first_use(tmp_path):
+    import subprocess
+
+    from flashreinforce.envs.registry import ENV_REGISTRY, environment_names, register_environment
+
+    with pytest.raises(TypeError, match="not a flashreinforce.envs.Environment subclass"):
+        register_environment("fr_test_dict")(dict)
+    register_environment("fr_test_echo")(_EchoTaskEnv)
+    try:
+        assert environment_names()[:2] == ("math", "python_tool") and "fr_test_echo" in environment_names()
+        path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "reward_model": "x"}])
+        env = make_environment("fr_test_echo", {"data.prompt_dataset": str(path)})
+        assert env.reset(seed=0) == "p" and env.step("x").reward == 1.0
+    finally:
+        del ENV_REGISTRY["fr_test_echo"]
+    # naming the shipped environments imports none of them; building one registers its class only
+    code = ("import sys; from flashreinforce.envs import registry as r; names = r.environment_names(); "
+            "print(sorted(m for m in sys.modules if m.startswith('flashreinforce.envs.') and m.endswith('_env'))); "
+            "cls = r.environment_class('math'); print(cls.__module__, sorted(r.ENV_REGISTRY))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "flashreinforce.envs.math_env ['math']"]
+
+
 def test_task_environment_without_tasks_explains():
     with pytest.raises(RuntimeError, match="DatasetEnvironment"):
         _EchoTaskEnv().reset(seed=0)

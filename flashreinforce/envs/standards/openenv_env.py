@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 from flashreinforce.config import ConfigError
 from flashreinforce.envs.base import Environment, StepResult
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["OpenEnvEnvironment", "PREFIX", "check_target", "served_class"]
 
@@ -175,6 +176,7 @@ _SHARED: dict[str, _Server] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+@register_environment("openenv:")
 class OpenEnvEnvironment(Environment):
     """An OpenEnv environment played turn by turn (see the module docstring).
 

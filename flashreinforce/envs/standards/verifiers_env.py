@@ -45,6 +45,7 @@ from typing import Any
 from flashreinforce.config import ConfigError
 from flashreinforce.envs.agent_env import AgentEnvironment
 from flashreinforce.envs.tasks import Task
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["PREFIX", "VerifiersEnvironment", "check_taskset", "taskset_id"]
 
@@ -152,6 +153,7 @@ _SERVED: dict[tuple[str, int], _Served] = {}
 _TASKS: dict[str, tuple[list, list]] = {}
 
 
+@register_environment("verifiers:")
 class VerifiersEnvironment(AgentEnvironment):
     """A verifiers taskset as the prompt set of an agent run (see the module docstring).
 

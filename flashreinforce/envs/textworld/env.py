@@ -38,6 +38,7 @@ from flashreinforce.envs.base import Environment, StepResult, resolve_max_turns
 from flashreinforce.envs.textworld.commands import format_commands, match_command
 from flashreinforce.envs.textworld.games import (HELDOUT_SEED_OFFSET, GameDistribution, ensure_game_pool, game_paths,
                                                  positive_int, require_textworld)
+from flashreinforce.envs.registry import register_environment
 
 __all__ = ["DEFAULT_COMMAND_PROMPT", "DEFAULT_INSTRUCTION", "TextWorldEnv"]
 
@@ -66,6 +67,7 @@ def _clean_feedback(text: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip()
 
 
+@register_environment("textworld")
 class TextWorldEnv(Environment):
     """TextWorld games (the docstrings of this module, :mod:`.games` and :mod:`.commands` describe games,
     splits, actions, rewards and ``info``).
