@@ -3,10 +3,14 @@ pulls in nothing it must not depend on; the trainer's subpackages import each ot
 data-flow order, and the trainer never imports the scale-out layer, not even inside functions; no
 modules import each other in a circle; no module is over 600 lines and no package folder holds more
 than 12 modules. The vocabulary rules: the typed configuration is read by attribute past the boundary
-that reads flat flag names; no module names a loss mode but the registry and the modes' own module."""
+that reads flat flag names; no module names a loss mode but the registry and the modes' own module.
+Registries live in the package that owns their extension point and hold registered objects, not
+"module:Class" strings."""
 
 import ast
+import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -445,3 +449,74 @@ def test_the_engine_registry_lives_in_the_engines_package():
     for name, package in SHIPPED_ENGINES.items():
         assert type(engine_kind(name)).__module__.startswith(package + "."), name
         assert ENGINE_REGISTRY[name] is engine_kind(name)
+
+
+#: Where each registry lives: its name -> the modules or package folders (relative to flashreinforce/) that own
+#: its extension point. A module-level name ending in REGISTRY that is not here is a registry without a home.
+REGISTRY_HOMES = {
+    "ENGINE_REGISTRY": ("engines/",),
+    "LOSS_MODE_REGISTRY": ("objective.py", "ops/"),
+    "LOSS_MODES": ("objective.py", "ops/"),
+    "ENV_REGISTRY": ("envs/",),
+}
+#: A ``"module:Attr"`` string (a dotted module, a colon, a name): a registry holds the registered object, or
+#: at most the module whose import registers it.
+_MODULE_ATTR = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+:[A-Za-z_]\w*$")
+
+
+def registry_violations(package: Path) -> list[str]:
+    """One message per registry (a module-level assignment to a name of :data:`REGISTRY_HOMES` or ending in
+    ``REGISTRY``) outside its home, and per ``"module:Attr"`` string in a module that defines a registry or
+    is a ``registry.py`` (its shipped tables included), in the package folder ``package``."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        holds_registry = path.name == "registry.py"
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for target in targets:
+                name = target.id if isinstance(target, ast.Name) else None
+                if name is None or not (name in REGISTRY_HOMES or name.endswith("REGISTRY")):
+                    continue
+                holds_registry = True
+                homes = REGISTRY_HOMES.get(name)
+                if homes is None:
+                    found.append(f"{rel}:{node.lineno}: {name} is a registry without a home in REGISTRY_HOMES")
+                elif not any(rel == home or rel.startswith(home) for home in homes):
+                    found.append(f"{rel}:{node.lineno}: {name} belongs in {' or '.join(homes)}")
+        if holds_registry:
+            strings = sorted((node.lineno, node.value) for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                             and isinstance(node.value, str) and _MODULE_ATTR.match(node.value))
+            found += [f"{rel}:{line}: registry module holds the 'module:Attr' string {value!r} (register the object "
+                      "where it is implemented)" for line, value in strings]
+    return found
+
+
+def test_the_registry_rule_sees_a_planted_violation(tmp_path):
+    (tmp_path / "config").mkdir()
+    (tmp_path / "envs").mkdir()
+    (tmp_path / "config" / "sections.py").write_text("ENGINE_REGISTRY: dict = {}\n")
+    (tmp_path / "envs" / "registry.py").write_text("ENV_REGISTRY = {}\nSHIPPED = {'math': 'pkg.math_env:MathEnv'}\n")
+    (tmp_path / "widgets.py").write_text("WIDGET_REGISTRY = {'a': 1}\n")
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "registry.py").write_text("ENGINE_REGISTRY = {}\nSHIPPED = {'hf': 'pkg.engines.hf'}\n")
+    assert registry_violations(tmp_path) == [
+        "config/sections.py:1: ENGINE_REGISTRY belongs in engines/",
+        "envs/registry.py:2: registry module holds the 'module:Attr' string 'pkg.math_env:MathEnv' (register the "
+        "object where it is implemented)",
+        "widgets.py:1: WIDGET_REGISTRY is a registry without a home in REGISTRY_HOMES"]
+
+
+def test_registries_live_in_their_packages_and_hold_no_module_class_strings():
+    violations = registry_violations(PACKAGE_DIR)
+    assert violations == [], "\n".join(violations)
+
+
+def test_shipped_environments_register_themselves_where_they_are_implemented():
+    from flashreinforce.envs.registry import ENV_REGISTRY, LIBRARY_ENVIRONMENTS, SHIPPED_ENVIRONMENTS, environment_class
+
+    for name, module in [*SHIPPED_ENVIRONMENTS.items(), *((p, m) for p, (m, _) in LIBRARY_ENVIRONMENTS.items())]:
+        cls = environment_class(name if name in SHIPPED_ENVIRONMENTS else name + "x")
+        assert ENV_REGISTRY[name] is cls and getattr(importlib.import_module(module), cls.__name__) is cls, name
