@@ -460,6 +460,9 @@ def report(args) -> None:
             text.append("## Drift per lag (the gate-off runs: nothing dropped)\n\n" + _drift_table(drift_rows))
             _drift_figure(drift_rows, data / f"{task}_drift.png")
         delta_rows = [r for r in results if r["grid"] == "delta"]
+        lags = {r["lag"] for r in delta_rows}  # the main grid's gate (the task's delta) and gate off beside them
+        delta_rows += [dict(r, column="delta" + ("inf" if r["column"] == "gate_off" else "default")) for r in results
+                       if r["grid"] == "main" and r["lag"] in lags and r["column"] in ("gate", "gate_off")]
         if delta_rows:
             _delta_figure(delta_rows, data / f"{task}_delta.png")
         (target / "tables.md").write_text("\n".join(text))
@@ -517,12 +520,15 @@ def _delta_figure(rows: list[dict], path: Path) -> None:
     plt = _plt()
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(4.5, 3.4))
-    for r in rows:
-        ax.scatter(1 - r["gated_share"], 100 * r["final_accuracy"], color="C0")
-        ax.annotate(r["column"].removeprefix("delta"), (1 - r["gated_share"], 100 * r["final_accuracy"]), fontsize=7)
+    fig, ax = plt.subplots(figsize=(4.8, 3.6))
+    for i, r in enumerate(rows):
+        x = 1 - r["gated_share"]
+        ax.scatter(x, 100 * r["final_accuracy"], color="C0", label="final" if i == 0 else None)
+        ax.scatter(x, 100 * r["auc"], color="C1", marker="s", label="area under the curve" if i == 0 else None)
+        ax.annotate(r["column"].removeprefix("delta"), (x, 100 * r["final_accuracy"]), fontsize=7)
     ax.set_xlabel("acceptance rate (mean over updates)")
-    ax.set_ylabel("final held-out greedy accuracy (%)")
+    ax.set_ylabel("held-out greedy accuracy (%)")
+    ax.legend(fontsize=7)
     ax.set_title(f"delta sweep at K = {rows[0]['lag']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -537,18 +543,23 @@ def _figure(rows: list[dict], grid: str, key_row: str, key_col: str, base: float
     cols = list(dict.fromkeys(r[key_col] for r in rows))
     fig, axes = plt.subplots(1, len(row_keys), figsize=(4 * len(row_keys), 3.4), squeeze=False, sharey=True)
     for ax, rk in zip(axes[0], row_keys):
-        for ck in cols:
+        for i, ck in enumerate(cols):  # one colour per column in every panel
             runs = [r for r in rows if r[key_row] == rk and r[key_col] == ck]
             if not runs:
                 continue
             steps = [s for s, _ in runs[0]["curve"]]
             mean = [statistics.fmean(dict(map(tuple, r["curve"])).get(s, math.nan) for r in runs) for s in steps]
-            ax.plot(steps, [100 * m for m in mean], marker="o", markersize=3, label=ck)
+            ax.plot(steps, [100 * m for m in mean], marker="o", markersize=3, label=ck, color=f"C{i % 10}",
+                    linestyle="-" if i < 10 else "--")
         ax.axhline(100 * base, color="grey", linewidth=0.8, linestyle=":")
         ax.set_title(f"{key_row} {rk}")
         ax.set_xlabel("update")
     axes[0][0].set_ylabel("held-out greedy accuracy (%)")
-    axes[0][-1].legend(fontsize=7)
+    handles = {}
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    axes[0][-1].legend(handles.values(), handles.keys(), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
