@@ -17,7 +17,9 @@ updates, and every trajectory's drift statistics in ``samples.jsonl``. Grids (``
 Cells run in priority order (every column and lag of seed 0 before seed 1), one at a time. A finished cell
 (its ``result.json``) is skipped, so the grid spans sessions; the run's checkpoint and export are
 deleted once its result is written (2 GB a run). While the file ``OUTPUT/PAUSE`` exists, no new cell
-starts (a quiet window for other measurements); ``OUTPUT/STATUS`` says what runs.
+starts (a quiet window for other measurements); ``OUTPUT/STATUS`` says what runs. Each result records the
+machine's CPU (``cpu``). ``--restore`` copies the results kept under ``--data`` back to OUTPUT where a cell
+has none, so a grid carried on on another machine skips the cells that finished elsewhere.
 
     python benchmarks/bench_staleness.py --output runs/staleness --grid pilot --lrs 1e-5 4e-5 8e-5 --seeds 0
     python benchmarks/bench_staleness.py --output runs/staleness --grid main --lr 4e-5 --seeds 0 1 2
@@ -219,8 +221,51 @@ def result_of(cell: Cell, run: Path, base: float, wall_s: float) -> dict:
         "trajectories": sum(int(m.get("trajectories", 0)) for m in metrics),
         "clip_fraction_mean": statistics.fmean(m["clip_fraction"] for m in metrics) if metrics and
         "clip_fraction" in metrics[0] else None,
-        "drift": drift, "drift_histogram": histogram, "wall_s": wall_s,
+        "drift": drift, "drift_histogram": histogram, "wall_s": wall_s, "cpu": _cpu(),
     }
+
+
+def _cpu() -> str:
+    """The machine's CPU model and core count (cells of one grid may have run on different machines)."""
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def folder_name(result: dict) -> str:
+    """The folder under OUTPUT/TASK of the cell a result is of (as :func:`cells` names it)."""
+    grid, lag, column, seed = result["grid"], result["lag"], result["column"], result["seed"]
+    if grid == "pilot":
+        return f"pilot_lr{_lr_text(result['lr'])}_K{lag}_{column}_s{seed}"
+    if grid == "delta":
+        return f"delta_K{lag}_d{column.removeprefix('delta')}_s{seed}"
+    return f"{grid}_K{lag}_{column}_s{seed}"
+
+
+def restore(args) -> None:
+    """Put the results kept in ``--data`` back as OUTPUT/TASK/CELL/result.json where a cell has none, so that
+    a grid carried on on another machine (or after its run folders were lost) skips what finished."""
+    data, root = Path(args.data), Path(args.output)
+    for folder in sorted(p for p in data.iterdir() if p.is_dir()):
+        task = root / folder.name
+        task.mkdir(parents=True, exist_ok=True)
+        if not (task / "base.json").is_file() and (folder / "base.json").is_file():
+            (task / "base.json").write_text((folder / "base.json").read_text())
+        restored = kept = 0
+        for path in sorted(folder.glob("*.json")):
+            if path.name == "base.json":
+                continue
+            result = json.loads(path.read_text())
+            target = task / folder_name(result) / "result.json"
+            if target.is_file():
+                kept += 1
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(result, indent=1))
+            restored += 1
+        print(f"[{folder.name}] restored {restored} results from {folder}, {kept} already there", flush=True)
 
 
 def base_accuracy(args, task: str) -> float:
@@ -322,7 +367,11 @@ def reextract(args) -> None:
                     path.parent.name)
         same = old.get("identical_to")
         run = path.parents[1] / same / "run" if same else path.parent / "run"
+        if not (run / "metrics.jsonl").is_file():  # restored from --data: nothing to extract it from again
+            print(f"{path.parent.name}: kept as it is (no run folder: restored with --restore)")
+            continue
         new = result_of(cell, run, base, old["wall_s"])
+        new["cpu"] = old.get("cpu", new["cpu"])  # the machine the run had, not this one
         if same:  # a column that is another cell's run (see identical_to): keep the reference and its reason
             new.update(identical_to=same, reason=old.get("reason"))
         if old.get("note"):  # what was said of the run by hand (kept)
@@ -588,7 +637,12 @@ def main() -> None:
     p.add_argument("--reextract", action="store_true",
                    help="rewrite every finished cell's result.json from its run folder (after a change of result_of)")
     p.add_argument("--data", default=str(ROOT / "docs" / "data" / "staleness"))
+    p.add_argument("--restore", action="store_true",
+                   help="copy the results in --data back to OUTPUT where a cell has none (a grid carried on elsewhere)")
     args = p.parse_args()
+    if args.restore:
+        restore(args)
+        return
     if args.reextract:
         reextract(args)
         return
