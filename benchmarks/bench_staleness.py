@@ -95,7 +95,19 @@ class Cell:
     seed: int
     lr: float
     flags: list[str] = field(default_factory=list)
-    name: str = ""
+
+    @property
+    def name(self) -> str:
+        return folder_name(self.grid, self.lag, self.column, self.seed, self.lr)
+
+
+def folder_name(grid: str, lag: int, column: str, seed: int, lr: float) -> str:
+    """The folder under OUTPUT/TASK of a cell (a delta column is ``delta<value>``)."""
+    if grid == "pilot":
+        return f"pilot_lr{_lr_text(lr)}_K{lag}_{column}_s{seed}"
+    if grid == "delta":
+        return f"delta_K{lag}_d{column.removeprefix('delta')}_s{seed}"
+    return f"{grid}_K{lag}_{column}_s{seed}"
 
 
 def _lr_text(lr: float) -> str:
@@ -109,8 +121,7 @@ def cells(args) -> list[Cell]:
         if args.grid == "pilot":
             for lr in args.lrs:
                 for column in ("gate", "gate_off"):
-                    out.append(Cell(args.task, "pilot", args.delta_lag, column, seed, lr, COLUMNS[column],
-                                    f"pilot_lr{_lr_text(lr)}_K{args.delta_lag}_{column}_s{seed}"))
+                    out.append(Cell(args.task, "pilot", args.delta_lag, column, seed, lr, COLUMNS[column]))
         elif args.grid == "main":
             for lag in args.lags:
                 for column in args.columns:
@@ -118,13 +129,11 @@ def cells(args) -> list[Cell]:
                     metric = COLUMN_METRIC.get(column)
                     if metric and metric in args.metric_deltas:
                         flags += ["--actor.flash_gate_delta", str(args.metric_deltas[metric])]
-                    out.append(Cell(args.task, "main", lag, column, seed, args.lr, flags,
-                                    f"main_K{lag}_{column}_s{seed}"))
+                    out.append(Cell(args.task, "main", lag, column, seed, args.lr, flags))
         elif args.grid == "delta":
             for delta in args.deltas:
                 out.append(Cell(args.task, "delta", args.delta_lag, f"delta{delta:g}", seed, args.lr,
-                                ["--actor.flash_gate_delta", str(delta)],
-                                f"delta_K{args.delta_lag}_d{delta:g}_s{seed}"))
+                                ["--actor.flash_gate_delta", str(delta)]))
         elif args.grid == "groups":
             for g in args.groups:
                 prompts = args.trajectories // g
@@ -132,8 +141,7 @@ def cells(args) -> list[Cell]:
                          "--rollout.n_samples_per_prompt", str(g)]
                 if g > 1:
                     flags += COLUMNS["ppo"]
-                out.append(Cell(args.task, "groups", args.group_lag, f"G{g}", seed, args.lr, flags,
-                                f"groups_K{args.group_lag}_G{g}_s{seed}"))
+                out.append(Cell(args.task, "groups", args.group_lag, f"G{g}", seed, args.lr, flags))
     return out
 
 
@@ -234,16 +242,6 @@ def _cpu() -> str:
     return f"{model}, {os.cpu_count()} cores"
 
 
-def folder_name(result: dict) -> str:
-    """The folder under OUTPUT/TASK of the cell a result is of (as :func:`cells` names it)."""
-    grid, lag, column, seed = result["grid"], result["lag"], result["column"], result["seed"]
-    if grid == "pilot":
-        return f"pilot_lr{_lr_text(result['lr'])}_K{lag}_{column}_s{seed}"
-    if grid == "delta":
-        return f"delta_K{lag}_d{column.removeprefix('delta')}_s{seed}"
-    return f"{grid}_K{lag}_{column}_s{seed}"
-
-
 def restore(args) -> None:
     """Put the results kept in ``--data`` back as OUTPUT/TASK/CELL/result.json where a cell has none, so that
     a grid carried on on another machine (or after its run folders were lost) skips what finished."""
@@ -258,7 +256,7 @@ def restore(args) -> None:
             if path.name == "base.json":
                 continue
             result = json.loads(path.read_text())
-            target = task / folder_name(result) / "result.json"
+            target = task / folder_name(*(result[k] for k in ("grid", "lag", "column", "seed", "lr"))) / "result.json"
             if target.is_file():
                 kept += 1
                 continue
@@ -363,8 +361,7 @@ def reextract(args) -> None:
     for path in sorted(root.glob("*/*/result.json")):
         old = json.loads(path.read_text())
         base = json.loads((path.parents[1] / "base.json").read_text())["accuracy"]
-        cell = Cell(old["task"], old["grid"], old["lag"], old["column"], old["seed"], old["lr"], old["flags"],
-                    path.parent.name)
+        cell = Cell(old["task"], old["grid"], old["lag"], old["column"], old["seed"], old["lr"], old["flags"])
         same = old.get("identical_to")
         run = path.parents[1] / same / "run" if same else path.parent / "run"
         if not (run / "metrics.jsonl").is_file():  # restored from --data: nothing to extract it from again
