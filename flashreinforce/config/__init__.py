@@ -9,8 +9,8 @@ line, the resolution and its rules, the presets.
 from flashreinforce.config.command_line import build_parser, parse_train_args
 from flashreinforce.config.files import read_config_file, write_config_file
 from flashreinforce.config.flags import FLAGS, ConfigError, Flag
-from flashreinforce.config.resolution import ResolvedConfig, resolve, validate
+from flashreinforce.config.resolution import resolve, validate
 from flashreinforce.config.trainer_config import TrainerConfig
 
-__all__ = ["FLAGS", "ConfigError", "Flag", "ResolvedConfig", "TrainerConfig", "build_parser", "parse_train_args",
+__all__ = ["FLAGS", "ConfigError", "Flag", "TrainerConfig", "build_parser", "parse_train_args",
            "read_config_file", "resolve", "validate", "write_config_file"]

@@ -13,10 +13,7 @@ from typing import Any, Mapping
 from flashreinforce.config.checks import parse_worker_resources, validate
 from flashreinforce.config.trainer_config import TrainerConfig
 
-__all__ = ["ResolvedConfig", "parse_worker_resources", "resolve", "validate"]
-
-#: The name the trainer and older code use for a resolved configuration.
-ResolvedConfig = TrainerConfig
+__all__ = ["parse_worker_resources", "resolve", "validate"]
 
 
 def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None,

@@ -1,6 +1,6 @@
 """The training loop of an asynchronous FlashREINFORCE run.
 
-:class:`Trainer` wires the parts together from a :class:`~flashreinforce.config.ResolvedConfig`
+:class:`Trainer` wires the parts together from a :class:`~flashreinforce.config.TrainerConfig`
 (each built by its own module):
 
 * the policy, its tokenizer and the environments (:mod:`.components`);
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
+from flashreinforce.config import ConfigError, TrainerConfig, write_config_file
 from flashreinforce.config.paths import absolute_paths
 from flashreinforce.config.resume import recorded_settings, review, settings_config
 from flashreinforce.trainer.run import components
@@ -79,7 +79,7 @@ LARGE_REWARD = 1e6
 class Trainer:
     """One training run. ``run()`` returns a summary dict; see the module docstring."""
 
-    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = (),
+    def __init__(self, cfg: TrainerConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = (),
                  scale_out: ScaleOut | None = None) -> None:
         """``model`` / ``tokenizer``: objects given in Python in place of ``--model`` / ``--tokenizer``;
         ``callbacks``: see :mod:`.callbacks`; ``scale_out``: the Ray rollout side and the torchrun

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config import ConfigError, TrainerConfig
 from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine, engine_kind
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
@@ -44,7 +44,7 @@ class RolloutSide:
     ray: Any = None
     scale_out: ScaleOut | None = None
 
-    def make_workers(self, cfg: ResolvedConfig, *, learner: PolicyLearner, model_config, tokenizer,
+    def make_workers(self, cfg: TrainerConfig, *, learner: PolicyLearner, model_config, tokenizer,
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
                      engine_options: Any, device: torch.device,
                      torch_threads: int | None) -> RolloutBackend:
@@ -85,7 +85,7 @@ class RolloutSide:
             ray.close()
 
 
-def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
+def start_rollout_side(cfg: TrainerConfig, *, num_prompts: int | None, vocab_size: int,
                        seed: int, exclude: Sequence[int] = (), scale_out: ScaleOut | None = None) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
     ``train.async_queue_size`` batches ahead, or ``train.fixed_policy_lag``; ``train.max_policy_lag``) over the
