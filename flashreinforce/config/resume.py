@@ -86,7 +86,7 @@ def _value(cfg: TrainerConfig, name: str) -> Any:
         return [reward_spec(r) for r in cfg.rewards]
     if "." not in name:
         return file_value(getattr(cfg, name))
-    return file_value(cfg[name], FLAG_BY_NAME[name].objects)
+    return file_value(cfg.value(name), FLAG_BY_NAME[name].objects)
 
 
 def changes(saved: TrainerConfig, new: TrainerConfig) -> list[Change]:

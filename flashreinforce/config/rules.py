@@ -6,8 +6,9 @@ broken rule, naming the flags; both the native trainer's configuration
 (:func:`flashreinforce.experiments.check_rules`) call it.
 
 The rules: one full-batch update per collected batch (``rollout.batch_size *
-rollout.n_samples_per_prompt == train.batch_size``, ``train.max_epochs == 1``; Molt also needs
-``train.force_on_policy``, which the native trainer is by construction), no reference-model KL,
+rollout.n_samples_per_prompt == train.batch_size``, which the native trainer derives when it is not
+given and Molt needs given; ``train.max_epochs == 1``; Molt also needs ``train.force_on_policy``,
+which the native trainer is by construction), no reference-model KL,
 room for the prompt (``data.max_len > rollout.max_new_tokens``); and the rules of the selected loss
 mode, which the mode owns (:class:`flashreinforce.objective.LossModeConfig`: its advantage estimator,
 its options as :class:`flashreinforce.objective.LossOptions` accepts them, one sample per prompt and
@@ -41,9 +42,12 @@ def rule_violations(flags: Mapping[str, Any], *, native: bool) -> list[str]:
         if not condition:
             errors.append(message)
 
-    need(v["rollout.batch_size"] * v["rollout.n_samples_per_prompt"] == v["train.batch_size"],
-         f"train.batch_size ({v['train.batch_size']}) must equal rollout.batch_size ({v['rollout.batch_size']}) * "
-         f"rollout.n_samples_per_prompt ({v['rollout.n_samples_per_prompt']})")
+    batch = v.get("train.batch_size")
+    if batch is not None or not native:  # the native trainer derives it when not given; Molt needs it
+        need(v["rollout.batch_size"] * v["rollout.n_samples_per_prompt"] == batch,
+             f"train.batch_size ({batch}) must equal rollout.batch_size ({v['rollout.batch_size']}) * "
+             f"rollout.n_samples_per_prompt ({v['rollout.n_samples_per_prompt']})"
+             + (": leave --train.batch_size out and it is derived from them" if native else ""))
     need(v["train.max_epochs"] == 1,
          f"train.max_epochs must be 1 (one optimizer step per collected batch), got {v['train.max_epochs']}")
     if not native:

@@ -6,7 +6,7 @@ nested section). The dotted path of a field is its flag's name: ``TrainerConfig.
 ``--actor.adam.lr`` and ``actor: {adam: {lr: ...}}`` (or ``actor.adam.lr: ...``) in a config file.
 The one exception is :data:`FLAG_SPELLINGS`: a few flags keep the spelling of the published
 launchers (Molt's) while their field, and every name after it, says what the value is
-(``--rollout.batch_size`` is ``TrainerConfig.rollout.batch_groups``). :func:`flag_table` walks the
+(``--train.micro_batch_size`` is ``TrainerConfig.train.micro_batch_trajectories``). :func:`flag_table` walks the
 sections into :class:`Flag` rows (the flag's name and its field's path); :func:`check_value` checks
 one value against its row (kind, choices, bounds) and returns it normalized.
 
@@ -40,7 +40,6 @@ INT_LIMIT = 2**31 - 1
 #: The flags that keep a published launcher's spelling -> the field that holds the value (the only
 #: place the two names differ; past the flag, code, settings and records of the field use its name).
 FLAG_SPELLINGS = {
-    "rollout.batch_size": "rollout.batch_groups",                        # prompts (groups) per learner batch
     "rollout.vllm_generate_batch_size": "rollout.episodes_per_call",     # episodes sampled together (any engine)
     "train.micro_batch_size": "train.micro_batch_trajectories",          # trajectories per learner micro-batch
     "fsdp.packing_samples": "fsdp.packed_forward",                       # one packed row per micro-batch

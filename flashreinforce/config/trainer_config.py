@@ -247,6 +247,16 @@ class TrainerConfig(Freezable):
         validate(cfg)
         return cfg
 
+    # ------------------------------------------------------------------ derived settings
+    def value(self, name: str) -> Any:
+        """The value flag ``name`` has in this run: as set (``config[name]``), but ``train.batch_size``, when
+        not given (``None``), derived: ``rollout.batch_size * rollout.n_samples_per_prompt`` trajectories per
+        update. What the records and the resume table compare; a config file keeps the setting as given
+        (:meth:`to_file`)."""
+        if name == "train.batch_size" and self.train.batch_size is None:
+            return self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        return self[name]
+
     # ------------------------------------------------------------------ flat access
     @property
     def flags(self) -> dict[str, Any]:
@@ -288,8 +298,9 @@ class TrainerConfig(Freezable):
     # ------------------------------------------------------------------ records
     def to_json(self) -> dict[str, Any]:
         """The record written to ``OUTPUT/config.json`` (a dataset or reward function given as a Python
-        object as its description, as in :meth:`to_file`)."""
-        flags = {f.name: file_value(get_path(self, f.attribute), f.objects) for f in FLAGS}
+        object as its description, as in :meth:`to_file`; ``train.batch_size`` as the run uses it, derived
+        when not given: :meth:`value`)."""
+        flags = {f.name: file_value(self.value(f.name), f.objects) for f in FLAGS}
         return thawed({"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
                 "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
                 "tokenizer": self.tokenizer,

@@ -55,7 +55,7 @@ def test_types_switches_pairs_and_inf():
     assert f["train.max_policy_lag"] is None and f["data.max_samples"] == 5
     # the preset's values, then the command line's
     assert f["rollout.batch_size"] == PRESETS["toy"]["rollout.batch_size"]
-    assert parse("--preset", "toy", "--rollout.batch_size", "8", "--train.batch_size", "8").flags["rollout.batch_size"] == 8
+    assert parse("--preset", "toy", "--rollout.batch_size", "8").flags["rollout.batch_size"] == 8
     assert cfg.explicit == sorted(["actor.flash_no_is", "eval.eval_at_start", "actor.eps_clip_low_high",
                                    "actor.flash_gate_delta", "train.max_policy_lag", "data.max_samples"])
 
@@ -68,7 +68,7 @@ def test_flags_without_effect_are_recorded_as_inactive_with_reasons():
     assert "one optimizer step" in cfg.inactive["train.force_on_policy"]
     assert any("actor.num_gpus_per_node 8" in w for w in cfg.warnings)
     ppo = parse("--preset", "toy", "--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo",
-                "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "64")
+                "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "4")
     assert "dropped" in ppo.inactive["actor.flash_gate_delta"]
 
 

@@ -273,10 +273,10 @@ def total_updates(cfg: TrainerConfig, prompts: int | None) -> int:
     if prompts is None:
         raise ConfigError(f"--train.max_steps {steps} means train.num_episodes passes over a finite prompt set, but "
                           "this environment has no finite prompt set (endless seeds): give --train.max_steps N > 0")
-    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_groups
+    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_size
     if steps <= 0:
         raise ConfigError(f"train.num_episodes {cfg.train.num_episodes} passes over {prompts} prompts "
-                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_groups}")
+                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_size}")
     return int(steps)
 
 

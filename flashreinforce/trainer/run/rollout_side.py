@@ -92,7 +92,7 @@ def start_rollout_side(cfg: TrainerConfig, *, num_prompts: int | None, vocab_siz
     shuffled prompt
     stream (without the held-out rows ``exclude``), and the weight store, on the configured backend
     (``ray``: built by ``scale_out``)."""
-    buffer_kwargs = dict(batch_groups=cfg.rollout.batch_groups, group_size=cfg.rollout.n_samples_per_prompt,
+    buffer_kwargs = dict(batch_groups=cfg.rollout.batch_size, group_size=cfg.rollout.n_samples_per_prompt,
                          async_queue_size=cfg.train.batches_ahead, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))

@@ -235,7 +235,7 @@ def test_a_resumed_run_keeps_its_files_and_takes_a_new_learning_rate(tmp_path):
         (folder / "rewards.py").write_text(_REWARDS.format(value=value))
         (folder / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"say {c}:"}) + "\n" for c in "abcdefgh"))
     out = tmp_path / "run"
-    common = ["--preset", "toy", "--rollout.batch_size", "8", "--train.batch_size", "8", "--eval.eval_at_start",
+    common = ["--preset", "toy", "--rollout.batch_size", "8", "--eval.eval_at_start",
               "false", "--no_progress", "--ckpt.save_steps", "1", "--actor.lr_scheduler", "constant"]
     started = _cli(*common, "--data.prompt_dataset", "rows.jsonl", "--reward", "rewards.py:score", "--output", str(out),
                    "--train.max_steps", "2", cwd=first)
