@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 from flashreinforce.config.rules import rule_violations
-from flashreinforce.config.schema import FLAG_SPELLINGS, ConfigError, flag_table
+from flashreinforce.config.schema import FLAG_SPELLINGS, RETIRED_FLAGS, ConfigError, flag_table
 from flashreinforce.config.sections import ENGINE_SECTIONS
 from flashreinforce.config.values import shown, value_problem
 from flashreinforce.objective import loss_mode_config
@@ -66,9 +66,10 @@ def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> 
     return tuple(out)
 
 
-#: The preset settings ``TrainerConfig.from_layers`` may drop, with the reason kept through validation:
-#: environment arguments whose environment was replaced, a staleness bound below a fixed lag.
-LAYER_NOTES = ("env.kwargs", "train.max_policy_lag")
+#: The settings ``TrainerConfig.from_layers`` may drop, with the reason kept through validation (and said
+#: as a warning): a preset's environment arguments whose environment was replaced, a preset's staleness
+#: bound below a fixed lag, a retired flag of the published launchers.
+LAYER_NOTES = ("env.kwargs", "train.max_policy_lag", *RETIRED_FLAGS)
 
 
 def validate(cfg) -> None:
@@ -132,7 +133,7 @@ def _check(cfg, errors: list[str]) -> None:
             parse_worker_resources(ray.worker_resources)
         except ValueError as err:
             errors.append(str(err))
-    for name in LAYER_NOTES:  # a preset's settings that a later layer made moot (TrainerConfig.from_layers)
+    for name in LAYER_NOTES:  # settings a later layer made moot, retired flags (TrainerConfig.from_layers)
         if name in inactive:
             warn.append(inactive[name])
     for f in _flags(type(cfg)):

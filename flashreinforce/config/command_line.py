@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 from flashreinforce.config.files import read_config_file
 from flashreinforce.config.resolution import resolve
 from flashreinforce.config.resume import changes, locked_changes_error, recorded_settings, saved_settings
-from flashreinforce.config.schema import ConfigError
+from flashreinforce.config.schema import RETIRED_FLAGS, ConfigError
 from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, unknown_flag_message
 from flashreinforce.config.values import shown, value_problem
 
@@ -179,6 +179,11 @@ def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], b
         if hidden(f.name):
             kwargs["help"] = argparse.SUPPRESS
         grp.add_argument(f"--{f.name}", **kwargs)
+    molt = groups.setdefault("accepted for Molt compatibility, no effect here",
+                             p.add_argument_group("accepted for Molt compatibility, no effect here"))
+    for name, instead in RETIRED_FLAGS.items():  # a published command line keeps working, with a warning
+        molt.add_argument(f"--{name}", dest=name, metavar="VALUE",
+                          help=argparse.SUPPRESS if hidden(name) else f"ignored, with a warning: {instead}")
     return p
 
 

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from flashreinforce.config.schema import ConfigError
+from flashreinforce.config.schema import RETIRED_FLAGS, ConfigError
 from flashreinforce.config.trainer_config import FLAG_BY_NAME, RUN_OPTIONS, TrainerConfig, unknown_flag_message
 from flashreinforce.config.values import MAX_DEPTH, shown, value_problem
 
@@ -47,7 +47,7 @@ def flatten_settings(data: Mapping[str, Any], source: str = "the config") -> dic
             if not isinstance(key, str):
                 raise ConfigError(f"{source}: keys must be strings, got {shown(key)}")
             name = f"{prefix}{key}"
-            if name in FLAG_BY_NAME or name in _FILE_KEYS:
+            if name in FLAG_BY_NAME or name in _FILE_KEYS or name in RETIRED_FLAGS:
                 if name == "env" and isinstance(value, Mapping):  # env: {kwargs: {...}}
                     walk(value, "env.")
                     continue

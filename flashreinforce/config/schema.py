@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from flashreinforce.config.values import shown
 
-__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "Freezable", "with_fields",
+__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "RETIRED_FLAGS", "KINDS", "ConfigError", "Flag", "Freezable", "with_fields",
            "FrozenConfigError", "FrozenDict", "FrozenList", "check_value", "flag_table", "freeze", "get_path", "option",
            "section", "set_path", "thaw", "thawed"]
 
@@ -46,6 +46,14 @@ FLAG_SPELLINGS = {
 }
 #: The field path -> its flag's name, for the fields of :data:`FLAG_SPELLINGS`.
 FIELD_FLAGS = {attribute: flag for flag, attribute in FLAG_SPELLINGS.items()}
+#: Flags of the published launchers that this trainer does not have (no field, no effect) -> what to use
+#: instead. A published command line or an older run's config file that gives one is accepted with a
+#: warning saying so (recorded under ``inactive``); nothing stores the value.
+RETIRED_FLAGS = {
+    "rollout.micro_batch_size": "Molt's rollout forward micro-batch; there is no rollout forward pass here (behavior "
+                                "log-probs come from the sampler). The learner's micro-batch is "
+                                "--train.micro_batch_size (or --train.micro_batch_tokens)",
+}
 
 
 class ConfigError(ValueError):

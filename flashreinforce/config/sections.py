@@ -224,8 +224,6 @@ class RolloutConfig(Freezable):
                                 minimum=0, above=True)
     top_p: float = option("float", 1.0, "sampling top-p", minimum=0, maximum=1, above=True)
     top_k: int = option("int", 0, "sampling top-k (0: off)", minimum=0)
-    micro_batch_size: int = option("int", 1, "Molt's rollout forward micro-batch", minimum=0,
-                                   no_effect="behavior log-probs come from the sampler; there is no rollout forward pass")
     episodes_per_call: int = option("int", 16, "episodes a rollout worker samples together (any engine)", minimum=1)
     num_workers: int = option("int", 2, "rollout workers running concurrently with the learner (engine vllm: "
                               "vllm.num_engines)", minimum=1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flashreinforce.config.checks import raise_errors, validate
-from flashreinforce.config.schema import (FIELD_FLAGS, ConfigError, Freezable, check_value, flag_table, freeze,
+from flashreinforce.config.schema import (FIELD_FLAGS, RETIRED_FLAGS, ConfigError, Freezable, check_value, flag_table, freeze,
                                           get_path, section, set_path, thaw, thawed)
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
@@ -139,6 +139,8 @@ class TrainerConfig(Freezable):
                         errors.append(str(err))
                 elif key in _RUN_FIELD or key in ("no_progress", "agent"):
                     run[key] = value
+                elif key in RETIRED_FLAGS:
+                    cfg.inactive[key] = f"--{key} is ignored (this trainer has no such setting): {RETIRED_FLAGS[key]}"
                 elif key not in _ALIASES:
                     errors.append(unknown_flag_message(key))
             # --model / --env: the alias of a layer overrides earlier layers; within a layer the alias and
