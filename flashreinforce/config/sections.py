@@ -7,7 +7,7 @@ fields whose flag keeps a published spelling are listed once, in
 ``train.micro_batch_trajectories``). Each
 field carries its help, kind and bounds (:func:`flashreinforce.config.schema.option`); a section's
 :meth:`validate` adds the checks that involve several of its fields. Checks across sections and the
-notes on flags without effect are :mod:`flashreinforce.config.resolution`'s.
+notes on flags without effect are :mod:`flashreinforce.config.checks`'s.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ActorConfig(Freezable):
     # The loss options (flash_gate_delta, flash_neg_topq, ..., eps_clip_low_high) are LossOptions' fields
     # (flashreinforce.objective), added here by with_fields: their flags, kinds, help and defaults are
     # defined there once, so the command line, a config file and the Python loss functions agree; their
-    # values are checked once, by LossOptions (config.rules). The published settings give
+    # values are checked once, by LossOptions (config.checks). The published settings give
     # actor.flash_gate_delta explicitly.
     entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")
     optim: str = option("str", "adam", "optimizer: adam (decoupled weight decay, i.e. AdamW) or adamw",

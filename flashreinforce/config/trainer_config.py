@@ -9,9 +9,12 @@ Python user builds directly::
     config.train.max_steps = 50          # the field of --train.max_steps
     train(config)
 
-``config.flags`` is the same configuration as a flat mapping of dotted flag names, which the
-cross-section rules (shared with the published settings) read; past this boundary the configuration
-is read by attribute (environments get a small typed view, ``flashreinforce.envs.registry.EnvConfig``).
+:func:`resolve` builds one from layers of flat dotted settings (the defaults, a preset, a config file,
+the command line) and checks it. The flag table (:data:`FLAGS`, one row per field) is built here from
+the sections. ``config.flags`` is the same configuration as a flat mapping of dotted flag names, for the
+records and the loss mode's rules (:mod:`flashreinforce.objective`); this module resolves the published
+launchers' flat names, and past it the configuration is read by attribute (environments get a small
+typed view, ``flashreinforce.envs.registry.EnvConfig``).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ from flashreinforce.config.schema import (FIELD_FLAGS, RETIRED_FLAGS, ConfigErro
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
                                             TrainConfig, VllmConfig)
-from flashreinforce.config.values import shown
+from flashreinforce.config.schema import shown
 from flashreinforce.objective import OPTION_FLAGS, LossOptions, options_from_flags
 
-__all__ = ["RUN_OPTIONS", "TrainerConfig"]
+__all__ = ["FLAGS", "FLAG_BY_NAME", "RUN_OPTIONS", "TrainerConfig", "resolve"]
 
 #: The run's own options (not Molt flags): name -> help. ``env`` and ``model`` are aliases of
 #: ``train.agent_path`` and ``actor.model_name_or_path``.
@@ -417,3 +420,18 @@ def unknown_flag_message(name: str) -> str:
         close = [k for k in known if k.rsplit(".", 1)[-1] in close][:3]
     hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
     return f"unknown flag --{name}{hint}"
+
+
+def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None,
+            file: Mapping[str, Any] | None = None) -> TrainerConfig:
+    """Merge, last wins, the defaults (the sections' fields), ``preset`` (``--preset``, or a ``preset:`` key
+    of the config file), ``file`` (``--config``) and ``given`` (the command line's flags and options), all
+    flat dotted keys (:meth:`TrainerConfig.from_layers`), then check the whole
+    (:func:`flashreinforce.config.checks.validate`).
+
+    Raises:
+        ConfigError: a value this runtime cannot honour or a broken rule, naming the flag(s).
+    """
+    cfg = TrainerConfig.from_layers(given, preset, file)
+    validate(cfg)
+    return cfg

@@ -12,7 +12,7 @@ import pytest
 
 from flashreinforce.config import FLAGS, ConfigError, TrainerConfig, build_parser, parse_train_args, validate
 from flashreinforce.config.presets import PRESETS
-from flashreinforce.config.flags import FLAG_BY_NAME as FLAGS_BY_NAME
+from flashreinforce.config.trainer_config import FLAG_BY_NAME as FLAGS_BY_NAME
 from flashreinforce.config.schema import KINDS, get_path
 
 ROOT = Path(__file__).resolve().parents[2]

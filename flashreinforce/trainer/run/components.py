@@ -21,7 +21,7 @@ import torch
 from flashreinforce.config import ConfigError, TrainerConfig
 from flashreinforce.config.schema import thawed
 from flashreinforce.config.sections import ENGINE_SECTIONS
-from flashreinforce.config.values import shown
+from flashreinforce.config.schema import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import EngineRun, SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns

@@ -41,8 +41,7 @@ import numpy as np
 import torch
 
 from flashreinforce.config import ConfigError, TrainerConfig, write_config_file
-from flashreinforce.config.paths import absolute_paths
-from flashreinforce.config.resume import recorded_settings, review, settings_config
+from flashreinforce.config.files import absolute_paths, recorded_settings, review, settings_config
 from flashreinforce.trainer.run import components
 from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
                                                             existing_run_files, learner_state_to_restore,
@@ -186,7 +185,7 @@ class Trainer:
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
 
     def _review_settings(self, point: ResumePoint) -> None:
-        """The resume table (:mod:`flashreinforce.config.resume`) against the settings the checkpoint
+        """The resume table (:mod:`flashreinforce.config.files`) against the settings the checkpoint
         recorded (a checkpoint written before checkpoints held them: against ``config.json``)."""
         recorded = point.state.get("run_settings")
         source = f"{point.path / 'state.json'} run_settings"

@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashreinforce.config import ConfigError, parse_train_args, write_config_file
-from flashreinforce.config.flags import FLAGS
-from flashreinforce.config.paths import absolute_paths
+from flashreinforce.config import FLAGS, ConfigError, parse_train_args, write_config_file
+from flashreinforce.config.files import LOCKED, RUN_SETTINGS, absolute_paths, rule
 from flashreinforce.config.presets import PRESETS
-from flashreinforce.config.resume import LOCKED, RUN_SETTINGS, rule
 from flashreinforce.trainer.rollout.buffer import PromptStream
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
 from flashreinforce.trainer.persistence.run_history import HistoryRecord, trim_history
