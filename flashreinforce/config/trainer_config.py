@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flashreinforce.config.checks import raise_errors, validate
-from flashreinforce.config.schema import (FIELD_FLAGS, RETIRED_FLAGS, ConfigError, Freezable, check_value, flag_table, freeze,
-                                          get_path, section, set_path, thaw, thawed)
+from flashreinforce.config.schema import (FIELD_FLAGS, RETIRED_FLAGS, ConfigError, Freezable, check_value, flag_table,
+                                          freeze, get_path, section, set_path, shown, thaw, thawed)
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
                                             TrainConfig, VllmConfig)
-from flashreinforce.config.schema import shown
 from flashreinforce.objective import OPTION_FLAGS, LossOptions, options_from_flags
 
 __all__ = ["FLAGS", "FLAG_BY_NAME", "RUN_OPTIONS", "TrainerConfig", "resolve"]

@@ -162,7 +162,9 @@ def _launch_flags(setting: ResolvedSetting, args: argparse.Namespace, target: Tr
         "ckpt.path": str(output / "state"),
     })
     if target.name == "native":
-        for name in RETIRED_FLAGS:  # Molt's flags that this trainer has no setting for
+        # Molt's flags that this trainer has no setting for, and train.batch_size, which it derives from
+        # rollout.batch_size * rollout.n_samples_per_prompt (the setting's rules hold it equal)
+        for name in (*RETIRED_FLAGS, "train.batch_size"):
             flags.pop(name, None)
         flags["output"] = str(output)
         if args.resume:

@@ -91,6 +91,7 @@ def test_a_retired_molt_flag_is_accepted_with_a_warning_that_says_what_to_use_in
     command = capsys.readouterr().out
     assert "flashreinforce.cli train" in command and "--train.micro_batch_size 1" in command
     assert "--rollout.micro_batch_size" not in command
+    assert "--rollout.batch_size 128" in command and "--train.batch_size" not in command  # derived by this trainer
 
 
 def test_a_lora_run_at_a_full_fine_tuning_learning_rate_is_warned():
