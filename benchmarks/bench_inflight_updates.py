@@ -72,7 +72,7 @@ def run(args, seed: int, inflight: bool) -> dict:
            "--env", f"{Path(__file__).resolve()}:LongTailEnv", "--rollout.engine", args.engine,
            "--rollout.inflight_weight_updates", str(inflight).lower(), "--rollout.max_new_tokens", str(args.max_new_tokens),
            "--data.max_len", str(args.max_new_tokens + 16), "--rollout.batch_size", str(args.batch),
-           "--train.batch_size", str(args.batch), "--rollout.vllm_generate_batch_size", str(args.batch // 2),
+           "--rollout.vllm_generate_batch_size", str(args.batch // 2),
            "--train.max_steps", str(args.steps), "--train.async_queue_size", "1", "--train.max_policy_lag", "8",
            "--eval.steps", "0", "--eval.eval_at_start", "false", "--ckpt.save_steps", "0", "--seed", str(seed),
            "--output", str(out), "--no_progress", "--overwrite"]

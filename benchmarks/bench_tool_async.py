@@ -47,7 +47,7 @@ SCHEDULES = {
     "stream": ["--rollout.episodes_in_flight", "64"],
     "stream2": ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"],
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
-             "--rollout.batch_size", "4", "--train.batch_size", "32"],
+             "--rollout.batch_size", "4"],
 }
 
 

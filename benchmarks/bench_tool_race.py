@@ -44,7 +44,7 @@ import arith_curve  # noqa: E402
 from common import fmt_spread, preset_flags, run_ours, spread  # noqa: E402
 
 GRPO_FLAGS = ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt",
-              "8", "--rollout.batch_size", "4", "--train.batch_size", "32"]
+              "8", "--rollout.batch_size", "4"]
 SIDES = ("flashreinforce", "grpo", "trl")
 TRL_SIDE = ROOT / "benchmarks" / "trl_tool_side.py"  # run as a command, in its own interpreter
 

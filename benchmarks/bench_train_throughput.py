@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     cmd = cli("train", "--preset", "toy", "--model", str(model), "--tokenizer", str(tokenizer), "--device",
               args.device, "--output", str(out), "--overwrite", "--no_progress",
               "--train.max_steps", str(args.updates), "--rollout.batch_size", str(args.batch),
-              "--train.batch_size", str(args.batch), "--rollout.max_new_tokens", str(args.new_tokens),
+              "--rollout.max_new_tokens", str(args.new_tokens),
               "--data.max_len", str(args.new_tokens + 64), "--rollout.num_workers", str(args.workers),
               "--rollout.vllm_generate_batch_size", str(max(1, args.batch // args.workers)),
               "--train.micro_batch_tokens", str(args.micro_batch_tokens), "--fsdp.param_dtype", dtype,

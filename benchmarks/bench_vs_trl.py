@@ -98,7 +98,7 @@ def run_trl(args, flags: dict, out: Path) -> dict:
             rewards.append(float(scorer.step(text).reward))
         return rewards
 
-    batch = flags["train.batch_size"]
+    batch = flags["rollout.batch_size"] * flags.get("rollout.n_samples_per_prompt", 1)  # trajectories per update
     # The learner precision of our preset (bf16 autocast on a CPU with native bf16, float32 master
     # weights); Trainer's bf16 on a CPU is the same torch.autocast. --trl-fp32 turns it off.
     bf16 = flags["fsdp.param_dtype"] in ("bf16", "bfloat16") and not args.trl_fp32

@@ -36,7 +36,7 @@ class OddLetter(SayA):
 
 def _quick(tmp_path, name):
     config = fr.TrainerConfig.from_preset("toy", output=str(tmp_path / name), progress=False)
-    config.rollout.batch_groups = config.train.batch_size = 8
+    config.rollout.batch_size = 8
     config.train.max_steps = 2
     config.eval.eval_at_start = False
     return config
@@ -78,7 +78,7 @@ def test_the_same_refusals_as_the_command(tmp_path):
     with pytest.raises(ConfigError, match="Environment subclass"):
         fr.train(_quick(tmp_path, "c"), env=lambda: SayA())
     config = _quick(tmp_path, "d")
-    config.rollout.batch_groups = 0
+    config.rollout.batch_size = 0
     with pytest.raises(ConfigError, match="--rollout.batch_size must be positive"):
         fr.train(config)
     with pytest.raises(ConfigError, match="reward scores completions of the rows of --data.prompt_dataset"):

@@ -1,8 +1,13 @@
-"""The checks of a whole configuration: each field against its flag, each section, and the rules
-across sections (shared with the published settings, :mod:`flashreinforce.config.rules`); and the
-notes on flags that have no effect on this runtime (``inactive``). Values this runtime cannot honour
-in a way that would change results are errors (:class:`~flashreinforce.config.schema.ConfigError`),
-never silently ignored.
+"""The checks of a whole configuration: each field against its flag, each section (its ``validate``,
+beside its fields in :mod:`flashreinforce.config.sections`), and the rules across sections, read from
+the typed sections; and the notes on flags that have no effect on this runtime (``inactive``). Values
+this runtime cannot honour in a way that would change results are errors
+(:class:`~flashreinforce.config.schema.ConfigError`), never silently ignored.
+
+The rules every FlashREINFORCE run obeys (:func:`run_rules`) are written once, over plain values: this
+trainer checks them on its typed configuration, the published experiment settings (flat Molt flags,
+:func:`flashreinforce.experiments.resolve.rule_violations`) on theirs, with the same messages. The
+rules of the selected loss mode are the mode's own (:class:`flashreinforce.objective.LossModeConfig`).
 """
 
 from __future__ import annotations
@@ -14,13 +19,11 @@ import os
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
-from flashreinforce.config.rules import rule_violations
-from flashreinforce.config.schema import FLAG_SPELLINGS, ConfigError, flag_table
+from flashreinforce.config.schema import FLAG_SPELLINGS, RETIRED_FLAGS, ConfigError, flag_table, shown, value_problem
 from flashreinforce.config.sections import ENGINE_SECTIONS
-from flashreinforce.config.values import shown, value_problem
 from flashreinforce.objective import loss_mode_config
 
-__all__ = ["SEED_LIMIT", "parse_worker_resources", "raise_errors", "validate"]
+__all__ = ["SEED_LIMIT", "parse_worker_resources", "raise_errors", "run_rules", "validate"]
 
 #: The largest run seed (the random generators take 64-bit seeds; the evaluation's is the seed + 1).
 SEED_LIMIT = 2**63 - 1
@@ -66,9 +69,35 @@ def parse_worker_resources(value: Any, flag: str = "--ray.worker_resources") -> 
     return tuple(out)
 
 
-#: The preset settings ``TrainerConfig.from_layers`` may drop, with the reason kept through validation:
-#: environment arguments whose environment was replaced, a staleness bound below a fixed lag.
-LAYER_NOTES = ("env.kwargs", "train.max_policy_lag")
+def run_rules(*, rollout_batch_size: int, samples_per_prompt: int, train_batch_size: int | None, max_epochs: int,
+              kl_init_coef: float, max_len: int, max_new_tokens: int, derives_batch: bool) -> list[str]:
+    """One message per broken rule of every run, naming the flags (empty when all hold): one full-batch
+    update per collected batch (``train.batch_size`` trajectories, ``rollout.batch_size *
+    rollout.n_samples_per_prompt``; ``train.max_epochs`` 1), no reference-model KL (``algo.kl.init_coef``
+    0), room for the prompt (``data.max_len`` above ``rollout.max_new_tokens``).
+
+    ``derives_batch``: this trainer's form, which derives ``train.batch_size`` when it is not given
+    (``None``) and checks a given one; Molt needs it given.
+    """
+    errors = []
+    if train_batch_size is not None or not derives_batch:
+        if rollout_batch_size * samples_per_prompt != train_batch_size:
+            errors.append(f"train.batch_size ({train_batch_size}) must equal rollout.batch_size ({rollout_batch_size}) "
+                          f"* rollout.n_samples_per_prompt ({samples_per_prompt})"
+                          + (": leave --train.batch_size out and it is derived from them" if derives_batch else ""))
+    if max_epochs != 1:
+        errors.append(f"train.max_epochs must be 1 (one optimizer step per collected batch), got {max_epochs}")
+    if kl_init_coef != 0:
+        errors.append(f"algo.kl.init_coef must be 0 (no reference model), got {kl_init_coef}")
+    if not max_len > max_new_tokens:
+        errors.append(f"data.max_len ({max_len}) must exceed rollout.max_new_tokens ({max_new_tokens})")
+    return errors
+
+
+#: The settings ``TrainerConfig.from_layers`` may drop, with the reason kept through validation (and said
+#: as a warning): a preset's environment arguments whose environment was replaced, a preset's staleness
+#: bound below a fixed lag, a retired flag of the published launchers.
+LAYER_NOTES = ("env.kwargs", "train.max_policy_lag", *RETIRED_FLAGS)
 
 
 def validate(cfg) -> None:
@@ -132,20 +161,26 @@ def _check(cfg, errors: list[str]) -> None:
             parse_worker_resources(ray.worker_resources)
         except ValueError as err:
             errors.append(str(err))
-    for name in LAYER_NOTES:  # a preset's settings that a later layer made moot (TrainerConfig.from_layers)
+    for name in LAYER_NOTES:  # settings a later layer made moot, retired flags (TrainerConfig.from_layers)
         if name in inactive:
             warn.append(inactive[name])
     for f in _flags(type(cfg)):
         if f.no_effect:
             inactive[f.name] = f.no_effect
 
-    # The rules every run obeys (shared with the published experiment settings, which are flat flags).
-    errors.extend(rule_violations(cfg.flags, native=True))
+    # The rules every run obeys (shared with the published experiment settings), then the loss mode's own
+    # (the objective states them over flat flags, the published settings' form).
+    errors.extend(run_rules(rollout_batch_size=rollout.batch_size, samples_per_prompt=rollout.n_samples_per_prompt,
+                            train_batch_size=cfg.train.batch_size, max_epochs=cfg.train.max_epochs,
+                            kl_init_coef=cfg.algo.kl.init_coef, max_len=data.max_len,
+                            max_new_tokens=rollout.max_new_tokens, derives_batch=True))
+    flags = cfg.flags
+    errors.extend(loss_mode_config(actor.loss_mode).rule_violations(flags))
     for n, size in (("fsdp.tp_size", fsdp.tp_size), ("fsdp.ep_size", fsdp.ep_size), ("fsdp.cp_size", fsdp.cp_size)):
         if size not in (None, 1) and size > 1:
             errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")
     # The flags the selected loss mode does not read (the mode says which, and why).
-    inactive.update(loss_mode_config(actor.loss_mode).inactive(cfg.flags))
+    inactive.update(loss_mode_config(actor.loss_mode).inactive(flags))
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
     cfg.lora.check_selected(cfg, errors, inactive)

@@ -9,12 +9,10 @@ import difflib
 import json
 from typing import Any, Callable, Mapping, NoReturn, Sequence
 
-from flashreinforce.config.files import read_config_file
-from flashreinforce.config.resolution import resolve
-from flashreinforce.config.resume import changes, locked_changes_error, recorded_settings, saved_settings
-from flashreinforce.config.schema import ConfigError
-from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, unknown_flag_message
-from flashreinforce.config.values import shown, value_problem
+from flashreinforce.config.files import (changes, locked_changes_error, read_config_file, recorded_settings,
+                                         saved_settings)
+from flashreinforce.config.schema import RETIRED_FLAGS, ConfigError, shown, value_problem
+from flashreinforce.config.trainer_config import FLAGS, RUN_OPTIONS, TrainerConfig, resolve, unknown_flag_message
 
 __all__ = ["TRAIN_USAGE", "build_parser", "parse_train_args", "resolve_arguments"]
 
@@ -179,6 +177,11 @@ def build_parser(prog: str = "flashreinforce train", *, shown: Callable[[str], b
         if hidden(f.name):
             kwargs["help"] = argparse.SUPPRESS
         grp.add_argument(f"--{f.name}", **kwargs)
+    molt = groups.setdefault("accepted for Molt compatibility, no effect here",
+                             p.add_argument_group("accepted for Molt compatibility, no effect here"))
+    for name, instead in RETIRED_FLAGS.items():  # a published command line keeps working, with a warning
+        molt.add_argument(f"--{name}", dest=name, metavar="VALUE",
+                          help=argparse.SUPPRESS if hidden(name) else f"ignored, with a warning: {instead}")
     return p
 
 
@@ -202,7 +205,7 @@ def resolve_arguments(args: dict[str, Any], presets: Mapping[str, Mapping[str, A
     ``--resume``, the run's ``config.yaml``), then the flags. With ``--resume``, a change of a locked
     setting against what the run recorded (``config.json``) is refused here, before anything starts,
     unless ``--allow_config_change``; the trainer checks again against the checkpoint it resumes
-    (:mod:`flashreinforce.config.resume`)."""
+    (:mod:`flashreinforce.config.files`)."""
     args = dict(args)
     file_layer: dict[str, Any] = {}
     recorded = None

@@ -1,7 +1,8 @@
 """Named presets of ``flashreinforce train`` and the built-in tiny model configurations.
 
 A preset is a dict of flags (dotted Molt names) and options (``env``, ``env.kwargs``, ``model``,
-``tokenizer``); flags given on the command line override it. The toy presets run out of the box
+``tokenizer``); flags given on the command line override it. A preset gives ``rollout.batch_size``;
+``train.batch_size`` is derived from it. The toy presets run out of the box
 on a CPU with no download: the model is built from a config
 (:data:`flashreinforce.models.loading.TINY_MODELS`) and the tokenizer is character-level.
 """
@@ -58,7 +59,6 @@ _TOY_COMMON: dict[str, Any] = {
 _SMOLLM2_CPU: dict[str, Any] = {
     "data.apply_chat_template": True,
     "rollout.batch_size": 32,
-    "train.batch_size": 32,
     # On arith, at 1.0 this small model's samples are right 14% of the time (greedy: 51%); at 0.7, 27%.
     "rollout.temperature": 0.7,
     "rollout.top_p": 1.0,
@@ -116,7 +116,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "env": "flashreinforce.envs.toy:ToyCopyEnv",
         "env.kwargs": {"alphabet": "abcdefgh", "turns": 1},
         "rollout.batch_size": 128,
-        "train.batch_size": 128,
         "rollout.max_new_tokens": 1,
         "rollout.max_turns": 1,
         "data.max_len": 24,
@@ -128,7 +127,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "env": "flashreinforce.envs.toy:ToyCopyChainEnv",
         "env.kwargs": {"alphabet": "abcdefgh", "turns": 3},
         "rollout.batch_size": 128,
-        "train.batch_size": 128,
         "rollout.max_new_tokens": 1,
         "rollout.max_turns": 3,
         "data.max_len": 64,
@@ -192,7 +190,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "quest_length": [1, 2], "reward": "dense", "max_turns": 4, "max_observation_chars": 300},
         "data.apply_chat_template": True,
         "rollout.batch_size": 16,
-        "train.batch_size": 16,
         "rollout.max_new_tokens": 16,
         "rollout.max_turns": 4,
         "data.max_len": 768,

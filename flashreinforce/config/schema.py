@@ -6,7 +6,7 @@ nested section). The dotted path of a field is its flag's name: ``TrainerConfig.
 ``--actor.adam.lr`` and ``actor: {adam: {lr: ...}}`` (or ``actor.adam.lr: ...``) in a config file.
 The one exception is :data:`FLAG_SPELLINGS`: a few flags keep the spelling of the published
 launchers (Molt's) while their field, and every name after it, says what the value is
-(``--rollout.batch_size`` is ``TrainerConfig.rollout.batch_groups``). :func:`flag_table` walks the
+(``--train.micro_batch_size`` is ``TrainerConfig.train.micro_batch_trajectories``). :func:`flag_table` walks the
 sections into :class:`Flag` rows (the flag's name and its field's path); :func:`check_value` checks
 one value against its row (kind, choices, bounds) and returns it normalized.
 
@@ -17,21 +17,28 @@ and dicts become read-only (:class:`FrozenList`, :class:`FrozenDict`; equal to, 
 
 Kinds: ``float`` (``inf`` allowed), ``int``, ``str``, ``bool``, ``float2`` (two floats), ``json`` (any
 JSON value); ``nullable`` fields also take ``None`` (``none`` on the command line).
+
+Bounds on the values a configuration holds: a config file of a few lines can stand for billions of
+values (YAML aliases of aliases), nest deeper than the interpreter recurses, or refer to itself; a
+value given from Python can do the same. :func:`value_problem` finds each of these without expanding
+anything (it stops at the bound), so that the file is refused with one line before anything copies,
+prints or writes the value. :func:`shown` is a value as messages print it: one line of at most a few
+hundred characters, whatever the value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Any, Callable
 
-from flashreinforce.config.values import shown
-
-__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "KINDS", "ConfigError", "Flag", "Freezable", "with_fields",
-           "FrozenConfigError", "FrozenDict", "FrozenList", "check_value", "flag_table", "freeze", "get_path", "option",
-           "section", "set_path", "thaw", "thawed"]
+__all__ = ["FIELD_FLAGS", "FLAG_SPELLINGS", "INT_LIMIT", "MAX_DEPTH", "MAX_VALUES", "RETIRED_FLAGS", "KINDS",
+           "ConfigError", "Flag", "Freezable", "with_fields", "FrozenConfigError", "FrozenDict", "FrozenList",
+           "check_value", "flag_table", "freeze", "get_path", "option", "section", "set_path", "shown", "thaw",
+           "thawed", "value_problem"]
 
 #: Kinds of flag values.
 KINDS = ("float", "int", "str", "bool", "float2", "json")
@@ -40,13 +47,70 @@ INT_LIMIT = 2**31 - 1
 #: The flags that keep a published launcher's spelling -> the field that holds the value (the only
 #: place the two names differ; past the flag, code, settings and records of the field use its name).
 FLAG_SPELLINGS = {
-    "rollout.batch_size": "rollout.batch_groups",                        # prompts (groups) per learner batch
     "rollout.vllm_generate_batch_size": "rollout.episodes_per_call",     # episodes sampled together (any engine)
     "train.micro_batch_size": "train.micro_batch_trajectories",          # trajectories per learner micro-batch
     "fsdp.packing_samples": "fsdp.packed_forward",                       # one packed row per micro-batch
 }
 #: The field path -> its flag's name, for the fields of :data:`FLAG_SPELLINGS`.
 FIELD_FLAGS = {attribute: flag for flag, attribute in FLAG_SPELLINGS.items()}
+#: Flags of the published launchers that this trainer does not have (no field, no effect) -> what to use
+#: instead. A published command line or an older run's config file that gives one is accepted with a
+#: warning saying so (recorded under ``inactive``); nothing stores the value.
+RETIRED_FLAGS = {
+    "rollout.micro_batch_size": "Molt's rollout forward micro-batch; there is no rollout forward pass here (behavior "
+                                "log-probs come from the sampler). The learner's micro-batch is "
+                                "--train.micro_batch_size (or --train.micro_batch_tokens)",
+}
+
+
+#: The deepest nesting of lists and mappings a setting may have.
+MAX_DEPTH = 32
+#: The most values (every list item, mapping key and value, counted once per place it appears) a
+#: configuration may hold.
+MAX_VALUES = 100_000
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple, _REPR.maxset = 3, 8, 8, 8, 8
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 200, 80, 40  # a path in a message stays whole
+
+
+def shown(value: Any, limit: int = 240) -> str:
+    """``repr(value)`` for a message: one line, long strings, deep and long containers shortened."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a broken __repr__ of a user's object
+        text = f"<{type(value).__name__}>"
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def value_problem(value: Any, *, max_depth: int = MAX_DEPTH, max_values: int = MAX_VALUES) -> str | None:
+    """What puts ``value`` (plain data: mappings, lists, tuples, scalars) out of bounds, or None.
+
+    Counts the values as a reader would see them expanded (a list that appears twice counts twice)
+    but stops at ``max_values``; a container inside itself is refused (it has no expansion).
+    """
+    count = 0
+    # (container, depth, the ids of the containers above it and itself)
+    stack: list[tuple[Any, int, frozenset]] = [(value, 0, frozenset())]
+    while stack:
+        item, depth, above = stack.pop()
+        count += 1
+        if count > max_values:
+            return f"more than {max_values} values once YAML aliases are expanded (an alias counts what it repeats)"
+        if isinstance(item, dict):
+            children = [x for pair in item.items() for x in pair]
+        elif isinstance(item, (list, tuple)):
+            children = list(item)
+        else:
+            continue
+        if id(item) in above:
+            return "a value that contains itself (a YAML alias inside its own anchor)"
+        if depth + 1 > max_depth:
+            return f"values nested deeper than {max_depth} levels"
+        inner = above | {id(item)}
+        stack.extend((child, depth + 1, inner) for child in children)
+    return None
 
 
 class ConfigError(ValueError):

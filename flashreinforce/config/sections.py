@@ -3,10 +3,11 @@
 ``TrainerConfig.rollout.max_new_tokens`` is ``--rollout.max_new_tokens`` and ``rollout: {max_new_tokens: 512}``
 in a config file (Molt's dotted names, so users move between the two trainers unchanged); the few
 fields whose flag keeps a published spelling are listed once, in
-:data:`flashreinforce.config.schema.FLAG_SPELLINGS` (``--rollout.batch_size`` is ``rollout.batch_groups``). Each
+:data:`flashreinforce.config.schema.FLAG_SPELLINGS` (``--train.micro_batch_size`` is
+``train.micro_batch_trajectories``). Each
 field carries its help, kind and bounds (:func:`flashreinforce.config.schema.option`); a section's
 :meth:`validate` adds the checks that involve several of its fields. Checks across sections and the
-notes on flags without effect are :mod:`flashreinforce.config.resolution`'s.
+notes on flags without effect are :mod:`flashreinforce.config.checks`'s.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class ActorConfig(Freezable):
     # The loss options (flash_gate_delta, flash_neg_topq, ..., eps_clip_low_high) are LossOptions' fields
     # (flashreinforce.objective), added here by with_fields: their flags, kinds, help and defaults are
     # defined there once, so the command line, a config file and the Python loss functions agree; their
-    # values are checked once, by LossOptions (config.rules). The published settings give
+    # values are checked once, by LossOptions (config.checks). The published settings give
     # actor.flash_gate_delta explicitly.
     entropy_coef: float = option("float", 0.0, "entropy bonus coefficient (token mean over the batch)")
     optim: str = option("str", "adam", "optimizer: adam (decoupled weight decay, i.e. AdamW) or adamw",
@@ -214,7 +215,7 @@ class LoggerConfig(Freezable):
 
 @dataclass
 class RolloutConfig(Freezable):
-    batch_groups: int = option("int", 128, "prompts (groups of n_samples_per_prompt) per learner batch", minimum=1)
+    batch_size: int = option("int", 128, "prompts (groups of n_samples_per_prompt) per learner batch", minimum=1)
     n_samples_per_prompt: int = option("int", 1, "samples per prompt (1 for flash_reinforce)", minimum=1)
     max_new_tokens: int = option("int", 512, "sampled tokens per turn at most", minimum=1)
     max_turns: int | None = option("int", None, "policy turns per episode at most (default: $MAX_AGENT_TURNS if set, "
@@ -223,8 +224,6 @@ class RolloutConfig(Freezable):
                                 minimum=0, above=True)
     top_p: float = option("float", 1.0, "sampling top-p", minimum=0, maximum=1, above=True)
     top_k: int = option("int", 0, "sampling top-k (0: off)", minimum=0)
-    micro_batch_size: int = option("int", 1, "Molt's rollout forward micro-batch", minimum=0,
-                                   no_effect="behavior log-probs come from the sampler; there is no rollout forward pass")
     episodes_per_call: int = option("int", 16, "episodes a rollout worker samples together (any engine)", minimum=1)
     num_workers: int = option("int", 2, "rollout workers running concurrently with the learner (engine vllm: "
                               "vllm.num_engines)", minimum=1)
@@ -297,8 +296,9 @@ class RayConfig(Freezable):
 class TrainConfig(Freezable):
     agent_path: str | None = option("str", None, "environment: MODULE:CLASS, a .py file (optionally FILE.py:CLASS), "
                                     "or a shipped name (math, python_tool); alias --env")
-    batch_size: int = option("int", 128, "trajectories per update = rollout.batch_size * n_samples_per_prompt",
-                             minimum=1)
+    batch_size: int | None = option("int", None, "trajectories per update: rollout.batch_size * "
+                                    "rollout.n_samples_per_prompt, derived when not given (a published launcher "
+                                    "gives it; given, it must equal that product)", minimum=1)
     micro_batch_trajectories: int = option("int", 1, "trajectories per learner micro-batch (0: all)", minimum=0)
     micro_batch_tokens: int = option("int", 0, "tokens per learner micro-batch at most (0: no limit)", minimum=0)
     share_prefixes: bool = option("bool", True, "packed forward: compute once a token prefix that several "

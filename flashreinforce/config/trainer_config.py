@@ -9,9 +9,12 @@ Python user builds directly::
     config.train.max_steps = 50          # the field of --train.max_steps
     train(config)
 
-``config.flags`` is the same configuration as a flat mapping of dotted flag names, which the
-cross-section rules (shared with the published settings) read; past this boundary the configuration
-is read by attribute (environments get a small typed view, ``flashreinforce.envs.registry.EnvConfig``).
+:func:`resolve` builds one from layers of flat dotted settings (the defaults, a preset, a config file,
+the command line) and checks it. The flag table (:data:`FLAGS`, one row per field) is built here from
+the sections. ``config.flags`` is the same configuration as a flat mapping of dotted flag names, for the
+records and the loss mode's rules (:mod:`flashreinforce.objective`); this module resolves the published
+launchers' flat names, and past it the configuration is read by attribute (environments get a small
+typed view, ``flashreinforce.envs.registry.EnvConfig``).
 """
 
 from __future__ import annotations
@@ -22,15 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from flashreinforce.config.checks import raise_errors, validate
-from flashreinforce.config.schema import (FIELD_FLAGS, ConfigError, Freezable, check_value, flag_table, freeze,
-                                          get_path, section, set_path, thaw, thawed)
+from flashreinforce.config.schema import (FIELD_FLAGS, RETIRED_FLAGS, ConfigError, Freezable, check_value, flag_table,
+                                          freeze, get_path, section, set_path, shown, thaw, thawed)
 from flashreinforce.config.sections import (ActorConfig, AlgoConfig, CkptConfig, DataConfig, EvalConfig, FsdpConfig,
                                             LoggerConfig, LoraConfig, RayConfig, RefConfig, RolloutConfig,
                                             TrainConfig, VllmConfig)
-from flashreinforce.config.values import shown
 from flashreinforce.objective import OPTION_FLAGS, LossOptions, options_from_flags
 
-__all__ = ["RUN_OPTIONS", "TrainerConfig"]
+__all__ = ["FLAGS", "FLAG_BY_NAME", "RUN_OPTIONS", "TrainerConfig", "resolve"]
 
 #: The run's own options (not Molt flags): name -> help. ``env`` and ``model`` are aliases of
 #: ``train.agent_path`` and ``actor.model_name_or_path``.
@@ -139,6 +141,8 @@ class TrainerConfig(Freezable):
                         errors.append(str(err))
                 elif key in _RUN_FIELD or key in ("no_progress", "agent"):
                     run[key] = value
+                elif key in RETIRED_FLAGS:
+                    cfg.inactive[key] = f"--{key} is ignored (this trainer has no such setting): {RETIRED_FLAGS[key]}"
                 elif key not in _ALIASES:
                     errors.append(unknown_flag_message(key))
             # --model / --env: the alias of a layer overrides earlier layers; within a layer the alias and
@@ -247,6 +251,16 @@ class TrainerConfig(Freezable):
         validate(cfg)
         return cfg
 
+    # ------------------------------------------------------------------ derived settings
+    def value(self, name: str) -> Any:
+        """The value flag ``name`` has in this run: as set (``config[name]``), but ``train.batch_size``, when
+        not given (``None``), derived: ``rollout.batch_size * rollout.n_samples_per_prompt`` trajectories per
+        update. What the records and the resume table compare; a config file keeps the setting as given
+        (:meth:`to_file`)."""
+        if name == "train.batch_size" and self.train.batch_size is None:
+            return self.rollout.batch_size * self.rollout.n_samples_per_prompt
+        return self[name]
+
     # ------------------------------------------------------------------ flat access
     @property
     def flags(self) -> dict[str, Any]:
@@ -288,8 +302,9 @@ class TrainerConfig(Freezable):
     # ------------------------------------------------------------------ records
     def to_json(self) -> dict[str, Any]:
         """The record written to ``OUTPUT/config.json`` (a dataset or reward function given as a Python
-        object as its description, as in :meth:`to_file`)."""
-        flags = {f.name: file_value(get_path(self, f.attribute), f.objects) for f in FLAGS}
+        object as its description, as in :meth:`to_file`; ``train.batch_size`` as the run uses it, derived
+        when not given: :meth:`value`)."""
+        flags = {f.name: file_value(self.value(f.name), f.objects) for f in FLAGS}
         return thawed({"flags": flags, "inactive": self.inactive, "warnings": self.warnings, "preset": self.preset,
                 "env_kwargs": self.env_kwargs, "rewards": [reward_spec(r) for r in self.rewards],
                 "tokenizer": self.tokenizer,
@@ -404,3 +419,18 @@ def unknown_flag_message(name: str) -> str:
         close = [k for k in known if k.rsplit(".", 1)[-1] in close][:3]
     hint = f"; did you mean {' or '.join('--' + c for c in close)}?" if close else ""
     return f"unknown flag --{name}{hint}"
+
+
+def resolve(given: Mapping[str, Any], preset: Mapping[str, Any] | None = None,
+            file: Mapping[str, Any] | None = None) -> TrainerConfig:
+    """Merge, last wins, the defaults (the sections' fields), ``preset`` (``--preset``, or a ``preset:`` key
+    of the config file), ``file`` (``--config``) and ``given`` (the command line's flags and options), all
+    flat dotted keys (:meth:`TrainerConfig.from_layers`), then check the whole
+    (:func:`flashreinforce.config.checks.validate`).
+
+    Raises:
+        ConfigError: a value this runtime cannot honour or a broken rule, naming the flag(s).
+    """
+    cfg = TrainerConfig.from_layers(given, preset, file)
+    validate(cfg)
+    return cfg

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from flashreinforce.config import ConfigError
-from flashreinforce.config.values import MAX_DEPTH, shown, value_problem
+from flashreinforce.config.schema import MAX_DEPTH, shown, value_problem
 from flashreinforce.envs.base import Environment, StepResult
 
 __all__ = [

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from flashreinforce.config.schema import RETIRED_FLAGS
 from flashreinforce.experiments.launch import (
     LaunchError,
     TrainerTarget,
@@ -161,6 +162,10 @@ def _launch_flags(setting: ResolvedSetting, args: argparse.Namespace, target: Tr
         "ckpt.path": str(output / "state"),
     })
     if target.name == "native":
+        # Molt's flags that this trainer has no setting for, and train.batch_size, which it derives from
+        # rollout.batch_size * rollout.n_samples_per_prompt (the setting's rules hold it equal)
+        for name in (*RETIRED_FLAGS, "train.batch_size"):
+            flags.pop(name, None)
         flags["output"] = str(output)
         if args.resume:
             flags["resume"] = True

@@ -13,10 +13,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
-from flashreinforce.config.rules import rule_violations
-from flashreinforce.objective import LOSS_MODE_REGISTRY, owned_flags
+from flashreinforce.config.checks import run_rules
+from flashreinforce.objective import LOSS_MODE_REGISTRY, loss_mode_config, owned_flags
 
 SETTINGS_DIR = Path(__file__).resolve().parent / "settings"
 _SHARED = "common"
@@ -99,10 +99,36 @@ def load_setting(name: str, variants: Iterable[str] = ()) -> ResolvedSetting:
                            flags=flags, dropped=dropped)
 
 
+def rule_violations(flags: Mapping[str, Any]) -> list[str]:
+    """One message per broken rule of a published setting's flat Molt ``flags`` (empty when all hold).
+
+    The rules every run obeys (:func:`flashreinforce.config.checks.run_rules`, which this project's trainer
+    checks on its typed configuration, with the same messages), with ``train.batch_size`` given; Molt's
+    ``train.force_on_policy``, which the native trainer is by construction; the rules of the selected loss
+    mode (:class:`flashreinforce.objective.LossModeConfig`); and no flag that another loss mode owns.
+    """
+    v = flags
+    errors = run_rules(rollout_batch_size=v["rollout.batch_size"], samples_per_prompt=v["rollout.n_samples_per_prompt"],
+                       train_batch_size=v.get("train.batch_size"), max_epochs=v["train.max_epochs"],
+                       kl_init_coef=v["algo.kl.init_coef"], max_len=v["data.max_len"],
+                       max_new_tokens=v["rollout.max_new_tokens"], derives_batch=False)
+    if v.get("train.force_on_policy") is not True:
+        errors.append("train.force_on_policy must be true")
+    try:
+        mode = loss_mode_config(v["actor.loss_mode"])
+    except ValueError as err:
+        return errors + [str(err)]
+    errors.extend(mode.rule_violations(v))
+    foreign = sorted(flag for flag in owned_flags() if flag in v and flag not in mode.flags)
+    if foreign:
+        errors.append(f"{', '.join(foreign)} have no meaning with actor.loss_mode {mode.name!r}")
+    return errors
+
+
 def check_rules(flags: dict[str, Any], *, where: str = "flags") -> None:
-    """Enforce the rules every published run obeys (:func:`flashreinforce.config.rules.rule_violations`,
-    shared with the native trainer); raise :class:`SettingError` naming the first broken one."""
-    errors = rule_violations(flags, native=False)
+    """Enforce the rules every published run obeys (:func:`rule_violations`, shared with the native
+    trainer); raise :class:`SettingError` naming the first broken one."""
+    errors = rule_violations(flags)
     if errors:
         raise SettingError(f"{where}: {errors[0]}")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from flashreinforce.config.flags import ConfigError
+from flashreinforce.config.schema import ConfigError
 
 __all__ = ["GGUF_INSTALL", "MODEL_ALIASES", "ModelAlias", "TINY_MODELS", "adopt_model", "build_model",
            "checkpoint_directory", "describe_object", "gguf_tokenizer", "load_gguf_model", "require_gguf",

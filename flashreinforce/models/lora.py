@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from flashreinforce.config.flags import ConfigError
+from flashreinforce.config.schema import ConfigError
 
 __all__ = ["DEFAULT_TARGETS", "LoraSettings", "adapter_state", "apply_lora", "base_model_copy", "base_name",
            "copy_sharing_frozen", "frozen_state_names", "has_lora", "is_adapter_name", "load_adapter_dir", "merged_model",

@@ -52,7 +52,7 @@ def run(tmp_path_factory):
     write_tiny_gguf(gguf, seed=6)
     cfg = fr.load_config(None)
     cfg.train.max_steps = 2
-    cfg.rollout.batch_groups = cfg.train.batch_size = 4
+    cfg.rollout.batch_size = 4
     cfg.rollout.max_new_tokens = 4
     cfg.rollout.temperature = 0.9
     cfg.data.max_len = 2048

@@ -41,7 +41,7 @@ def _config(steps=2):
 
     cfg = fr.load_config(None)
     cfg.train.max_steps = steps
-    cfg.rollout.batch_groups = cfg.train.batch_size = 4
+    cfg.rollout.batch_size = 4
     cfg.rollout.max_new_tokens = 4
     cfg.data.max_len = 256
     cfg.eval.steps = 0

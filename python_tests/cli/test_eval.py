@@ -143,7 +143,7 @@ def test_eval_of_a_run_plays_its_heldout_rows_says_what_it_does_and_records_the_
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"say {t}:", "target": t}) + "\n" for t in "abcdefgh" * 5))
     config = fr.TrainerConfig.from_preset("toy", output=str(tmp_path / "run"), progress=False)
-    config.rollout.batch_groups = config.train.batch_size = 8
+    config.rollout.batch_size = 8
     config.train.max_steps, config.eval.num_prompts, config.eval.eval_at_start = 2, 6, False
     fr.train(config, rewards=[says_the_letter], dataset=str(rows))
     split = read_split(tmp_path / "run")

@@ -55,7 +55,7 @@ def test_types_switches_pairs_and_inf():
     assert f["train.max_policy_lag"] is None and f["data.max_samples"] == 5
     # the preset's values, then the command line's
     assert f["rollout.batch_size"] == PRESETS["toy"]["rollout.batch_size"]
-    assert parse("--preset", "toy", "--rollout.batch_size", "8", "--train.batch_size", "8").flags["rollout.batch_size"] == 8
+    assert parse("--preset", "toy", "--rollout.batch_size", "8").flags["rollout.batch_size"] == 8
     assert cfg.explicit == sorted(["actor.flash_no_is", "eval.eval_at_start", "actor.eps_clip_low_high",
                                    "actor.flash_gate_delta", "train.max_policy_lag", "data.max_samples"])
 
@@ -68,8 +68,30 @@ def test_flags_without_effect_are_recorded_as_inactive_with_reasons():
     assert "one optimizer step" in cfg.inactive["train.force_on_policy"]
     assert any("actor.num_gpus_per_node 8" in w for w in cfg.warnings)
     ppo = parse("--preset", "toy", "--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo",
-                "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "4", "--train.batch_size", "64")
+                "--rollout.batch_size", "16", "--rollout.n_samples_per_prompt", "4")
     assert "dropped" in ppo.inactive["actor.flash_gate_delta"]
+
+
+def test_a_retired_molt_flag_is_accepted_with_a_warning_that_says_what_to_use_instead(tmp_path, capsys):
+    """``--rollout.micro_batch_size`` (Molt's rollout forward micro-batch) has no setting here: a published
+    command line or an older run's config file that gives it still resolves, warned, and nothing keeps it."""
+    from flashreinforce.config import read_config_file
+    from flashreinforce.experiments.cli import main as run_experiment
+
+    cfg = parse("--preset", "toy", "--rollout.micro_batch_size", "2")
+    assert any("--rollout.micro_batch_size is ignored" in w and "--train.micro_batch_size" in w for w in cfg.warnings)
+    assert "rollout.micro_batch_size" in cfg.inactive and "rollout.micro_batch_size" not in cfg.flags
+    assert "micro_batch_size" not in cfg.to_file()["rollout"] and not hasattr(cfg.rollout, "micro_batch_size")
+    old = tmp_path / "old.yaml"
+    old.write_text("preset: toy\nrollout: {micro_batch_size: 1, batch_size: 8}\n")
+    assert any("rollout.micro_batch_size" in w for w in parse("--config", str(old)).warnings)
+    assert read_config_file(old)["rollout.micro_batch_size"] == 1
+    # the published launcher does not pass it to this trainer (a Molt checkout's command keeps it)
+    assert run_experiment(["--setting", "r1", "--train-data", "t", "--eval-data", "e", "--dry-run"]) == 0
+    command = capsys.readouterr().out
+    assert "flashreinforce.cli train" in command and "--train.micro_batch_size 1" in command
+    assert "--rollout.micro_batch_size" not in command
+    assert "--rollout.batch_size 128" in command and "--train.batch_size" not in command  # derived by this trainer
 
 
 def test_a_lora_run_at_a_full_fine_tuning_learning_rate_is_warned():
@@ -110,6 +132,7 @@ def test_argparse_level_refusals():
 
 
 def test_every_published_setting_and_variant_parses_and_resolves():
+    from flashreinforce.config.schema import RETIRED_FLAGS
     from flashreinforce.experiments.launch import flag_arguments
     from flashreinforce.experiments.resolve import load_setting, setting_names, variant_names
 
@@ -119,6 +142,9 @@ def test_every_published_setting_and_variant_parses_and_resolves():
             setting = load_setting(name, [variant] if variant else [])
             cfg = parse(*flag_arguments(setting.flags), "--output", "x")
             for key, value in setting.flags.items():
+                if key in RETIRED_FLAGS:  # accepted, warned, not kept
+                    assert key in cfg.inactive, (name, variant, key)
+                    continue
                 got = cfg.flags[key]
                 want = tuple(value) if isinstance(value, list) else value
                 assert got == want or (value is None and got is None), (name, variant, key, got, want)

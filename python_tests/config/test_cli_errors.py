@@ -18,7 +18,7 @@ from flashreinforce.config.presets import PRESETS
 from flashreinforce.envs.base import Environment, StepResult
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--rollout.batch_size", "4", "--train.batch_size", "4", "--rollout.num_workers", "1", "--ckpt.save_steps", "0",
+QUICK = ["--rollout.batch_size", "4", "--rollout.num_workers", "1", "--ckpt.save_steps", "0",
          "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false"]
 
 

@@ -14,7 +14,7 @@ from flashreinforce.config import ConfigError, parse_train_args, read_config_fil
 from flashreinforce.config.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--rollout.batch_size", "8", "--train.batch_size", "8", "--eval.eval_at_start", "false", "--no_progress",
+QUICK = ["--rollout.batch_size", "8", "--eval.eval_at_start", "false", "--no_progress",
          "--ckpt.save_steps", "1"]
 
 
@@ -44,7 +44,7 @@ env:
     assert cfg.train.micro_batch_trajectories == 2            # the flag over the file
     assert cfg.actor.adam.lr == 2e-4 and cfg.logger.logging_steps == 3
     assert cfg.env_kwargs == {"alphabet": "abc", "turns": 1}
-    assert cfg.rollout.batch_groups == PRESETS["toy"]["rollout.batch_size"]  # the preset under the file
+    assert cfg.rollout.batch_size == PRESETS["toy"]["rollout.batch_size"]  # the preset under the file
     assert parse("--config", str(cfg_file), "--preset", "toy_multiturn", "--output", "x").preset == "toy_multiturn"
 
 

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from flashreinforce.config import ConfigError, resolve
-from flashreinforce.config.rules import rule_violations
 from flashreinforce.experiments import SettingError, check_rules, load_setting
+from flashreinforce.experiments.resolve import rule_violations
 
 
 @pytest.mark.parametrize("change", [
@@ -22,7 +22,7 @@ from flashreinforce.experiments import SettingError, check_rules, load_setting
 ])
 def test_trainer_and_published_settings_report_the_same_broken_rule(change):
     published = {**load_setting("qwen_math").flags, **change}
-    expected = rule_violations(published, native=False)
+    expected = rule_violations(published)
     assert len(expected) == 1, expected
     with pytest.raises(SettingError) as setting_err:
         check_rules(published)
@@ -40,4 +40,4 @@ def test_the_published_settings_pass_the_trainer_rules():
     for name in setting_names():
         for variants in [[]] + [[v] for v in variant_names(name)]:
             flags = load_setting(name, variants).flags
-            assert rule_violations(flags, native=False) == [], (name, variants)
+            assert rule_violations(flags) == [], (name, variants)

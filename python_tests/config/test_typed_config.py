@@ -12,7 +12,7 @@ import pytest
 
 from flashreinforce.config import FLAGS, ConfigError, TrainerConfig, build_parser, parse_train_args, validate
 from flashreinforce.config.presets import PRESETS
-from flashreinforce.config.flags import FLAG_BY_NAME as FLAGS_BY_NAME
+from flashreinforce.config.trainer_config import FLAG_BY_NAME as FLAGS_BY_NAME
 from flashreinforce.config.schema import KINDS, get_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,20 +92,45 @@ def test_one_loss_options_type_from_the_flags_to_the_op():
 def test_a_flag_keeps_its_published_spelling_and_its_field_says_what_it_is():
     from flashreinforce.config.schema import FLAG_SPELLINGS
 
-    cfg = parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8", "--train.batch_size", "8",
+    cfg = parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8",
                             "--train.micro_batch_size", "2", "--rollout.vllm_generate_batch_size", "4",
                             "--fsdp.packing_samples", "false"], PRESETS)
-    assert (cfg.rollout.batch_groups, cfg.train.micro_batch_trajectories, cfg.rollout.episodes_per_call,
+    assert (cfg.rollout.batch_size, cfg.train.micro_batch_trajectories, cfg.rollout.episodes_per_call,
             cfg.fsdp.packed_forward) == (8, 2, 4, False)
-    assert cfg["rollout.batch_size"] == 8 and cfg.flags["fsdp.packing_samples"] is False
-    assert cfg.to_file()["rollout"]["batch_size"] == 8 and "batch_groups" not in cfg.to_file()["rollout"]
+    assert cfg["train.micro_batch_size"] == 2 and cfg.flags["fsdp.packing_samples"] is False
+    assert cfg.to_file()["train"]["micro_batch_size"] == 2 and "micro_batch_trajectories" not in cfg.to_file()["train"]
     for flag, field in FLAG_SPELLINGS.items():
         assert FLAGS_BY_NAME[flag].attribute == field and field not in FLAGS_BY_NAME
     # the published spelling set as a Python field would be ignored: refused, naming the field
-    cfg.rollout.batch_size = 4
-    with pytest.raises(ConfigError, match=r"config\.rollout\.batch_size is not a field: the flag --rollout\.batch_size "
-                                          r"is config\.rollout\.batch_groups"):
+    cfg.train.micro_batch_size = 4
+    with pytest.raises(ConfigError, match=r"config\.train\.micro_batch_size is not a field: the flag "
+                                          r"--train\.micro_batch_size is config\.train\.micro_batch_trajectories"):
         validate(cfg)
+
+
+def test_train_batch_size_is_derived_from_the_rollout_batch_unless_given():
+    """``--rollout.batch_size`` alone sets the batch; ``train.batch_size`` (trajectories per update) is
+    derived from it, recorded as the run uses it; one given unequal to the product is refused naming
+    both flags."""
+    cfg = parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8"], PRESETS)
+    assert cfg.train.batch_size is None and cfg.value("train.batch_size") == 8
+    assert cfg.to_json()["flags"]["train.batch_size"] == 8 and cfg.to_file()["train"]["batch_size"] is None
+    grouped = parse_train_args(["--preset", "toy", "--output", "x", "--actor.loss_mode", "ppo",
+                                "--algo.advantage.estimator", "grpo", "--rollout.batch_size", "4",
+                                "--rollout.n_samples_per_prompt", "3"], PRESETS)
+    assert grouped.value("train.batch_size") == 12
+    given = parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8", "--train.batch_size",
+                              "8"], PRESETS)  # a published launcher's form: accepted when it agrees
+    assert given.train.batch_size == 8 and given.value("train.batch_size") == 8
+    with pytest.raises(ConfigError, match=r"train\.batch_size \(16\) must equal rollout\.batch_size \(8\) \* "
+                                          r"rollout\.n_samples_per_prompt \(1\): leave --train\.batch_size out"):
+        parse_train_args(["--preset", "toy", "--output", "x", "--rollout.batch_size", "8", "--train.batch_size", "16"],
+                         PRESETS)
+    # from Python: changing the rollout batch of a validated configuration carries the derived value along
+    copy = cfg.copy()
+    copy.rollout.batch_size = 4
+    validate(copy)
+    assert copy.value("train.batch_size") == 4
 
 
 def test_each_loss_option_has_one_default_from_the_flag_to_the_kernel():

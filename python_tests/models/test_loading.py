@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from flashreinforce.config.flags import ConfigError
+from flashreinforce.config.schema import ConfigError
 from flashreinforce.models.loading import MODEL_ALIASES, build_model, resolve_model_spec, run_checkpoint
 from flashreinforce.models.tokenizers import HFTokenizer, load_tokenizer
 

@@ -18,7 +18,7 @@ sys.modules["flashreinforce.objective"] = planted
 exec(compile(source.replace(anchor, field + anchor), planted.__file__, "exec"), planted.__dict__)
 
 from flashreinforce.config import TrainerConfig
-from flashreinforce.config.resume import LOCKED
+from flashreinforce.config.files import LOCKED
 from flashreinforce.config.trainer_config import FLAG_BY_NAME
 from flashreinforce.ops import contract, reference
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 # The flag's parser lives with the flags (the configuration checks it without importing this package).
-from flashreinforce.config.resolution import parse_worker_resources
+from flashreinforce.config.checks import parse_worker_resources
 
 __all__ = ["STRATEGIES", "WorkerPlacement", "describe_nodes", "parse_worker_resources"]
 

@@ -288,7 +288,7 @@ class MetricsLog:
 def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: int) -> MetricsLog:
     """The :class:`MetricsLog` of a run with the observers its ``logger.*`` flags turn on.
 
-    ``cfg``: the :class:`~flashreinforce.config.ResolvedConfig`; ``initial``: the step the run
+    ``cfg``: the :class:`~flashreinforce.config.TrainerConfig`; ``initial``: the step the run
     starts (or resumes) from. Raises ``ImportError`` naming the install line when a tracker's
     package is missing.
     """

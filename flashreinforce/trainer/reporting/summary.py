@@ -32,7 +32,7 @@ __all__ = ["SUMMARY_FILE", "config_hash", "software_versions", "write_run_summar
 
 SUMMARY_FILE = "summary.json"
 
-#: ResolvedConfig.to_json() keys that define what a run computes (not where or how fast it goes).
+#: TrainerConfig.to_json() keys that define what a run computes (not where or how fast it goes).
 _HASHED = ("flags", "preset", "env_kwargs", "tokenizer", "seed")
 #: Flags that only move outputs or change reporting.
 _NOT_HASHED_FLAG_PREFIXES = ("logger.", "ckpt.path", "ckpt.output_dir", "ckpt.save_steps", "ckpt.max_ckpt_num")
@@ -40,7 +40,7 @@ _NOT_HASHED_FLAG_PREFIXES = ("logger.", "ckpt.path", "ckpt.output_dir", "ckpt.sa
 
 def config_hash(config: Mapping[str, Any]) -> str:
     """First 16 hex digits of the SHA-256 of the run-defining part of ``config`` (a
-    ``ResolvedConfig.to_json()`` dict): flags (not output paths, checkpoint cadence or logging),
+    ``TrainerConfig.to_json()`` dict): flags (not output paths, checkpoint cadence or logging),
     preset, environment arguments, tokenizer, seed."""
     defining = {k: config.get(k) for k in _HASHED}
     flags = defining.get("flags")
@@ -127,7 +127,7 @@ def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str
                       warn_no_tool_calls_steps: int = 0) -> Path:
     """Write ``OUT/summary.json`` (see the module docstring); returns its path.
 
-    ``config``: ``ResolvedConfig.to_json()``. ``training_wall_s``: wall-clock seconds of the update
+    ``config``: ``TrainerConfig.to_json()``. ``training_wall_s``: wall-clock seconds of the update
     loops over every session (evaluations and checkpoint saves inside them included);
     ``train_time_s``: the same without them (the clock of ``train.max_minutes``). ``session_started``:
     this session's start (``time.time()``). ``resumed``: keep the earlier sessions of an existing

@@ -18,10 +18,10 @@ from typing import Any, Callable
 
 import torch
 
-from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config import ConfigError, TrainerConfig
 from flashreinforce.config.schema import thawed
 from flashreinforce.config.sections import ENGINE_SECTIONS
-from flashreinforce.config.values import shown
+from flashreinforce.config.schema import shown
 from flashreinforce.dtypes import canonical_dtype, resolve_auto_dtype, resolve_dtype
 from flashreinforce.engines import EngineRun, SamplingParams, engine_kind
 from flashreinforce.envs.base import Environment, resolve_max_turns
@@ -73,7 +73,7 @@ class Policy:
     inactive: dict[str, str] = field(default_factory=dict)
 
 
-def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None, tokenizer: Any = None) -> Policy:
+def load_policy(cfg: TrainerConfig, device: torch.device, *, model: Any = None, tokenizer: Any = None) -> Policy:
     """Build the model named by ``actor.model_name_or_path`` and the tokenizer that goes with it
     (``--tokenizer`` overrides), with the chat template applied when ``data.apply_chat_template``.
     ``model`` / ``tokenizer``: objects given in Python (``flashreinforce.train``) used instead."""
@@ -125,7 +125,7 @@ def load_policy(cfg: ResolvedConfig, device: torch.device, *, model: Any = None,
     return Policy(model, tokenizer, env_renders, inactive)
 
 
-def lora_settings(cfg: ResolvedConfig) -> LoraSettings:
+def lora_settings(cfg: TrainerConfig) -> LoraSettings:
     """The ``lora`` section as :class:`~flashreinforce.models.lora.LoraSettings` (rank 0: no LoRA)."""
     targets = tuple(t.strip() for t in str(cfg.lora.target_modules).split(","))
     return LoraSettings(rank=cfg.lora.rank, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout, target_modules=targets,
@@ -146,7 +146,7 @@ class RunEnvironments:
     eval_rows: tuple[int, ...] | None = None
 
 
-def episode_turn_limit(cfg: ResolvedConfig, env_cls: type, env_kwargs: dict[str, Any]) -> int:
+def episode_turn_limit(cfg: TrainerConfig, env_cls: type, env_kwargs: dict[str, Any]) -> int:
     """The run's turn limit (``rollout.max_turns``, else ``$MAX_AGENT_TURNS``, else the environment's
     ``default_max_turns``), also handed to the environment as ``max_turns`` when its constructor
     takes it and ``--env.kwargs`` does not set it, so the rollout's cap and the environment's own
@@ -164,7 +164,7 @@ def episode_turn_limit(cfg: ResolvedConfig, env_cls: type, env_kwargs: dict[str,
     return turns
 
 
-def load_environments(cfg: ResolvedConfig, policy: Policy) -> RunEnvironments:
+def load_environments(cfg: TrainerConfig, policy: Policy) -> RunEnvironments:
     """The environments ``train.agent_path`` names, probed once for the size of their prompt set."""
     spec = cfg.train.agent_path
     if spec is None:
@@ -208,7 +208,7 @@ def _evaluation_rows(env: Environment) -> tuple[int, ...] | None:
     return None
 
 
-def settled_config(cfg: ResolvedConfig, policy: Policy, envs: RunEnvironments) -> ResolvedConfig:
+def settled_config(cfg: TrainerConfig, policy: Policy, envs: RunEnvironments) -> TrainerConfig:
     """The run's configuration once its parts are loaded, as a new object (``cfg`` is left as it is):
     ``rollout.max_turns`` the environments' turn limit, the policy's notes on flags it makes moot, and
     without the warnings the environments make moot."""
@@ -219,7 +219,7 @@ def settled_config(cfg: ResolvedConfig, policy: Policy, envs: RunEnvironments) -
     return settled.freeze() if cfg.frozen else settled
 
 
-def _reward_functions(cfg: ResolvedConfig) -> list:
+def _reward_functions(cfg: TrainerConfig) -> list:
     """``--reward`` specs (or the Python API's functions), each checked now: a spec that names nothing
     usable is a :class:`ConfigError`, not a failed episode per prompt."""
     from flashreinforce.envs.rewards import RewardSpecError, load_reward
@@ -235,7 +235,7 @@ def _reward_functions(cfg: ResolvedConfig) -> list:
     return list(cfg.rewards)
 
 
-def _moot_kwargs_warnings(cfg: ResolvedConfig, env_cls: type) -> tuple[str, ...]:
+def _moot_kwargs_warnings(cfg: TrainerConfig, env_cls: type) -> tuple[str, ...]:
     """The warning that a preset's ``env.kwargs`` were dropped with its environment matters only when the
     replacing environment could have taken some of them; otherwise it is moot (it stays a note in
     ``inactive``)."""
@@ -251,7 +251,7 @@ def _moot_kwargs_warnings(cfg: ResolvedConfig, env_cls: type) -> tuple[str, ...]
     return ()
 
 
-def eval_environments(cfg: ResolvedConfig, envs: RunEnvironments, tokenizer) -> RunEnvironments:
+def eval_environments(cfg: TrainerConfig, envs: RunEnvironments, tokenizer) -> RunEnvironments:
     """The evaluation environments: ``eval.dataset`` rows when given, else the training ones."""
     if not cfg.eval.dataset:
         return envs
@@ -265,7 +265,7 @@ def eval_environments(cfg: ResolvedConfig, envs: RunEnvironments, tokenizer) -> 
     return RunEnvironments(spec, factory, prompts, envs.max_turns, envs.moot_warnings)
 
 
-def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
+def total_updates(cfg: TrainerConfig, prompts: int | None) -> int:
     """``train.max_steps``, or the updates of ``train.num_episodes`` passes over a finite prompt set."""
     steps = cfg.train.max_steps
     if steps:
@@ -273,14 +273,14 @@ def total_updates(cfg: ResolvedConfig, prompts: int | None) -> int:
     if prompts is None:
         raise ConfigError(f"--train.max_steps {steps} means train.num_episodes passes over a finite prompt set, but "
                           "this environment has no finite prompt set (endless seeds): give --train.max_steps N > 0")
-    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_groups
+    steps = cfg.train.num_episodes * prompts // cfg.rollout.batch_size
     if steps <= 0:
         raise ConfigError(f"train.num_episodes {cfg.train.num_episodes} passes over {prompts} prompts "
-                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_groups}")
+                          f"make no full batch of rollout.batch_size {cfg.rollout.batch_size}")
     return int(steps)
 
 
-def learner_settings(cfg: ResolvedConfig, total_steps: int, device: torch.device | str = "cpu") -> LearnerSettings:
+def learner_settings(cfg: TrainerConfig, total_steps: int, device: torch.device | str = "cpu") -> LearnerSettings:
     """The learner's settings from the ``actor``, ``algo``, ``train``, ``rollout`` and ``fsdp`` sections
     (``fsdp.param_dtype auto`` decided for ``device``)."""
     a = cfg.actor
@@ -295,14 +295,14 @@ def learner_settings(cfg: ResolvedConfig, total_steps: int, device: torch.device
         peak_tflops=cfg.train.peak_tflops, head_operand_dtype=cfg.train.head_operand_dtype)
 
 
-def sampling_params(cfg: ResolvedConfig, tokenizer, *, evaluation: bool = False) -> SamplingParams:
+def sampling_params(cfg: TrainerConfig, tokenizer, *, evaluation: bool = False) -> SamplingParams:
     """Sampling of the rollouts (``rollout``) or of the evaluation (``eval``), stopping at the
     tokenizer's end-of-sequence tokens."""
     section = cfg.eval if evaluation else cfg.rollout
     return SamplingParams(section.temperature, section.top_p, cfg.rollout.top_k, tokenizer.eos_token_ids)
 
 
-def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettings:
+def rollout_settings(cfg: TrainerConfig, tokenizer, seed: int) -> RolloutSettings:
     """How workers roll out: lengths, turns, sampling, episodes per engine call."""
     return RolloutSettings(max_new_tokens=cfg.rollout.max_new_tokens, max_len=cfg.data.max_len,
                            max_turns=cfg.rollout.max_turns, sampling=sampling_params(cfg, tokenizer),
@@ -315,7 +315,7 @@ def rollout_settings(cfg: ResolvedConfig, tokenizer, seed: int) -> RolloutSettin
                            agent_sampling=cfg.rollout.agent_sampling)
 
 
-def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str:
+def engine_dtype(cfg: TrainerConfig, device: torch.device | str = "cpu") -> str:
     """The rollout engines' weight dtype: ``rollout.engine_dtype``, where ``auto`` is the learner's
     resolved ``fsdp.param_dtype``."""
     if cfg.rollout.engine_dtype != "auto":
@@ -323,7 +323,7 @@ def engine_dtype(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> str
     return resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype")
 
 
-def engine_run(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> EngineRun:
+def engine_run(cfg: TrainerConfig, seed: int, device: torch.device | str = "cpu") -> EngineRun:
     """What the run hands the selected engine kind (the boundary between the configuration and the
     engines): the run-wide values engines use, and the values of the engine's own flag section."""
     section = ENGINE_SECTIONS.get(cfg.rollout.engine)
@@ -333,7 +333,7 @@ def engine_run(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu
                      inflight_check_tokens=cfg.rollout.inflight_check_tokens, section=values)
 
 
-def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = "cpu") -> Any:
+def engine_options(cfg: TrainerConfig, seed: int, device: torch.device | str = "cpu") -> Any:
     """The rollout engine's typed options (its kind's ``options_type``, built from :func:`engine_run`),
     with the policy's LoRA settings (``lora``) when it trains adapters."""
     kind = engine_kind(cfg.rollout.engine)
@@ -349,7 +349,7 @@ def engine_options(cfg: ResolvedConfig, seed: int, device: torch.device | str = 
     return options
 
 
-def dtype_notes(cfg: ResolvedConfig, device: torch.device | str = "cpu") -> list[str]:
+def dtype_notes(cfg: TrainerConfig, device: torch.device | str = "cpu") -> list[str]:
     """One line for each dtype option left at ``auto``, saying what it became here and why."""
     notes = []
     kind = torch.device(device).type

@@ -1,6 +1,6 @@
 """The training loop of an asynchronous FlashREINFORCE run.
 
-:class:`Trainer` wires the parts together from a :class:`~flashreinforce.config.ResolvedConfig`
+:class:`Trainer` wires the parts together from a :class:`~flashreinforce.config.TrainerConfig`
 (each built by its own module):
 
 * the policy, its tokenizer and the environments (:mod:`.components`);
@@ -40,9 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flashreinforce.config import ConfigError, ResolvedConfig, write_config_file
-from flashreinforce.config.paths import absolute_paths
-from flashreinforce.config.resume import recorded_settings, review, settings_config
+from flashreinforce.config import ConfigError, TrainerConfig, write_config_file
+from flashreinforce.config.files import absolute_paths, recorded_settings, review, settings_config
 from flashreinforce.trainer.run import components
 from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
                                                             existing_run_files, learner_state_to_restore,
@@ -79,7 +78,7 @@ LARGE_REWARD = 1e6
 class Trainer:
     """One training run. ``run()`` returns a summary dict; see the module docstring."""
 
-    def __init__(self, cfg: ResolvedConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = (),
+    def __init__(self, cfg: TrainerConfig, *, model: Any = None, tokenizer: Any = None, callbacks: Any = (),
                  scale_out: ScaleOut | None = None) -> None:
         """``model`` / ``tokenizer``: objects given in Python in place of ``--model`` / ``--tokenizer``;
         ``callbacks``: see :mod:`.callbacks`; ``scale_out``: the Ray rollout side and the torchrun
@@ -186,7 +185,7 @@ class Trainer:
         log.info("resumed from %s at step %d (policy version %d)", point.path, self.step, self.learner.version)
 
     def _review_settings(self, point: ResumePoint) -> None:
-        """The resume table (:mod:`flashreinforce.config.resume`) against the settings the checkpoint
+        """The resume table (:mod:`flashreinforce.config.files`) against the settings the checkpoint
         recorded (a checkpoint written before checkpoints held them: against ``config.json``)."""
         recorded = point.state.get("run_settings")
         source = f"{point.path / 'state.json'} run_settings"

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config import ConfigError, TrainerConfig
 from flashreinforce.config.trainer_config import AGENT_ENVIRONMENT
 
 __all__ = ["check_before_model", "check_rollout_engine"]
 
 
-def check_rollout_engine(cfg: ResolvedConfig) -> None:
+def check_rollout_engine(cfg: TrainerConfig) -> None:
     """Raise :class:`ConfigError` naming ``--rollout.engine`` when its engine cannot run here (vLLM
     not installed, or installed in a way that does not load): training checks it before the model
     loads (``flashreinforce eval`` samples with the hf engine and does not)."""
@@ -30,7 +30,7 @@ def check_rollout_engine(cfg: ResolvedConfig) -> None:
         raise ConfigError(f"--rollout.engine {cfg.rollout.engine}: {err}") from None
 
 
-def check_before_model(cfg: ResolvedConfig, *, ckpt_dir: str | Path | None = None, model_given: bool = False) -> None:
+def check_before_model(cfg: TrainerConfig, *, ckpt_dir: str | Path | None = None, model_given: bool = False) -> None:
     """Raise :class:`ConfigError` (one line naming the flag) for the first problem found in ``cfg``
     that does not need the model: the environment (importable), the reward functions (their files
     and functions), ``data.prompt_dataset`` and ``eval.dataset`` (read, as the run reads them: the

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from flashreinforce.config import ConfigError, ResolvedConfig
+from flashreinforce.config import ConfigError, TrainerConfig
 from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine, engine_kind
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
@@ -44,7 +44,7 @@ class RolloutSide:
     ray: Any = None
     scale_out: ScaleOut | None = None
 
-    def make_workers(self, cfg: ResolvedConfig, *, learner: PolicyLearner, model_config, tokenizer,
+    def make_workers(self, cfg: TrainerConfig, *, learner: PolicyLearner, model_config, tokenizer,
                      env_spec: EnvSpec, env_factory: Callable[[], Environment], settings: RolloutSettings,
                      engine_options: Any, device: torch.device,
                      torch_threads: int | None) -> RolloutBackend:
@@ -85,14 +85,14 @@ class RolloutSide:
             ray.close()
 
 
-def start_rollout_side(cfg: ResolvedConfig, *, num_prompts: int | None, vocab_size: int,
+def start_rollout_side(cfg: TrainerConfig, *, num_prompts: int | None, vocab_size: int,
                        seed: int, exclude: Sequence[int] = (), scale_out: ScaleOut | None = None) -> RolloutSide:
     """The buffer (``rollout.batch_size`` groups of ``rollout.n_samples_per_prompt`` per batch,
     ``train.async_queue_size`` batches ahead, or ``train.fixed_policy_lag``; ``train.max_policy_lag``) over the
     shuffled prompt
     stream (without the held-out rows ``exclude``), and the weight store, on the configured backend
     (``ray``: built by ``scale_out``)."""
-    buffer_kwargs = dict(batch_groups=cfg.rollout.batch_groups, group_size=cfg.rollout.n_samples_per_prompt,
+    buffer_kwargs = dict(batch_groups=cfg.rollout.batch_size, group_size=cfg.rollout.n_samples_per_prompt,
                          async_queue_size=cfg.train.batches_ahead, max_policy_lag=cfg.train.max_policy_lag,
                          vocab_size=vocab_size)
     prompt_kwargs = dict(num_prompts=num_prompts, seed=seed, exclude=list(exclude))

@@ -16,11 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashreinforce.config import ConfigError, parse_train_args, write_config_file
-from flashreinforce.config.flags import FLAGS
-from flashreinforce.config.paths import absolute_paths
+from flashreinforce.config import FLAGS, ConfigError, parse_train_args, write_config_file
+from flashreinforce.config.files import LOCKED, RUN_SETTINGS, absolute_paths, rule
 from flashreinforce.config.presets import PRESETS
-from flashreinforce.config.resume import LOCKED, RUN_SETTINGS, rule
 from flashreinforce.trainer.rollout.buffer import PromptStream
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
 from flashreinforce.trainer.persistence.run_history import HistoryRecord, trim_history
@@ -235,7 +233,7 @@ def test_a_resumed_run_keeps_its_files_and_takes_a_new_learning_rate(tmp_path):
         (folder / "rewards.py").write_text(_REWARDS.format(value=value))
         (folder / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"say {c}:"}) + "\n" for c in "abcdefgh"))
     out = tmp_path / "run"
-    common = ["--preset", "toy", "--rollout.batch_size", "8", "--train.batch_size", "8", "--eval.eval_at_start",
+    common = ["--preset", "toy", "--rollout.batch_size", "8", "--eval.eval_at_start",
               "false", "--no_progress", "--ckpt.save_steps", "1", "--actor.lr_scheduler", "constant"]
     started = _cli(*common, "--data.prompt_dataset", "rows.jsonl", "--reward", "rewards.py:score", "--output", str(out),
                    "--train.max_steps", "2", cwd=first)

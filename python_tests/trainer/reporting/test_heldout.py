@@ -22,7 +22,7 @@ def first_letter(prompt, completion, target, **row):
 
 def _config(tmp_path, name, *, steps=3, evals=True):
     config = fr.TrainerConfig.from_preset("toy", output=str(tmp_path / name), progress=False)
-    config.rollout.batch_groups = config.train.batch_size = 8
+    config.rollout.batch_size = 8
     config.train.max_steps = steps
     config.eval.steps = 1 if evals else 0
     config.eval.eval_at_start = evals

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from flashreinforce.objective import LossOptions
-from flashreinforce.config.resolution import resolve
+from flashreinforce.config import resolve
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.reporting.diagnostics import (ToolUseWatch, ZeroSignalWatch, has_reward_signal,
                                                           tool_use_warnings)

@@ -8,7 +8,7 @@ from flashreinforce.config import parse_train_args
 from flashreinforce.config.presets import PRESETS
 from flashreinforce.trainer import Trainer
 
-BASE = ["--preset", "toy", "--rollout.batch_size", "8", "--train.batch_size", "8", "--train.max_steps", "3",
+BASE = ["--preset", "toy", "--rollout.batch_size", "8", "--train.max_steps", "3",
         "--rollout.num_workers", "1", "--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false",
         "--ckpt.save_steps", "0"]
 
@@ -34,7 +34,7 @@ MODES = {
 def test_mode_runs_end_to_end(mode, tmp_path):
     cfg = parse_train_args(BASE + MODES[mode] + ["--output", str(tmp_path)], PRESETS)
     if mode.startswith("grpo"):
-        assert cfg.flags["train.batch_size"] == 8
+        assert cfg.value("train.batch_size") == 8  # derived: 2 prompts * 4 samples
     summary = Trainer(cfg).run()
     assert summary["status"] == "completed" and summary["step"] == 3
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
