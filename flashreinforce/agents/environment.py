@@ -9,10 +9,11 @@ reward: a number, or a dict ``{"reward": number, "failed": bool (optional), "inf
 (optional)}``. An ``async def`` function gets an ``openai.AsyncOpenAI`` client. A function that takes
 a ``base_url`` parameter also gets the URL (for frameworks that build their own client).
 
-This module holds what the environments layer knows of an agent: the function (loaded from its
-spec), the rows, the endpoint's options and the check of what the function returned. The episodes
-are run by :class:`flashreinforce.trainer.rollout.agent_worker.AgentRolloutWorker`, which serves the calls
-with the worker's engine (:mod:`flashreinforce.agents`).
+This module holds what an environment knows of an agent: the function (loaded from its spec), the
+rows, the endpoint's options and the check of what the function returned; it is ``--env agent`` in the
+environment registry, and imports no torch and nothing of the trainer. The episodes are run by
+:class:`flashreinforce.agents.worker.AgentRolloutWorker` (the rollout worker kind ``"agent"`` this class
+names), which serves the calls with the worker's engine.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ class AgentEnvironment(TaskEnvironment):
     """
 
     default_max_turns = 8  # model calls: tool use, not a long dialogue (--rollout.max_turns)
+    rollout_worker = "agent"  # played by flashreinforce.agents.worker (trainer.rollout.worker_kinds)
     uses_label = False  # the label is one more field of the row
     needs_dataset = False  # without one, each episode's row is {"seed": SEED}
 
