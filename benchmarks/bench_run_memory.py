@@ -8,7 +8,7 @@ phase: loading the policy, building the learner, each evaluation, starting the r
 learner update, the export. ``tracemalloc`` cannot see PyTorch's tensors; the resident set can.
 
     python benchmarks/bench_run_memory.py --output runs/mem '{"preset": "agent",
-        "agent": "flashreinforce.agents.arith_tool:agent", "lora.rank": 16, "actor.adam.lr": 2e-4,
+        "agent": "flashreinforce.agents.arith_calculator:agent", "lora.rank": 16, "actor.adam.lr": 2e-4,
         "train.max_steps": 2, "eval.num_prompts": 16, "ckpt.save_steps": 0}'
     MALLOC_MMAP_THRESHOLD_=2097152 python benchmarks/bench_run_memory.py ...   # glibc gives freed blocks back
 

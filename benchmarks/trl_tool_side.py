@@ -4,7 +4,7 @@ r"""TRL's side of the ``arith_tool`` race: GRPOTrainer on the multi-turn Python-
     python benchmarks/trl_tool_side.py --output runs/trl_tool --budget-min 30
     python benchmarks/trl_tool_side.py --output runs/trl_tool_check --budget-min 1 --eval-prompts 16   # a check
 
-The episodes are :class:`flashreinforce.envs.arith_tool.ArithToolEnv`'s: the system prompt, the worked
+The episodes are :class:`flashreinforce.envs.arith_python_tool.ArithToolEnv`'s: the system prompt, the worked
 demonstration and the problem in the model's chat template; the policy may write one ```` ```python ````
 block (the turn ends at its closing fence), the sandbox's output comes back as the next user turn, and a
 ``\boxed{}`` answer ends the episode, graded with math-verify; at most 3 policy turns.

@@ -135,7 +135,7 @@ def train(config: TrainerConfig | str | os.PathLike | Mapping[str, Any] | None =
     if agent is not None:
         if env is not None or rewards is not None:
             raise ConfigError("train(): give agent, env or rewards, not several (the agent's return value is the reward)")
-        from flashreinforce.envs.agent_env import agent_spec
+        from flashreinforce.agents.environment import agent_spec
 
         cfg.train.agent_path = AGENT_ENVIRONMENT
         cfg.env_kwargs = {**(cfg.env_kwargs if "env_kwargs" in run_options else {}), "agent": agent_spec(agent)}

@@ -146,7 +146,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data.max_len": 96,
         "actor.adam.lr": 1e-5,
     },
-    # SmolLM2-135M-Instruct with a sandboxed Python tool (flashreinforce.envs.arith_tool) on problems it
+    # SmolLM2-135M-Instruct with a sandboxed Python tool (flashreinforce.envs.arith_python_tool) on problems it
     # cannot do in its head: two-digit products, three-digit sums and differences, remainders. At most 3
     # policy turns (code, then the answer); a turn ends at its first code block or box. The dataset route:
     # --data.prompt_dataset FILE.jsonl (prompt + reward_model.ground_truth rows) with the same protocol.
@@ -154,7 +154,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "arith_tool": {
         **_SMOLLM2_CPU,
         "model": "smollm2-135m-instruct",
-        "env": "flashreinforce.envs.arith_tool:ArithToolEnv",
+        "env": "flashreinforce.envs.arith_python_tool:ArithToolEnv",
         "env.kwargs": {"heldout_size": 256, "sandbox_options": {"timeout_s": 5.0}},
         "rollout.max_new_tokens": 48,
         "rollout.max_turns": 3,
@@ -162,13 +162,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout.env_timeout_s": 30.0,
         "actor.adam.lr": 2e-5,
     },
-    # The same task as an agent written against the OpenAI chat API (flashreinforce.agents.arith_tool): a
+    # The same task as an agent written against the OpenAI chat API (flashreinforce.agents.arith_calculator): a
     # calculator declared in tools=, called through tool_calls, at most 3 model calls, three worked episodes before
     # the problem. Measured (one seed, 10 training minutes): held-out greedy accuracy 0.83 -> 0.98, calculator calls
     # per sampled episode 0.38 -> 1.00 (docs/results.md).
     "arith_tool_agent": {
         **_AGENT_CPU,
-        "agent": "flashreinforce.agents.arith_tool:agent",
+        "agent": "flashreinforce.agents.arith_calculator:agent",
         "rollout.max_turns": 3,
     },
     # An agent function of your own (--agent FILE.py:FUNC, rows from --data.prompt_dataset or {"seed": SEED})

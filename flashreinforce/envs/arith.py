@@ -87,7 +87,7 @@ class ArithProblem:
             return self.a - self.b
         if self.op == "*":
             return self.a * self.b
-        if self.op == "%":  # the remainder of a divided by b (flashreinforce.envs.arith_tool)
+        if self.op == "%":  # the remainder of a divided by b (flashreinforce.envs.arith_python_tool)
             return self.a % self.b
         q = Fraction(self.a, self.b)
         if q.denominator != 1:

@@ -71,6 +71,9 @@ class Environment(abc.ABC):
     #: ``rollout.env_parallel_calls``). ``False`` for an engine with process-wide state: the worker then
     #: calls its instances one after another.
     parallel_calls: ClassVar[bool] = True
+    #: The kind of rollout worker that plays this class's episodes (a name of
+    #: ``flashreinforce.trainer.rollout.worker_kinds.WORKER_REGISTRY``); None: the trainer's plain worker.
+    rollout_worker: ClassVar[str | None] = None
 
     @abc.abstractmethod
     def reset(self, *, seed: int) -> str:

@@ -70,7 +70,7 @@ SHIPPED_ENVIRONMENTS: dict[str, str] = {
     # Plain reward functions over a prompt dataset (--reward MODULE:FUNC chooses it).
     "reward_functions": "flashreinforce.envs.rewards",
     # An agent function written against the OpenAI chat API (--agent FILE.py:FUNC chooses it).
-    "agent": "flashreinforce.envs.agent_env",
+    "agent": "flashreinforce.agents.environment",
 }
 #: The former name of :data:`SHIPPED_ENVIRONMENTS` (its keys are the shipped names).
 BUILTIN_ENVIRONMENTS = SHIPPED_ENVIRONMENTS

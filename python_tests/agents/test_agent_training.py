@@ -85,7 +85,7 @@ def test_a_bad_agent_spec_is_one_line_naming_the_flag(tmp_path, gguf_path):
 def test_a_missing_agent_package_is_named_before_the_model_loads(monkeypatch):
     from flashreinforce.trainer.run.prechecks import check_before_model
 
-    cfg = TrainerConfig.from_layers({"agent": "flashreinforce.agents.arith_tool:agent", "model": "tiny-qwen2"})
+    cfg = TrainerConfig.from_layers({"agent": "flashreinforce.agents.arith_calculator:agent", "model": "tiny-qwen2"})
     check_before_model(cfg)  # everything there
     monkeypatch.setitem(sys.modules, "openai", None)  # import openai raises ImportError
     with pytest.raises(ConfigError, match=r"^--agent: the agent endpoint needs openai: pip install -e '\.\[agents\]'"):
@@ -155,3 +155,13 @@ def test_a_run_that_cannot_train_stops_in_its_first_batch_with_one_line(tmp_path
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 1, out.stderr[-2000:]
     assert re.search(line, out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]
+
+
+def test_the_preset_s_agent_loads_and_its_former_module_path_still_imports_it():
+    from flashreinforce.agents import arith_calculator, arith_tool
+    from flashreinforce.agents.environment import load_agent
+    from flashreinforce.config.presets import PRESETS
+
+    assert load_agent(PRESETS["arith_tool_agent"]["agent"]) is arith_calculator.agent
+    assert load_agent("flashreinforce.agents.arith_tool:agent") is arith_calculator.agent  # recorded by older runs
+    assert arith_tool.calculate is arith_calculator.calculate and arith_tool.calculate("12 * (3 + 4)") == "84"

@@ -20,7 +20,8 @@ pytest.importorskip("gguf")
 
 from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engine  # noqa: E402
 from flashreinforce.envs.registry import EnvSpec  # noqa: E402
-from flashreinforce.trainer.rollout.agent_worker import AgentRolloutWorker, worker_class  # noqa: E402
+from flashreinforce.agents.worker import AgentRolloutWorker  # noqa: E402
+from flashreinforce.trainer.rollout.worker_kinds import worker_class  # noqa: E402
 from flashreinforce.trainer.rollout.buffer import Ticket  # noqa: E402
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode  # noqa: E402
 from flashreinforce.trainer.rollout.settings import RolloutSettings  # noqa: E402
@@ -265,7 +266,7 @@ def own_settings(client, row, base_url):
 def test_by_default_every_call_is_sampled_and_trained_at_the_run_settings(tiny, caplog):
     import logging
 
-    with caplog.at_level(logging.WARNING, logger="flashreinforce.trainer.rollout.agent_worker"):
+    with caplog.at_level(logging.WARNING, logger="flashreinforce.agents.worker"):
         groups = _run(_worker(tiny, own_settings), [77, 78])
     greedy, sampled, logps = CALLS[77]
     assert greedy > 0 and sampled > 0  # usage counts what was generated

@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("gguf")
 
 from flashreinforce.agents.server import AgentServer, connection_limit  # noqa: E402
-from flashreinforce.envs.agent_env import AgentEnvironment  # noqa: E402
+from flashreinforce.agents.environment import AgentEnvironment  # noqa: E402
 from flashreinforce.trainer.rollout.buffer import Ticket  # noqa: E402
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode  # noqa: E402
 from flashreinforce.trainer.rollout.trajectory import Trajectory  # noqa: E402

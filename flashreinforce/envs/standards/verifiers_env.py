@@ -16,7 +16,7 @@ machinery unchanged, with the rollout worker's endpoint as the model:
   evaluation's own tasks, which are then evaluated and never trained on;
 * each episode is ``Env.run_episode(task, ModelContext(model, EvalClientConfig(base_url=<the
   episode's base_url>)))``: every model call of the harness goes to the endpoint, which samples it
-  with the policy and records its tokens (an agent run: :mod:`flashreinforce.envs.agent_env`);
+  with the policy and records its tokens (an agent run: :mod:`flashreinforce.agents.environment`);
 * the reward is the trace's weighted sum of its rewards; each reward function's value (unweighted)
   is in ``info`` as ``reward_NAME`` and each metric as ``metric_NAME`` (``env/...`` in the metrics);
 * the harness: ``harness`` (a harness id or its configuration), else the taskset's own when its
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from flashreinforce.config import ConfigError
-from flashreinforce.envs.agent_env import AgentEnvironment
+from flashreinforce.agents.environment import AgentEnvironment
 from flashreinforce.envs.tasks import Task
 from flashreinforce.envs.registry import register_environment
 
@@ -166,7 +166,7 @@ class VerifiersEnvironment(AgentEnvironment):
         runtime: where the harness runs (default ``{"type": "subprocess"}``).
         env_config: more settings of the verifiers ``Env`` (its timeouts, retries, ...).
         size: the tasks of an endless taskset that make the prompt set.
-        The others as :class:`~flashreinforce.envs.agent_env.AgentEnvironment`.
+        The others as :class:`~flashreinforce.agents.environment.AgentEnvironment`.
     """
 
     default_max_turns = 8

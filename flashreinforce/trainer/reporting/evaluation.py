@@ -18,7 +18,7 @@ from typing import Any, Callable
 from flashreinforce.engines import SamplingParams, WeightStore, create_engine
 from flashreinforce.envs.base import Environment
 from flashreinforce.trainer.rollout.buffer import Ticket
-from flashreinforce.trainer.rollout.agent_worker import worker_class
+from flashreinforce.trainer.rollout.worker_kinds import worker_class
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.reporting.outcomes import episode_means
 from flashreinforce.trainer.rollout.settings import RolloutSettings

@@ -62,7 +62,7 @@ from flashreinforce.trainer.reporting.summary import write_run_summary
 from flashreinforce.trainer.run.watchdog import Watchdog
 from flashreinforce.models.lora import has_lora
 from flashreinforce.trainer.persistence.export import export_policy
-from flashreinforce.trainer.rollout.agent_worker import is_agent_spec
+from flashreinforce.trainer.rollout.worker_kinds import is_agent_spec
 from flashreinforce.trainer.rollout.backend import RolloutBackend
 from flashreinforce.trainer.run.rollout_side import RolloutSide, start_rollout_side
 from flashreinforce.trainer.run.scale_out import ScaleOut, require_scale_out

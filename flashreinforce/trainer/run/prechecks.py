@@ -81,7 +81,7 @@ def check_before_model(cfg: TrainerConfig, *, ckpt_dir: str | Path | None = None
             check_target(spec[len("openenv:"):])
     if spec == AGENT_ENVIRONMENT and cfg.env_kwargs.get("agent") is not None:  # --agent's file and function
         from flashreinforce.agents.server import require_server_packages
-        from flashreinforce.envs.agent_env import load_agent
+        from flashreinforce.agents.environment import load_agent
 
         try:
             require_server_packages()

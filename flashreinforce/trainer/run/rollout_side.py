@@ -19,7 +19,7 @@ from flashreinforce.engines import LocalWeightStore, WeightStore, create_engine,
 from flashreinforce.envs.base import Environment
 from flashreinforce.envs.registry import EnvSpec
 from flashreinforce.trainer.rollout.buffer import PromptStream, RolloutBuffer
-from flashreinforce.trainer.rollout.agent_worker import worker_class
+from flashreinforce.trainer.rollout.worker_kinds import worker_class
 from flashreinforce.trainer.learning.learner import PolicyLearner
 from flashreinforce.trainer.rollout.settings import RolloutSettings
 from flashreinforce.trainer.rollout.worker import RolloutWorker

@@ -29,7 +29,7 @@ needs_uv = pytest.mark.skipif(shutil.which("uv") is None, reason="verifiers runs
 
 def test_the_registry_names_the_verifiers_environment_and_the_agent_worker_plays_it():
     from flashreinforce.envs.standards.verifiers_env import VerifiersEnvironment
-    from flashreinforce.trainer.rollout.agent_worker import is_agent_spec
+    from flashreinforce.trainer.rollout.worker_kinds import is_agent_spec
 
     assert environment_class(ARITH) is VerifiersEnvironment and is_agent_spec(ARITH)
 
@@ -71,7 +71,8 @@ def test_bad_tasksets_are_one_line_errors(tmp_path):
 def _worker(tiny, spec, **env_kwargs):
     from flashreinforce.engines import LocalWeightStore, SamplingParams, create_engine
     from flashreinforce.envs.registry import EnvSpec
-    from flashreinforce.trainer.rollout.agent_worker import AgentRolloutWorker, worker_class
+    from flashreinforce.agents.worker import AgentRolloutWorker
+    from flashreinforce.trainer.rollout.worker_kinds import worker_class
     from flashreinforce.trainer.rollout.settings import RolloutSettings
 
     model, tok = tiny

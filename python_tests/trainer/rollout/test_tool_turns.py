@@ -9,7 +9,7 @@ import pytest
 
 from flashreinforce.engines import LocalWeightStore, SamplingParams
 from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEngine
-from flashreinforce.envs.arith_tool import ArithToolEnv
+from flashreinforce.envs.arith_python_tool import ArithToolEnv
 from flashreinforce.envs.tasks import Task
 from flashreinforce.models.tokenizers import CharTokenizer
 from flashreinforce.trainer.rollout.buffer import RolloutBuffer, Ticket

@@ -2,7 +2,7 @@
 by the worker's engine and recorded token for token into trajectories.
 
 An :class:`AgentRolloutWorker` is a :class:`~flashreinforce.trainer.rollout.worker.RolloutWorker` whose
-episodes are calls of the run's agent function (:mod:`flashreinforce.envs.agent_env`). It owns an
+episodes are calls of the run's agent function (:mod:`flashreinforce.agents.environment`). It owns an
 :class:`~flashreinforce.agents.server.AgentServer` (started at its first episode, on 127.0.0.1) and,
 for each episode, hands the function a client whose ``base_url`` names that episode and whose API
 key is the episode's token (every call must carry it: :mod:`flashreinforce.agents.server`). Many episodes
@@ -19,7 +19,7 @@ trajectory (each call's prompt tokens not yet in it are context, its sampled tok
 an episode whose agent started another conversation or rewrote the history gives one trajectory
 per conversation, each with the episode's reward (``info['history_rewrites']``). Every sampled token
 is an action. ``rollout.agent_sampling`` decides how a call is sampled
-(:func:`~flashreinforce.trainer.rollout.agent_episode.call_sampling`): ``run`` (the default) with the
+(:func:`~flashreinforce.agents.episode.call_sampling`): ``run`` (the default) with the
 run's settings whatever the client asked (one warning the first time a client asks for others),
 ``agent`` with the client's ``temperature`` and ``top_p``, its tokens trained against the
 log-probabilities they were sampled with. A response's ``usage.completion_tokens`` is the number
@@ -52,41 +52,22 @@ from flashreinforce.agents.server import AgentServer, PendingCall
 from flashreinforce.agents.toolcalls import get_parser
 from flashreinforce.config import ConfigError
 from flashreinforce.engines.base import GenerationRequest, SamplingParams
-from flashreinforce.envs.agent_env import AGENT_ENVIRONMENT, AgentEnvironment, agent_environment, check_agent_result
-from flashreinforce.envs.registry import environment_class
-from flashreinforce.trainer.rollout.agent_episode import (AgentEpisode, Call, Segment, call_sampling, no_tokens_reason,
+from flashreinforce.agents.environment import agent_environment, check_agent_result
+from flashreinforce.agents.episode import (AgentEpisode, Call, Segment, call_sampling, no_tokens_reason,
                                                           refusal_message, sampling_warning)
 from flashreinforce.trainer.rollout.buffer import Ticket
 from flashreinforce.trainer.rollout.fault_records import QuarantinedEpisode
 from flashreinforce.trainer.rollout.settings import episode_seed
 from flashreinforce.trainer.rollout.worker import RolloutWorker, _Stopped
+from flashreinforce.trainer.rollout.worker_kinds import register_rollout_worker
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
-__all__ = ["AgentRolloutWorker", "is_agent_spec", "worker_class"]
+__all__ = ["AgentRolloutWorker"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds an agent's client waits for an answer (the learner's evaluation may pause the rollouts).
 CLIENT_TIMEOUT_S = 3600.0
-
-
-def is_agent_spec(spec: str | None) -> bool:
-    """Whether the environment spec ``spec`` names agent functions."""
-    if spec is None:
-        return False
-    if spec == AGENT_ENVIRONMENT:
-        return True
-    try:
-        return issubclass(environment_class(spec), AgentEnvironment)
-    except Exception:
-        return False
-
-
-def worker_class(env_factory: Callable) -> type[RolloutWorker]:
-    """The rollout worker class for environments built by ``env_factory`` (an agent run's factory
-    carries its spec as ``env_spec``)."""
-    spec = getattr(getattr(env_factory, "env_spec", None), "spec", None)
-    return AgentRolloutWorker if is_agent_spec(spec) else RolloutWorker
 
 
 def _text_chars(req) -> int:
@@ -115,8 +96,11 @@ class AgentExit(Exception):
         self.raised = raised
 
 
+@register_rollout_worker("agent")
 class AgentRolloutWorker(RolloutWorker):
-    """A rollout worker whose episodes are agent-function calls (see the module docstring)."""
+    """A rollout worker whose episodes are agent-function calls (see the module docstring); the worker of
+    every environment whose ``rollout_worker`` is ``"agent"`` (:class:`~flashreinforce.agents.environment.
+    AgentEnvironment` and its subclasses)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

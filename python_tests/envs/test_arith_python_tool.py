@@ -1,4 +1,4 @@
-"""The arith_tool task (flashreinforce.envs.arith_tool): generated problems, disjoint splits, the mix
+"""The arith_tool task (flashreinforce.envs.arith_python_tool): generated problems, disjoint splits, the mix
 knobs, the conversation the policy sees, the dataset route, and a whole episode through the sandbox."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from flashreinforce.config import parse_train_args
 from flashreinforce.config.presets import PRESETS
 from flashreinforce.envs.arith import HELDOUT_SEED_OFFSET, problem_for_seed
-from flashreinforce.envs.arith_tool import DEMONSTRATION, ArithToolEnv, ToolArithSpec
+from flashreinforce.envs.arith_python_tool import DEMONSTRATION, ArithToolEnv, ToolArithSpec
 from flashreinforce.envs.registry import EnvConfig, make_environment
 
 

@@ -9,10 +9,11 @@ reward: a number, or a dict ``{"reward": number, "failed": bool (optional), "inf
 (optional)}``. An ``async def`` function gets an ``openai.AsyncOpenAI`` client. A function that takes
 a ``base_url`` parameter also gets the URL (for frameworks that build their own client).
 
-This module holds what the environments layer knows of an agent: the function (loaded from its
-spec), the rows, the endpoint's options and the check of what the function returned. The episodes
-are run by :class:`flashreinforce.trainer.rollout.agent_worker.AgentRolloutWorker`, which serves the calls
-with the worker's engine (:mod:`flashreinforce.agents`).
+This module holds what an environment knows of an agent: the function (loaded from its spec), the
+rows, the endpoint's options and the check of what the function returned; it is ``--env agent`` in the
+environment registry, and imports no torch and nothing of the trainer. The episodes are run by
+:class:`flashreinforce.agents.worker.AgentRolloutWorker` (the rollout worker kind ``"agent"`` this class
+names), which serves the calls with the worker's engine.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numbers
 from typing import Any, Callable, Mapping, Sequence
 
 from flashreinforce.config import ConfigError
+from flashreinforce.config.trainer_config import AGENT_ENVIRONMENT
 from flashreinforce.envs.base import StepResult
 from flashreinforce.envs.registry import (ImportFileError, import_failure, import_file, import_module,
                                           register_environment)
@@ -30,10 +32,6 @@ from flashreinforce.envs.tasks import Task, TaskEnvironment
 
 __all__ = ["AgentEnvironment", "AgentOutcome", "AgentSpecError", "agent_environment", "check_agent_result",
            "load_agent", "agent_spec"]
-
-#: The ``--env`` name of agent functions (``--agent`` chooses it).
-AGENT_ENVIRONMENT = "agent"
-
 
 class AgentSpecError(ConfigError):
     """An agent spec that names nothing usable (one line naming ``--agent``; a ``ValueError``)."""
@@ -157,6 +155,7 @@ class AgentEnvironment(TaskEnvironment):
     """
 
     default_max_turns = 8  # model calls: tool use, not a long dialogue (--rollout.max_turns)
+    rollout_worker = "agent"  # played by flashreinforce.agents.worker (trainer.rollout.worker_kinds)
     uses_label = False  # the label is one more field of the row
     needs_dataset = False  # without one, each episode's row is {"seed": SEED}
 

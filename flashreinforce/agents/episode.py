@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from flashreinforce.agents.chat import Conversations, Prompt
     from flashreinforce.agents.protocol import CallRequest
     from flashreinforce.agents.server import PendingCall
-    from flashreinforce.envs.agent_env import AgentEnvironment
+    from flashreinforce.agents.environment import AgentEnvironment
 
 __all__ = ["AgentEpisode", "Call", "EPISODE_COUNTERS", "Segment", "call_sampling", "no_tokens_reason", "refusal_message",
            "sampling_warning"]
