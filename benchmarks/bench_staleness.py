@@ -9,7 +9,8 @@ updates, and every trajectory's drift statistics in ``samples.jsonl``. Grids (``
 * ``pilot``: the learning-rate regime (K = 8, gate and gate off, at each ``--lrs``);
 * ``main``: rows K in ``--lags``, columns :data:`MAIN_COLUMNS` (the gate, gate off, no IS, truncated IS,
   the other gate metrics, ppo); ``--columns gate_hold`` adds the gate without an optimizer step on
-  updates it admitted nothing of (``--actor.step_on_zero_gradient false``);
+  updates it admitted nothing of (``--actor.step_on_zero_gradient false``), ``--columns gate_tis2`` the gate
+  with the admitted trajectories' token ratios truncated at 2 (``--actor.is_truncation 2``);
 * ``delta``: the gate at each of ``--deltas`` at K = ``--delta-lag``;
 * ``groups``: ``--groups`` samples per prompt at an equal rollout budget (``rollout.batch_size`` =
   trajectories / G; G = 1 is the method, G > 1 GRPO: the ppo loss with group advantages, not whitened).
@@ -63,11 +64,15 @@ COLUMNS: dict[str, list[str]] = {
     # The gate, and no optimizer step for an update it admitted nothing of (AdamW's momentum otherwise keeps
     # moving the weights); not in the main grid by default: --columns gate_hold.
     "gate_hold": ["--actor.step_on_zero_gradient", "false"],
+    # The gate with its admitted trajectories' token ratios truncated at 2: separates what the gate's
+    # admission does from what the unbounded token ratios inside the admitted trajectories do. Not in the
+    # main grid by default: --columns gate_tis2.
+    "gate_tis2": ["--actor.is_truncation", "2"],
 }
 #: The main grid's columns unless --columns says otherwise.
-MAIN_COLUMNS = [c for c in COLUMNS if c != "gate_hold"]
+MAIN_COLUMNS = [c for c in COLUMNS if c not in ("gate_hold", "gate_tis2")]
 #: The gate metric each column's delta is for (``--metric-deltas`` overrides the task's default delta).
-COLUMN_METRIC = {"gate": "binary_kl", "kpop": "kpop", "k3": "k3", "log_ratio": "log_ratio"}
+COLUMN_METRIC = {"gate": "binary_kl", "gate_tis2": "binary_kl", "kpop": "kpop", "k3": "k3", "log_ratio": "log_ratio"}
 
 #: Task name -> trainer flags. ``rg_*``: a reasoning-gym task on the same model and budget.
 TASKS: dict[str, list[str]] = {
