@@ -39,6 +39,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -156,7 +157,16 @@ def command(args, cell: Cell, out: Path) -> list[str]:
             str(cell.lag), "--actor.adam.lr", str(cell.lr), "--eval.steps", str(args.eval_every),
             "--eval.eval_at_start", "false", "--ckpt.save_steps", "0", "--no_progress",
             "--logger.log_samples_steps", "1", "--logger.log_samples_num", str(args.trajectories),
-            "--overwrite", *cell.flags]
+            "--overwrite", "--fsdp.param_dtype", learner_dtype(), *cell.flags]
+
+
+def learner_dtype() -> str:
+    """The learner's (and so the engine's) dtype for every cell on this machine: bf16 where the CPU computes
+    it natively, float32 elsewhere. What the presets' ``auto`` chose for the cells run before it was pinned,
+    but decided without ``auto``'s timing probe, so that a loaded machine cannot switch one cell to float32."""
+    from flashreinforce.dtypes import cpu_computes_bf16
+
+    return "bf16" if cpu_computes_bf16() else "fp32"
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -235,7 +245,20 @@ def result_of(cell: Cell, run: Path, base: float, wall_s: float) -> dict:
         "clip_fraction_mean": statistics.fmean(m["clip_fraction"] for m in metrics) if metrics and
         "clip_fraction" in metrics[0] else None,
         "drift": drift, "drift_histogram": histogram, "wall_s": wall_s, "cpu": _cpu(),
+        "dtype": _resolved_dtype(run),
     }
+
+
+def _resolved_dtype(run: Path) -> str | None:
+    """The learner dtype the run used: its ``fsdp.param_dtype`` (config.json), ``auto`` read from its log's
+    decision (``... auto: bfloat16 (why)``)."""
+    config = run / "config.json"
+    flag = json.loads(config.read_text())["flags"].get("fsdp.param_dtype") if config.is_file() else None
+    if flag != "auto":
+        return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(flag, flag)
+    log = run.parent / "train.log"
+    found = re.search(r"fsdp\.param_dtype[^\n]*?auto: (\w+)", log.read_text(errors="replace")) if log.is_file() else None
+    return found.group(1) if found else None
 
 
 def _cpu() -> str:

@@ -42,8 +42,12 @@ def cpu_computes_bf16() -> bool:
     return any(callable(p) and p() for p in probes)
 
 
-def _bf16_probe_speedup() -> float:
-    """Time of a float32 GEMM over a bf16-autocast one of a learner-sized product (>1: bf16 is faster)."""
+def _bf16_probe_speedup(rounds: int = 15) -> float:
+    """How many times faster a bf16-autocast GEMM of a learner-sized product runs than float32 (>1: bf16 is
+    faster): the fastest of ``rounds`` float32 timings over the fastest of ``rounds`` bf16 ones, the two
+    interleaved. On a loaded machine another process slows some timings of both kinds alike; the fastest of
+    each is the machine's own speed (5 timings each, one series after the other, once read 0.93x on a machine
+    where bf16 runs 2x). A few tens of milliseconds."""
     import time
 
     import torch
@@ -51,20 +55,24 @@ def _bf16_probe_speedup() -> float:
     a = torch.randn(512, 1024)
     w = torch.randn(2048, 1024)
 
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+    def f32():
+        return a @ w.t()
 
     def bf16():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return a @ w.t()
 
-    return best(lambda: a @ w.t()) / best(bf16)
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    f32(), bf16()  # first calls pick their kernels
+    t_f32, t_bf16 = [], []
+    for _ in range(rounds):
+        t_f32.append(timed(f32))
+        t_bf16.append(timed(bf16))
+    return min(t_f32) / min(t_bf16)
 
 
 def resolve_auto_dtype(device_type: str) -> tuple[str, str]:

@@ -52,9 +52,12 @@ def test_the_probe_times_the_same_gemm_in_float32_and_under_bf16_autocast():
         speedup = dtypes._bf16_probe_speedup()
     assert math.isfinite(speedup) and speedup > 0
     shapes = ((512, 1024), (1024, 2048))
-    assert products.seen.count(tuple((torch.float32, s) for s in shapes)) == 6
-    assert products.seen.count(tuple((torch.bfloat16, s) for s in shapes)) == 6
-    assert len(products.seen) == 12
+    # one first call of each, then 15 of each interleaved
+    assert products.seen.count(tuple((torch.float32, s) for s in shapes)) == 16
+    assert products.seen.count(tuple((torch.bfloat16, s) for s in shapes)) == 16
+    assert len(products.seen) == 32
+    kinds = [dtype for (dtype, _), _ in products.seen]
+    assert kinds[2:] == [torch.float32, torch.bfloat16] * 15
 
 
 def test_explicit_names_pass_through_and_auto_follows_the_learner_for_the_engines(monkeypatch):
