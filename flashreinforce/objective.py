@@ -267,38 +267,50 @@ class LossModeConfig:
     own_behavior_correction: bool = False
     notes: tuple[tuple[str, str], ...] = field(default=())
 
-    def rule_violations(self, flags: Mapping[str, Any]) -> list[str]:
-        """The mode's own rules over flat dotted ``flags`` (the published settings' names): one message each."""
+    def rule_violations(self, *, estimator: Any, correction_level: Any, samples_per_prompt: Any,
+                        option_values: Mapping[str, Any]) -> list[str]:
+        """The mode's own rules, one message each (empty when all hold), over plain values: the advantage
+        estimator (``algo.advantage.estimator``), the behavior-correction level
+        (``algo.advantage.is_correction_level``), the samples per prompt (``rollout.n_samples_per_prompt``)
+        and the values of this mode's option flags by flag (an absent one: the option's default). The typed
+        configuration passes its fields, the published settings their flat flags."""
         errors = []
-        estimator = flags.get("algo.advantage.estimator")
         if self.estimator is not None and estimator != self.estimator:
             errors.append(f"actor.loss_mode {self.name} needs algo.advantage.estimator {self.estimator}, got "
                           f"{estimator!r}")
-        correction = flags.get("algo.advantage.is_correction_level")
-        if self.own_behavior_correction and not (correction is None or str(correction).lower() in
+        if self.own_behavior_correction and not (correction_level is None or str(correction_level).lower() in
                                                  ("off", "none", "false", "0", "")):
             errors.append(f"algo.advantage.is_correction_level must be off with actor.loss_mode {self.name} (the "
-                          f"loss does its own behavior correction), got {correction!r}")
-        samples = flags.get("rollout.n_samples_per_prompt")
-        if self.one_sample_per_prompt and samples != 1:
+                          f"loss does its own behavior correction), got {correction_level!r}")
+        if self.one_sample_per_prompt and samples_per_prompt != 1:
             errors.append(f"actor.loss_mode {self.name} uses one sample per prompt; got rollout.n_samples_per_prompt "
-                          f"{samples}")
+                          f"{samples_per_prompt}")
         try:  # whiten is a switch of the flag's own kind, checked as a flag
-            options_from_flags(flags, tuple(o for o in self.options if o != "whiten"))
+            options_from_flags(option_values, self.checked_options)
         except ValueError as err:
             errors.append(str(err))
         return errors
 
-    def inactive(self, flags: Mapping[str, Any]) -> dict[str, str]:
+    @property
+    def checked_options(self) -> tuple[str, ...]:
+        """The options whose values :meth:`rule_violations` checks (the mode's, but ``whiten``)."""
+        return tuple(o for o in self.options if o != "whiten")
+
+    @property
+    def note_flags(self) -> tuple[str, ...]:
+        """The flags :meth:`inactive` reads: those of its notes and of their conditions."""
+        return tuple(dict.fromkeys(n for flag, condition in self.notes for n in (flag, condition.partition("=")[0])))
+
+    def inactive(self, note_values: Mapping[str, Any]) -> dict[str, str]:
         """The flags without effect when this mode is selected, with the reason: the other modes' own
         flags, and this mode's ``notes`` (``(flag, condition)``: inactive unless the condition, a
-        ``flag=value`` pair, holds)."""
+        ``flag=value`` pair, holds), judged on ``note_values``, the values of :attr:`note_flags` by flag."""
         out = {flag: f"dropped: actor.loss_mode is {self.name} (only used by actor.loss_mode {owner})"
                for flag, owner in owned_flags().items() if flag not in self.flags}
         for flag, condition in self.notes:
             key, _, value = condition.partition("=")
-            if flags.get(key) != value and flags.get(flag) is not None:
-                out[flag] = f"only used by {key} {value} ({key} is {flags.get(key)})"
+            if note_values.get(key) != value and note_values.get(flag) is not None:
+                out[flag] = f"only used by {key} {value} ({key} is {note_values.get(key)})"
         return out
 
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from flashreinforce.config.schema import FLAG_SPELLINGS, RETIRED_FLAGS, ConfigError, flag_table, shown, value_problem
 from flashreinforce.config.sections import ENGINE_SECTIONS
-from flashreinforce.objective import loss_mode_config
+from flashreinforce.objective import OPTION_FLAGS, loss_mode_config
 
 __all__ = ["SEED_LIMIT", "parse_worker_resources", "raise_errors", "run_rules", "validate"]
 
@@ -168,19 +168,24 @@ def _check(cfg, errors: list[str]) -> None:
         if f.no_effect:
             inactive[f.name] = f.no_effect
 
-    # The rules every run obeys (shared with the published experiment settings), then the loss mode's own
-    # (the objective states them over flat flags, the published settings' form).
+    # The rules every run obeys (shared with the published experiment settings), then the loss mode's own,
+    # both over the typed sections' values (the loss options' values looked up by their flags, the names
+    # the objective gives them).
     errors.extend(run_rules(rollout_batch_size=rollout.batch_size, samples_per_prompt=rollout.n_samples_per_prompt,
                             train_batch_size=cfg.train.batch_size, max_epochs=cfg.train.max_epochs,
                             kl_init_coef=cfg.algo.kl.init_coef, max_len=data.max_len,
                             max_new_tokens=rollout.max_new_tokens, derives_batch=True))
-    flags = cfg.flags
-    errors.extend(loss_mode_config(actor.loss_mode).rule_violations(flags))
+    mode = loss_mode_config(actor.loss_mode)
+    advantage = cfg.algo.advantage
+    errors.extend(mode.rule_violations(
+        estimator=advantage.estimator, correction_level=advantage.is_correction_level,
+        samples_per_prompt=rollout.n_samples_per_prompt,
+        option_values={OPTION_FLAGS[o]: cfg[OPTION_FLAGS[o]] for o in mode.checked_options}))
     for n, size in (("fsdp.tp_size", fsdp.tp_size), ("fsdp.ep_size", fsdp.ep_size), ("fsdp.cp_size", fsdp.cp_size)):
         if size not in (None, 1) and size > 1:
             errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")
     # The flags the selected loss mode does not read (the mode says which, and why).
-    inactive.update(loss_mode_config(actor.loss_mode).inactive(flags))
+    inactive.update(mode.inactive({flag: cfg[flag] for flag in mode.note_flags}))
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
     cfg.lora.check_selected(cfg, errors, inactive)

@@ -118,7 +118,9 @@ def rule_violations(flags: Mapping[str, Any]) -> list[str]:
         mode = loss_mode_config(v["actor.loss_mode"])
     except ValueError as err:
         return errors + [str(err)]
-    errors.extend(mode.rule_violations(v))
+    errors.extend(mode.rule_violations(estimator=v.get("algo.advantage.estimator"),
+                                       correction_level=v.get("algo.advantage.is_correction_level"),
+                                       samples_per_prompt=v.get("rollout.n_samples_per_prompt"), option_values=v))
     foreign = sorted(flag for flag in owned_flags() if flag in v and flag not in mode.flags)
     if foreign:
         errors.append(f"{', '.join(foreign)} have no meaning with actor.loss_mode {mode.name!r}")
