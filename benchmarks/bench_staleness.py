@@ -252,10 +252,14 @@ def result_of(cell: Cell, run: Path, base: float, wall_s: float) -> dict:
 def _resolved_dtype(run: Path) -> str | None:
     """The learner dtype the run used: its ``fsdp.param_dtype`` (config.json), ``auto`` read from its log's
     decision (``... auto: bfloat16 (why)``)."""
+    from flashreinforce.dtypes import canonical_dtype
+
     config = run / "config.json"
     flag = json.loads(config.read_text())["flags"].get("fsdp.param_dtype") if config.is_file() else None
+    if flag is None:
+        return None
     if flag != "auto":
-        return {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}.get(flag, flag)
+        return canonical_dtype(flag, what="fsdp.param_dtype")
     log = run.parent / "train.log"
     found = re.search(r"fsdp\.param_dtype[^\n]*?auto: (\w+)", log.read_text(errors="replace")) if log.is_file() else None
     return found.group(1) if found else None
