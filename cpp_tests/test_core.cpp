@@ -809,8 +809,13 @@ int main(int argc, char** argv) {
 
   // Decode attention: register-wide head dimensions (the blocked path) and others (plain loops),
   // groups below, at and above the four queries scored together, lengths from one position to a
-  // few register blocks and beyond, and a request with no attended position.
+  // few register blocks and beyond, and a request with no attended position. The values pass takes
+  // the head dimension four register blocks at a time: 48 and 96 leave three and two (AVX-512) or
+  // one (AVX2) over; bfloat16 key rows are converted once per block up to head_dim 256 (320 is past it).
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    check_decode_attention(rng, dtype, 2, 1, 3, 48, 25, false);
+    check_decode_attention(rng, dtype, 2, 2, 2, 96, 33, false);
+    check_decode_attention(rng, dtype, 1, 1, 2, 320, 30, false);
     check_decode_attention(rng, dtype, 3, 2, 3, 64, 37, false);
     check_decode_attention(rng, dtype, 2, 1, 1, 16, 1, false);
     check_decode_attention(rng, dtype, 4, 3, 5, 128, 70, true);

@@ -9,15 +9,16 @@
 //    has lanes (GCC/Clang vector extensions: 16 floats with AVX-512, 8 with AVX2, 4 otherwise), the
 //    rows' sums transposed into one register; each key row's value row is prefetched meanwhile.
 // 3. Softmax per query, with the core's vectorizable float32 exponential.
-// 4. Output: for each register-wide block of the head dimension and each query, the probability-weighted
-//    sum of the value rows in four independent accumulators (the task's values stay in L1/L2 after
-//    their first read).
+// 4. Output: the probability-weighted sum of the value rows, each value row read (and converted from
+//    bfloat16) once for all the queries of its group, one accumulator per query and register block
+//    (a single query: four accumulators per block over the rows instead).
 // A head_dim that is not a multiple of the register width takes plain loops with the same arithmetic order per
 // output element. All sums are float32, in an order fixed by the sizes (never by the threads).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "flashreinforce/decode_attention.h"
@@ -98,6 +99,30 @@ static inline void attn_prefetch_row(const void* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
+// A bfloat16 block of key rows is converted to float32 once for all the queries of its group when
+// head_dim is at most this (the block lives on the stack: kAttnLanes * 256 floats, 16 KiB with AVX-512).
+constexpr int64_t kAttnMaxConvertedDim = 256;
+
+#ifdef FR_ATTN_TRANSPOSED_SUMS
+// Scores of NG queries against one block of kAttnLanes key rows (rows[r]: D elements each): s[n * L + r].
+template <int NG, class R>
+static inline void attn_block_scores(const float* qf, int64_t D, const R* const* rows, float scale, float* s,
+                                     int64_t L) {
+  const int64_t blocks = D / kAttnLanes;
+  for (int n = 0; n < NG; ++n) {
+    AttnVec acc[kAttnLanes];
+    for (int r = 0; r < kAttnLanes; ++r) acc[r] = AttnVec{};
+    for (int64_t c = 0; c < blocks; ++c) {
+      const AttnVec qc = attn_load(qf + n * D + kAttnLanes * c);
+      for (int r = 0; r < kAttnLanes; ++r) acc[r] += qc * attn_load(rows[r] + kAttnLanes * c);
+    }
+    attn_row_sums<kAttnLanes, kAttnLanes>(acc);
+    const AttnVec scores = acc[0] * scale;
+    std::memcpy(s + n * L, &scores, sizeof scores);
+  }
+}
+#endif
+
 // Scores of NG queries (qf rows, already float32) against the listed key rows: s[n * L + i] for the
 // i-th attended position. The value row of each key row is prefetched on the way, so that the
 // values pass finds it in cache.
@@ -121,17 +146,25 @@ static void attn_scores_blocked(const float* qf, int64_t D, const T* k, int64_t 
         }
       }
     }
-    for (int n = 0; n < NG; ++n) {
-      AttnVec acc[kAttnLanes];
-      for (int r = 0; r < kAttnLanes; ++r) acc[r] = AttnVec{};
-      for (int64_t c = 0; c < blocks; ++c) {
-        const AttnVec qc = attn_load(qf + n * D + kAttnLanes * c);
-        for (int r = 0; r < kAttnLanes; ++r) acc[r] += qc * attn_load(rows[r] + kAttnLanes * c);
+    if constexpr (!std::is_same_v<T, float> && NG > 1) {
+      // bfloat16 rows scored by more than one query: converted to float32 once, into a block that
+      // stays in L1, instead of once per query.
+      if (D <= kAttnMaxConvertedDim) {
+        alignas(64) float converted[kAttnLanes * kAttnMaxConvertedDim];
+        const float* crows[kAttnLanes];
+        for (int r = 0; r < kAttnLanes; ++r) {
+          float* dst = converted + r * D;
+          for (int64_t c = 0; c < blocks; ++c) {
+            const AttnVec x = attn_load(rows[r] + kAttnLanes * c);
+            std::memcpy(dst + kAttnLanes * c, &x, sizeof x);
+          }
+          crows[r] = dst;
+        }
+        attn_block_scores<NG>(qf, D, crows, scale, s + i, L);
+        continue;
       }
-      attn_row_sums<kAttnLanes, kAttnLanes>(acc);
-      const AttnVec scores = acc[0] * scale;
-      std::memcpy(s + n * L + i, &scores, sizeof scores);
     }
+    attn_block_scores<NG>(qf, D, rows, scale, s + i, L);
   }
 #endif
   for (; i < count; ++i) {
@@ -147,25 +180,67 @@ static void attn_scores_blocked(const float* qf, int64_t D, const T* k, int64_t 
   }
 }
 
-// out[n, :] = sum_i p[n * L + i] * v[idx[i], :] for NG queries, block by block.
+// out[n, :] = sum_i p[n * L + i] * v[idx[i], :] for NG queries, block by block: one accumulator per
+// query and register block of the head dimension (a query's four blocks of the head dimension at
+// most at a time, so NG * CB <= 16 vector registers), every value row read and converted once per
+// chunk of blocks for all NG queries (not once per query), and the rows added in position order.
+template <int NG, int CB, class T>
+static inline void attn_values_chunk(const float* p, int64_t L, const T* v, int64_t v_stride_pos, const int32_t* idx,
+                                     int64_t count, int64_t D, int64_t c0, float* acc) {
+  AttnVec a[NG][CB];
+  for (int n = 0; n < NG; ++n) {
+    for (int c = 0; c < CB; ++c) a[n][c] = AttnVec{};
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const T* row = v + static_cast<int64_t>(idx[i]) * v_stride_pos + kAttnLanes * c0;
+    AttnVec vc[CB];
+    for (int c = 0; c < CB; ++c) vc[c] = attn_load(row + kAttnLanes * c);
+    for (int n = 0; n < NG; ++n) {
+      const float pn = p[n * L + i];
+      for (int c = 0; c < CB; ++c) a[n][c] += pn * vc[c];
+    }
+  }
+  for (int n = 0; n < NG; ++n) {
+    for (int c = 0; c < CB; ++c) std::memcpy(acc + n * D + kAttnLanes * (c0 + c), &a[n][c], sizeof(AttnVec));
+  }
+}
+
+// One query (NG = 1): four accumulators over the rows per block, so that the additions do not wait
+// on each other (a single query gives only CB independent chains otherwise).
+template <class T>
+static void attn_values_single(const float* p, const T* v, int64_t v_stride_pos, const int32_t* idx, int64_t count,
+                               int64_t D, float* acc) {
+  const int64_t blocks = D / kAttnLanes;
+  for (int64_t c = 0; c < blocks; ++c) {
+    AttnVec a0{}, a1{}, a2{}, a3{};
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+      a0 += p[i] * attn_load(v + static_cast<int64_t>(idx[i]) * v_stride_pos + kAttnLanes * c);
+      a1 += p[i + 1] * attn_load(v + static_cast<int64_t>(idx[i + 1]) * v_stride_pos + kAttnLanes * c);
+      a2 += p[i + 2] * attn_load(v + static_cast<int64_t>(idx[i + 2]) * v_stride_pos + kAttnLanes * c);
+      a3 += p[i + 3] * attn_load(v + static_cast<int64_t>(idx[i + 3]) * v_stride_pos + kAttnLanes * c);
+    }
+    for (; i < count; ++i) a0 += p[i] * attn_load(v + static_cast<int64_t>(idx[i]) * v_stride_pos + kAttnLanes * c);
+    const AttnVec total = (a0 + a1) + (a2 + a3);
+    std::memcpy(acc + kAttnLanes * c, &total, sizeof total);
+  }
+}
+
 template <int NG, class T>
 static void attn_values_blocked(const float* p, int64_t L, const T* v, int64_t v_stride_pos, const int32_t* idx,
                                 int64_t count, int64_t D, float* acc) {
-  const int64_t blocks = D / kAttnLanes;
-  for (int64_t c = 0; c < blocks; ++c) {
-    for (int n = 0; n < NG; ++n) {
-      const float* pn = p + n * L;
-      AttnVec a0{}, a1{}, a2{}, a3{};
-      int64_t i = 0;
-      for (; i + 4 <= count; i += 4) {
-        a0 += pn[i] * attn_load(v + static_cast<int64_t>(idx[i]) * v_stride_pos + kAttnLanes * c);
-        a1 += pn[i + 1] * attn_load(v + static_cast<int64_t>(idx[i + 1]) * v_stride_pos + kAttnLanes * c);
-        a2 += pn[i + 2] * attn_load(v + static_cast<int64_t>(idx[i + 2]) * v_stride_pos + kAttnLanes * c);
-        a3 += pn[i + 3] * attn_load(v + static_cast<int64_t>(idx[i + 3]) * v_stride_pos + kAttnLanes * c);
-      }
-      for (; i < count; ++i) a0 += pn[i] * attn_load(v + static_cast<int64_t>(idx[i]) * v_stride_pos + kAttnLanes * c);
-      const AttnVec total = (a0 + a1) + (a2 + a3);
-      std::memcpy(acc + n * D + kAttnLanes * c, &total, sizeof total);
+  if constexpr (NG == 1) {
+    (void)L;
+    return attn_values_single(p, v, v_stride_pos, idx, count, D, acc);
+  } else {
+    const int64_t blocks = D / kAttnLanes;
+    int64_t c0 = 0;
+    for (; c0 + 4 <= blocks; c0 += 4) attn_values_chunk<NG, 4>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
+    switch (blocks - c0) {
+      case 3: return attn_values_chunk<NG, 3>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
+      case 2: return attn_values_chunk<NG, 2>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
+      case 1: return attn_values_chunk<NG, 1>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
+      default: return;
     }
   }
 }
