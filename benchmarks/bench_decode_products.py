@@ -1,0 +1,113 @@
+#!/usr/bin/env python
+"""The hf engine's decode-step matrix products one by one, against a square product on the same threads.
+
+    python benchmarks/bench_decode_products.py --dtype bf16 --threads 1
+    python benchmarks/bench_decode_products.py --dtype fp32 --threads 2 --rows 32 --shape smollm2-135m
+
+A decode step multiplies ``--rows`` rows (one per request) by each projection of every layer (the
+fused query/key/value and gate/up weights, the attention output, the MLP down projection) and once by
+the output embedding. For each of those shapes, best of ``--repeats`` calls: the packed oneDNN
+product the engine uses (``flashreinforce.engines.hf.packed_linear``), ``F.linear`` on the plain
+weight, and, for the output embedding, the packed product cut into column blocks of ``--blocks``
+columns (each block packed on its own, the outputs concatenated): milliseconds a call, GFLOP/s and
+the fraction of a square ``--square`` product's rate measured in the same run (``benchmarks/common.py``
+``gemm_peak``). Random weights of the model shape's sizes (nothing downloaded); nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import SHAPES, gemm_peak, machine_line, print_table  # noqa: E402
+
+from flashreinforce.engines.hf.packed_linear import pack_weight, packed_linear_available, packed_matmul  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def best_time(fn, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn`` after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def decode_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:
+    """(name, out features, in features, products per step) of a decode step of a Llama-style config."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head
+    layers = cfg["num_hidden_layers"]
+    return [("query/key/value", h + 2 * kv, h, layers), ("attention output", h, h, layers),
+            ("gate/up", 2 * inter, h, layers), ("down", h, inter, layers),
+            ("output embedding", cfg["vocab_size"], h, 1)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--rows", type=int, default=32, help="rows of each product (requests decoded together)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--square", type=int, default=1024, help="size of the square product measured as the yardstick")
+    p.add_argument("--blocks", type=int, nargs="*", default=[4096, 16384],
+                   help="column blocks the output embedding is cut into (none: skip)")
+    args = p.parse_args()
+    for name, value in (("--rows", args.rows), ("--repeats", args.repeats), ("--square", args.square)):
+        if value < 1:
+            p.error(f"{name} must be at least 1, got {value}")
+    if any(b < 1 for b in args.blocks):
+        p.error(f"--blocks must be positive, got {args.blocks}")
+    if args.threads is not None:
+        if args.threads < 1:
+            p.error(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    if not packed_linear_available(dtype):
+        sys.exit(f"no packed oneDNN linear for {dtype} on this build and CPU: nothing to measure")
+    cpu = torch.device("cpu")
+    square = gemm_peak(cpu, dtype, args.square, repeats=args.repeats)
+    print(f"machine: {machine_line(cpu)}")
+    print(f"{args.shape}, {args.rows} rows, {args.dtype}, {torch.get_num_threads()} threads; square {args.square} "
+          f"product {square / 1e9:.0f} GFLOP/s")
+    torch.manual_seed(0)
+    rows, step_ms = [], {"packed": 0.0, "F.linear": 0.0}
+    with torch.no_grad():
+        for name, n_out, n_in, per_step in decode_shapes(SHAPES[args.shape]):
+            x = torch.randn(args.rows, n_in).to(dtype)
+            w = (torch.randn(n_out, n_in) / n_in**0.5).to(dtype)
+            flops = 2 * args.rows * n_in * n_out
+            packed = pack_weight(w, args.rows)
+            variants = [("packed", lambda: packed_matmul(x, packed, None)), ("F.linear", lambda: F.linear(x, w))]
+            if name == "output embedding":
+                for block in args.blocks:
+                    parts = [pack_weight(w[i:i + block], args.rows) for i in range(0, n_out, block)]
+                    variants.append((f"packed, blocks of {block}",
+                                     lambda parts=parts: torch.cat([packed_matmul(x, q, None) for q in parts], dim=1)))
+            for label, fn in variants:
+                seconds = best_time(fn, args.repeats)
+                if label in step_ms:
+                    step_ms[label] += seconds * per_step * 1e3
+                rows.append([name, f"{n_out} x {n_in}", str(per_step), label, f"{seconds * 1e3:.3f}",
+                             f"{flops / seconds / 1e9:.0f}", f"{flops / seconds / square:.2f}"])
+    print_table("decode-step products (best of the repeats)",
+                ["product", "weight", "per step", "kernel", "ms a call", "GFLOP/s", "of the square product"], rows)
+    print(f"all products of a step: packed {step_ms['packed']:.1f} ms, F.linear {step_ms['F.linear']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
