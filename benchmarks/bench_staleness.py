@@ -30,7 +30,8 @@ has none, so a grid carried on on another machine skips the cells that finished 
 table there (matplotlib, the ``plot`` extra). Cells: final held-out greedy accuracy (mean, min-max over
 seeds), the area under the accuracy curve (mean accuracy over the evaluations, the base model's at
 update 0 included, trapezoids), the share of trajectories the gate dropped, the largest gradient norm,
-and collapses (an evaluation more than 20 points below the run's earlier peak).
+and collapses (an evaluation more than 20 points below the run's earlier peak), and the runs that ended
+below the base model (on a task with a low base, a run can fall to nothing without a 20-point drop).
 """
 
 from __future__ import annotations
@@ -434,9 +435,11 @@ def _columns(rows: list[dict], key_col: str) -> list:
     return [c for c in list(COLUMNS) if c in present] + sorted(present - set(COLUMNS))
 
 
-def _tables(rows: list[dict], key_row: str, key_col: str) -> list[tuple[str, list[str], list[list[str]]]]:
+def _tables(rows: list[dict], key_row: str, key_col: str, base: float) -> list[tuple[str, list[str], list[list[str]]]]:
     """One table per statistic: rows ``key_row``, columns ``key_col``; a cell is the mean over seeds and the
-    range (or, for the gradient norm, the largest; for collapses, how many of the seeds)."""
+    range (or, for the gradient norm, the largest; for collapses and for runs that ended below ``base``, the
+    base model's accuracy, how many of the seeds). The second count catches what the collapse rule cannot
+    on a task with a low base: a run that never rose above it and fell to nothing."""
     row_keys, col_keys = _ordered({r[key_row] for r in rows}), _columns(rows, key_col)
     stats = [("final held-out greedy accuracy (%), mean (min-max)",
               lambda c: _spread([r["final_accuracy"] for r in c], ".1f", 100)),
@@ -447,7 +450,9 @@ def _tables(rows: list[dict], key_row: str, key_col: str) -> list[tuple[str, lis
               lambda c: f"{statistics.fmean(r.get('empty_updates', 0) for r in c):.1f}"),
              ("largest gradient norm (before clipping)", lambda c: f"{max(r['grad_norm_max'] or 0.0 for r in c):.3g}"),
              ("collapses (an evaluation 20 points below the run's earlier peak) / seeds",
-              lambda c: f"{sum(r['collapsed'] for r in c)}/{len(c)}")]
+              lambda c: f"{sum(r['collapsed'] for r in c)}/{len(c)}"),
+             (f"runs that ended below the base model ({100 * base:.1f}%) / seeds",
+              lambda c: f"{sum(r['final_accuracy'] < base for r in c)}/{len(c)}")]
     out = []
     for title, fn in stats:
         lines = []
@@ -525,7 +530,7 @@ def report(args) -> None:
             if not rows:
                 continue
             text.append(f"## {grid}\n")
-            for title, header, lines in _tables(rows, key_row, key_col):
+            for title, header, lines in _tables(rows, key_row, key_col, base):
                 text.append(f"{title}:\n\n" + _markdown(header, lines) + "\n")
             if grid == "main":
                 text.append("\n".join(_verdicts(rows, base)) + "\n")
