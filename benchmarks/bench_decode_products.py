@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,22 +26,11 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import SHAPES, gemm_peak, machine_line, print_table  # noqa: E402
+from common import SHAPES, best_time, gemm_peak, machine_line, print_table  # noqa: E402
 
 from flashreinforce.engines.hf.packed_linear import pack_weight, packed_linear_available, packed_matmul  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def best_time(fn, repeats: int) -> float:
-    """Seconds of the fastest of ``repeats`` calls of ``fn`` after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def decode_shapes(cfg: dict) -> list[tuple[str, int, int, int]]:

@@ -110,9 +110,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
-                device: torch.device | None = None) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+def call_times(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+               device: torch.device | None = None) -> list[float]:
+    """Seconds of each of ``repeats`` calls of ``fn()`` after ``warmup`` untimed calls (the device's
+    queued work waited for around each call)."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -124,7 +125,20 @@ def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
         if device is not None:
             sync(device)
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return samples
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+                device: torch.device | None = None) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    return statistics.median(call_times(fn, repeats, warmup, device))
+
+
+def best_time(fn: Callable[[], object], repeats: int = 5, warmup: int = 1,
+              device: torch.device | None = None) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``fn()`` after ``warmup`` calls: a kernel's own
+    speed, where the slower calls add only the machine's noise."""
+    return min(call_times(fn, repeats, warmup, device))
 
 
 def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> float:
@@ -132,14 +146,7 @@ def copy_bandwidth(device: torch.device, mib: int = 256, repeats: int = 5) -> fl
     of ``repeats``: the memory-bound yardstick (a decode step must read every weight once)."""
     src = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+    best = best_time(lambda: dst.copy_(src), repeats, device=device)
     return 2 * src.numel() * 4 / best
 
 
@@ -148,14 +155,7 @@ def gemm_peak(device: torch.device, dtype: torch.dtype, size: int = 2048, repeat
     ``repeats``): the compute-bound yardstick, measured, not a data-sheet figure."""
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        a @ b
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+    best = best_time(lambda: a @ b, repeats, device=device)
     return 2 * size**3 / best
 
 

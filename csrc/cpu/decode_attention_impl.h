@@ -99,11 +99,11 @@ static inline void attn_prefetch_row(const void* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
 
+#ifdef FR_ATTN_TRANSPOSED_SUMS
 // A bfloat16 block of key rows is converted to float32 once for all the queries of its group when
 // head_dim is at most this (the block lives on the stack: kAttnLanes * 256 floats, 16 KiB with AVX-512).
 constexpr int64_t kAttnMaxConvertedDim = 256;
 
-#ifdef FR_ATTN_TRANSPOSED_SUMS
 // Scores of NG queries against one block of kAttnLanes key rows (rows[r]: D elements each): s[n * L + r].
 template <int NG, class R>
 static inline void attn_block_scores(const float* qf, int64_t D, const R* const* rows, float scale, float* s,
@@ -181,9 +181,9 @@ static void attn_scores_blocked(const float* qf, int64_t D, const T* k, int64_t 
 }
 
 // out[n, :] = sum_i p[n * L + i] * v[idx[i], :] for NG queries, block by block: one accumulator per
-// query and register block of the head dimension (a query's four blocks of the head dimension at
-// most at a time, so NG * CB <= 16 vector registers), every value row read and converted once per
-// chunk of blocks for all NG queries (not once per query), and the rows added in position order.
+// query and register block of the head dimension (CB blocks at a time, see attn_values_chunk_blocks),
+// every value row read and converted once per chunk of blocks for all NG queries (not once per
+// query), and the rows added in position order.
 template <int NG, int CB, class T>
 static inline void attn_values_chunk(const float* p, int64_t L, const T* v, int64_t v_stride_pos, const int32_t* idx,
                                      int64_t count, int64_t D, int64_t c0, float* acc) {
@@ -226,6 +226,23 @@ static void attn_values_single(const float* p, const T* v, int64_t v_stride_pos,
   }
 }
 
+// Vector registers of the instruction set (AVX-512: 32; AVX2 and SSE: 16).
+#if defined(__AVX512F__)
+constexpr int kAttnVectorRegisters = 32;
+#else
+constexpr int kAttnVectorRegisters = 16;
+#endif
+
+// Blocks of the head dimension per chunk for NG queries: at most four, and few enough that the
+// NG * CB accumulators, the CB loaded value blocks and the broadcast probability stay in registers
+// (AVX-512: 4 for every NG; AVX2: 4 for two queries, 3 for three or four). Each output element's
+// sum runs over the rows in the same order whatever CB is.
+constexpr int attn_values_chunk_blocks(int ng) {
+  int cb = 4;
+  while (cb > 1 && ng * cb + cb + 1 > kAttnVectorRegisters) --cb;
+  return cb;
+}
+
 template <int NG, class T>
 static void attn_values_blocked(const float* p, int64_t L, const T* v, int64_t v_stride_pos, const int32_t* idx,
                                 int64_t count, int64_t D, float* acc) {
@@ -235,8 +252,9 @@ static void attn_values_blocked(const float* p, int64_t L, const T* v, int64_t v
   } else {
     const int64_t blocks = D / kAttnLanes;
     int64_t c0 = 0;
-    for (; c0 + 4 <= blocks; c0 += 4) attn_values_chunk<NG, 4>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
-    switch (blocks - c0) {
+    constexpr int CB = attn_values_chunk_blocks(NG);
+    for (; c0 + CB <= blocks; c0 += CB) attn_values_chunk<NG, CB>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
+    switch (blocks - c0) {  // fewer than CB blocks left
       case 3: return attn_values_chunk<NG, 3>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
       case 2: return attn_values_chunk<NG, 2>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
       case 1: return attn_values_chunk<NG, 1>(p, L, v, v_stride_pos, idx, count, D, c0, acc);
