@@ -12,11 +12,18 @@ weight, and, for the output embedding, the packed product cut into column blocks
 columns (each block packed on its own, the outputs concatenated): milliseconds a call, GFLOP/s and
 the fraction of a square ``--square`` product's rate measured in the same run (``benchmarks/common.py``
 ``gemm_peak``). Random weights of the model shape's sizes (nothing downloaded); nothing is asserted.
+
+Those calls find their weight in cache (the same weight each repeat); a decode step reads each of
+the model's weights once. ``--sequence`` also times the step's products as the step runs them: every
+layer with its own packed weights (the whole model's bytes), in the step's order, nothing between
+them (best and median of the repeats); the difference from the sum of the single products is what
+reading the weights from memory costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +33,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import SHAPES, best_time, gemm_peak, machine_line, print_table  # noqa: E402
+from common import SHAPES, best_time, call_times, gemm_peak, machine_line, print_table  # noqa: E402
 
 from flashreinforce.engines.hf.packed_linear import pack_weight, packed_linear_available, packed_matmul  # noqa: E402
 
@@ -52,6 +59,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: PyTorch's)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--square", type=int, default=1024, help="size of the square product measured as the yardstick")
+    p.add_argument("--sequence", action="store_true",
+                   help="also time a step's products in order, each layer with its own weights")
     p.add_argument("--blocks", type=int, nargs="*", default=[4096, 16384],
                    help="column blocks the output embedding is cut into (none: skip)")
     args = p.parse_args()
@@ -95,6 +104,35 @@ def main() -> None:
     print_table("decode-step products (best of the repeats)",
                 ["product", "weight", "per step", "kernel", "ms a call", "GFLOP/s", "of the square product"], rows)
     print(f"all products of a step: packed {step_ms['packed']:.1f} ms, F.linear {step_ms['F.linear']:.1f} ms")
+    if args.sequence:
+        best, median, mib = step_sequence(SHAPES[args.shape], args.rows, dtype, args.repeats)
+        print(f"a step's products in order, each layer's own weights ({mib:.0f} MiB packed): best {best * 1e3:.1f} ms, "
+              f"median {median * 1e3:.1f} ms ({best * 1e3 / step_ms['packed']:.2f}x the single products' sum)")
+
+
+def step_sequence(cfg: dict, rows: int, dtype: torch.dtype, repeats: int) -> tuple[float, float, float]:
+    """Best and median seconds of one pass over a decode step's packed products in the step's order
+    (per layer: query/key/value, attention output, gate/up, down; then the output embedding), every
+    layer with weights of its own, and the packed weights' MiB."""
+    shapes = decode_shapes(cfg)
+    layers = cfg["num_hidden_layers"]
+    inputs = {name: torch.randn(rows, n_in).to(dtype) for name, _, n_in, _ in shapes}
+    plan = []  # (packed weight, input) in the step's order
+    with torch.no_grad():
+        for _ in range(layers):
+            for name, n_out, n_in, per_step in shapes:
+                if per_step == layers:
+                    plan.append((pack_weight((torch.randn(n_out, n_in) / n_in**0.5).to(dtype), rows), inputs[name]))
+        name, n_out, n_in, _ = shapes[-1]
+        plan.append((pack_weight((torch.randn(n_out, n_in) / n_in**0.5).to(dtype), rows), inputs[name]))
+
+        def one_step():
+            for packed, x in plan:
+                packed_matmul(x, packed, None)
+
+        times = call_times(one_step, repeats)
+    mib = sum(w.numel() * w.element_size() for w, _ in plan) / 2**20
+    return min(times), statistics.median(times), mib
 
 
 if __name__ == "__main__":
