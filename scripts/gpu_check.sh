@@ -24,10 +24,13 @@
 #   cpu       last, as a sanity check of the same build, the CPU loss, error, edge-case and contract tests.
 #
 # One device command may run 10 minutes and a session has 15 minutes of device time, start-up
-# included, so "all" does not fit in one call. What has never run on a GPU comes first; a plan that
-# fits (each call builds again, about 1-2 minutes for one architecture):
-#   call 1: GPU_CHECK_STAGES="attention learner" (per-document attention, the profiled Qwen2.5 steps)
-#   call 2: GPU_CHECK_STAGES="engine lora train" (decode roofline and rollout engines, LoRA, train --device cuda)
+# included, so "all" does not fit in one call. Correctness first (the CUDA kernel shares headers
+# with the CPU one, which changed after its last GPU run on 2026-11-30: the float32 KL, the
+# polynomials, the log_ratio gate metric), then what has never run on a GPU; a plan that fits (each
+# call builds again, about 1-2 minutes for one architecture):
+#   call 1: GPU_CHECK_STAGES="kernel attention" (the CUDA tests and loss benchmark, per-document attention)
+#   call 2: GPU_CHECK_STAGES="learner engine" (the profiled Qwen2.5 steps, decode roofline and rollout engines)
+#   call 3, if time is left: GPU_CHECK_STAGES="lora train"
 #
 #   bash scripts/gpu_check.sh                                   # from the repository root: everything
 #   GPU_CHECK_STAGES="attention engine train" bash scripts/gpu_check.sh   # what has never run on a GPU
