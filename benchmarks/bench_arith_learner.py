@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from flashreinforce.cli import set_openmp_spin_default
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def step_case(path: Path, extra: list[str], threads: int) -> dict:
 
 
 def main() -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_spin_default()  # as the flashreinforce console script does
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="directory for batches.json and results.json")
     p.add_argument("--batches", type=int, default=6)

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import signal
 import statistics
@@ -52,6 +51,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from common import SHAPES, profile_breakdown, reset_peak_rss, status_mib  # noqa: E402
+from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 MODES = ("padded", "dense", "packed", "shared")
 
@@ -200,7 +200,7 @@ def run_case(case: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------- driver
 def main() -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_spin_default()  # as the flashreinforce console script does
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen2.5-0.5b"], choices=sorted(SHAPES))
     p.add_argument("--layers", type=int, nargs="+", default=[8, 4],

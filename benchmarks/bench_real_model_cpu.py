@@ -27,12 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from flashreinforce.cli import set_openmp_spin_default
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def main() -> int:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_spin_default()  # as the flashreinforce console script does
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--batch", type=int, default=32)

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import arith_curve  # noqa: E402
+from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 SCHEDULES = {
     "async": [],
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_spin_default()  # as the flashreinforce console script does
     print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}; "
           f"tool delay lognormal, median {args.median_s} s, sigma {args.sigma}", flush=True)
     results = {}

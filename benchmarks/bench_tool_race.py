@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402
 from common import fmt_spread, preset_flags, run_ours, spread  # noqa: E402
+from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 GRPO_FLAGS = ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt",
               "8", "--rollout.batch_size", "4"]
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     flags = preset_flags(args.preset, {})
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    set_openmp_spin_default()  # as the flashreinforce console script does
     print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}",
           flush=True)
     why_not_trl = trl_unavailable() if "trl" in args.sides else None

@@ -60,6 +60,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402  (scripts/arith_curve.py: jsonl reading, training-time accounting)
 from common import fmt_spread, heldout_evaluator, preset_flags, run_ours, spread, train_trl_on_budget  # noqa: E402
+from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- TRL side
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
         (out / f"trl_seed{args.seed}.json").write_text(json.dumps(dict(run_trl(args, flags, out), seed=args.seed),
                                                                    indent=1))
         return 0
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the flashreinforce console script does
+    set_openmp_spin_default()  # as the flashreinforce console script does
     print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}",
           flush=True)
     for seed in args.seeds:  # alternating sides, seed by seed, so that machine drift hits both alike

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,6 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import heldout_evaluator, preset_flags, train_trl_on_budget  # noqa: E402  (shared with the arith race)
+from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 PRESET = "arith_tool"
 RESULT_FILE = "trl_tool.json"
@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the flashreinforce console script does
+    set_openmp_spin_default()  # as the flashreinforce console script does
     out = Path(args.output).resolve()
     try:
         result = run_trl_tool(model=args.model, seed=args.seed, budget_min=args.budget_min,

@@ -59,16 +59,36 @@ def _unknown_command(command: str) -> str:
             "(flashreinforce --help describes them)")
 
 
-def _quiet_openmp_threads() -> None:
-    """Let PyTorch's OpenMP threads sleep, rather than spin, between parallel regions.
+#: libgomp's spin count the console script sets (``GOMP_SPINCOUNT``) unless the user set a wait policy:
+#: PyTorch's OpenMP threads spin this many rounds after a parallel region, then sleep.
+OPENMP_SPIN_COUNT = "10000"
 
-    libgomp's default keeps them spinning for milliseconds after each PyTorch CPU op, so the fused
-    loss called right after one finds both of its cores taken (measured at 4M tokens on 2 cores:
-    8.65 ms instead of 5.42 ms; the toy preset ran 15.4 s instead of 16.9 s). A value the user set
-    is kept. It only takes effect before torch is first imported, which is the case here.
+
+def _quiet_openmp_threads() -> None:
+    """Let PyTorch's OpenMP threads spin only briefly between parallel regions, then sleep.
+
+    libgomp's default keeps them spinning for milliseconds after each PyTorch CPU op (300,000
+    rounds), taking the cores from whatever runs next on other threads (the fused loss after a
+    PyTorch op, a rollout beside the learner). Sleeping at once (``OMP_WAIT_POLICY=PASSIVE``, this
+    script's earlier default) makes every parallel region wake its threads, which a decode step, with
+    about 270 short regions, pays for: its bf16 step took 53-54 ms instead of 44-46 ms (SmolLM2, 32
+    requests, 2 cores). A short spin (``GOMP_SPINCOUNT=10000``) kept the decode step at 44-46 ms, and
+    the toy preset and an async ``arith`` run took as long as with PASSIVE (docs/trainer.md). A wait
+    policy or spin count the user set is kept. It only takes effect before torch is first imported,
+    which is the case here.
     """
     if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        set_openmp_spin_default()
+
+
+def set_openmp_spin_default(env=None) -> None:
+    """Put the console script's OpenMP waiting (``GOMP_SPINCOUNT=10000``) into ``env`` (default
+    ``os.environ``) unless it names a wait policy or a spin count already. libgomp, the OpenMP
+    runtime of PyTorch's Linux wheels, reads it once when it loads: set it before ``import torch``,
+    or for child processes. (Another runtime ignores it; LLVM's and Intel's have ``KMP_BLOCKTIME``.)"""
+    env = os.environ if env is None else env
+    if "OMP_WAIT_POLICY" not in env:
+        env.setdefault("GOMP_SPINCOUNT", OPENMP_SPIN_COUNT)
 
 
 def console() -> None:

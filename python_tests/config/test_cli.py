@@ -195,14 +195,18 @@ def test_missing_output_and_environment_are_clear_errors(tmp_path):
     assert proc.returncode == 2 and "--env" in proc.stderr
 
 
-@pytest.mark.parametrize("preset,torch_first,expected", [(None, False, "PASSIVE"), ("ACTIVE", False, "ACTIVE"),
-                                                         (None, True, None)])
-def test_console_script_quiets_openmp_threads_unless_told_otherwise(preset, torch_first, expected):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if preset:
-        env["OMP_WAIT_POLICY"] = preset
+@pytest.mark.parametrize("preset,torch_first,expected", [
+    ({}, False, "policy=None spin=10000"),  # a short spin, then sleep
+    ({"OMP_WAIT_POLICY": "ACTIVE"}, False, "policy=ACTIVE spin=None"),  # the user's wait policy is kept
+    ({"OMP_WAIT_POLICY": "PASSIVE"}, False, "policy=PASSIVE spin=None"),
+    ({"GOMP_SPINCOUNT": "500"}, False, "policy=None spin=500"),  # and the user's spin count
+    ({}, True, "policy=None spin=None"),  # too late once torch is imported: nothing set
+])
+def test_console_script_shortens_openmp_spinning_unless_told_otherwise(preset, torch_first, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env.update(preset)
     code = ("import os, sys\n" + ("import torch\n" if torch_first else "") +
             "from flashreinforce.cli import main\nmain(['--help'])\n"
-            "print('policy=' + str(os.environ.get('OMP_WAIT_POLICY')))\n")
+            "print('policy=' + str(os.environ.get('OMP_WAIT_POLICY')) + ' spin=' + str(os.environ.get('GOMP_SPINCOUNT')))\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert f"policy={expected}" in out
+    assert expected in out
