@@ -11,7 +11,9 @@ interpreter teardown cannot stop such a thread, and once the call returns into P
 the thread is torn down under it, which aborts the process ("terminate called without an active
 exception", status 134). In that case the process leaves with ``os._exit`` after flushing its
 output instead (:func:`exit_past_running_calls`), once the engines' exit hooks have ended their
-processes and removed their shared-memory files (``atexit`` does not run then). Only the command itself does that
+processes and removed their shared-memory files (``atexit`` does not run then). A successful command
+says so in one line ("not waiting for N rollout thread(s)"); a failing one does not, so that the
+line saying why it failed stays the last line of its output. Only the command itself does that
 (:func:`console`, the console script and ``python -m flashreinforce.cli``): :func:`main` called from
 Python returns its status and never ends the caller's process.
 """
@@ -138,8 +140,10 @@ def exit_past_running_calls(code: int) -> None:
     if not left:
         return
     names = ", ".join(t.name for t in left[:4]) + (", ..." if len(left) > 4 else "")
-    print(f"flashreinforce: not waiting for {len(left)} rollout thread(s) still running ({names}); exiting with "
-          f"status {code}", file=sys.stderr)
+    if code == 0:
+        # A failing command has printed its own reason, which stays the last line of its output.
+        print(f"flashreinforce: not waiting for {len(left)} rollout thread(s) still running ({names}); exiting "
+              f"with status {code}", file=sys.stderr)
     engines = sys.modules.get("flashreinforce.engines.base")
     if engines is not None:  # what an engine must not leave behind (its processes, shared memory): atexit won't run
         engines.run_exit_hooks()

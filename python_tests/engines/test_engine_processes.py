@@ -108,6 +108,26 @@ def test_the_command_s_forced_exit_ends_the_engines_processes(tmp_path):
     _wait_for(lambda: not _running(child), "the engine's process to end")
 
 
+@pytest.mark.parametrize("code", [0, 1])
+def test_the_forced_exit_leaves_a_failing_command_s_last_line_last(code):
+    # A failing command has printed why; the notice about the abandoned thread must not follow it.
+    prog = textwrap.dedent(f"""
+        import sys, threading, time
+        from flashreinforce.cli import ROLLOUT_THREAD_PREFIX, exit_past_running_calls
+        threading.Thread(target=time.sleep, args=(600,), name=ROLLOUT_THREAD_PREFIX + "0", daemon=True).start()
+        print("the command's last line", file=sys.stderr)
+        exit_past_running_calls({code})
+    """)
+    done = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == code, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    if code == 0:
+        assert last == "flashreinforce: not waiting for 1 rollout thread(s) still running (rollout-worker-0); " \
+                       "exiting with status 0"
+    else:
+        assert last == "the command's last line"
+
+
 def _private_file(path: Path, mode: int = 0o600) -> Path:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
     os.close(fd)
