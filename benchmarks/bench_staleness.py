@@ -10,7 +10,9 @@ updates, and every trajectory's drift statistics in ``samples.jsonl``. Grids (``
 * ``main``: rows K in ``--lags``, columns :data:`MAIN_COLUMNS` (the gate, gate off, no IS, truncated IS,
   the other gate metrics, ppo); ``--columns gate_hold`` adds the gate without an optimizer step on
   updates it admitted nothing of (``--actor.step_on_zero_gradient false``), ``--columns gate_tis2`` the gate
-  with the admitted trajectories' token ratios truncated at 2 (``--actor.is_truncation 2``);
+  with the admitted trajectories' token ratios truncated at 2 (``--actor.is_truncation 2``), ``--columns
+  gate_scaled`` the gate with each step at the learning rate times the update's acceptance rate
+  (``--actor.scale_step_by_acceptance true``);
 * ``delta``: the gate at each of ``--deltas`` at K = ``--delta-lag``;
 * ``groups``: ``--groups`` samples per prompt at an equal rollout budget (``rollout.batch_size`` =
   trajectories / G; G = 1 is the method, G > 1 GRPO: the ppo loss with group advantages, not whitened).
@@ -70,11 +72,16 @@ COLUMNS: dict[str, list[str]] = {
     # admission does from what the unbounded token ratios inside the admitted trajectories do. Not in the
     # main grid by default: --columns gate_tis2.
     "gate_tis2": ["--actor.is_truncation", "2"],
+    # The gate with each optimizer step at the learning rate times the update's acceptance rate: tests whether
+    # the gate fails because an update on a few admitted trajectories moves the weights as far as a full one
+    # (AdamW). Not in the main grid by default: --columns gate_scaled.
+    "gate_scaled": ["--actor.scale_step_by_acceptance", "true"],
 }
 #: The main grid's columns unless --columns says otherwise.
-MAIN_COLUMNS = [c for c in COLUMNS if c not in ("gate_hold", "gate_tis2")]
+MAIN_COLUMNS = [c for c in COLUMNS if c not in ("gate_hold", "gate_tis2", "gate_scaled")]
 #: The gate metric each column's delta is for (``--metric-deltas`` overrides the task's default delta).
-COLUMN_METRIC = {"gate": "binary_kl", "gate_tis2": "binary_kl", "kpop": "kpop", "k3": "k3", "log_ratio": "log_ratio"}
+COLUMN_METRIC = {"gate": "binary_kl", "gate_tis2": "binary_kl", "gate_scaled": "binary_kl", "kpop": "kpop", "k3": "k3",
+                 "log_ratio": "log_ratio"}
 
 #: Task name -> trainer flags. ``rg_*``: a reasoning-gym task on the same model and budget.
 TASKS: dict[str, list[str]] = {

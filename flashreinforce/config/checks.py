@@ -181,6 +181,9 @@ def _check(cfg, errors: list[str]) -> None:
         estimator=advantage.estimator, correction_level=advantage.is_correction_level,
         samples_per_prompt=rollout.n_samples_per_prompt,
         option_values={OPTION_FLAGS[o]: cfg[OPTION_FLAGS[o]] for o in mode.checked_options}))
+    if actor.scale_step_by_acceptance and "actor.flash_gate_delta" not in mode.flags:
+        errors.append(f"--actor.scale_step_by_acceptance needs a loss mode with a trust gate (flash_reinforce); "
+                      f"actor.loss_mode {actor.loss_mode} has none")
     for n, size in (("fsdp.tp_size", fsdp.tp_size), ("fsdp.ep_size", fsdp.ep_size), ("fsdp.cp_size", fsdp.cp_size)):
         if size not in (None, 1) and size > 1:
             errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")

@@ -78,6 +78,10 @@ class ActorConfig(Freezable):
                                          "zero (the gate admitted nothing, or every advantage was 0): AdamW's momentum "
                                          "and weight decay still move the weights; false: weights and optimizer state "
                                          "stay, the schedule and the version advance")
+    scale_step_by_acceptance: bool = option("bool", False, "multiply each update's learning rate by the share of its "
+                                            "trajectories the trust gate admitted, so that an update on a few admitted "
+                                            "trajectories moves the weights that much less (AdamW's step does not "
+                                            "shrink with the gradient); flash_reinforce only")
     gradient_checkpoint: str = option("str", "none", "activation checkpointing of the learner model: full or none",
                                       choices=("full", "none", "true", "false"))
     num_nodes: int = option("int", 1, "learner nodes (the learner's ranks are torchrun's)", minimum=1)

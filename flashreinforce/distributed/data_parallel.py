@@ -403,7 +403,14 @@ class DataParallelLearner:
             raise RuntimeError(f"learner step failed: {text}")
         if not self.sharded:
             _all_reduce_gradients([p for p in learner.scorer.parameters() if p.requires_grad])
-        applied = learner.apply_gradients()
+        scale = 1.0
+        if learner.settings.scale_step_by_acceptance:  # the whole batch's acceptance, before the step
+            admitted = parts.per_trajectory.get("admitted")
+            count = torch.tensor([0.0 if admitted is None else float((admitted > 0.5).sum())], dtype=torch.float64,
+                                 device=self._comm_device)
+            dist.all_reduce(count)
+            scale = float(count) / max(1, totals.num_trajectories)
+        applied = learner.apply_gradients(lr_scale=scale)
         gathered: list[Any] = [None] * self.ctx.world_size if self.ctx.is_leader else None
         dist.gather_object(parts, gathered, dst=0)
         if not self.ctx.is_leader:

@@ -60,6 +60,14 @@ def test_bounds_are_the_flags_own(argv, needle):
         parse_train_args(["--preset", "toy", "--output", "x", *argv], PRESETS)
 
 
+def test_scaling_the_step_by_the_gate_s_acceptance_needs_a_gate():
+    argv = ["--preset", "toy", "--output", "x", "--actor.scale_step_by_acceptance", "true"]
+    assert parse_train_args(argv, PRESETS).actor.scale_step_by_acceptance is True
+    with pytest.raises(ConfigError, match=r"--actor\.scale_step_by_acceptance needs a loss mode with a trust gate "
+                                          r"\(flash_reinforce\); actor\.loss_mode ppo has none"):
+        parse_train_args([*argv, "--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo"], PRESETS)
+
+
 def test_one_loss_options_type_from_the_flags_to_the_op():
     import torch
 

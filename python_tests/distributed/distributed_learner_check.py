@@ -43,7 +43,8 @@ def tiny_model(seed: int, tied: bool, lora: bool = False) -> Qwen2ForCausalLM:
 
 def batch(seed: int, n: int, *, overflow: bool = False) -> list[Trajectory]:
     """Odd lengths, multi-turn masks, behavior log-probs a trajectory-dependent amount off the
-    policy of :func:`tiny_model` (seed 3), so the gate admits some trajectories and rejects others."""
+    policy of :func:`tiny_model` (seed 3), so that a small delta admits some trajectories and rejects others
+    (batch(11, 7): sequence KL from 0 to 2.7e-4; delta 1e-5 admits 5 of the 7, 2e-3 all)."""
     rng = random.Random(seed)
     model = tiny_model(3, True).double()
     out = []
@@ -79,9 +80,9 @@ def spy_gradients(learner, store: list) -> None:
     """Record the (summed) gradients at every optimizer step of ``learner``."""
     apply = learner.apply_gradients
 
-    def wrapped():
+    def wrapped(**kwargs):
         store.append(grads_of(learner))
-        return apply()
+        return apply(**kwargs)
 
     learner.apply_gradients = wrapped
 
@@ -134,7 +135,7 @@ def run_case(ctx, name: str, strategy: str, settings: LearnerSettings, trajs, gr
         result.update(ref_error=ref_error, error=error, version=dp.version, ref_version=ref.version)
         if ref_metrics is not None and metrics is not None:
             result.update({k: (metrics[k], ref_metrics[k]) for k in
-                           ("loss", "grad_norm", "acceptance_rate", "sequence_kl_mean", "policy_tokens")
+                           ("loss", "grad_norm", "acceptance_rate", "sequence_kl_mean", "policy_tokens", "lr")
                            if k in ref_metrics})
             gd, gs, gnames = max_diff(dp_grads[0], ref_grads[0])
             result.update(grad_max_diff=gd, grad_scale=gs, grad_name_mismatch=gnames)
@@ -213,6 +214,11 @@ def main() -> None:
                          packed_forward=False),
          trajs[:6], [0, 0, 1, 1, 2, 2], True),
         # B = 1: rank 1 gets no trajectory (the entropy bonus makes the gradient non-zero).
+        # The gate admits 5 of the 7 at delta 1e-5; the step runs at 5/7 of the rate on every rank.
+        ("flash_scaled_step", "replicate",
+         LearnerSettings(**{**base, "loss": LossOptions(delta=1e-5)}, scale_step_by_acceptance=True,
+                         micro_batch_trajectories=2, packed_forward=False),
+         trajs, None, True),
         ("one_trajectory", "replicate", LearnerSettings(**base, entropy_coef=0.1, packed_forward=False), trajs[:1],
          None, True),
         ("overflow_skips_everywhere", "replicate", LearnerSettings(**{**base, "loss": LossOptions(delta=float("inf"))},

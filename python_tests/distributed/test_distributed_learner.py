@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHECK = Path(__file__).with_name("distributed_learner_check.py")
 LR = 1e-2  # the check's learning rate
 
-CASES = ["flash_micro2_padded", "flash_packed_untied", "token_mean_filter", "ppo_groups_split", "one_trajectory",
+CASES = ["flash_micro2_padded", "flash_packed_untied", "flash_scaled_step", "token_mean_filter", "ppo_groups_split", "one_trajectory",
          "fsdp_flash_micro2", "fsdp_untied_filter", "fsdp_one_trajectory", "lora_packed", "fsdp_lora"]
 LORA_CASES = {"lora_packed", "fsdp_lora"}
 SKIP_CASES = ["overflow_skips_everywhere", "fsdp_overflow_skips_everywhere"]
@@ -93,6 +93,9 @@ def test_two_ranks_give_the_one_process_update(results, case):
     assert r["second_step_max_diff"] <= 2e-2 * LR
     if r["strategy"] == "replicate":
         assert r["replica_max_diff"] == 0.0  # every rank holds the same parameters
+    if case == "flash_scaled_step":  # the whole batch's acceptance (5 of 7) scales the step on every rank
+        assert r["acceptance_rate"][1] == pytest.approx(5 / 7)
+        assert r["lr"][0] == r["lr"][1] == pytest.approx(LR * 5 / 7)
 
 
 @pytest.mark.slow

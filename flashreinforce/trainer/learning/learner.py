@@ -58,7 +58,9 @@ class LearnerSettings:
     run); max_norm [actor.max_norm, <= 0: no clipping]; step_on_zero_gradient
     [actor.step_on_zero_gradient]: an update whose gradient is exactly zero still makes the optimizer step
     (AdamW's momentum and weight decay move the weights); false: it leaves the weights and the optimizer's
-    state as they were (the scheduler steps and the version advances all the same); entropy_coef [actor.entropy_coef];
+    state as they were (the scheduler steps and the version advances all the same); scale_step_by_acceptance
+    [actor.scale_step_by_acceptance]: each optimizer step runs at the scheduled learning rate times the
+    share of the batch's trajectories the gate admitted (loss modes with a gate only); entropy_coef [actor.entropy_coef];
     temperature: the sampling temperature the log-probabilities are computed at [rollout.temperature];
     micro_batch_trajectories [train.micro_batch_size] and micro_batch_tokens (0: no limit);
     packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
@@ -83,6 +85,7 @@ class LearnerSettings:
     total_steps: int = 1
     max_norm: float = 1.0
     step_on_zero_gradient: bool = True
+    scale_step_by_acceptance: bool = False
     entropy_coef: float = 0.0
     temperature: float = 1.0
     micro_batch_trajectories: int = 0
@@ -95,7 +98,10 @@ class LearnerSettings:
     head_operand_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        get_loss_mode(self.loss_mode)  # raises ValueError naming the known modes
+        mode = get_loss_mode(self.loss_mode)  # raises ValueError naming the known modes
+        if self.scale_step_by_acceptance and "admitted" not in mode.per_trajectory_stats:
+            raise ValueError(f"actor.scale_step_by_acceptance needs a loss mode with a trust gate; actor.loss_mode "
+                             f"{self.loss_mode!r} has none")
         if not isinstance(self.loss, LossOptions):
             raise TypeError(f"LearnerSettings.loss must be a flashreinforce.objective.LossOptions, got "
                             f"{type(self.loss).__name__}")
@@ -345,15 +351,18 @@ class Learner:
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self.accumulate_gradients(trajectories, group_ids)
-        metrics.update(self.apply_gradients())
+        scale = metrics["acceptance_rate"] if self.settings.scale_step_by_acceptance else 1.0
+        metrics.update(self.apply_gradients(lr_scale=scale))
         metrics["learner_compute_s"] = time.perf_counter() - t0
         metrics.update(utilization(metrics["model_flops"], metrics["learner_compute_s"], self.peak_flops))
         return metrics
 
-    def apply_gradients(self) -> dict[str, float]:
+    def apply_gradients(self, lr_scale: float = 1.0) -> dict[str, float]:
         """Clip the accumulated gradients, make one optimizer and scheduler step, bump the version.
 
-        Returns ``grad_norm`` (before clipping), ``lr`` (of this step) and ``optimizer_step_skipped`` (1 when
+        ``lr_scale`` in [0, 1]: this step runs at the scheduled learning rate times it (the schedule itself
+        is unchanged; ``actor.scale_step_by_acceptance`` passes the batch's acceptance rate).
+        Returns ``grad_norm`` (before clipping), ``lr`` (of this step: scheduled times ``lr_scale``) and ``optimizer_step_skipped`` (1 when
         the gradient was exactly zero and ``step_on_zero_gradient`` is false: weights and optimizer state
         unchanged, scheduler and version advanced). Raises ``FloatingPointError`` (gradients dropped,
         weights and version unchanged) when the gradient norm is not finite.
@@ -369,12 +378,22 @@ class Learner:
             # A non-finite gradient would poison the weights: skip the step, keep the version.
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
-        lr = self.optimizer.param_groups[0]["lr"]
+        if not 0.0 <= lr_scale <= 1.0:
+            raise ValueError(f"lr_scale must lie in [0, 1], got {lr_scale}")
+        scheduled = [group["lr"] for group in self.optimizer.param_groups]
+        lr = scheduled[0] * lr_scale
         skip = grad_norm == 0.0 and not s.step_on_zero_gradient
         if skip:
             self.optimizer_steps_skipped += 1
         else:
-            self.optimizer.step()
+            if lr_scale != 1.0:
+                for group, value in zip(self.optimizer.param_groups, scheduled):
+                    group["lr"] = value * lr_scale
+            try:
+                self.optimizer.step()
+            finally:
+                for group, value in zip(self.optimizer.param_groups, scheduled):
+                    group["lr"] = value
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1

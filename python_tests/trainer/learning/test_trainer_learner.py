@@ -322,3 +322,45 @@ def test_a_zero_gradient_update_steps_adamw_only_when_asked(step_on_zero):
     if not step_on_zero:
         state = learner.optimizer.state_dict()["state"]
         assert all(torch.equal(state[i][name], moments[i][name]) for i in moments for name in moments[i])
+
+
+def _half_gated_batch(model):
+    """Four trajectories the gate admits at delta 0.5 and two it drops (see :func:`_gated_out_batch`)."""
+    return random_batch(21, model, n=4) + _gated_out_batch(model, 22)[:2]
+
+
+def test_scale_step_by_acceptance_is_the_step_at_the_admitted_share_of_the_rate():
+    # The same update with the rate scaled by hand: the same weights, bit for bit; the schedule's rate
+    # is left as it was for the next update, and the metrics give the rate the step ran at.
+    model = tiny_model(12)
+    batch = _half_gated_batch(model)
+    scaled = Learner(copy.deepcopy(model), LearnerSettings(lr=1e-2, loss=LossOptions(delta=0.5),
+                                                           scale_step_by_acceptance=True))
+    out = scaled.step(batch)
+    assert out["acceptance_rate"] == pytest.approx(4 / 6)
+    assert out["lr"] == pytest.approx(1e-2 * 4 / 6)
+    assert scaled.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)
+    by_hand = Learner(copy.deepcopy(model), LearnerSettings(lr=1e-2 * (4 / 6), loss=LossOptions(delta=0.5)))
+    by_hand.step(batch)
+    unscaled = Learner(copy.deepcopy(model), LearnerSettings(lr=1e-2, loss=LossOptions(delta=0.5)))
+    unscaled.step(batch)
+    a, b, c = (m.scorer.model.state_dict() if hasattr(m.scorer, "model") else m.scorer.state_dict()
+               for m in (scaled, by_hand, unscaled))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_scale_step_by_acceptance_leaves_the_weights_on_an_update_it_admitted_nothing_of():
+    model = tiny_model(13)
+    learner = Learner(model, LearnerSettings(lr=1e-2, weight_decay=0.1, loss=LossOptions(delta=0.05),
+                                             scale_step_by_acceptance=True))
+    learner.step(random_batch(3, model, n=4))  # momentum from an ordinary update
+    weights = copy.deepcopy(model.state_dict())
+    out = learner.step(_gated_out_batch(model, 4))
+    assert out["acceptance_rate"] == 0.0 and out["lr"] == 0.0 and out["optimizer_step_skipped"] == 0.0
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_scale_step_by_acceptance_needs_a_loss_mode_with_a_gate():
+    with pytest.raises(ValueError, match="actor.scale_step_by_acceptance needs a loss mode with a trust gate"):
+        LearnerSettings(loss_mode="ppo", scale_step_by_acceptance=True)
