@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from flashreinforce.models.lora import frozen_state_names
+from flashreinforce.ops.loss_modes import admitted_mask
 from flashreinforce.trainer.learning.flops import utilization
 from flashreinforce.trainer.learning.learner import (GradientParts, Learner, LearnerSettings, batch_totals,
                                                      summarize_parts)
@@ -405,8 +406,7 @@ class DataParallelLearner:
             _all_reduce_gradients([p for p in learner.scorer.parameters() if p.requires_grad])
         scale = 1.0
         if learner.settings.scale_step_by_acceptance:  # the whole batch's acceptance, before the step
-            admitted = parts.per_trajectory.get("admitted")
-            count = torch.tensor([0.0 if admitted is None else float((admitted > 0.5).sum())], dtype=torch.float64,
+            count = torch.tensor([float(admitted_mask(parts.per_trajectory).sum())], dtype=torch.float64,
                                  device=self._comm_device)
             dist.all_reduce(count)
             scale = float(count) / max(1, totals.num_trajectories)

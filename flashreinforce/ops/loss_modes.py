@@ -41,7 +41,7 @@ from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
 from flashreinforce.ops.reference import gate_divergence
 
 __all__ = ["LOSS_MODES", "BatchContext", "FlashReinforceLoss", "LossImplementation", "LossMode", "LossOptions",
-           "MicroBatch", "PPOClippedLoss", "get_loss_mode", "register_loss_mode"]
+           "MicroBatch", "PPOClippedLoss", "admitted_mask", "get_loss_mode", "register_loss_mode"]
 
 
 @dataclass(frozen=True)
@@ -249,9 +249,15 @@ class FlashReinforceLoss(LossMode):
 
     def summarize(self, per_trajectory, sums, batch):
         kl = per_trajectory["sequence_kl"]
-        return {"acceptance_rate": float((per_trajectory["admitted"] > 0.5).double().mean()),
+        return {"acceptance_rate": float(admitted_mask(per_trajectory).double().mean()),
                 "sequence_kl_mean": float(kl.mean()), "sequence_kl_max": float(kl.max()),
                 "retained_token_fraction": float(per_trajectory["retained"].sum()) / max(1, batch.policy_tokens)}
+
+
+def admitted_mask(per_trajectory: dict[str, Tensor]) -> Tensor:
+    """``[b]`` bool: the trajectories a gated mode's per-trajectory statistics (``admitted``: 1.0 or 0.0)
+    say the gate admitted."""
+    return per_trajectory["admitted"] > 0.5
 
 
 def _drifts(mb: MicroBatch, policy_tokens: Tensor) -> dict[str, Tensor]:

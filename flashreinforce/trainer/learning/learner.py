@@ -60,7 +60,8 @@ class LearnerSettings:
     (AdamW's momentum and weight decay move the weights); false: it leaves the weights and the optimizer's
     state as they were (the scheduler steps and the version advances all the same); scale_step_by_acceptance
     [actor.scale_step_by_acceptance]: each optimizer step runs at the scheduled learning rate times the
-    share of the batch's trajectories the gate admitted (loss modes with a gate only); entropy_coef [actor.entropy_coef];
+    share of the batch's trajectories the gate admitted (loss modes with a gate only); entropy_coef
+    [actor.entropy_coef];
     temperature: the sampling temperature the log-probabilities are computed at [rollout.temperature];
     micro_batch_trajectories [train.micro_batch_size] and micro_batch_tokens (0: no limit);
     packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
@@ -362,12 +363,14 @@ class Learner:
 
         ``lr_scale`` in [0, 1]: this step runs at the scheduled learning rate times it (the schedule itself
         is unchanged; ``actor.scale_step_by_acceptance`` passes the batch's acceptance rate).
-        Returns ``grad_norm`` (before clipping), ``lr`` (of this step: scheduled times ``lr_scale``) and ``optimizer_step_skipped`` (1 when
-        the gradient was exactly zero and ``step_on_zero_gradient`` is false: weights and optimizer state
-        unchanged, scheduler and version advanced). Raises ``FloatingPointError`` (gradients dropped,
+        Returns ``grad_norm`` (before clipping), ``lr`` (of this step: scheduled times ``lr_scale``) and
+        ``optimizer_step_skipped`` (1 when the gradient was exactly zero and ``step_on_zero_gradient`` is
+        false: weights and optimizer state unchanged, scheduler and version advanced). Raises ``FloatingPointError`` (gradients dropped,
         weights and version unchanged) when the gradient norm is not finite.
         """
         s = self.settings
+        if not 0.0 <= lr_scale <= 1.0:
+            raise ValueError(f"lr_scale must lie in [0, 1], got {lr_scale}")
         params = [p for p in self.scorer.parameters() if p.grad is not None]
         if s.max_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, s.max_norm)
@@ -378,17 +381,14 @@ class Learner:
             # A non-finite gradient would poison the weights: skip the step, keep the version.
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} at version {self.version}; step skipped")
-        if not 0.0 <= lr_scale <= 1.0:
-            raise ValueError(f"lr_scale must lie in [0, 1], got {lr_scale}")
         scheduled = [group["lr"] for group in self.optimizer.param_groups]
         lr = scheduled[0] * lr_scale
         skip = grad_norm == 0.0 and not s.step_on_zero_gradient
         if skip:
             self.optimizer_steps_skipped += 1
         else:
-            if lr_scale != 1.0:
-                for group, value in zip(self.optimizer.param_groups, scheduled):
-                    group["lr"] = value * lr_scale
+            for group, value in zip(self.optimizer.param_groups, scheduled):
+                group["lr"] = value * lr_scale  # the schedule's own rate when lr_scale is 1
             try:
                 self.optimizer.step()
             finally:
