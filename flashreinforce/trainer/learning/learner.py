@@ -365,8 +365,9 @@ class Learner:
         is unchanged; ``actor.scale_step_by_acceptance`` passes the batch's acceptance rate).
         Returns ``grad_norm`` (before clipping), ``lr`` (of this step: scheduled times ``lr_scale``) and
         ``optimizer_step_skipped`` (1 when the gradient was exactly zero and ``step_on_zero_gradient`` is
-        false: weights and optimizer state unchanged, scheduler and version advanced). Raises ``FloatingPointError`` (gradients dropped,
-        weights and version unchanged) when the gradient norm is not finite.
+        false: weights and optimizer state unchanged, scheduler and version advanced). Raises
+        ``FloatingPointError`` (gradients dropped, weights and version unchanged) when the gradient norm
+        is not finite.
         """
         s = self.settings
         if not 0.0 <= lr_scale <= 1.0:
