@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from functools import lru_cache
 from typing import Any, Mapping, Sequence
@@ -189,6 +190,10 @@ def _check(cfg, errors: list[str]) -> None:
             errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")
     # The flags the selected loss mode does not read (the mode says which, and why).
     inactive.update(mode.inactive({flag: cfg[flag] for flag in mode.note_flags}))
+    if "actor.flash_gate_delta" not in mode.flags:
+        inactive["logger.warn_gate_drop_steps"] = f"actor.loss_mode {actor.loss_mode} has no trust gate"
+    elif math.isinf(actor.flash_gate_delta):
+        inactive["logger.warn_gate_drop_steps"] = "the trust gate is off (actor.flash_gate_delta inf)"
 
     # Flags without an effect on this runtime: accepted and recorded, never misapplied.
     cfg.lora.check_selected(cfg, errors, inactive)

@@ -215,6 +215,9 @@ class LoggerConfig(Freezable):
     warn_no_tool_calls_steps: int = option("int", 10, "warn once (console and summary.json) when tools were "
                                            "offered in each of N updates in a row and the policy called none "
                                            "(0: never)", minimum=0)
+    warn_gate_drop_steps: int = option("int", 5, "warn once (console and summary.json) when the trust gate "
+                                       "admitted less than half of the trajectories in each of N updates in a "
+                                       "row (0: never)", minimum=0)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from flashreinforce.trainer.reporting.diagnostics import ToolUseWatch, ZeroSignalWatch
+from flashreinforce.trainer.reporting.diagnostics import ToolUseWatch, TrustGateWatch, ZeroSignalWatch
 from flashreinforce.trainer.reporting.loggers import close_sinks, open_sinks
 from flashreinforce.trainer.reporting.outcomes import episode_means, failure_kind
 from flashreinforce.trainer.reporting.samples import SampleLog, short_sample
@@ -158,8 +158,9 @@ class MetricsLog:
     Observers (all optional): ``sinks`` (:mod:`.loggers`: TensorBoard, W&B) get every record;
     ``samples`` (:class:`~.samples.SampleLog`) writes decoded trajectories on its steps, and every
     ``console_sample_every``-th of those steps one of them is shown on the console; ``watch``
-    (:class:`~.diagnostics.ZeroSignalWatch`) warns once when the first updates cannot learn, and
-    ``tool_watch`` (:class:`~.diagnostics.ToolUseWatch`) when tools are offered and never called.
+    (:class:`~.diagnostics.ZeroSignalWatch`) warns once when the first updates cannot learn,
+    ``tool_watch`` (:class:`~.diagnostics.ToolUseWatch`) when tools are offered and never called, and
+    ``gate_watch`` (:class:`~.diagnostics.TrustGateWatch`) when the trust gate drops most of each batch.
 
     ``budget_s``: this session's training-time budget (``train.max_minutes``); with it the bar counts
     training seconds up to the budget (the update count beside it) rather than updates up to ``total``.
@@ -167,7 +168,7 @@ class MetricsLog:
 
     def __init__(self, out: str | Path, *, total: int, initial: int, progress: bool, logging_steps: int,
                  sinks: Sequence[Any] = (), samples: Any = None, watch: Any = None, tool_watch: Any = None,
-                 console_sample_every: int = 10, budget_s: float | None = None) -> None:
+                 gate_watch: Any = None, console_sample_every: int = 10, budget_s: float | None = None) -> None:
         from tqdm import tqdm
 
         self.path = Path(out) / "metrics.jsonl"
@@ -179,6 +180,7 @@ class MetricsLog:
         self.samples = samples
         self.watch = watch
         self.tool_watch = tool_watch
+        self.gate_watch = gate_watch
         self.console_sample_every = console_sample_every
         self._sample_steps = 0
         self.total = total
@@ -235,8 +237,8 @@ class MetricsLog:
             warning = self.watch.observe(step, trajectories)
             if warning:
                 self.note(f"flashreinforce: {warning}")
-        if self.tool_watch is not None:
-            warning = self.tool_watch.observe(record)
+        for record_watch in (self.tool_watch, self.gate_watch):
+            warning = None if record_watch is None else record_watch.observe(record)
             if warning:
                 self.note(f"flashreinforce: {warning}")
 
@@ -301,4 +303,6 @@ def open_metrics_log(cfg, out: str | Path, *, tokenizer, total: int, initial: in
     return MetricsLog(out, total=total, initial=initial, progress=cfg.progress, logging_steps=log_cfg.logging_steps,
                       sinks=sinks, samples=samples, watch=watch,
                       tool_watch=ToolUseWatch(log_cfg.warn_no_tool_calls_steps),
+                      gate_watch=TrustGateWatch(log_cfg.warn_gate_drop_steps,
+                                                scaled=cfg.actor.scale_step_by_acceptance),
                       budget_s=cfg.train.max_minutes * 60.0 or None)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from flashreinforce.analysis.runs import read_jsonl
-from flashreinforce.trainer.reporting.diagnostics import tool_use_warnings
+from flashreinforce.trainer.reporting.diagnostics import tool_use_warnings, trust_gate_warnings
 
 __all__ = ["SUMMARY_FILE", "config_hash", "software_versions", "write_run_summary"]
 
@@ -124,7 +124,8 @@ def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str
                       policy_version: int, training_wall_s: float, session_started: float, resumed: bool,
                       checkpoints_dir: str | Path, checkpoint: str | Path | None, export_dir: str | Path | None,
                       extra: Mapping[str, Any] | None = None, train_time_s: float | None = None,
-                      warn_no_tool_calls_steps: int = 0) -> Path:
+                      warn_no_tool_calls_steps: int = 0, warn_gate_drop_steps: int = 0,
+                      scale_step_by_acceptance: bool = False) -> Path:
     """Write ``OUT/summary.json`` (see the module docstring); returns its path.
 
     ``config``: ``TrainerConfig.to_json()``. ``training_wall_s``: wall-clock seconds of the update
@@ -133,7 +134,9 @@ def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str
     this session's start (``time.time()``). ``resumed``: keep the earlier sessions of an existing
     summary. ``checkpoint``: the newest checkpoint written; ``export_dir``: the exported model (None
     when the run was not exported). ``extra``: more top-level fields. ``warn_no_tool_calls_steps``:
-    ``logger.warn_no_tool_calls_steps`` (:func:`~.diagnostics.tool_use_warnings` over ``metrics.jsonl``).
+    ``logger.warn_no_tool_calls_steps`` (:func:`~.diagnostics.tool_use_warnings` over ``metrics.jsonl``);
+    ``warn_gate_drop_steps`` and ``scale_step_by_acceptance``: ``logger.warn_gate_drop_steps`` and
+    ``actor.scale_step_by_acceptance`` (:func:`~.diagnostics.trust_gate_warnings` over ``metrics.jsonl``).
     """
     out = Path(out)
     path = out / SUMMARY_FILE
@@ -164,7 +167,8 @@ def write_run_summary(out: str | Path, *, config: Mapping[str, Any], status: str
         "sessions_wall_s": round(sum(float(s.get("session_s", 0.0)) for s in sessions), 3),
         **_train_reward(metrics),
         **_eval_summary(evals),
-        "warnings": tool_use_warnings(metrics, warn_no_tool_calls_steps),
+        "warnings": tool_use_warnings(metrics, warn_no_tool_calls_steps) + trust_gate_warnings(
+            metrics, warn_gate_drop_steps, scaled=scale_step_by_acceptance),
         "checkpoints_dir": str(checkpoints_dir),
         "latest_checkpoint": None if checkpoint is None else str(checkpoint),
         "exported_model": None if export_dir is None else str(export_dir),

@@ -90,8 +90,7 @@ class Trainer:
         self.scale_out = scale_out
         cfg = cfg.copy()  # the caller's object stays as it is
         absolute_paths(cfg)  # recorded as absolute: resumed elsewhere, the run reads the same files
-        #: The run's configuration, frozen: a later stage derives a new one (``settled_config``) rather
-        #: than changing it.
+        #: The run's configuration, frozen: a later stage derives a new one (``settled_config``), never changes it.
         self.cfg = cfg.freeze()
         self._given = (model, tokenizer)
         self.callbacks = callbacks if isinstance(callbacks, CallbackList) else CallbackList(callbacks)
@@ -587,7 +586,9 @@ class Trainer:
             session_started=self._started, resumed=self._resume_point is not None, checkpoints_dir=self.ckpt_dir,
             checkpoint=ckpt, export_dir=self.hf_dir if status in ("completed", "stopped") else None,
             extra={"stop_reason": self.stop_reason} if self.stop_reason else None,
-            train_time_s=self.counters.get("train_time_s"), warn_no_tool_calls_steps=cfg.logger.warn_no_tool_calls_steps))
+            train_time_s=self.counters.get("train_time_s"), warn_no_tool_calls_steps=cfg.logger.warn_no_tool_calls_steps,
+            warn_gate_drop_steps=cfg.logger.warn_gate_drop_steps,
+            scale_step_by_acceptance=cfg.actor.scale_step_by_acceptance))
         # The training reward as summary.json has it (over every session's updates), so that both say the same.
         written = json.loads(Path(summary["summary_file"]).read_text())
         summary.update({k: written.get(k) for k in ("reward_first", "reward_last", "reward_window")})

@@ -12,8 +12,8 @@ import pytest
 from flashreinforce.objective import LossOptions
 from flashreinforce.config import resolve
 from flashreinforce.models.tokenizers import CharTokenizer
-from flashreinforce.trainer.reporting.diagnostics import (ToolUseWatch, ZeroSignalWatch, has_reward_signal,
-                                                          tool_use_warnings)
+from flashreinforce.trainer.reporting.diagnostics import (ToolUseWatch, TrustGateWatch, ZeroSignalWatch,
+                                                          has_reward_signal, tool_use_warnings, trust_gate_warnings)
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings
 from flashreinforce.trainer.reporting.loggers import TensorBoardSink, WandbSink, flat_scalars, open_sinks
 from flashreinforce.trainer.reporting.metrics import (MetricsLog, UpdateTimings, failure_kinds, no_answer_fraction,
@@ -484,6 +484,72 @@ def test_the_log_and_the_summary_carry_the_tool_warning(tmp_path, capsys):
     assert [(w["kind"], w["step"]) for w in summary["warnings"]] == [("no_tool_calls", 2)]
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert tool_use_warnings(records, 0) == [] and tool_use_warnings(records, 4) == []
+
+
+# ---------------------------------------------------------------------------------------- the gate drops most
+
+
+def _gate_record(step: int, acceptance: float, lag: float = 8.0) -> dict:
+    return {"step": step, "acceptance_rate": acceptance, "policy_lag_mean": lag}
+
+
+def test_a_gate_that_drops_most_of_each_batch_for_n_updates_in_a_row_warns_once():
+    watch = TrustGateWatch(3)
+    assert [watch.observe(_gate_record(s, 0.2)) for s in (1, 2)] == [None, None]
+    assert watch.observe(_gate_record(3, 0.5)) is None  # half admitted: the count starts over
+    assert watch.observe(_gate_record(4, 0.25)) is None and watch.observe(_gate_record(5, 0.0)) is None
+    text = watch.observe(_gate_record(6, 0.125, lag=6.0))
+    assert text.startswith("warning: the trust gate admitted less than 0.5 of the trajectories in each of updates 4-6 "
+                           "(mean acceptance 0.12, 1 of them admitted none; policy lag 7.3 on average)")
+    assert "moves the weights as far as on a full batch" in text
+    assert "--actor.scale_step_by_acceptance true" in text and "--actor.loss_mode ppo" in text
+    assert "train.async_queue_size" in text and "actor.adam.lr" in text
+    assert watch.fired == {"kind": "trust_gate_drops_most", "step": 6, "updates": 3, "message": text}
+    assert watch.observe(_gate_record(7, 0.0)) is None  # once
+
+
+def test_the_gate_warning_knows_scaled_steps_and_numerical_drift_and_can_be_off():
+    scaled = TrustGateWatch(2, scaled=True)
+    text = [scaled.observe(_gate_record(s, 0.3)) for s in (1, 2)][-1]
+    assert "each step is scaled by the acceptance" in text
+    assert "--actor.scale_step_by_acceptance" not in text and "--actor.loss_mode ppo" in text
+    on_policy = TrustGateWatch(2)
+    text = [on_policy.observe(_gate_record(s, 0.3, lag=0.0)) for s in (1, 2)][-1]
+    assert "the drift is numerics" in text and "raise actor.flash_gate_delta" in text and "remedies" not in text
+    off = TrustGateWatch(0)
+    assert all(off.observe(_gate_record(s, 0.0)) is None for s in range(1, 10)) and off.fired is None
+    quiet = TrustGateWatch(2)  # records without an acceptance rate (no learner record) are ignored
+    assert [quiet.observe({"step": s}) for s in (1, 2, 3)] == [None] * 3
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        TrustGateWatch(-1)
+    # the flag is inactive where there is no gate to watch
+    from flashreinforce.config import parse_train_args
+    from flashreinforce.config.presets import PRESETS
+    base = ["--preset", "toy", "--output", "x"]
+    assert "logger.warn_gate_drop_steps" not in parse_train_args(base, PRESETS).inactive
+    assert parse_train_args(base + ["--actor.flash_gate_delta", "inf"], PRESETS).inactive[
+        "logger.warn_gate_drop_steps"] == "the trust gate is off (actor.flash_gate_delta inf)"
+    ppo = parse_train_args(base + ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo"], PRESETS)
+    assert ppo.inactive["logger.warn_gate_drop_steps"] == "actor.loss_mode ppo has no trust gate"
+
+
+def test_the_log_and_the_summary_carry_the_gate_warning(tmp_path, capsys):
+    log = MetricsLog(tmp_path, total=5, initial=0, progress=False, logging_steps=100, gate_watch=TrustGateWatch(2))
+    trajs = [episode("q", [("a", "")], reward=1.0)]
+    for step, acceptance in ((1, 0.1), (2, 0.9), (3, 0.1), (4, 0.2), (5, 0.0)):
+        log.write({**record_of(trajs, step), "acceptance_rate": acceptance}, trajectories=trajs)
+    log.close()
+    assert capsys.readouterr().err.count("flashreinforce: warning: the trust gate admitted less than 0.5") == 1
+    cfg = resolve({"seed": 1}).to_json()
+    write_run_summary(tmp_path, config=cfg, status="completed", step=5, max_steps=5, policy_version=5,
+                      training_wall_s=1.0, session_started=0.0, resumed=False, checkpoints_dir=tmp_path / "c",
+                      checkpoint=None, export_dir=None, warn_gate_drop_steps=2, scale_step_by_acceptance=True)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(w["kind"], w["step"], w["updates"]) for w in summary["warnings"]] == [("trust_gate_drops_most", 4, 2)]
+    assert "each step is scaled by the acceptance" in summary["warnings"][0]["message"]
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert trust_gate_warnings(records, 0) == [] and trust_gate_warnings(records, 4) == []
+    assert [w["step"] for w in trust_gate_warnings(records, 3)] == [5]
 
 
 def test_summary_has_the_evaluation_before_training_and_the_change_to_the_final_one(tmp_path):

@@ -46,6 +46,26 @@ def test_every_trajectory_is_sampled_exactly_k_versions_back(tmp_path, lag):
         assert max(r["sequence_kl_max"] for r in rows) < 1e-4
 
 
+def test_a_gate_that_drops_most_of_the_stale_batches_warns_once_and_summary_json_says_so(tmp_path):
+    """A delta far below any drift drops (nearly) every trajectory: the run goes on, the console warns
+    once, and summary.json lists the warning with the update it fired at."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "flashreinforce.cli", "train", "--preset", "toy", "--output", str(out),
+           "--ckpt.save_steps", "0", "--no_progress", "--train.fixed_policy_lag", "2", "--train.max_steps", "8",
+           "--eval.steps", "0", "--eval.eval_at_start", "false", "--actor.flash_gate_delta", "1e-30",
+           "--logger.warn_gate_drop_steps", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    low = [r["step"] for r in rows if r["acceptance_rate"] < 0.5]
+    assert len(low) >= 4, [r["acceptance_rate"] for r in rows]
+    assert proc.stderr.count("warning: the trust gate admitted less than 0.5") == 1
+    warnings = json.loads((out / "summary.json").read_text())["warnings"]
+    assert [w["kind"] for w in warnings] == ["trust_gate_drops_most"]
+    first_run_of_four = next(s for s in low if all(s - i in low for i in range(4)))
+    assert warnings[0]["step"] == first_run_of_four and "--actor.scale_step_by_acceptance true" in warnings[0]["message"]
+
+
 def test_a_lag_that_max_policy_lag_would_drop_is_refused():
     with pytest.raises(ConfigError, match="max_policy_lag 2 would drop every trajectory of --train.fixed_policy_lag 3"):
         parse_train_args(["--preset", "toy", "--output", "x", "--train.fixed_policy_lag", "3",
