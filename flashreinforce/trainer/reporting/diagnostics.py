@@ -231,7 +231,7 @@ class TrustGateWatch:
         lines = [f"warning: {what}: {effect}. The run goes on."]
         if lag < ON_POLICY_LAG:
             lines.append("  the lag is about 0, so the drift is numerics (a bf16 learner against the engine reaches "
-                         "about 0.06 in binary_kl on SmolLM2-135M): raise actor.flash_gate_delta above it, or train "
+                         "0.06-0.07 in binary_kl on SmolLM2-135M): raise actor.flash_gate_delta above it, or train "
                          "the learner in float32 (fsdp.param_dtype fp32)")
         else:
             if not self.scaled:
