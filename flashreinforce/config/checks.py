@@ -182,7 +182,8 @@ def _check(cfg, errors: list[str]) -> None:
         estimator=advantage.estimator, correction_level=advantage.is_correction_level,
         samples_per_prompt=rollout.n_samples_per_prompt,
         option_values={OPTION_FLAGS[o]: cfg[OPTION_FLAGS[o]] for o in mode.checked_options}))
-    if actor.scale_step_by_acceptance and "actor.flash_gate_delta" not in mode.flags:
+    has_gate = "actor.flash_gate_delta" in mode.flags
+    if actor.scale_step_by_acceptance and not has_gate:
         errors.append(f"--actor.scale_step_by_acceptance needs a loss mode with a trust gate (flash_reinforce); "
                       f"actor.loss_mode {actor.loss_mode} has none")
     for n, size in (("fsdp.tp_size", fsdp.tp_size), ("fsdp.ep_size", fsdp.ep_size), ("fsdp.cp_size", fsdp.cp_size)):
@@ -190,7 +191,7 @@ def _check(cfg, errors: list[str]) -> None:
             errors.append(f"--{n} {size}: the native learner runs on one device; only 1 is supported")
     # The flags the selected loss mode does not read (the mode says which, and why).
     inactive.update(mode.inactive({flag: cfg[flag] for flag in mode.note_flags}))
-    if "actor.flash_gate_delta" not in mode.flags:
+    if not has_gate:
         inactive["logger.warn_gate_drop_steps"] = f"actor.loss_mode {actor.loss_mode} has no trust gate"
     elif math.isinf(actor.flash_gate_delta):
         inactive["logger.warn_gate_drop_steps"] = "the trust gate is off (actor.flash_gate_delta inf)"

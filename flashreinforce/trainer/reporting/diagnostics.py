@@ -105,6 +105,15 @@ def _number(record: Mapping[str, Any], key: str) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _replay(watch, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Feed ``records`` to a once-only record watch until it fires: ``[]`` or ``[watch.fired]``."""
+    for record in records:
+        watch.observe(record)
+        if watch.fired is not None:
+            return [watch.fired]
+    return []
+
+
 class ToolUseWatch:
     """Warns once when tools were offered in each of ``n`` updates in a row and never called (see the
     module docstring); ``n`` = ``logger.warn_no_tool_calls_steps`` (0: off)."""
@@ -161,12 +170,7 @@ class ToolUseWatch:
 def tool_use_warnings(records: Iterable[Mapping[str, Any]], n: int) -> list[dict[str, Any]]:
     """What :class:`ToolUseWatch` warned over ``records`` (a run's ``metrics.jsonl``): ``[]`` or one
     ``{"kind", "step", "updates", "message"}``."""
-    watch = ToolUseWatch(n)
-    for record in records:
-        watch.observe(record)
-        if watch.fired is not None:
-            return [watch.fired]
-    return []
+    return _replay(ToolUseWatch(n), records)
 
 
 #: The kind of :class:`TrustGateWatch`'s warning in ``summary.json``.
@@ -249,9 +253,4 @@ class TrustGateWatch:
 def trust_gate_warnings(records: Iterable[Mapping[str, Any]], n: int, *, scaled: bool = False) -> list[dict[str, Any]]:
     """What :class:`TrustGateWatch` warned over ``records`` (a run's ``metrics.jsonl``): ``[]`` or one
     ``{"kind", "step", "updates", "message"}``."""
-    watch = TrustGateWatch(n, scaled=scaled)
-    for record in records:
-        watch.observe(record)
-        if watch.fired is not None:
-            return [watch.fired]
-    return []
+    return _replay(TrustGateWatch(n, scaled=scaled), records)
