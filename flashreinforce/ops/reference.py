@@ -121,10 +121,31 @@ def gate_divergence(behavior_log_probs: Tensor, log_probs: Tensor, metric: str) 
 
 
 def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
-    """Clamped Bernoulli KL proxy ``KL(Bern(p) || Bern(q))`` per token (elementwise, any shape)."""
-    p = behavior_log_probs.exp().clamp(PROB_CLAMP, 1.0 - PROB_CLAMP)
-    q = log_probs.exp().clamp(PROB_CLAMP, 1.0 - PROB_CLAMP)
-    return p * (p.log() - q.log()) + (1.0 - p) * (torch.log1p(-p) - torch.log1p(-q))
+    """Clamped Bernoulli KL proxy ``KL(Bern(p) || Bern(q))`` per token (elementwise, any shape, float64).
+
+    ``p`` and ``q`` are clamped to ``[PROB_CLAMP, 1 - PROB_CLAMP]`` (in log space, which is the same
+    clamp). The textbook form ``p log(p/q) + (1-p) log((1-p)/(1-q))`` cancels to first order when
+    ``p ~ q`` (the value is of order ``(p - q)^2``), which costs float64 several digits on tokens that
+    barely drifted. Adding ``q - p`` to the first term and ``p - q`` to the second splits it into two
+    non-negative terms without cancellation: ``q g(d) + (1 - q) g(d2)`` with ``g(x) = x e^x - e^x + 1``,
+    ``d = log p - log q`` and ``d2 = log((1 - p) / (1 - q))``.
+    """
+    log_p = behavior_log_probs.clamp(_LOG_PROB_LO, _LOG_PROB_HI)
+    log_q = log_probs.clamp(_LOG_PROB_LO, _LOG_PROB_HI)
+    d = log_p - log_q
+    q, one_minus_q = log_q.exp(), -torch.expm1(log_q)
+    d2 = torch.log1p(-q * torch.expm1(d) / one_minus_q)  # (1 - p) / (1 - q) = 1 - q (e^d - 1) / (1 - q)
+    return q * _excess(d) + one_minus_q * _excess(d2)
+
+
+_LOG_PROB_LO = math.log(PROB_CLAMP)
+_LOG_PROB_HI = math.log(1.0 - PROB_CLAMP)  # the log of the float64 bound 1 - PROB_CLAMP, as clamped
+
+
+def _excess(x: Tensor) -> Tensor:
+    """``g(x) = x e^x - (e^x - 1) >= 0``; below ``|x| = 0.01`` its series ``sum_n (n-1) x^n / n!`` (to ``x^8``)."""
+    series = x * x * (1.0 / 2 + x * (1.0 / 3 + x * (1.0 / 8 + x * (1.0 / 30 + x * (1.0 / 144 + x * (1.0 / 840 + x / 5760))))))
+    return torch.where(x.abs() < 0.01, series, x * x.exp() - torch.expm1(x))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,9 +202,9 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
         else:
             behavior = torch.where(mask, a.behavior_log_probs.reshape(-1).to(compute), 0.0)
 
-        # The gate statistic is evaluated in float64 whatever the input precision: the two terms of the
-        # Bernoulli KL cancel when p is close to q, and in float32 this textbook form would lose
-        # percents of the value. (The fused kernel uses a cancellation-free form in the compute dtype.)
+        # The gate statistic is evaluated in float64 whatever the input precision, in a cancellation-free
+        # form (bernoulli_kl): the textbook Bernoulli KL cancels when p is close to q, losing percents of
+        # the value in float32 and digits in float64. (The fused kernel does the same in the compute dtype.)
         # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
         # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
         divergence = torch.where(mask, gate_divergence(behavior.double(), current.detach().double(), a.options.gate_metric),

@@ -229,3 +229,23 @@ def test_float32_sequence_kl_is_accurate_when_policies_are_close():
     got = ref.flashreinforce_loss_packed(lp32, blp32, torch.zeros(3), cu)[1]["sequence_kl"]
     assert got.dtype == torch.float32 and (want > 0).all()
     torch.testing.assert_close(got.double(), want, rtol=5e-3, atol=0)
+
+
+def test_float64_bernoulli_kl_keeps_its_digits_when_policies_are_close():
+    # The textbook form loses about |log p| * 1e-16 / KL of its value to cancellation: for tokens whose
+    # log-probability moved by 1e-9..1e-4 that is far above the contract's 1e-10 (float64, docs/semantics.md).
+    # Against 40-digit decimals, the reference's form holds 1e-12 relative, the clamp bounds included.
+    from python_tests.ops.fused_cases import bernoulli_kl_exact
+
+    rng = random.Random(11)
+    behavior, current = [], []
+    for _ in range(400):
+        b = -rng.expovariate(0.5)
+        behavior.append(b)
+        current.append(min(b + rng.choice((-1, 1)) * 10 ** rng.uniform(-9, -4), 0.0))
+    behavior += [-1e-8, -2e-6, -1.2e-6, -13.0, -0.7]   # p at the upper clamp, q just below it; swapped; ...
+    current += [-1.5e-6, -1e-8, -3e-9, -13.0 + 1e-8, -0.7 - 1e-12]
+    want = torch.tensor([bernoulli_kl_exact(b, c) for b, c in zip(behavior, current)], dtype=torch.float64)
+    got = ref.bernoulli_kl(torch.tensor(behavior, dtype=torch.float64), torch.tensor(current, dtype=torch.float64))
+    assert (want > 0).all()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
