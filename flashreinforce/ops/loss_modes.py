@@ -269,9 +269,10 @@ def _drifts(mb: MicroBatch, policy_tokens: Tensor) -> dict[str, Tensor]:
         current = mb.log_probs.detach().double()
         behavior = mb.behavior_log_probs.double()
         counts = policy_tokens.to(torch.float64).clamp_min(1.0)
+        compute = torch.float64 if mb.log_probs.dtype == torch.float64 else torch.float32  # the gate's clamp bounds
         out = {}
         for metric in GATE_METRICS:
-            term = torch.where(mb.action_mask, gate_divergence(behavior, current, metric), 0.0)
+            term = torch.where(mb.action_mask, gate_divergence(behavior, current, metric, compute), 0.0)
             out[f"drift_{metric}"] = torch.zeros(counts.numel(), dtype=torch.float64, device=term.device).index_add_(
                 0, segment, term) / counts
         return out

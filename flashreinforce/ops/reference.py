@@ -104,12 +104,17 @@ def flashreinforce_loss(log_probs: Tensor, behavior_log_probs: Tensor, rewards: 
     return _objective(args)
 
 
-def gate_divergence(behavior_log_probs: Tensor, log_probs: Tensor, metric: str) -> Tensor:
-    """The gate metric's per-token term (elementwise, float64 in, float64 out; docs/semantics.md)."""
+def gate_divergence(behavior_log_probs: Tensor, log_probs: Tensor, metric: str,
+                    clamp_dtype: torch.dtype = torch.float64) -> Tensor:
+    """The gate metric's per-token term (elementwise, float64 in, float64 out; docs/semantics.md).
+
+    ``clamp_dtype`` is the compute dtype C whose probability clamp bounds the Bernoulli KL uses.
+    """
     if metric == "binary_kl":
-        return bernoulli_kl(behavior_log_probs, log_probs)
+        return bernoulli_kl(behavior_log_probs, log_probs, clamp_dtype)
     if metric == "kpop":
-        return torch.maximum(bernoulli_kl(behavior_log_probs, log_probs), bernoulli_kl(log_probs, behavior_log_probs))
+        return torch.maximum(bernoulli_kl(behavior_log_probs, log_probs, clamp_dtype),
+                             bernoulli_kl(log_probs, behavior_log_probs, clamp_dtype))
     d = log_probs - behavior_log_probs
     if metric == "k3":
         # e^d - 1 - d; below |d| = 1e-3 its series, where expm1(d) - d would cancel.
@@ -120,26 +125,32 @@ def gate_divergence(behavior_log_probs: Tensor, log_probs: Tensor, metric: str) 
     raise ValueError(f"gate_metric must be one of {GATE_METRICS}, got {metric!r}")
 
 
-def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor) -> Tensor:
+def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor, clamp_dtype: torch.dtype = torch.float64) -> Tensor:
     """Clamped Bernoulli KL proxy ``KL(Bern(p) || Bern(q))`` per token (elementwise, any shape, float64).
 
-    ``p`` and ``q`` are clamped to ``[PROB_CLAMP, 1 - PROB_CLAMP]`` (in log space, which is the same
-    clamp). The textbook form ``p log(p/q) + (1-p) log((1-p)/(1-q))`` cancels to first order when
+    ``p`` and ``q`` are clamped to ``[PROB_CLAMP, 1 - PROB_CLAMP]`` as represented in ``clamp_dtype``
+    (the compute dtype C: in float32, ``1 - 1e-6`` is ``1 - 1.0133e-6``), in log space, which is the
+    same clamp. The textbook form ``p log(p/q) + (1-p) log((1-p)/(1-q))`` cancels to first order when
     ``p ~ q`` (the value is of order ``(p - q)^2``), which costs float64 several digits on tokens that
     barely drifted. Adding ``q - p`` to the first term and ``p - q`` to the second splits it into two
     non-negative terms without cancellation: ``q g(d) + (1 - q) g(d2)`` with ``g(x) = x e^x - e^x + 1``,
     ``d = log p - log q`` and ``d2 = log((1 - p) / (1 - q))``.
     """
-    log_p = behavior_log_probs.clamp(_LOG_PROB_LO, _LOG_PROB_HI)
-    log_q = log_probs.clamp(_LOG_PROB_LO, _LOG_PROB_HI)
+    log_lo, log_hi = _log_clamp_bounds(clamp_dtype)
+    log_p = behavior_log_probs.clamp(log_lo, log_hi)
+    log_q = log_probs.clamp(log_lo, log_hi)
     d = log_p - log_q
     q, one_minus_q = log_q.exp(), -torch.expm1(log_q)
     d2 = torch.log1p(-q * torch.expm1(d) / one_minus_q)  # (1 - p) / (1 - q) = 1 - q (e^d - 1) / (1 - q)
     return q * _excess(d) + one_minus_q * _excess(d2)
 
 
-_LOG_PROB_LO = math.log(PROB_CLAMP)
-_LOG_PROB_HI = math.log(1.0 - PROB_CLAMP)  # the log of the float64 bound 1 - PROB_CLAMP, as clamped
+def _log_clamp_bounds(dtype: torch.dtype) -> tuple[float, float]:
+    """The logs (in float64) of the clamp bounds ``PROB_CLAMP`` and ``1 - PROB_CLAMP`` represented in ``dtype``."""
+    if dtype == torch.float64:
+        return math.log(PROB_CLAMP), math.log(1.0 - PROB_CLAMP)
+    lo = torch.tensor(PROB_CLAMP, dtype=dtype)
+    return math.log(float(lo)), math.log(float(1 - lo))
 
 
 def _excess(x: Tensor) -> Tensor:
@@ -202,13 +213,14 @@ def _objective(a: Arguments) -> tuple[Tensor, dict[str, Tensor]]:
         else:
             behavior = torch.where(mask, a.behavior_log_probs.reshape(-1).to(compute), 0.0)
 
-        # The gate statistic is evaluated in float64 whatever the input precision, in a cancellation-free
-        # form (bernoulli_kl): the textbook Bernoulli KL cancels when p is close to q, losing percents of
-        # the value in float32 and digits in float64. (The fused kernel does the same in the compute dtype.)
+        # The gate statistic is evaluated in float64 whatever the input precision (with the clamp bounds of
+        # the compute dtype), in a cancellation-free form (bernoulli_kl): the textbook Bernoulli KL cancels
+        # when p is close to q, losing percents of the value in float32 and digits in float64. (The fused
+        # kernel does the same in the compute dtype.)
         # The returned statistic (compute dtype) is compared with delta in double, so "admitted" means
         # exactly "the reported sequence_kl <= delta" (inclusive), without rounding delta.
-        divergence = torch.where(mask, gate_divergence(behavior.double(), current.detach().double(), a.options.gate_metric),
-                                 0.0)
+        divergence = torch.where(mask, gate_divergence(behavior.double(), current.detach().double(), a.options.gate_metric,
+                                                       compute), 0.0)
         kl_sum = torch.zeros(batch, dtype=torch.float64, device=device).index_add_(0, segment, divergence)
         sequence_kl = (kl_sum / policy_tokens).clamp_min(0.0).to(compute)
         admitted = sequence_kl.double() <= a.options.delta

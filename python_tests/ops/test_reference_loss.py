@@ -249,3 +249,20 @@ def test_float64_bernoulli_kl_keeps_its_digits_when_policies_are_close():
     got = ref.bernoulli_kl(torch.tensor(behavior, dtype=torch.float64), torch.tensor(current, dtype=torch.float64))
     assert (want > 0).all()
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_clamp_bounds_are_those_of_the_compute_dtype(dtype):
+    # docs/semantics.md, step 3: in float32 (the compute dtype of every input but float64) 1 - 1e-6 is
+    # 1 - 1.0133e-6. A behavior token at p = 1 against q = 1 - 1e-5 feels the difference in 1 - p (1.3%).
+    from python_tests.ops.fused_cases import BOUNDS32, BOUNDS64, bernoulli_kl_float64
+
+    behavior = torch.tensor([0.0, -0.5], dtype=dtype)
+    current = torch.tensor([math.log1p(-1e-5), -0.5], dtype=dtype)
+    _, stats = ref.flashreinforce_loss_packed(current, behavior, torch.zeros(1, dtype=dtype), torch.tensor([0, 2]))
+    bounds = BOUNDS64 if dtype == torch.float64 else BOUNDS32
+    b, c = float(behavior[0]), float(current[0])
+    want = bernoulli_kl_float64(b, c, bounds) / 2
+    other = bernoulli_kl_float64(b, c, BOUNDS32 if dtype == torch.float64 else BOUNDS64) / 2
+    assert abs(want - other) > 1e-3 * want  # the two bounds do give different values here
+    assert float(stats["sequence_kl"][0]) == pytest.approx(want, rel=1e-5)
