@@ -46,6 +46,7 @@ __all__ = [
     "Arguments",
     "ErrorCode",
     "check_arguments",
+    "compute_dtype_for",
     "entry_point",
     "error_for",
     "op_options",
@@ -222,6 +223,12 @@ def _count(name: str, value, minimum: int, what: str) -> Optional[int]:
     return value
 
 
+def compute_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the objective computes in for inputs of ``dtype``: float64 stays float64; float32,
+    float16 and bfloat16 compute in float32 (the kernels' accumulation, the gate's clamp bounds)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def finite_in(value: float, compute_dtype: torch.dtype) -> bool:
     """Whether a float64 value stays finite once rounded to ``compute_dtype`` (float32 or float64)."""
     if compute_dtype == torch.float64:
@@ -320,7 +327,7 @@ def check_arguments(log_probs, behavior_log_probs, rewards, cu_seqlens, action_m
         raise ValueError(f"failures must have shape [{batch}] like rewards, got {tuple(failures.shape)}")
 
     # Options: the objective's own (one check, LossOptions'), then those that depend on this call.
-    compute_dtype = torch.float64 if log_probs.dtype == torch.float64 else torch.float32
+    compute_dtype = compute_dtype_for(log_probs.dtype)
     options = keywords.get("options")
     overrides = {name: keywords[name] for name in KERNEL_OPTIONS if name in keywords}
     if options is None:

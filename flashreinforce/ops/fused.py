@@ -28,8 +28,8 @@ from torch import Tensor
 
 from flashreinforce import _C
 from flashreinforce.objective import KERNEL_OPTIONS, LossOptions
-from flashreinforce.ops.contract import (CALL_SCALARS, OUTPUTS, STAT_NAMES, Arguments, check_arguments, entry_point,
-                                         error_for, op_options, options_mapping)
+from flashreinforce.ops.contract import (CALL_SCALARS, OUTPUTS, STAT_NAMES, Arguments, check_arguments,
+                                         compute_dtype_for, entry_point, error_for, op_options, options_mapping)
 
 __all__ = [
     "flashreinforce_loss_packed",
@@ -92,10 +92,6 @@ def _empty_gradient(log_probs: Tensor) -> Tensor:
     return torch.from_numpy(array).view(log_probs.dtype).view(log_probs.shape)
 
 
-def _compute_dtype(log_probs: Tensor) -> torch.dtype:
-    return torch.float64 if log_probs.dtype == torch.float64 else torch.float32
-
-
 def _batch_size(log_probs: Tensor, rewards: Tensor, cu_seqlens: Optional[Tensor]) -> int:
     return log_probs.shape[0] if cu_seqlens is None else rewards.shape[0]
 
@@ -103,7 +99,7 @@ def _batch_size(log_probs: Tensor, rewards: Tensor, cu_seqlens: Optional[Tensor]
 def _allocate_outputs(log_probs: Tensor, batch: int, grad: Tensor) -> list[Tensor]:
     """The outputs of :data:`~flashreinforce.ops.contract.OUTPUTS`, in order (``grad`` given)."""
     device = log_probs.device
-    compute = _compute_dtype(log_probs)
+    compute = compute_dtype_for(log_probs.dtype)
     outputs = []
     for output in OUTPUTS:
         if output.dtype == "log_probs":
@@ -162,7 +158,7 @@ def _fused_loss_impl(
         code, index = _C.loss_forward(views, values, launch)
     if code != 0 and raise_errors:
         loss_options = LossOptions(**{name: values[name] for name in KERNEL_OPTIONS})
-        args = Arguments(*inputs, log_probs.numel(), batch, launch["padded_row_length"], _compute_dtype(log_probs),
+        args = Arguments(*inputs, log_probs.numel(), batch, launch["padded_row_length"], compute_dtype_for(log_probs.dtype),
                          loss_options, *(values[name] for name in CALL_SCALARS))
         raise error_for(code, index, args)
     return (*outputs, error)

@@ -34,6 +34,8 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from flashreinforce.ops.contract import compute_dtype_for
+
 __all__ = ["CPU_TILE", "DEFAULT_CHUNK_BYTES", "chunk_rows", "sampled_token_logprobs", "wide_gemm_available"]
 
 #: Default budget, in bytes, for the tile-sized work buffers that exist at any one time (forward
@@ -87,16 +89,11 @@ def wide_gemm_available(device: torch.device | str) -> bool:
     return _wide_gemm_support(torch.device(device))["mm"]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; float32, float16 and bfloat16 compute in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _element_bytes(dtype: torch.dtype, with_entropy: bool) -> int:
     """Bytes of work buffers per tile element: one compute-dtype tile (two with entropy), plus
     one in the input dtype for low-precision inputs (the GEMM result before the upcast, and the
     gradient after the downcast)."""
-    per = (2 if with_entropy else 1) * torch.empty((), dtype=_compute_dtype(dtype)).element_size()
+    per = (2 if with_entropy else 1) * torch.empty((), dtype=compute_dtype_for(dtype)).element_size()
     if dtype in _LOW_PRECISION:
         per += torch.empty((), dtype=dtype).element_size()
     return per
@@ -152,7 +149,7 @@ class _Tiles:
 
     def __init__(self, hidden, vocab, rows, cols, n_buffers, operand_dtype=None, backward=False):
         self.rows, self.cols, self.vocab = rows, cols, vocab
-        self.cdt = _compute_dtype(hidden.dtype)
+        self.cdt = compute_dtype_for(hidden.dtype)
         self.low = hidden.dtype in _LOW_PRECISION
         self.operand_dtype = operand_dtype
         self.wide = operand_dtype is not None

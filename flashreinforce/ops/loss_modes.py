@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from flashreinforce.objective import GATE_METRICS, LOSS_MODE_REGISTRY, LossModeConfig, LossOptions
+from flashreinforce.ops.contract import compute_dtype_for
 from flashreinforce.ops.ppo import group_advantages, ppo_clipped_loss_packed
 from flashreinforce.ops.reference import gate_divergence
 
@@ -269,7 +270,7 @@ def _drifts(mb: MicroBatch, policy_tokens: Tensor) -> dict[str, Tensor]:
         current = mb.log_probs.detach().double()
         behavior = mb.behavior_log_probs.double()
         counts = policy_tokens.to(torch.float64).clamp_min(1.0)
-        compute = torch.float64 if mb.log_probs.dtype == torch.float64 else torch.float32  # the gate's clamp bounds
+        compute = compute_dtype_for(mb.log_probs.dtype)  # the gate's clamp bounds
         out = {}
         for metric in GATE_METRICS:
             term = torch.where(mb.action_mask, gate_divergence(behavior, current, metric, compute), 0.0)

@@ -32,6 +32,7 @@ Shapes: packed inputs are ``[N]`` token arrays with ``cu_seqlens [B+1]`` offsets
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -145,10 +146,9 @@ def bernoulli_kl(behavior_log_probs: Tensor, log_probs: Tensor, clamp_dtype: tor
     return q * _excess(d) + one_minus_q * _excess(d2)
 
 
+@functools.lru_cache(maxsize=None)
 def _log_clamp_bounds(dtype: torch.dtype) -> tuple[float, float]:
     """The logs (in float64) of the clamp bounds ``PROB_CLAMP`` and ``1 - PROB_CLAMP`` represented in ``dtype``."""
-    if dtype == torch.float64:
-        return math.log(PROB_CLAMP), math.log(1.0 - PROB_CLAMP)
     lo = torch.tensor(PROB_CLAMP, dtype=dtype)
     return math.log(float(lo)), math.log(float(1 - lo))
 
