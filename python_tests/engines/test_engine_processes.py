@@ -73,6 +73,23 @@ def test_a_dead_process_is_named_and_the_others_are_ended():
         core.wait()
 
 
+def test_a_process_without_a_command_line_is_named_by_its_kernel_name():
+    """A process read at the instant of its exec, or a zombie, has an empty command line; its name then
+    comes from /proc/PID/comm, so a failure never reads "process process"."""
+    from flashreinforce.engines.vllm.process import _command, _label
+
+    child = subprocess.Popen(["sleep", "0"])  # not waited for until the end: a zombie once it exits
+    try:
+        _wait_for(lambda: (proc_stat(child.pid) or ["X"])[0] == "Z", "the zombie")
+        with open(f"/proc/{child.pid}/cmdline", "rb") as fh:
+            assert fh.read() == b""  # what the engine's watch read in the race
+        assert _command(child.pid, tries=2, wait_s=0.0) == "sleep"
+        assert _label(_command(child.pid, tries=1)) == "sleep"
+    finally:
+        child.wait()
+    assert _command(child.pid) == "" and _label("") == ""  # no such process: nothing to name
+
+
 def test_terminate_ends_what_is_left_and_a_closed_watch_reports_nothing():
     watched = EngineProcesses("test engine", poll_s=0.1)
     with watched.starting():

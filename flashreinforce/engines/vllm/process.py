@@ -96,10 +96,23 @@ def _descendants() -> dict[int, str]:
     return out
 
 
-def _command(pid: int) -> str:
+def _command(pid: int, tries: int = 5, wait_s: float = 0.01) -> str:
+    """The command line of ``pid``, or ``""`` when there is no such process. A process caught while it
+    replaces its program (the instant of its ``exec``), or a zombie, reads as an empty command line: it is
+    read again ``tries`` times ``wait_s`` apart, then the kernel's short name (``/proc/PID/comm``) stands in."""
+    for attempt in range(tries):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            return ""
+        if command:
+            return command
+        if attempt + 1 < tries:
+            time.sleep(wait_s)
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/comm", "rb") as fh:
+            return fh.read().decode(errors="replace").strip()
     except OSError:
         return ""
 
@@ -111,7 +124,7 @@ def _alive(pid: int, started: str) -> bool:
 
 def _label(command: str) -> str:
     """The name of one of vLLM's processes as its title gives it (``VLLM::EngineCore_DP0`` -> EngineCore_DP0)."""
-    head = command.split()[0] if command.split() else "process"
+    head = command.split()[0] if command.split() else ""
     return head.split("::", 1)[1] if "::" in head else os.path.basename(head)[:40]
 
 
@@ -151,7 +164,8 @@ class EngineProcesses:
             gone = [pid for pid, started in self.procs.items() if not _alive(pid, started)]
             if gone and not self._closed.is_set():
                 pid = gone[0]
-                self.failure = (f"{self.what}'s {self.labels[pid]} process {pid} ended unexpectedly (killed, out of "
+                label = f"{self.labels[pid]} " if self.labels[pid] else ""
+                self.failure = (f"{self.what}'s {label}process {pid} ended unexpectedly (killed, out of "
                                 "memory, or a crash of its own); its other processes were ended too")
                 log.error("%s", self.failure)
                 self.terminate()
