@@ -20,7 +20,10 @@ updates, and every trajectory's drift statistics in ``samples.jsonl``. Grids (``
 Cells run in priority order (every column and lag of seed 0 before seed 1), one at a time. A finished cell
 (its ``result.json``) is skipped, so the grid spans sessions; the run's checkpoint and export are
 deleted once its result is written (2 GB a run). While the file ``OUTPUT/PAUSE`` exists, no new cell
-starts (a quiet window for other measurements); ``OUTPUT/STATUS`` says what runs. Each result records the
+starts (a quiet window for other measurements; a waiting runner goes on when it is removed);
+``OUTPUT/STATUS`` says what runs. A running cell holds a lock on its folder's ``LOCK`` file, so a second
+runner on the same OUTPUT skips that cell instead of running it again (the lock ends with its process,
+whatever the way it ends). Each result records the
 machine's CPU (``cpu``). ``--restore`` copies the results kept under ``--data`` back to OUTPUT where a cell
 has none, so a grid carried on on another machine skips the cells that finished elsewhere.
 
@@ -39,6 +42,8 @@ below the base model (on a task with a low base, a run can fall to nothing witho
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -351,6 +356,52 @@ def _load() -> str:
         return "load unknown"
 
 
+@contextlib.contextmanager
+def claim(folder: Path):
+    """Hold the cell ``folder`` for this process while the block runs: yields ``True``, or ``False`` when
+    another live runner holds it (an exclusive ``flock`` on ``folder/LOCK``, released when its holder's
+    process ends, however it ends, so a killed runner leaves nothing stale behind)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "LOCK", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            fh.seek(0), fh.truncate(), fh.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            fh.flush()
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def run_cell(args, cell: Cell, folder: Path, base: float, root: Path, counter: str) -> int:
+    """Run one cell (the trainer in a subprocess, its log in ``folder/train.log``) and write its
+    ``result.json``; returns the trainer's exit status."""
+    run = folder / "run"
+    cmd = command(args, cell, run)
+    folder.mkdir(parents=True, exist_ok=True)
+    (root / "STATUS").write_text(f"running {cell.name} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
+                                 f"({_load()}, pid {os.getpid()})\n")
+    print(f"{counter} {cell.name} ({_load()}): {' '.join(cmd[3:])}", flush=True)
+    t0 = time.time()
+    with open(folder / "train.log", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        print(f"  {cell.name} failed with status {proc.returncode}: see {folder / 'train.log'}", flush=True)
+        return proc.returncode
+    result = result_of(cell, run, base, wall)
+    (folder / "result.json").write_text(json.dumps(result, indent=1))
+    for heavy in ("checkpoints", "hf"):
+        shutil.rmtree(run / heavy, ignore_errors=True)
+    print(f"  final {result['final_accuracy']:.3f} auc {result['auc']:.3f} gated {result['gated_share']:.3f} "
+          f"grad max {result['grad_norm_max']} lags {result['lags_after_warmup']} ({wall / 60:.1f} min)",
+          flush=True)
+    return 0
+
+
 def run_grid(args) -> None:
     root = Path(args.output)
     todo = cells(args)
@@ -370,28 +421,15 @@ def run_grid(args) -> None:
         while (root / "PAUSE").exists():
             (root / "STATUS").write_text(f"paused before {cell.name} ({time.strftime('%H:%M:%S')})\n")
             time.sleep(10)
-        run = folder / "run"
-        cmd = command(args, cell, run)
-        folder.mkdir(parents=True, exist_ok=True)
-        (root / "STATUS").write_text(f"running {cell.name} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
-                                     f"({_load()}, pid {os.getpid()})\n")
-        print(f"[{i}/{len(todo)}] {cell.name} ({_load()}): {' '.join(cmd[3:])}", flush=True)
-        t0 = time.time()
-        with open(folder / "train.log", "w") as log:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        wall = time.time() - t0
-        if proc.returncode != 0:
-            print(f"  {cell.name} failed with status {proc.returncode}: see {folder / 'train.log'}", flush=True)
-            if proc.returncode in (130, -2):
-                raise SystemExit(130)
-            continue
-        result = result_of(cell, run, base, wall)
-        (folder / "result.json").write_text(json.dumps(result, indent=1))
-        for heavy in ("checkpoints", "hf"):
-            shutil.rmtree(run / heavy, ignore_errors=True)
-        print(f"  final {result['final_accuracy']:.3f} auc {result['auc']:.3f} gated {result['gated_share']:.3f} "
-              f"grad max {result['grad_norm_max']} lags {result['lags_after_warmup']} ({wall / 60:.1f} min)",
-              flush=True)
+        with claim(folder) as mine:
+            if not mine:
+                print(f"[{i}/{len(todo)}] {cell.name}: another runner holds it ({(folder / 'LOCK').read_text().strip()}); "
+                      "skipped", flush=True)
+                continue
+            if (folder / "result.json").is_file():  # finished by another runner while this one waited
+                continue
+            if run_cell(args, cell, folder, base, root, f"[{i}/{len(todo)}]") in (130, -2):
+                raise SystemExit(130)  # interrupted: stop the grid, not just the cell
     (root / "STATUS").write_text(f"grid {args.grid} of {args.task} finished {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
 
 

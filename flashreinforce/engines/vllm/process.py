@@ -149,8 +149,10 @@ class EngineProcesses:
                 yield
             finally:
                 for pid, started in _descendants().items():
+                    if pid in before:  # only new processes are read (a command line may take retries)
+                        continue
                     command = _command(pid)
-                    if pid not in before and not any(name in command for name in _NOT_ENGINE):
+                    if not any(name in command for name in _NOT_ENGINE):
                         self.procs[pid], self.labels[pid] = started, _label(command)
 
     def watch(self) -> None:
