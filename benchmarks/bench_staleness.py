@@ -369,7 +369,8 @@ def claim(folder: Path):
             yield False
             return
         try:
-            fh.seek(0), fh.truncate(), fh.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            fh.truncate(0)  # the last holder's line (appends land at the start of the emptied file)
+            fh.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
             fh.flush()
             yield True
         finally:
