@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Asynchrony where it matters: the arith_tool run with tools that take time, three schedules side by side.
+"""Asynchrony where it matters: the arith_tool run with tools that take time, schedules side by side.
 
     python benchmarks/bench_tool_async.py --output runs/tool_async                   # 8 updates each
     python benchmarks/bench_tool_async.py --output runs/tool_async --updates 4 --median-s 0.5 --sigma 1.0
+    python benchmarks/bench_tool_async.py --output runs/tool_async --model runs/arith_tool_model \
+        --updates 11 --seeds 0 1 2 --schedules sync stream2 stream2_steady
 
 Every tool call waits for the sandbox (its real time, ``tool_run_s``) plus a delay drawn from a
 lognormal distribution (``--median-s``, ``--sigma``: the environment's ``tool_latency``; deterministic
 per task, turn and call, so the schedules meet the same delays). One invocation runs, one after the
-other, ``--updates`` updates of:
+other, for each seed, ``--updates`` updates (after a first one) of:
 
 * ``async``: the ``arith_tool`` preset as it is (one rollout per prompt, one batch in flight ahead of
   the learner: ``train.async_queue_size 1``);
@@ -18,13 +20,27 @@ other, ``--updates`` updates of:
   episodes' tool calls run; ``flashreinforce/trainer/rollout/stream.py``);
 * ``stream2``: the same with 96 episodes in flight and two batches ahead of the learner
   (``train.async_queue_size 2``, ``train.max_policy_lag 3``);
+* ``stream2_steady``: ``stream2`` with the two optimizer settings that keep a policy two versions
+  ahead of its samples from running off: no optimizer step on an exactly zero gradient
+  (``actor.step_on_zero_gradient false``: a batch whose rewards are all equal carries no signal, and
+  AdamW's momentum would still move the weights) and a step scaled by the gate's acceptance
+  (``actor.scale_step_by_acceptance true``);
+* ``sync_warmup`` and ``stream2_warmup``: ``sync`` and ``stream2`` with the learning rate raised
+  linearly over the first ``--warmup-updates`` updates (default 4; ``actor.lr_warmup_ratio``). A run
+  that starts from a trained checkpoint starts a fresh AdamW, whose first steps move every weight by
+  about the full rate whatever the gradient's size; a policy two versions ahead of its samples meets
+  those steps before its samples show their effect;
 * ``grpo``: groups of 8 samples (``--actor.loss_mode ppo --algo.advantage.estimator grpo
   --rollout.n_samples_per_prompt 8``, 4 prompts per update of 32 trajectories), asynchronous like ``async``.
 
-Reported from each run's ``metrics.jsonl`` (the first update, which includes start-up, left out):
-trajectories per second, the learner's idle share (waiting for a batch), the policy lag, the
-seconds per update, the tool time per trajectory (sandbox and added delay). Each schedule's result
-is a file of its own (``OUTPUT/SCHEDULE.json``; a rerun skips finished ones).
+Each run ends with the preset's held-out greedy evaluation of its final policy (128 prompts, the
+same 0.5 s tools; not counted in the training time). Reported from each run's ``metrics.jsonl``
+(the first update, which includes start-up, left out of the rates): trajectories per second, the
+learner's idle share (waiting for a batch), the policy lag, the seconds per update, the tool time
+per trajectory (sandbox and added delay), the training reward, its lowest update, the held-out
+accuracy at the stop; and per update the reward, the gate's acceptance and the sequence KL. Each
+run's result is a file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
+table gives the mean over seeds with each seed's value.
 """
 
 from __future__ import annotations
@@ -42,46 +58,102 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import arith_curve  # noqa: E402
 from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
+_STREAM2 = ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"]
 SCHEDULES = {
     "async": [],
     "sync": ["--train.async_queue_size", "0"],
     "stream": ["--rollout.episodes_in_flight", "64"],
-    "stream2": ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"],
+    "stream2": _STREAM2,
+    "stream2_steady": [*_STREAM2, "--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"],
+    "sync_warmup": ["--train.async_queue_size", "0"],  # + the warmup of run()
+    "stream2_warmup": _STREAM2,  # + the warmup of run()
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
              "--rollout.batch_size", "4"],
 }
 
 
-def run(name: str, flags: list[str], args, out: Path) -> dict:
+def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
+    """One run's numbers from its ``metrics.jsonl`` rows (one per update, the first included) and its
+    ``eval.jsonl`` rows. Rates leave the first update out (it includes start-up); ``train_time_s`` is
+    the trainer's training clock at the last update (evaluations excluded), the first update included."""
+    if len(metrics) < 2:
+        raise ValueError(f"[{name}] {len(metrics)} update(s) in metrics.jsonl; the rates need at least 2")
+    timed = metrics[1:]
+    seconds = sum(float(m["step_time_s"]) for m in timed)
+    trajectories = sum(int(m["trajectories"]) for m in timed)
+    mean = arith_curve.mean
+    stop = [e for e in evals if int(e["step"]) == int(metrics[-1]["step"])]
+    return {
+        "schedule": name, "updates": len(timed), "seconds_per_update": seconds / len(timed),
+        "train_time_s": float(metrics[-1].get("train_time_s", float("nan"))),
+        "trajectories_per_s": trajectories / seconds,
+        "learner_idle_share": sum(float(m["learner_idle_s"]) for m in timed) / seconds,
+        "policy_lag_mean": mean(float(m["policy_lag_mean"]) for m in timed),
+        "policy_lag_max": max(int(m["policy_lag_max"]) for m in timed),
+        "prompts_per_update": trajectories / len(timed) / (8 if name == "grpo" else 1),
+        "tool_calls_per_trajectory": mean(float(m.get("env/tool_calls", 0.0)) for m in timed),
+        "tool_run_s_per_trajectory": mean(float(m.get("env/tool_run_s", 0.0)) for m in timed),
+        "tool_latency_s_per_trajectory": mean(float(m.get("env/tool_latency_s", 0.0)) for m in timed),
+        "reward_mean": mean(float(m["reward_mean"]) for m in timed),
+        "reward_min": min(float(m["reward_mean"]) for m in timed),
+        "heldout_accuracy": float(stop[-1]["eval_success_rate"]) if stop else float("nan"),
+        "per_update": [{"step": int(m["step"]), "reward": float(m["reward_mean"]),
+                        "acceptance": float(m.get("acceptance_rate", float("nan"))),
+                        "sequence_kl": float(m.get("sequence_kl_mean", float("nan"))),
+                        "policy_lag": float(m["policy_lag_mean"]), "grad_norm": float(m.get("grad_norm", float("nan"))),
+                        "step_time_s": float(m["step_time_s"])} for m in metrics],
+    }
+
+
+def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
     from flashreinforce.config.presets import PRESETS
 
     kwargs = dict(PRESETS["arith_tool"]["env.kwargs"], tool_latency={"median_s": args.median_s, "sigma": args.sigma})
     run_dir = out / name
+    if name.endswith("_warmup"):  # ceil(ratio * (updates + 1)) = args.warmup_updates, safe from rounding
+        flags = [*flags, "--actor.lr_warmup_ratio", f"{(args.warmup_updates - 0.5) / (args.updates + 1):.6f}"]
     cmd = arith_curve.cli("train", "--preset", "arith_tool", "--model", args.model, "--output", str(run_dir),
                           "--overwrite", "--env.kwargs", json.dumps(kwargs), "--train.max_steps", str(args.updates + 1),
-                          "--eval.steps", "0", "--ckpt.save_steps", "0", "--no_progress", "--seed", str(args.seed),
-                          *flags)
-    print(f"[{name}] {' '.join(cmd[2:])}", flush=True)
+                          "--eval.steps", "0", "--eval.eval_at_start", "false", "--ckpt.save_steps", "0",
+                          "--no_progress", "--seed", str(seed), *flags)
+    print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
     with open(out / f"{name}_log.txt", "w") as fh:
         code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if code != 0:
-        raise SystemExit(f"[{name}] failed with exit status {code}; see {out / f'{name}_log.txt'}")
-    metrics = arith_curve.read_jsonl(run_dir / "metrics.jsonl")[1:]  # the first update includes start-up
-    seconds = sum(float(m["step_time_s"]) for m in metrics)
-    trajectories = sum(int(m["trajectories"]) for m in metrics)
-    mean = arith_curve.mean
-    return {
-        "schedule": name, "updates": len(metrics), "seconds_per_update": seconds / len(metrics),
-        "trajectories_per_s": trajectories / seconds,
-        "learner_idle_share": sum(float(m["learner_idle_s"]) for m in metrics) / seconds,
-        "policy_lag_mean": mean(float(m["policy_lag_mean"]) for m in metrics),
-        "policy_lag_max": max(int(m["policy_lag_max"]) for m in metrics),
-        "prompts_per_update": trajectories / len(metrics) / (8 if name == "grpo" else 1),
-        "tool_calls_per_trajectory": mean(float(m.get("env/tool_calls", 0.0)) for m in metrics),
-        "tool_run_s_per_trajectory": mean(float(m.get("env/tool_run_s", 0.0)) for m in metrics),
-        "tool_latency_s_per_trajectory": mean(float(m.get("env/tool_latency_s", 0.0)) for m in metrics),
-        "reward_mean": mean(float(m["reward_mean"]) for m in metrics),
-    }
+        raise SystemExit(f"[{name} seed {seed}] failed with exit status {code}; see {out / f'{name}_log.txt'}")
+    result = summarize(name, arith_curve.read_jsonl(run_dir / "metrics.jsonl"),
+                       arith_curve.read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else [])
+    return dict(result, seed=seed, cpu=arith_curve.cpu_name(), load_average_after=arith_curve.load_average())
+
+
+ROWS = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.3f}"),
+        ("learner idle share", "learner_idle_share", "{:.2f}"), ("policy lag (mean)", "policy_lag_mean", "{:.2f}"),
+        ("policy lag (max)", "policy_lag_max", "{:.0f}"), ("prompts per update", "prompts_per_update", "{:.0f}"),
+        ("tool calls per trajectory", "tool_calls_per_trajectory", "{:.2f}"),
+        ("sandbox s per trajectory", "tool_run_s_per_trajectory", "{:.2f}"),
+        ("added delay s per trajectory", "tool_latency_s_per_trajectory", "{:.2f}"),
+        ("training reward", "reward_mean", "{:.3f}"), ("lowest update's reward", "reward_min", "{:.3f}"),
+        ("held-out accuracy at the stop", "heldout_accuracy", "{:.3f}")]
+
+
+def table(results: dict[str, list[dict]]) -> str:
+    """Markdown table: per schedule the mean over its seeds, each seed's value in parentheses when there
+    are several; a row of speed against ``sync`` (its mean seconds per update over this schedule's) when
+    ``sync`` ran."""
+    def cell(runs: list[dict], key: str, fmt: str) -> str:
+        values = [float(r[key]) for r in runs]
+        text = fmt.format(arith_curve.mean(values))
+        return text if len(values) == 1 else f"{text} ({', '.join(fmt.format(v) for v in values)})"
+
+    lines = ["| | " + " | ".join(results) + " |", "|" + " --- |" * (len(results) + 1)]
+    lines.append("| seeds | " + " | ".join(", ".join(str(r["seed"]) for r in runs) for runs in results.values()) + " |")
+    for label, key, fmt in ROWS:
+        lines.append(f"| {label} | " + " | ".join(cell(runs, key, fmt) for runs in results.values()) + " |")
+    if "sync" in results:
+        base = arith_curve.mean(r["seconds_per_update"] for r in results["sync"])
+        lines.append("| against sync | " + " | ".join(
+            f"{base / arith_curve.mean(r['seconds_per_update'] for r in runs):.2f}x" for runs in results.values()) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -91,35 +163,36 @@ def main(argv=None) -> int:
     p.add_argument("--updates", type=int, default=8, help="updates measured per schedule (after a first one)")
     p.add_argument("--median-s", type=float, default=0.5, help="median added delay per tool call")
     p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the added delay")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-updates", type=int, default=4,
+                   help="the *_warmup schedules' linear learning-rate warmup, in updates (from the run's first)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per schedule and seed")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
     args = p.parse_args(argv)
+    if args.updates < 1:
+        p.error(f"--updates must be at least 1, got {args.updates}")
+    if not 1 <= args.warmup_updates <= args.updates + 1:
+        p.error(f"--warmup-updates must lie in [1, {args.updates + 1}] (the run's updates), got {args.warmup_updates}")
     out = Path(args.output).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     set_openmp_spin_default()  # as the flashreinforce console script does
     print(f"CPU {arith_curve.cpu_name()} ({os.cpu_count()} CPUs), load average {arith_curve.load_average()}; "
           f"tool delay lognormal, median {args.median_s} s, sigma {args.sigma}", flush=True)
-    results = {}
-    for name in args.schedules:
-        path = out / f"{name}.json"
-        if path.is_file():
-            print(f"[{name}] {path.name} exists; kept", flush=True)
-        else:
-            path.write_text(json.dumps(run(name, SCHEDULES[name], args, out), indent=1))
-        results[name] = json.loads(path.read_text())
-    keys = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.3f}"),
-            ("learner idle share", "learner_idle_share", "{:.2f}"), ("policy lag (mean)", "policy_lag_mean", "{:.2f}"),
-            ("policy lag (max)", "policy_lag_max", "{:.0f}"), ("prompts per update", "prompts_per_update", "{:.0f}"),
-            ("tool calls per trajectory", "tool_calls_per_trajectory", "{:.2f}"),
-            ("sandbox s per trajectory", "tool_run_s_per_trajectory", "{:.2f}"),
-            ("added delay s per trajectory", "tool_latency_s_per_trajectory", "{:.2f}"),
-            ("training reward", "reward_mean", "{:.3f}")]
-    print(f"\nCPU {arith_curve.cpu_name()}, load average {arith_curve.load_average()}")
-    print("| | " + " | ".join(results) + " |\n|" + " --- |" * (len(results) + 1))
-    for label, key, fmt in keys:
-        print(f"| {label} | " + " | ".join(fmt.format(r[key]) for r in results.values()) + " |")
+    results: dict[str, list[dict]] = {name: [] for name in args.schedules}
+    for seed in args.seeds:
+        folder = out / f"seed{seed}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in args.schedules:
+            path = folder / f"{name}.json"
+            if path.is_file():
+                print(f"[{name} seed {seed}] {path.relative_to(out)} exists; kept", flush=True)
+            else:
+                path.write_text(json.dumps(run(name, SCHEDULES[name], args, seed, folder), indent=1))
+            results[name].append(json.loads(path.read_text()))
+    text = table(results)
+    print(f"\nCPU {arith_curve.cpu_name()}, load average {arith_curve.load_average()}\n{text}")
+    (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({"cpu": arith_curve.cpu_name(), "median_s": args.median_s,
-                                                  "sigma": args.sigma, "results": results}, indent=1))
+                                                  "sigma": args.sigma, "seeds": args.seeds, "results": results},
+                                                 indent=1))
     return 0
 
 
