@@ -379,10 +379,10 @@ def claim(folder: Path):
 
 def run_cell(args, cell: Cell, folder: Path, base: float, root: Path, counter: str) -> int:
     """Run one cell (the trainer in a subprocess, its log in ``folder/train.log``) and write its
-    ``result.json``; returns the trainer's exit status."""
+    ``result.json``; returns the trainer's exit status. The caller holds ``claim(folder)``, which made
+    the folder."""
     run = folder / "run"
     cmd = command(args, cell, run)
-    folder.mkdir(parents=True, exist_ok=True)
     (root / "STATUS").write_text(f"running {cell.name} since {time.strftime('%Y-%m-%d %H:%M:%S')} "
                                  f"({_load()}, pid {os.getpid()})\n")
     print(f"{counter} {cell.name} ({_load()}): {' '.join(cmd[3:])}", flush=True)

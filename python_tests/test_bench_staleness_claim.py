@@ -39,7 +39,7 @@ def test_a_held_cell_cannot_be_claimed_again_until_it_is_released(bench, tmp_pat
 
 
 def _holder(cell: Path) -> subprocess.Popen:
-    code = (f"import fcntl, sys, time; fh = open({str(cell / 'LOCK')!r}, 'a+'); "
+    code = (f"import fcntl, time; fh = open({str(cell / 'LOCK')!r}, 'a+'); "
             "fcntl.flock(fh, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
     cell.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
