@@ -34,7 +34,8 @@ other, for each seed, ``--updates`` updates (after a first one) of:
   --rollout.n_samples_per_prompt 8``, 4 prompts per update of 32 trajectories), asynchronous like ``async``.
 
 Each run ends with the preset's held-out greedy evaluation of its final policy (128 prompts, the
-same 0.5 s tools; not counted in the training time). Reported from each run's ``metrics.jsonl``
+same slow tools; not counted in the training time); ``--evaluate-missing`` evaluates, with
+``flashreinforce eval``, the final policy of a kept result that has no such number. Reported from each run's ``metrics.jsonl``
 (the first update, which includes start-up, left out of the rates): trajectories per second, the
 learner's idle share (waiting for a batch), the policy lag, the seconds per update, the tool time
 per trajectory (sandbox and added delay), the training reward, its lowest update, the held-out
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -105,16 +107,20 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
     }
 
 
-def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
+def _env_kwargs(args) -> dict:
     from flashreinforce.config.presets import PRESETS
 
-    kwargs = dict(PRESETS["arith_tool"]["env.kwargs"], tool_latency={"median_s": args.median_s, "sigma": args.sigma})
+    return dict(PRESETS["arith_tool"]["env.kwargs"], tool_latency={"median_s": args.median_s, "sigma": args.sigma})
+
+
+def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
+    kwargs = _env_kwargs(args)
     run_dir = out / name
     if name.endswith("_warmup"):  # ceil(ratio * (updates + 1)) = args.warmup_updates, safe from rounding
         flags = [*flags, "--actor.lr_warmup_ratio", f"{(args.warmup_updates - 0.5) / (args.updates + 1):.6f}"]
     cmd = arith_curve.cli("train", "--preset", "arith_tool", "--model", args.model, "--output", str(run_dir),
                           "--overwrite", "--env.kwargs", json.dumps(kwargs), "--train.max_steps", str(args.updates + 1),
-                          "--eval.steps", "0", "--eval.eval_at_start", "false", "--ckpt.save_steps", "0",
+                          "--eval.steps", str(args.updates + 1), "--eval.eval_at_start", "false", "--ckpt.save_steps", "0",
                           "--no_progress", "--seed", str(seed), *flags)
     print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
     with open(out / f"{name}_log.txt", "w") as fh:
@@ -124,6 +130,22 @@ def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
     result = summarize(name, arith_curve.read_jsonl(run_dir / "metrics.jsonl"),
                        arith_curve.read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else [])
     return dict(result, seed=seed, cpu=arith_curve.cpu_name(), load_average_after=arith_curve.load_average())
+
+
+def evaluate_final_policy(name: str, args, seed: int, out: Path) -> float:
+    """Held-out greedy accuracy of a finished run's final policy by ``flashreinforce eval`` (the preset's
+    128 held-out prompts, the run's tools), for a kept result whose run did not evaluate at its stop."""
+    kwargs = _env_kwargs(args)
+    report = out / name / "heldout_eval.json"
+    cmd = arith_curve.cli("eval", "--preset", "arith_tool", "--model", str(out / name), "--env.kwargs",
+                          json.dumps(kwargs), "--no_sampled", "--seed", str(seed), "--output", str(report))
+    print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
+    with open(out / f"{name}_eval_log.txt", "w") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"[{name} seed {seed}] evaluation failed with exit status {code}; see "
+                         f"{out / f'{name}_eval_log.txt'}")
+    return float(json.loads(report.read_text())["accuracy"])
 
 
 ROWS = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.3f}"),
@@ -167,6 +189,9 @@ def main(argv=None) -> int:
                    help="the *_warmup schedules' linear learning-rate warmup, in updates (from the run's first)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per schedule and seed")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    p.add_argument("--evaluate-missing", action="store_true",
+                   help="for kept results without a held-out accuracy (their run did not evaluate at its stop), "
+                        "evaluate the run's final policy with flashreinforce eval and record it")
     args = p.parse_args(argv)
     if args.updates < 1:
         p.error(f"--updates must be at least 1, got {args.updates}")
@@ -186,7 +211,12 @@ def main(argv=None) -> int:
                 print(f"[{name} seed {seed}] {path.relative_to(out)} exists; kept", flush=True)
             else:
                 path.write_text(json.dumps(run(name, SCHEDULES[name], args, seed, folder), indent=1))
-            results[name].append(json.loads(path.read_text()))
+            result = json.loads(path.read_text())
+            if args.evaluate_missing and math.isnan(float(result.get("heldout_accuracy", float("nan")))):
+                result.update(heldout_accuracy=evaluate_final_policy(name, args, seed, folder),
+                              heldout_source="flashreinforce eval of the final policy, after the run")
+                path.write_text(json.dumps(result, indent=1))
+            results[name].append(result)
     text = table(results)
     print(f"\nCPU {arith_curve.cpu_name()}, load average {arith_curve.load_average()}\n{text}")
     (out / "table.md").write_text(text + "\n")

@@ -116,6 +116,7 @@ def test_the_warmup_schedules_warm_up_over_the_updates_asked_for_and_the_others_
     ratio = float(warm[warm.index("--actor.lr_warmup_ratio") + 1])
     assert math.ceil(ratio * 12) == 4  # the trainer's warmup: ceil(ratio * total updates)
     assert "--train.async_queue_size" in warm and "--actor.lr_warmup_ratio" not in commands["sync"]
+    assert warm[warm.index("--eval.steps") + 1] == "12"  # one held-out evaluation, at the last update
     assert json.loads((tmp_path / "seed0" / "stream2_warmup.json").read_text())["heldout_accuracy"] == 1.0
 
 
@@ -123,3 +124,27 @@ def test_a_warmup_longer_than_the_run_is_refused_by_name(bench, tmp_path, capsys
     with pytest.raises(SystemExit):
         bench.main(["--output", str(tmp_path), "--updates", "3", "--warmup-updates", "5"])
     assert "--warmup-updates must lie in [1, 4] (the run's updates), got 5" in capsys.readouterr().err
+
+
+def test_a_kept_result_without_held_out_accuracy_is_evaluated_after_the_run_when_asked(bench, tmp_path, monkeypatch):
+    (tmp_path / "seed0").mkdir()
+    (tmp_path / "seed0" / "sync.json").write_text(json.dumps(_result(bench, 0, 30.0, float("nan"))))
+    (tmp_path / "seed0" / "stream2.json").write_text(json.dumps(_result(bench, 0, 15.0, 0.5)))
+    commands = []
+
+    def fake_eval(cmd, stdout, stderr, cwd):
+        commands.append(cmd)
+        Path(cmd[cmd.index("--output") + 1]).parent.mkdir(parents=True, exist_ok=True)
+        Path(cmd[cmd.index("--output") + 1]).write_text(json.dumps({"accuracy": 0.875}))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_eval)
+    argv = ["--output", str(tmp_path), "--schedules", "sync", "stream2"]
+    assert bench.main(argv) == 0 and commands == []  # not asked: kept as it is
+    assert bench.main([*argv, "--evaluate-missing"]) == 0
+    assert len(commands) == 1 and commands[0][commands[0].index("--model") + 1] == str(tmp_path / "seed0" / "sync")
+    assert "--no_sampled" in commands[0]
+    kept = json.loads((tmp_path / "seed0" / "sync.json").read_text())
+    assert kept["heldout_accuracy"] == 0.875 and "after the run" in kept["heldout_source"]
+    assert json.loads((tmp_path / "seed0" / "stream2.json").read_text())["heldout_accuracy"] == 0.5  # had one
+    assert bench.main([*argv, "--evaluate-missing"]) == 0 and len(commands) == 1  # recorded: not evaluated twice
