@@ -15,6 +15,10 @@ other, for each seed, ``--updates`` updates (after a first one) of:
   the learner: ``train.async_queue_size 1``);
 * ``sync``: the same with ``train.async_queue_size 0`` (rollouts wait for each update, the learner for
   each batch);
+* ``sync_threads2``: ``sync`` with two intra-op threads instead of the preset's one: the learner and
+  the rollouts never run at once in a synchronous run, so each may take every core of this 2-core
+  machine (the preset's one thread each is for the asynchronous runs, where they run side by side);
+  the stronger synchronous baseline;
 * ``stream``: ``async`` with the worker's episodes as a stream (``rollout.episodes_in_flight 64``: up
   to two batches of episodes in flight, new prompts started as others end, turns sampled while other
   episodes' tool calls run; ``flashreinforce/trainer/rollout/stream.py``);
@@ -67,6 +71,7 @@ SCHEDULES = {
     "stream": ["--rollout.episodes_in_flight", "64"],
     "stream2": _STREAM2,
     "stream2_steady": [*_STREAM2, "--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"],
+    "sync_threads2": ["--train.async_queue_size", "0", "--torch_threads", "2"],
     "sync_warmup": ["--train.async_queue_size", "0"],  # + the warmup of run()
     "stream2_warmup": _STREAM2,  # + the warmup of run()
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
