@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -395,7 +396,12 @@ class Learner:
             finally:
                 for group, value in zip(self.optimizer.param_groups, scheduled):
                     group["lr"] = value
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A run whose first updates skip the optimizer step advances the schedule before AdamW has
+            # stepped, on purpose; PyTorch's warning about that order would only alarm the user.
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before",
+                                    category=UserWarning)
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         return {"grad_norm": grad_norm, "lr": lr, "optimizer_step_skipped": float(skip)}

@@ -324,6 +324,15 @@ def test_a_zero_gradient_update_steps_adamw_only_when_asked(step_on_zero):
         assert all(torch.equal(state[i][name], moments[i][name]) for i in moments for name in moments[i])
 
 
+def test_a_run_whose_first_update_skips_the_step_warns_nothing(recwarn):
+    # The schedule then steps before AdamW ever has; PyTorch warns about that order, which is intended here.
+    model = tiny_model(13)
+    learner = Learner(model, LearnerSettings(lr=1e-2, loss=LossOptions(delta=0.05), step_on_zero_gradient=False))
+    out = learner.step(_gated_out_batch(model, 4))
+    assert out["optimizer_step_skipped"] == 1.0
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)], [str(w.message) for w in recwarn]
+
+
 def _half_gated_batch(model):
     """Four trajectories the gate admits at delta 0.5 and two it drops (see :func:`_gated_out_batch`)."""
     return random_batch(21, model, n=4) + _gated_out_batch(model, 22)[:2]
