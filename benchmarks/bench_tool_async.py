@@ -39,13 +39,14 @@ other, for each seed, ``--updates`` updates (after a first one) of:
 
 Each run ends with the preset's held-out greedy evaluation of its final policy (128 prompts, the
 same slow tools; not counted in the training time); ``--evaluate-missing`` evaluates, with
-``flashreinforce eval``, the final policy of a kept result that has no such number. Reported from each run's ``metrics.jsonl``
-(the first update, which includes start-up, left out of the rates): trajectories per second, the
+``flashreinforce eval``, the final policy of a kept result that has no such number. Reported from
+each run's ``metrics.jsonl`` (the first update, which includes start-up, left out of the rates):
+trajectories per second, the
 learner's idle share (waiting for a batch), the policy lag, the seconds per update, the tool time
 per trajectory (sandbox and added delay), the training reward, its lowest update, the held-out
 accuracy at the stop; and per update the reward, the gate's acceptance and the sequence KL. Each
 run's result is a file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
-table gives the mean over seeds with each seed's value.
+table gives the mean over seeds (the largest for a maximum) with each seed's value.
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
         flags = [*flags, "--actor.lr_warmup_ratio", f"{(args.warmup_updates - 0.5) / (args.updates + 1):.6f}"]
     cmd = arith_curve.cli("train", "--preset", "arith_tool", "--model", args.model, "--output", str(run_dir),
                           "--overwrite", "--env.kwargs", json.dumps(kwargs), "--train.max_steps", str(args.updates + 1),
-                          "--eval.steps", str(args.updates + 1), "--eval.eval_at_start", "false", "--ckpt.save_steps", "0",
+                          "--eval.steps", str(args.updates + 1), "--eval.eval_at_start", "false",
+                          "--ckpt.save_steps", "0",
                           "--no_progress", "--seed", str(seed), *flags)
     print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
     with open(out / f"{name}_log.txt", "w") as fh:
@@ -164,12 +166,12 @@ ROWS = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    """Markdown table: per schedule the mean over its seeds, each seed's value in parentheses when there
-    are several; a row of speed against ``sync`` (its mean seconds per update over this schedule's) when
-    ``sync`` ran."""
+    """Markdown table: per schedule the mean over its seeds (the largest for a maximum), each seed's
+    value in parentheses when there are several; a row of speed against ``sync`` (its mean seconds per
+    update over this schedule's) when ``sync`` ran."""
     def cell(runs: list[dict], key: str, fmt: str) -> str:
         values = [float(r[key]) for r in runs]
-        text = fmt.format(arith_curve.mean(values))
+        text = fmt.format(max(values) if key.endswith("_max") else arith_curve.mean(values))
         return text if len(values) == 1 else f"{text} ({', '.join(fmt.format(v) for v in values)})"
 
     lines = ["| | " + " | ".join(results) + " |", "|" + " --- |" * (len(results) + 1)]
@@ -178,8 +180,8 @@ def table(results: dict[str, list[dict]]) -> str:
         lines.append(f"| {label} | " + " | ".join(cell(runs, key, fmt) for runs in results.values()) + " |")
     if "sync" in results:
         base = arith_curve.mean(r["seconds_per_update"] for r in results["sync"])
-        lines.append("| against sync | " + " | ".join(
-            f"{base / arith_curve.mean(r['seconds_per_update'] for r in runs):.2f}x" for runs in results.values()) + " |")
+        speeds = [base / arith_curve.mean(r["seconds_per_update"] for r in runs) for runs in results.values()]
+        lines.append("| against sync | " + " | ".join(f"{x:.2f}x" for x in speeds) + " |")
     return "\n".join(lines)
 
 

@@ -64,6 +64,8 @@ def _result(bench, seed, seconds, accuracy):
 
 
 def test_the_table_gives_the_mean_over_seeds_each_seed_and_the_speed_against_sync(bench):
+    stale = dict(_result(bench, 1, 16.0, 1.0), policy_lag_max=3)
+    assert "| policy lag (max) | 3 (1, 3) |" in bench.table({"stream2": [_result(bench, 0, 16.0, 1.0), stale]})
     text = bench.table({"sync": [_result(bench, 0, 30.0, 1.0), _result(bench, 1, 34.0, 0.5)],
                         "stream2": [_result(bench, 0, 16.0, 0.0), _result(bench, 1, 16.0, 1.0)]})
     lines = text.splitlines()
@@ -71,6 +73,7 @@ def test_the_table_gives_the_mean_over_seeds_each_seed_and_the_speed_against_syn
     assert "| seeds | 0, 1 | 0, 1 |" in lines
     assert "| seconds per update | 32.0 (30.0, 34.0) | 16.0 (16.0, 16.0) |" in lines
     assert "| held-out accuracy at the stop | 0.750 (1.000, 0.500) | 0.500 (0.000, 1.000) |" in lines
+    assert "| policy lag (max) | 1 (1, 1) | 1 (1, 1) |" in lines
     assert lines[-1] == "| against sync | 1.00x | 2.00x |"
     one = bench.table({"stream": [_result(bench, 3, 20.0, 1.0)]})
     assert "| seconds per update | 20.0 |" in one.splitlines() and "against sync" not in one
@@ -110,7 +113,8 @@ def test_the_warmup_schedules_warm_up_over_the_updates_asked_for_and_the_others_
         return type("Done", (), {"returncode": 0})()
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
-    argv = ["--output", str(tmp_path), "--updates", "11", "--warmup-updates", "4", "--schedules", "sync", "stream2_warmup"]
+    argv = ["--output", str(tmp_path), "--updates", "11", "--warmup-updates", "4",
+            "--schedules", "sync", "stream2_warmup"]
     assert bench.main(argv) == 0
     warm = commands["stream2_warmup"]
     ratio = float(warm[warm.index("--actor.lr_warmup_ratio") + 1])
