@@ -119,6 +119,15 @@ def _env_kwargs(args) -> dict:
     return dict(PRESETS["arith_tool"]["env.kwargs"], tool_latency={"median_s": args.median_s, "sigma": args.sigma})
 
 
+def _run_logged(cmd: list[str], log: Path, label: str) -> None:
+    """Run a ``flashreinforce`` command with its output in ``log``; stop the benchmark if it fails."""
+    print(f"{label} {' '.join(cmd[2:])}", flush=True)
+    with open(log, "w") as fh:
+        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0:
+        raise SystemExit(f"{label} failed with exit status {code}; see {log}")
+
+
 def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
     kwargs = _env_kwargs(args)
     run_dir = out / name
@@ -129,11 +138,7 @@ def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
                           "--eval.steps", str(args.updates + 1), "--eval.eval_at_start", "false",
                           "--ckpt.save_steps", "0",
                           "--no_progress", "--seed", str(seed), *flags)
-    print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
-    with open(out / f"{name}_log.txt", "w") as fh:
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code != 0:
-        raise SystemExit(f"[{name} seed {seed}] failed with exit status {code}; see {out / f'{name}_log.txt'}")
+    _run_logged(cmd, out / f"{name}_log.txt", f"[{name} seed {seed}]")
     result = summarize(name, arith_curve.read_jsonl(run_dir / "metrics.jsonl"),
                        arith_curve.read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else [])
     return dict(result, seed=seed, cpu=arith_curve.cpu_name(), load_average_after=arith_curve.load_average())
@@ -146,12 +151,7 @@ def evaluate_final_policy(name: str, args, seed: int, out: Path) -> float:
     report = out / name / "heldout_eval.json"
     cmd = arith_curve.cli("eval", "--preset", "arith_tool", "--model", str(out / name), "--env.kwargs",
                           json.dumps(kwargs), "--no_sampled", "--seed", str(seed), "--output", str(report))
-    print(f"[{name} seed {seed}] {' '.join(cmd[2:])}", flush=True)
-    with open(out / f"{name}_eval_log.txt", "w") as fh:
-        code = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=ROOT).returncode
-    if code != 0:
-        raise SystemExit(f"[{name} seed {seed}] evaluation failed with exit status {code}; see "
-                         f"{out / f'{name}_eval_log.txt'}")
+    _run_logged(cmd, out / f"{name}_eval_log.txt", f"[{name} seed {seed}] evaluation")
     return float(json.loads(report.read_text())["accuracy"])
 
 
@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.updates < 1:
         p.error(f"--updates must be at least 1, got {args.updates}")
-    if not 1 <= args.warmup_updates <= args.updates + 1:
+    warm = any(name.endswith("_warmup") for name in args.schedules)
+    if warm and not 1 <= args.warmup_updates <= args.updates + 1:
         p.error(f"--warmup-updates must lie in [1, {args.updates + 1}] (the run's updates), got {args.warmup_updates}")
     out = Path(args.output).resolve()
     set_openmp_spin_default()  # as the flashreinforce console script does

@@ -152,3 +152,10 @@ def test_a_kept_result_without_held_out_accuracy_is_evaluated_after_the_run_when
     assert kept["heldout_accuracy"] == 0.875 and "after the run" in kept["heldout_source"]
     assert json.loads((tmp_path / "seed0" / "stream2.json").read_text())["heldout_accuracy"] == 0.5  # had one
     assert bench.main([*argv, "--evaluate-missing"]) == 0 and len(commands) == 1  # recorded: not evaluated twice
+
+
+def test_the_warmup_bound_applies_only_when_a_warmup_schedule_runs(bench, tmp_path, monkeypatch):
+    (tmp_path / "seed0").mkdir()
+    (tmp_path / "seed0" / "sync.json").write_text(json.dumps(_result(bench, 0, 30.0, 1.0)))
+    monkeypatch.setattr(bench, "run", lambda *a, **k: pytest.fail("a finished run was run again"))
+    assert bench.main(["--output", str(tmp_path), "--updates", "1", "--schedules", "sync"]) == 0
