@@ -41,11 +41,14 @@ Each run ends with the preset's held-out greedy evaluation of its final policy (
 same slow tools; not counted in the training time); ``--evaluate-missing`` evaluates, with
 ``flashreinforce eval``, the final policy of a kept result that has no such number. Reported from
 each run's ``metrics.jsonl`` (the first update, which includes start-up, left out of the rates):
-trajectories per second, the
-learner's idle share (waiting for a batch), the policy lag, the seconds per update, the tool time
-per trajectory (sandbox and added delay), the training reward, its lowest update, the held-out
-accuracy at the stop; and per update the reward, the gate's acceptance and the sequence KL. Each
-run's result is a file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
+trajectories per second, the learner's idle share (waiting for a batch), the CPU seconds per update
+(the trainer's process and its finished sandboxes) and the CPU busy share (those seconds over what
+the usable cores could have done: a schedule that ran the same work with no core ever idle would be
+at most 1 / busy share faster; CPU seconds over the cores is the shortest update any schedule of
+that work can have), the policy lag, the seconds per update, the tool time per trajectory (sandbox
+and added delay), the training reward, its lowest update, the held-out accuracy at the stop; and per
+update the reward, the gate's acceptance, the sequence KL and the CPU seconds. Each run's result is a
+file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
 table gives the mean over seeds (the largest for a maximum) with each seed's value.
 """
 
@@ -90,12 +93,19 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
     seconds = sum(float(m["step_time_s"]) for m in timed)
     trajectories = sum(int(m["trajectories"]) for m in timed)
     mean = arith_curve.mean
+    # CPU work over the updates against what the usable cores could do in that time (trainers that
+    # predate the cpu metrics leave them out: NaN).
+    busy = (sum(float(m["cpu_busy_share"]) * float(m["step_time_s"]) for m in timed) / seconds
+            if all("cpu_busy_share" in m for m in timed) else float("nan"))
     stop = [e for e in evals if int(e["step"]) == int(metrics[-1]["step"])]
     return {
         "schedule": name, "updates": len(timed), "seconds_per_update": seconds / len(timed),
         "train_time_s": float(metrics[-1].get("train_time_s", float("nan"))),
         "trajectories_per_s": trajectories / seconds,
         "learner_idle_share": sum(float(m["learner_idle_s"]) for m in timed) / seconds,
+        "cpu_busy_share": busy, "speedup_bound": 1.0 / busy if busy > 0 else float("nan"),
+        "cpu_seconds_per_update": (mean(float(m["cpu_time_s"]) for m in timed)
+                                   if all("cpu_time_s" in m for m in timed) else float("nan")),
         "policy_lag_mean": mean(float(m["policy_lag_mean"]) for m in timed),
         "policy_lag_max": max(int(m["policy_lag_max"]) for m in timed),
         "prompts_per_update": trajectories / len(timed) / (8 if name == "grpo" else 1),
@@ -109,7 +119,8 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
                         "acceptance": float(m.get("acceptance_rate", float("nan"))),
                         "sequence_kl": float(m.get("sequence_kl_mean", float("nan"))),
                         "policy_lag": float(m["policy_lag_mean"]), "grad_norm": float(m.get("grad_norm", float("nan"))),
-                        "step_time_s": float(m["step_time_s"])} for m in metrics],
+                        "step_time_s": float(m["step_time_s"]),
+                        "cpu_time_s": float(m.get("cpu_time_s", float("nan")))} for m in metrics],
     }
 
 
@@ -156,7 +167,11 @@ def evaluate_final_policy(name: str, args, seed: int, out: Path) -> float:
 
 
 ROWS = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.3f}"),
-        ("learner idle share", "learner_idle_share", "{:.2f}"), ("policy lag (mean)", "policy_lag_mean", "{:.2f}"),
+        ("learner idle share", "learner_idle_share", "{:.2f}"),
+        ("CPU seconds per update", "cpu_seconds_per_update", "{:.1f}"),
+        ("CPU busy share (of the usable cores)", "cpu_busy_share", "{:.2f}"),
+        ("speed-up bound for the same work (1 / busy share)", "speedup_bound", "{:.2f}x"),
+        ("policy lag (mean)", "policy_lag_mean", "{:.2f}"),
         ("policy lag (max)", "policy_lag_max", "{:.0f}"), ("prompts per update", "prompts_per_update", "{:.0f}"),
         ("tool calls per trajectory", "tool_calls_per_trajectory", "{:.2f}"),
         ("sandbox s per trajectory", "tool_run_s_per_trajectory", "{:.2f}"),
@@ -170,13 +185,15 @@ def table(results: dict[str, list[dict]]) -> str:
     value in parentheses when there are several; a row of speed against ``sync`` (its mean seconds per
     update over this schedule's) when ``sync`` ran."""
     def cell(runs: list[dict], key: str, fmt: str) -> str:
-        values = [float(r[key]) for r in runs]
+        values = [float(r.get(key, math.nan)) for r in runs]
         text = fmt.format(max(values) if key.endswith("_max") else arith_curve.mean(values))
         return text if len(values) == 1 else f"{text} ({', '.join(fmt.format(v) for v in values)})"
 
     lines = ["| | " + " | ".join(results) + " |", "|" + " --- |" * (len(results) + 1)]
     lines.append("| seeds | " + " | ".join(", ".join(str(r["seed"]) for r in runs) for runs in results.values()) + " |")
     for label, key, fmt in ROWS:
+        if not any(key in r for runs in results.values() for r in runs):
+            continue  # results of a benchmark version without this number
         lines.append(f"| {label} | " + " | ".join(cell(runs, key, fmt) for runs in results.values()) + " |")
     if "sync" in results:
         base = arith_curve.mean(r["seconds_per_update"] for r in results["sync"])

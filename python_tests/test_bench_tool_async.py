@@ -51,6 +51,23 @@ def test_a_runs_rates_leave_the_first_update_out_and_its_accuracy_is_the_stops(b
     assert r["per_update"][2]["acceptance"] == pytest.approx(0.25) and r["per_update"][2]["sequence_kl"] == 0.3
 
 
+def test_the_cpu_busy_share_weights_updates_by_their_time_and_bounds_any_schedule(bench):
+    metrics = [dict(_update(1, reward=0.0, seconds=100.0), cpu_time_s=20.0, cpu_busy_share=0.1),  # left out
+               dict(_update(2, reward=1.0, seconds=10.0), cpu_time_s=18.0, cpu_busy_share=0.9),
+               dict(_update(3, reward=1.0, seconds=30.0), cpu_time_s=30.0, cpu_busy_share=0.5)]
+    r = bench.summarize("sync_threads2", metrics, [])
+    assert r["cpu_busy_share"] == pytest.approx((0.9 * 10 + 0.5 * 30) / 40)
+    assert r["speedup_bound"] == pytest.approx(40 / (0.9 * 10 + 0.5 * 30))
+    assert r["per_update"][1]["cpu_time_s"] == 18.0 and r["cpu_seconds_per_update"] == pytest.approx(24.0)
+    # records of a trainer without the cpu metrics: no number rather than a wrong one, and no table row
+    old = bench.summarize("sync", [_update(1, reward=0.0, seconds=9.0), _update(2, reward=1.0, seconds=9.0)], [])
+    assert math.isnan(old["cpu_busy_share"]) and math.isnan(old["cpu_seconds_per_update"]) and math.isnan(old["per_update"][1]["cpu_time_s"])
+    kept = {k: v for k, v in _result(bench, 0, 30.0, 1.0).items() if k not in ("cpu_busy_share", "speedup_bound", "cpu_seconds_per_update")}
+    text = bench.table({"sync": [kept]})
+    assert "CPU busy share" not in text and "| seconds per update | 30.0 |" in text.splitlines()
+    assert "| CPU busy share (of the usable cores) | 1.00 |" in bench.table({"sync": [_result(bench, 0, 30.0, 1.0)]})
+
+
 def test_a_run_without_a_final_evaluation_says_so_and_one_update_is_refused(bench):
     metrics = [_update(1, reward=0.0, seconds=9.0), _update(2, reward=1.0, seconds=9.0)]
     assert math.isnan(bench.summarize("sync", metrics, [{"step": 0, "eval_success_rate": 1.0}])["heldout_accuracy"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass
@@ -65,14 +66,36 @@ def no_answer_fraction(trajectories: Sequence[Trajectory]) -> float | None:
     return mean(float(t.info.get("answer_extraction", "none") == "none") for t in trajs)
 
 
+def process_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process, all its threads, and its finished child processes
+    (a sandbox's interpreter counts once it has exited and been waited for)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class UpdateTimings:
     """Seconds: ``idle`` the learner waited for the batch; ``step`` since the previous update ended;
-    ``wall`` since the workers started (this session; earlier sessions are in the counters)."""
+    ``wall`` since the workers started (this session; earlier sessions are in the counters); ``cpu``
+    the CPU seconds of :func:`process_cpu_seconds` over ``step`` (NaN: not measured)."""
 
     idle: float
     step: float
     wall: float
+    cpu: float = float("nan")
+
+    @staticmethod
+    def cpu_clock() -> float:
+        """The clock ``cpu`` is read on: :func:`process_cpu_seconds`."""
+        return process_cpu_seconds()
 
 
 def update_metrics(*, step: int, policy_version: int, version_before: int, learner: Mapping[str, Any],
@@ -122,6 +145,10 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
         "learner_idle_s": timings.idle,
         "learner_compute_s": learner["learner_compute_s"],
         "step_time_s": timings.step,
+        # The CPU work of the update (this process and its finished children: Ray workers on other
+        # processes are not in it) and its share of what the usable cores could have done.
+        "cpu_time_s": timings.cpu,
+        "cpu_busy_share": timings.cpu / (timings.step * usable_cores()) if timings.step > 0 else float("nan"),
         "tokens_per_s": tokens / timings.step if timings.step > 0 else float("nan"),
         "rejected_trajectories": buffer_stats.get("rejected_trajectories", 0),
         "dropped_stale_trajectories": buffer_stats.get("dropped_stale_trajectories", 0),

@@ -470,7 +470,7 @@ class Trainer:
             t_run = t_last = time.perf_counter()
             # Training time: wall time without evaluations and checkpoint saves (earlier sessions included),
             # the clock of eval.every_min and of train_time_s in metrics.jsonl.
-            train_before, pauses = self.counters.get("train_time_s", 0.0), 0.0
+            train_before, pauses, cpu_last = self.counters.get("train_time_s", 0.0), 0.0, UpdateTimings.cpu_clock()
             metrics_log.start_clock(train_before)
             every_s = cfg.eval.every_min * 60.0
             next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
@@ -506,17 +506,17 @@ class Trainer:
                                      frozen=self.learner.frozen_names())
                 self.buffer.update_done()
                 self.step += 1
-                now = time.perf_counter()
+                now, cpu_now = time.perf_counter(), UpdateTimings.cpu_clock()
                 buffer_stats, worker_stats = self.buffer.stats(), pool.stats()
+                timings = UpdateTimings(idle=idle, step=now - t_last, wall=now - t_run, cpu=cpu_now - cpu_last)
                 record = update_metrics(
                     step=self.step, policy_version=self.learner.version, version_before=version_before,
                     learner=learner_metrics, trajectories=batch.trajectories, buffer_stats=buffer_stats,
-                    worker_stats=worker_stats, timings=UpdateTimings(idle=idle, step=now - t_last, wall=now - t_run),
-                    wall_time_before=self.counters["wall_time_s"])
+                    worker_stats=worker_stats, timings=timings, wall_time_before=self.counters["wall_time_s"])
                 record.update(fault_metrics(buffer_stats, worker_stats))
                 train_s = train_before + (now - t_run) - pauses
                 record["train_time_s"] = train_s
-                t_last = now
+                t_last, cpu_last = now, cpu_now
                 by_steps = cfg.eval.steps and self.step % cfg.eval.steps == 0
                 stop = False
                 if by_steps or train_s >= next_eval:
@@ -527,7 +527,7 @@ class Trainer:
                     stop = self.callbacks.on_eval(self.step, dict(ev, train_time_s=train_s))
                     while next_eval <= train_s:
                         next_eval += every_s
-                    t_last = time.perf_counter()
+                    t_last, cpu_last = time.perf_counter(), UpdateTimings.cpu_clock()
                     pauses += t_last - now
                 metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
                 recorded_step = self.step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import sys
 import types
@@ -50,6 +51,33 @@ def record_of(trajs, step=1):
     return update_metrics(step=step, policy_version=step, version_before=step - 1, learner=LEARNER, trajectories=trajs,
                           buffer_stats={"in_flight": 0}, worker_stats=[{"idle_s": 1.0, "busy_s": 1.0, "errors": 0}],
                           timings=UpdateTimings(idle=0.0, step=1.0, wall=1.0), wall_time_before=0.0)
+
+
+def test_update_record_gives_the_cpu_time_and_its_share_of_the_usable_cores(monkeypatch):
+    from flashreinforce.trainer.reporting import metrics as metrics_module
+
+    monkeypatch.setattr(metrics_module, "usable_cores", lambda: 4)
+    rec = update_metrics(step=1, policy_version=1, version_before=0, learner=LEARNER,
+                         trajectories=[episode("q", [("a", "")])], buffer_stats={"in_flight": 0}, worker_stats=[{"idle_s": 1.0, "busy_s": 1.0, "errors": 0}],
+                         timings=UpdateTimings(idle=0.0, step=2.0, wall=2.0, cpu=3.0), wall_time_before=0.0)
+    assert rec["cpu_time_s"] == 3.0 and rec["cpu_busy_share"] == pytest.approx(3.0 / (2.0 * 4))
+    assert math.isnan(record_of([episode("q", [("a", "")])])["cpu_time_s"])  # not measured
+
+
+def test_process_cpu_seconds_counts_this_process_and_its_waited_children():
+    import subprocess
+    import time
+
+    from flashreinforce.trainer.reporting.metrics import process_cpu_seconds, usable_cores
+
+    before = process_cpu_seconds()
+    t0 = time.process_time()
+    while time.process_time() - t0 < 0.2:  # this process's own work
+        pass
+    subprocess.run([sys.executable, "-c", "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass"],
+                   check=True)
+    assert process_cpu_seconds() - before >= 0.45  # 0.2 s here + 0.3 s in the child, less the clocks' ticks
+    assert usable_cores() >= 1
 
 
 # ---------------------------------------------------------------------------------------- failure kinds

@@ -13,7 +13,7 @@ from python_tests.trainer.cli_runs import train, train_until_ctrl_c
 
 METRIC_KEYS = ("step", "policy_version", "reward_mean", "acceptance_rate", "sequence_kl_mean", "policy_lag_mean",
                "policy_lag_max", "trajectories", "tokens", "loss", "grad_norm", "lr", "learner_idle_s",
-               "step_time_s", "tokens_per_s", "rejected_trajectories")
+               "step_time_s", "cpu_time_s", "cpu_busy_share", "tokens_per_s", "rejected_trajectories")
 QUIET = ["--no_progress", "--eval.steps", "0", "--eval.eval_at_start", "false"]
 
 
@@ -35,6 +35,9 @@ def test_toy_preset_learns_with_rollouts_overlapping_the_learner(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 201))
     for key in METRIC_KEYS:
         assert key in rows[0], key
+    # the process did work in every update, and no more than its cores can do (small slack: the two clocks)
+    assert all(r["cpu_time_s"] > 0 for r in rows)
+    assert 0 < statistics.mean(r["cpu_busy_share"] for r in rows) <= 1.05
     first, last = mean_reward(rows[:10]), mean_reward(rows[-20:])
     assert first < 0.1, f"a fresh model should be near chance, got {first}"
     assert last > 0.5 and last - first > 0.4, f"no clear learning: {first} -> {last}"
