@@ -3,6 +3,7 @@
 full fine-tuning and LoRA, side by side.
 
     python benchmarks/bench_learner_mfu.py                                   # SmolLM2 shape, CPU
+    python benchmarks/bench_learner_mfu.py --compiled-layers both --profile     # eager and compiled layers
     python benchmarks/bench_learner_mfu.py --shape qwen2.5-0.5b --device cuda --dtype bf16 --lora-rank 16
 
 The peak is measured here, not taken from a data sheet: the best of square matrix products of a few
@@ -14,6 +15,10 @@ packed forward, fused loss, backward, AdamW) on the same random batch: median st
 forwards, a trained one three) over that time, its fraction of the measured peak (``mfu``), the learner's
 peak memory (resident set growth during the steps on a CPU, the CUDA allocator's peak on a GPU) and the
 bytes a weight sync sends after the first (the trainable tensors: the whole model, or the adapters).
+
+``--compiled-layers both``: each policy with the learner's RMS norms and SwiGLU in eager PyTorch and
+in the compiled core (``train.compiled_layers``), on the same batch, their steps taken in turn (peak
+memory is then not told apart; run ``on`` and ``off`` alone for it).
 
 ``--profile``: one more step of each policy under ``torch.profiler``, as a table of where the step's
 operator time goes (matrix products, attention, the fused loss, elementwise operations, copies, the
@@ -68,39 +73,56 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def run(label: str, model, args, batch, device, peak) -> list[str]:
-    settings = LearnerSettings(lr=1e-5, loss=LossOptions(delta=float("inf")), param_dtype=args.dtype,
-                               micro_batch_tokens=args.micro_batch_tokens, total_steps=100)
+def run(variants: list[tuple[str, torch.nn.Module, bool]], args, batch, device, peak) -> list[list[str]]:
+    """Time the learner step of each ``(label, model, compiled_layers)`` variant on ``batch``. Several
+    variants step in turn (A B A B ...), so that a machine whose speed drifts slows each alike; the
+    peak memory is then not told apart (one process) and reads "-"."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
-    learner = Learner(model, settings)
-    times, flops, high = [], [], before
+    learners = []
+    for label, model, compiled in variants:
+        settings = LearnerSettings(lr=1e-5, loss=LossOptions(delta=float("inf")), param_dtype=args.dtype,
+                                   micro_batch_tokens=args.micro_batch_tokens, total_steps=100,
+                                   compiled_layers=compiled)
+        learners.append(Learner(model, settings))
+    times = [[] for _ in learners]
+    flops = [[] for _ in learners]
+    high = before
     for i in range(args.steps + 1):
-        t0 = time.perf_counter()
-        metrics = learner.step(batch)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dt = time.perf_counter() - t0
-        high = max(high, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_bytes())
-        if i:  # the first step allocates the optimizer state
-            times.append(dt)
-            flops.append(metrics["model_flops"])
-    step = statistics.median(times)
-    rate = statistics.median(flops) / step
-    if args.profile:
-        prof = profile_breakdown(lambda: learner.step(batch), device, top=args.profile_top)
-        print_table(f"{label}: one step under the profiler ({prof['wall_ms'] / 1e3:.2f} s; operator self time "
-                    f"{prof['busy_ms'] / 1e3:.2f} s over {torch.get_num_threads()} threads)",
-                    ["category", "s", "share"], [[c, f"{ms / 1e3:.2f}", f"{share:.1%}"] for c, ms, share in
-                                                 prof["categories"]])
-        print_table(f"{label}: heaviest operators", ["operator", "calls", "s"],
-                    [[n, str(c), f"{ms / 1e3:.3f}"] for n, c, ms in prof["top"]])
-    sync = sum(p.numel() * p.element_size() for p in learner.model.parameters() if p.requires_grad)
-    trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
-    return [label, f"{trainable / 1e6:.2f}M", f"{step:.2f}", f"{rate / 1e9:.1f}", f"{rate / peak:.1%}",
-            f"{(high - before) / 2**20:.0f}", f"{sync / 2**20:.1f}"]
+        for k, learner in enumerate(learners):
+            t0 = time.perf_counter()
+            metrics = learner.step(batch)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - t0
+            high = max(high, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_bytes())
+            if i:  # the first step allocates the optimizer state
+                times[k].append(dt)
+                flops[k].append(metrics["model_flops"])
+    rows = []
+    for (label, _, _), learner, ts, fs in zip(variants, learners, times, flops):
+        step = statistics.median(ts)
+        rate = statistics.median(fs) / step
+        if args.profile:
+            prof = profile_breakdown(lambda: learner.step(batch), device, top=args.profile_top)
+            print_table(f"{label}: one step under the profiler ({prof['wall_ms'] / 1e3:.2f} s; operator self time "
+                        f"{prof['busy_ms'] / 1e3:.2f} s over {torch.get_num_threads()} threads)",
+                        ["category", "s", "share"], [[c, f"{ms / 1e3:.2f}", f"{share:.1%}"] for c, ms, share in
+                                                     prof["categories"]])
+            print_table(f"{label}: heaviest operators", ["operator", "calls", "s"],
+                        [[n, str(c), f"{ms / 1e3:.3f}"] for n, c, ms in prof["top"]])
+        sync = sum(p.numel() * p.element_size() for p in learner.model.parameters() if p.requires_grad)
+        trainable = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+        memory = f"{(high - before) / 2**20:.0f}" if len(variants) == 1 else "-"
+        rows.append([label, f"{trainable / 1e6:.2f}M", f"{step:.2f}", f"{rate / 1e9:.1f}", f"{rate / peak:.1%}",
+                     memory, f"{sync / 2**20:.1f}"])
+    return rows
+
+
+def _suffix(compiled: bool, flags: list[bool]) -> str:
+    return "" if len(flags) == 1 else (", compiled layers" if compiled else ", eager layers")
 
 
 def main() -> None:
@@ -117,6 +139,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="one more step of each under torch.profiler, by category")
     p.add_argument("--profile-top", type=int, default=15, help="heaviest operators listed with --profile")
     p.add_argument("--only", choices=("full", "lora"), default=None, help="one of the two policies only")
+    p.add_argument("--compiled-layers", choices=("on", "off", "both"), default="on",
+                   help="the learner's RMS norms and SwiGLU in the compiled core (train.compiled_layers), eager "
+                        "PyTorch's, or both, their steps in turn")
     args = p.parse_args()
     device = torch.device(args.device)
     cfg = dict(SHAPES[args.shape])
@@ -134,13 +159,16 @@ def main() -> None:
           f"{sum(t.num_tokens for t in batch):,} tokens; learner {args.dtype}; measured {args.dtype} GEMM peak "
           f"{peak / 1e9:.0f} GFLOP/s")
     rows = []
+    flags = {"on": [True], "off": [False], "both": [False, True]}[args.compiled_layers]
     if args.only in (None, "full"):
-        rows.append(run("full fine-tuning", copy.deepcopy(base), args, batch, device, peak))
+        rows += run([("full fine-tuning" + _suffix(c, flags), copy.deepcopy(base), c) for c in flags],
+                    args, batch, device, peak)
     if args.only in (None, "lora"):
         from flashreinforce.models.lora import LoraSettings, apply_lora
 
         lora = apply_lora(copy.deepcopy(base), LoraSettings(rank=args.lora_rank, alpha=2.0 * args.lora_rank))
-        rows.append(run(f"LoRA rank {args.lora_rank}", lora, args, batch, device, peak))
+        rows += run([(f"LoRA rank {args.lora_rank}" + _suffix(c, flags), copy.deepcopy(lora), c) for c in flags],
+                    args, batch, device, peak)
     print_table(f"learner step (median of {args.steps} after a first step)",
                 ["policy", "trainable", "step s", "model GFLOP/s", "of measured peak (mfu)", "peak memory MiB",
                  "sync MiB per update"], rows)

@@ -18,6 +18,7 @@
 
 #include "flashreinforce/core.h"
 #include "flashreinforce/decode_attention.h"
+#include "flashreinforce/layer_glue.h"
 #include "flashreinforce/token_math.h"
 
 #if defined(FR_HAVE_QUADMATH)
@@ -476,6 +477,107 @@ static void check_decode_attention(std::mt19937_64& rng, DType dtype, int64_t B,
   CHECK(std::string(decode_attention_check(bad)).find("null") != std::string::npos);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The learner's RMS norm and SwiGLU with their gradients (flashreinforce/layer_glue.h) against double
+// computations of the same float32 inputs, and the same bits on 1 and 3 threads (sums whose order
+// depends on the sizes only). Values of a few units, as a decoder layer's activations.
+static void check_layer_glue(std::mt19937_64& rng, int64_t rows, int64_t hidden) {
+  g_case = "layer glue rows " + std::to_string(rows) + " hidden " + std::to_string(hidden);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  auto draw = [&](int64_t n, float scale) {
+    std::vector<float> v(n);
+    for (float& x : v) x = scale * normal(rng);
+    return v;
+  };
+  const std::vector<float> x = draw(rows * hidden, 3.0f), w = draw(hidden, 1.0f), g = draw(rows * hidden, 1.0f);
+  std::vector<float> out[2], inv[2], gx[2], gw[2];
+  for (int t = 0; t < 2; ++t) {
+    out[t].assign(rows * hidden, NAN), inv[t].assign(rows, NAN), gx[t].assign(rows * hidden, NAN);
+    gw[t].assign(hidden, NAN);
+    NormForwardParams f;
+    f.rows = rows, f.hidden = hidden, f.x = x.data(), f.weight = w.data(), f.out = out[t].data();
+    f.inv = inv[t].data(), f.eps = 1e-5f;
+    CHECK(std::string(norm_forward_check(f)).empty());
+    norm_forward_cpu(f, 1 + 2 * t);
+    NormBackwardParams b;
+    b.rows = rows, b.hidden = hidden, b.x = x.data(), b.weight = w.data(), b.inv = inv[t].data();
+    b.grad_out = g.data(), b.grad_x = gx[t].data(), b.grad_weight = gw[t].data();
+    CHECK(std::string(norm_backward_check(b)).empty());
+    norm_backward_cpu(b, 1 + 2 * t);
+  }
+  CHECK(std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(gx[0].data(), gx[1].data(), gx[0].size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(gw[0].data(), gw[1].data(), gw[0].size() * sizeof(float)) == 0);
+  std::vector<double> gw_want(hidden, 0.0), gw_mass(hidden, 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data() + r * hidden;
+    const float* gr = g.data() + r * hidden;
+    double ss = 0, dot = 0, dmass = 0;
+    for (int64_t i = 0; i < hidden; ++i) ss += double(xr[i]) * xr[i];
+    const double iv = 1.0 / std::sqrt(ss / hidden + 1e-5);
+    CHECK(std::fabs(inv[0][r] - iv) <= 1e-6 * iv);
+    for (int64_t i = 0; i < hidden; ++i) {
+      dot += double(gr[i]) * w[i] * xr[i];
+      dmass += std::fabs(double(gr[i]) * w[i] * xr[i]);
+    }
+    for (int64_t i = 0; i < hidden; ++i) {
+      const double y = xr[i] * iv;
+      CHECK(std::fabs(out[0][r * hidden + i] - w[i] * y) <= 1e-6 * std::fabs(w[i] * y) + 1e-7);
+      const double want = iv * (double(gr[i]) * w[i] - xr[i] * iv * iv * dot / hidden);
+      const double mass = iv * (std::fabs(double(gr[i]) * w[i]) + std::fabs(xr[i]) * iv * iv * dmass / hidden);
+      CHECK(std::fabs(gx[0][r * hidden + i] - want) <= 1e-5 * mass);
+      gw_want[i] += gr[i] * y;
+      gw_mass[i] += std::fabs(gr[i] * y);
+    }
+  }
+  for (int64_t i = 0; i < hidden; ++i) CHECK(std::fabs(gw[0][i] - gw_want[i]) <= 1e-5 * gw_mass[i]);
+
+  // SwiGLU over rows * hidden elements (not a multiple of the task size), both gradients and each alone.
+  const int64_t n = rows * hidden;
+  const std::vector<float> gate = draw(n, 4.0f), up = draw(n, 1.0f);
+  std::vector<float> h[2], dg[2], du[2];
+  for (int t = 0; t < 2; ++t) {
+    h[t].assign(n, NAN), dg[t].assign(n, NAN), du[t].assign(n, NAN);
+    SiluMulForwardParams f;
+    f.size = n, f.gate = gate.data(), f.up = up.data(), f.out = h[t].data();
+    CHECK(std::string(silu_mul_forward_check(f)).empty());
+    silu_mul_forward_cpu(f, 1 + 2 * t);
+    SiluMulBackwardParams b;
+    b.size = n, b.gate = gate.data(), b.up = up.data(), b.grad_out = g.data();
+    b.grad_gate = dg[t].data(), b.grad_up = du[t].data();
+    CHECK(std::string(silu_mul_backward_check(b)).empty());
+    silu_mul_backward_cpu(b, 1 + 2 * t);
+  }
+  CHECK(std::memcmp(h[0].data(), h[1].data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(dg[0].data(), dg[1].data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(du[0].data(), du[1].data(), n * sizeof(float)) == 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const double s = 1.0 / (1.0 + std::exp(-double(gate[i])));
+    const double silu = gate[i] * s;
+    CHECK(std::fabs(h[0][i] - silu * up[i]) <= 1e-6 * std::fabs(silu * up[i]) + 1e-30);
+    const double dgate = double(g[i]) * up[i] * s * (1.0 + gate[i] * (1.0 - s));
+    CHECK(std::fabs(dg[0][i] - dgate) <= 1e-6 * (std::fabs(g[i] * up[i]) * (s + std::fabs(gate[i]) * s * (1 - s))) + 1e-30);
+    CHECK(std::fabs(du[0][i] - g[i] * silu) <= 1e-6 * std::fabs(g[i] * silu) + 1e-30);
+  }
+  std::vector<float> only(n, NAN);
+  SiluMulBackwardParams b;
+  b.size = n, b.gate = gate.data(), b.up = up.data(), b.grad_out = g.data(), b.grad_gate = only.data();
+  silu_mul_backward_cpu(b, 2);
+  CHECK(std::memcmp(only.data(), dg[0].data(), n * sizeof(float)) == 0);
+  b.grad_gate = nullptr, b.grad_up = only.data();
+  silu_mul_backward_cpu(b, 2);
+  CHECK(std::memcmp(only.data(), du[0].data(), n * sizeof(float)) == 0);
+  // The structural checks name what is wrong.
+  NormForwardParams bad;
+  bad.rows = 2, bad.hidden = 0;
+  CHECK(std::string(norm_forward_check(bad)).find("hidden") != std::string::npos);
+  bad.hidden = 4;
+  CHECK(std::string(norm_forward_check(bad)).find("null") != std::string::npos);
+  SiluMulForwardParams bad_silu;
+  bad_silu.size = -1;
+  CHECK(std::string(silu_mul_forward_check(bad_silu)).find("size") != std::string::npos);
+}
+
 // test_core [--seed SEED | SEED]: the random cases come from SEED, else from the environment variable
 // FR_TEST_SEED (as in the Python tests; ctest passes it through), else from a fresh seed. The seed and
 // the command that replays it are printed at the start and again on failure, and the generator's next
@@ -822,6 +924,11 @@ int main(int argc, char** argv) {
     check_decode_attention(rng, dtype, 2, 2, 7, 40, 19, false);
     check_decode_attention(rng, dtype, 1, 2, 4, 32, 16 + static_cast<int64_t>(rng() % 200), false);
   }
+  // The learner's layer glue: rows in whole and partial blocks of the weight gradient's sum, widths
+  // in whole and partial reduction tasks and vector registers.
+  check_layer_glue(rng, 70, 576);
+  check_layer_glue(rng, 1, 33);
+  check_layer_glue(rng, 33, 1024 + static_cast<int64_t>(rng() % 100));
 
   std::printf("seed %llu: next draw after the random cases %016llx\n", shown,
               static_cast<unsigned long long>(rng()));

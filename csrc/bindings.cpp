@@ -28,6 +28,7 @@
 #include "flashreinforce/core.h"
 #include "flashreinforce/decode_attention.h"
 #include "flashreinforce/decode_step.h"
+#include "flashreinforce/layer_glue.h"
 
 namespace py = pybind11;
 using namespace flashreinforce;
@@ -312,11 +313,55 @@ void decode_silu_mul(const std::string& dtype, int64_t rows, int64_t width, uint
   decode_silu_mul_cpu(p, num_threads);
 }
 
+// The learner's layer glue (flashreinforce/layer_glue.h): float32, contiguous; a pointer of 0 for an
+// optional output means "not wanted".
+float* as_out(uintptr_t value) { return reinterpret_cast<float*>(value); }
+const float* as_in(uintptr_t value) { return reinterpret_cast<const float*>(value); }
+
+template <class P>
+void run_checked(const P& p, const char* (*check)(const P&), void (*run)(const P&, int), const char* name,
+                 int num_threads) {
+  const std::string problem = check(p);
+  if (!problem.empty()) throw py::value_error(std::string("flashreinforce._C.") + name + ": " + problem);
+  py::gil_scoped_release release;
+  run(p, num_threads);
+}
+
+void norm_forward(int64_t rows, int64_t hidden, uintptr_t x, uintptr_t weight, uintptr_t out, uintptr_t inv,
+                  float eps, int num_threads) {
+  NormForwardParams p;
+  p.rows = rows, p.hidden = hidden, p.x = as_in(x), p.weight = as_in(weight), p.out = as_out(out);
+  p.inv = as_out(inv), p.eps = eps;
+  run_checked(p, &norm_forward_check, &norm_forward_cpu, "norm_forward", num_threads);
+}
+
+void norm_backward(int64_t rows, int64_t hidden, uintptr_t x, uintptr_t weight, uintptr_t inv, uintptr_t grad_out,
+                   uintptr_t grad_x, uintptr_t grad_weight, int num_threads) {
+  NormBackwardParams p;
+  p.rows = rows, p.hidden = hidden, p.x = as_in(x), p.weight = as_in(weight), p.inv = as_in(inv);
+  p.grad_out = as_in(grad_out), p.grad_x = as_out(grad_x), p.grad_weight = as_out(grad_weight);
+  run_checked(p, &norm_backward_check, &norm_backward_cpu, "norm_backward", num_threads);
+}
+
+void silu_mul_forward(int64_t size, uintptr_t gate, uintptr_t up, uintptr_t out, int num_threads) {
+  SiluMulForwardParams p;
+  p.size = size, p.gate = as_in(gate), p.up = as_in(up), p.out = as_out(out);
+  run_checked(p, &silu_mul_forward_check, &silu_mul_forward_cpu, "silu_mul_forward", num_threads);
+}
+
+void silu_mul_backward(int64_t size, uintptr_t gate, uintptr_t up, uintptr_t grad_out, uintptr_t grad_gate,
+                       uintptr_t grad_up, int num_threads) {
+  SiluMulBackwardParams p;
+  p.size = size, p.gate = as_in(gate), p.up = as_in(up), p.grad_out = as_in(grad_out);
+  p.grad_gate = as_out(grad_gate), p.grad_up = as_out(grad_up);
+  run_checked(p, &silu_mul_backward_check, &silu_mul_backward_cpu, "silu_mul_backward", num_threads);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Compiled core of FlashREINFORCE: the fused loss (CPU path, and CUDA when built with it) and the CPU "
-            "decode-step attention of the hf engine.";
+            "decode-step attention of the hf engine, and the learner's RMS norm and SwiGLU with their gradients.";
 
   m.def("has_cuda", &has_cuda, "Whether the CUDA path was compiled into this module.");
   m.def("cpu_isa", []() { return std::string(cpu::cpu_isa_name()); },
@@ -362,6 +407,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("decode_attention", &decode_attention, py::arg("args"),
         "Decode-step attention of grouped query heads against a key/value cache on the CPU, written into "
         "args['out'] (flashreinforce/decode_attention.h; called by flashreinforce.engines.hf.decode_attention).");
+  m.def("norm_forward", &norm_forward,
+        "The learner's RMS norm over contiguous float32 rows, keeping 1 / RMS per row (flashreinforce/layer_glue.h).");
+  m.def("norm_backward", &norm_backward, "The RMS norm's gradients of x and weight (flashreinforce/layer_glue.h).");
+  m.def("silu_mul_forward", &silu_mul_forward, "silu(gate) * up over contiguous float32 (flashreinforce/layer_glue.h).");
+  m.def("silu_mul_backward", &silu_mul_backward,
+        "The gradients of silu(gate) * up (flashreinforce/layer_glue.h).");
   m.def("decode_norm", &decode_norm, "A decode step's residual update and RMS norm (flashreinforce/decode_step.h).");
   m.def("decode_rotary", &decode_rotary,
         "A decode step's rotary embedding of queries and keys, the keys and values written to the cache slots "

@@ -34,6 +34,7 @@ from torch import Tensor
 from flashreinforce.config.sections import PARAM_DTYPES
 from flashreinforce.dtypes import torch_dtype
 from flashreinforce.models.attention import use_document_attention
+from flashreinforce.models.fused_layers import use_compiled_layers
 from flashreinforce.models.lora import copy_sharing_frozen, frozen_state_names
 from flashreinforce.objective import DEFAULT_LOSS_MODE, LossOptions
 from flashreinforce.ops.logprobs import wide_gemm_available
@@ -67,8 +68,10 @@ class LearnerSettings:
     micro_batch_trajectories [train.micro_batch_size] and micro_batch_tokens (0: no limit);
     packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
     padded rows); share_prefixes [train.share_prefixes] (the packed forward computes a prefix that
-    several trajectories of a micro-batch share once); param_dtype [fsdp.param_dtype] (autocast dtype;
-    master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint]; peak_tflops
+    several trajectories of a micro-batch share once); compiled_layers [train.compiled_layers] (the
+    model's RMS norms and SwiGLU activations through
+    :func:`flashreinforce.models.fused_layers.use_compiled_layers`); param_dtype [fsdp.param_dtype]
+    (autocast dtype; master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint]; peak_tflops
     [train.peak_tflops]: dense peak TFLOP/s of one learner device for ``mfu`` (0: the device table of
     :func:`flashreinforce.trainer.learning.flops.peak_flops_per_device`); head_operand_dtype
     [train.head_operand_dtype]: operands of the output projection's GEMMs (``float32``; ``bf16`` /
@@ -94,6 +97,7 @@ class LearnerSettings:
     micro_batch_tokens: int = 0
     packed_forward: bool = True
     share_prefixes: bool = True
+    compiled_layers: bool = True
     param_dtype: str = "fp32"
     gradient_checkpointing: bool = False
     peak_tflops: float = 0.0
@@ -319,6 +323,8 @@ class Learner:
         self._engine_attention = getattr(model.config, "_attn_implementation", None)
         if settings.packed_forward:
             use_document_attention(model)
+        if settings.compiled_layers:
+            use_compiled_layers(model)
         model.train()
         self.scorer = PolicyLogProbs(model)
         if parallelize is not None:

@@ -292,6 +292,7 @@ def learner_settings(cfg: TrainerConfig, total_steps: int, device: torch.device 
         temperature=cfg.rollout.temperature,
         micro_batch_trajectories=cfg.train.micro_batch_trajectories, micro_batch_tokens=cfg.train.micro_batch_tokens,
         packed_forward=cfg.fsdp.packed_forward, share_prefixes=cfg.train.share_prefixes,
+        compiled_layers=cfg.train.compiled_layers,
         param_dtype=resolve_dtype(cfg.fsdp.param_dtype, torch.device(device).type, what="fsdp.param_dtype"),
         gradient_checkpointing=a.gradient_checkpoint.lower() in ("full", "true"),
         peak_tflops=cfg.train.peak_tflops, head_operand_dtype=cfg.train.head_operand_dtype)

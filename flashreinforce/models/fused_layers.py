@@ -1,0 +1,89 @@
+"""The learner's Hugging Face decoder with its RMS norms and SwiGLU activations computed in one pass.
+
+:func:`use_compiled_layers` points the ``forward`` of each RMS norm and SwiGLU MLP module of a Llama-
+style decoder (Llama, Qwen2, Qwen3, Mistral: the classes in :data:`NORM_CLASSES` and
+:data:`MLP_CLASSES`) at a method that calls :func:`flashreinforce.ops.layers.rms_norm` /
+:func:`flashreinforce.ops.layers.silu_mul` where they apply (float32 CPU tensors, no autocast) and the
+module's own class ``forward`` everywhere else. The model code is not forked, the weights and
+``state_dict`` are untouched, LoRA-wrapped projections are called as before, and a copy of the model
+(``copy.deepcopy``) carries the change. Other module classes (Gemma's ``1 + weight`` norm, gated
+MLPs with another activation) are left alone.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor
+
+from flashreinforce.ops.layers import compiled_layers_apply, compiled_layers_available
+from flashreinforce.ops.layers import rms_norm as _rms_norm
+from flashreinforce.ops.layers import silu_mul as _silu_mul
+
+__all__ = ["MLP_CLASSES", "NORM_CLASSES", "SILU_CLASSES", "compiled_layer_counts", "use_compiled_layers"]
+
+#: RMS norm classes computing ``weight * (x * rsqrt(mean(x**2) + variance_epsilon))``.
+NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
+                          "MistralRMSNorm"})
+#: MLP classes computing ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, routed when ``act_fn`` is SiLU.
+MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Qwen2MoeMLP", "MistralMLP"})
+#: SiLU activation modules: PyTorch's, and transformers' (``ACT2FN["silu"]``).
+SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
+
+
+def _norm_forward(self: torch.nn.Module, hidden_states: Tensor) -> Tensor:
+    if compiled_layers_apply(hidden_states, self.weight):
+        return _rms_norm(hidden_states, self.weight, self.variance_epsilon)
+    return type(self).forward(self, hidden_states)
+
+
+def _mlp_forward(self: torch.nn.Module, x: Tensor) -> Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if compiled_layers_apply(gate, up):
+        return self.down_proj(_silu_mul(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def _is_patched(module: torch.nn.Module, method) -> bool:
+    return getattr(vars(module).get("forward"), "__func__", None) is method
+
+
+def _norm_fits(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ in NORM_CLASSES and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def _mlp_fits(module: torch.nn.Module) -> bool:
+    projections = all(hasattr(module, n) for n in ("gate_proj", "up_proj", "down_proj"))
+    return (type(module).__name__ in MLP_CLASSES and projections
+            and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES)
+
+
+def use_compiled_layers(model: torch.nn.Module) -> dict[str, int]:
+    """Route ``model``'s RMS norms and SwiGLU MLPs through the compiled layer operations (in place).
+
+    Returns the count of modules now routed, ``{"norms": n, "mlps": m}`` (both 0 when the compiled
+    module lacks the operations: the model is then left as it was). Calling it again changes nothing.
+    """
+    counts = {"norms": 0, "mlps": 0}
+    if not compiled_layers_available():
+        return counts
+    for module in model.modules():
+        if _norm_fits(module):
+            if not _is_patched(module, _norm_forward):
+                module.forward = types.MethodType(_norm_forward, module)
+            counts["norms"] += 1
+        elif _mlp_fits(module):
+            if not _is_patched(module, _mlp_forward):
+                module.forward = types.MethodType(_mlp_forward, module)
+            counts["mlps"] += 1
+    return counts
+
+
+def compiled_layer_counts(model: torch.nn.Module) -> dict[str, int]:
+    """How many of ``model``'s modules :func:`use_compiled_layers` has routed (``norms``, ``mlps``)."""
+    modules = list(model.modules())
+    return {"norms": sum(_is_patched(m, _norm_forward) for m in modules),
+            "mlps": sum(_is_patched(m, _mlp_forward) for m in modules)}

@@ -1,0 +1,125 @@
+"""The learner's RMS norm and SwiGLU activation as single passes of the compiled core, with autograd.
+
+Eager PyTorch computes a Llama-style RMS norm as about five elementwise operations and its backward
+as about eight, and SwiGLU's ``silu(gate) * up`` as two and three, each a pass over the whole packed
+micro-batch, keeping the intermediates for the backward. :func:`rms_norm` and :func:`silu_mul` make
+one pass each way (``csrc/flashreinforce/layer_glue.h``) and keep only their inputs, plus one float
+per row for the norm. Same values as the eager modules up to float32 rounding (tests in
+``python_tests/ops/test_layer_glue.py``, against float64).
+
+Where they apply (:func:`compiled_layers_apply`): CPU tensors of float32, no CPU autocast, the
+compiled module present. Callers keep the eager computation for everything else.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+__all__ = ["compiled_layers_available", "compiled_layers_apply", "rms_norm", "silu_mul"]
+
+
+def _module():
+    from flashreinforce import _C
+
+    return _C
+
+
+@lru_cache(maxsize=1)
+def compiled_layers_available() -> bool:
+    """Whether the installed compiled module has the learner's layer operations."""
+    try:
+        _C = _module()
+    except ImportError:
+        return False
+    return all(hasattr(_C, n) for n in ("norm_forward", "norm_backward", "silu_mul_forward", "silu_mul_backward"))
+
+
+def compiled_layers_apply(*tensors: Tensor) -> bool:
+    """Whether :func:`rms_norm` / :func:`silu_mul` compute for these tensors: float32 CPU tensors, CPU
+    autocast off, not under ``torch.compile`` or another tracer, the compiled module present."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()
+            and compiled_layers_available())
+
+
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        x2 = x.detach().reshape(-1, x.shape[-1]).contiguous()
+        w = weight.detach().contiguous()
+        out = torch.empty_like(x2)
+        inv = torch.empty(x2.shape[0], dtype=torch.float32)
+        _module().norm_forward(x2.shape[0], x2.shape[1], x2.data_ptr(), w.data_ptr(), out.data_ptr(), inv.data_ptr(),
+                               float(eps), torch.get_num_threads())
+        ctx.save_for_backward(x2, w, inv)
+        ctx.input_shape = x.shape
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        x2, w, inv = ctx.saved_tensors
+        g = grad_out.reshape(x2.shape).contiguous()
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x2) if want_x else None
+        grad_w = torch.empty_like(w) if want_w else None
+        if want_x or want_w:
+            _module().norm_backward(x2.shape[0], x2.shape[1], x2.data_ptr(), w.data_ptr(), inv.data_ptr(), g.data_ptr(),
+                                    _ptr(grad_x), _ptr(grad_w), torch.get_num_threads())
+        return (None if grad_x is None else grad_x.view(ctx.input_shape)), grad_w, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        g, u = gate.detach().contiguous(), up.detach().contiguous()
+        out = torch.empty_like(g)
+        _module().silu_mul_forward(g.numel(), g.data_ptr(), u.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        ctx.save_for_backward(g, u)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        g, u = ctx.saved_tensors
+        dy = grad_out.contiguous()
+        grad_g = torch.empty_like(g) if ctx.needs_input_grad[0] else None
+        grad_u = torch.empty_like(u) if ctx.needs_input_grad[1] else None
+        if grad_g is not None or grad_u is not None:
+            _module().silu_mul_backward(g.numel(), g.data_ptr(), u.data_ptr(), dy.data_ptr(), _ptr(grad_g),
+                                        _ptr(grad_u), torch.get_num_threads())
+        return grad_g, grad_u
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``weight * (x / sqrt(mean(x**2, -1) + eps))`` in one pass each way.
+
+    x: ``[..., hidden]`` float32 on the CPU; weight: ``[hidden]`` float32. Returns x's shape. Raises
+    ``ValueError`` naming the argument when the shapes or dtypes do not fit (see
+    :func:`compiled_layers_apply` for where it computes).
+    """
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1] if x.dim() else '?'},) to match the last "
+                         f"dimension of x {tuple(x.shape)}, got {tuple(weight.shape)}")
+    if not compiled_layers_apply(x, weight):
+        raise ValueError(f"rms_norm: x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) must be "
+                         "float32 CPU tensors, outside CPU autocast, with the compiled module built")
+    return _RmsNorm.apply(x, weight, eps)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up`` (a SwiGLU MLP's activation) in one pass each way.
+
+    gate, up: the same shape, float32 on the CPU. Raises ``ValueError`` naming the argument otherwise.
+    """
+    if gate.shape != up.shape:
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
+    if not compiled_layers_apply(gate, up):
+        raise ValueError(f"silu_mul: gate ({gate.dtype}, {gate.device}) and up ({up.dtype}, {up.device}) must be "
+                         "float32 CPU tensors, outside CPU autocast, with the compiled module built")
+    return _SiluMul.apply(gate, up)
