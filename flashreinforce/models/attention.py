@@ -166,7 +166,7 @@ def _lower_right_mask(q_len: int, k_len: int, window: int | None, device: torch.
 class _Bucket:
     """Segments computed in one SDPA call, each padded to the bucket's ``[queries, keys]``.
 
-    q_index ``[g, Lq]`` and k_index ``[g, Lk]``: row positions of each member's queries and keys
+    q_index ``[g, Lq]`` / k_index ``[g, Lk]``: row positions of each member's queries / keys
     (padding repeats a valid position); mask ``[g, 1, Lq, Lk]`` bool or ``None`` (then
     ``is_causal``); valid ``[M]``: the flat ``g * Lq`` positions of real queries (``None``: all).
     """
@@ -175,28 +175,19 @@ class _Bucket:
         q_lens = [layout.query_lengths[j] for j in members]
         k_lens = [layout.key_lengths[j] for j in members]
         lq, lk = max(q_lens), max(k_lens)
-        self.num_queries = lq
+        self.num_queries, self.num_keys, self.size = lq, lk, len(members)
         q_rows, k_rows = [], []
         for j, ql, kl in zip(members, q_lens, k_lens):
             start = layout.starts[j]
             q_rows.append(list(range(start, start + ql)) + [start] * (lq - ql))
             keys = [p for a, b in layout.key_spans[j] for p in range(a, b)]
             k_rows.append(keys + [keys[0]] * (lk - kl))
-        self.q_index = torch.tensor(q_rows, dtype=torch.int64, device=device)
-        self.k_index = torch.tensor(k_rows, dtype=torch.int64, device=device)
+        self.q_index = torch.tensor(q_rows, dtype=torch.int64)
+        self.k_index = torch.tensor(k_rows, dtype=torch.int64)
         uniform = len(set(q_lens)) == 1 and len(set(k_lens)) == 1
-        # Equal root segments that lie end to end in the row: the bucket is a view of the row
-        # ([g * L] -> [g, L]), with no gather in forward and no scatter-add in backward.
-        self.span: tuple[int, int] | None = None
-        first = layout.starts[members[0]]
-        if (uniform and lq == lk
-                and all(layout.key_spans[j] == ((layout.starts[j], layout.ends[j]),) for j in members)
-                and all(layout.starts[j] == first + m * lq for m, j in enumerate(members))):
-            self.span = (first, len(members))
         self.valid = None
         if not uniform:
-            self.valid = torch.tensor([m * lq + i for m, ql in enumerate(q_lens) for i in range(ql)], dtype=torch.int64,
-                                      device=device)
+            self.valid = torch.tensor([m * lq + i for m, ql in enumerate(q_lens) for i in range(ql)], dtype=torch.int64)
         if uniform:
             single = _lower_right_mask(lq, lk, window, device)
             self.mask = None if single is None else single[None, None]
@@ -214,9 +205,21 @@ class _Bucket:
             self.mask = torch.where(i < ql, seen, t == 0)[:, None]
 
 
+def _gather_or_none(index: Tensor, size: int, device: torch.device) -> Tensor | None:
+    """``index`` on ``device``, or ``None`` where it is ``arange(size)`` (the row itself)."""
+    return None if torch.equal(index, torch.arange(size)) else index.to(device)
+
+
 class _SdpaPlan:
-    """How the ``sdpa`` backend computes a layout: buckets of segments, and the permutation from the
-    buckets' concatenated outputs back to row order (``None``: already in row order)."""
+    """How the ``sdpa`` backend computes a layout: buckets of segments, each bucket's queries and keys
+    taken from the row by one gather for all buckets, and the outputs put back in row order by one.
+
+    q_gather ``[sum g*Lq]`` / k_gather ``[sum g*Lk]``: the row positions of every bucket's queries /
+    keys, bucket after bucket (``None``: the row itself); q_sizes / k_sizes: each bucket's share of
+    them; out_gather ``[S]``: for each row position, its query's place among the buckets' outputs
+    (``None``: the same order). One gather each way means one scatter-add each way in the backward,
+    instead of a zero-filled row-sized gradient per bucket and their sum.
+    """
 
     def __init__(self, layout: DocumentLayout, window: int | None, device: torch.device) -> None:
         order = sorted(range(layout.num_segments), key=lambda j: (layout.key_lengths[j], layout.query_lengths[j]))
@@ -236,13 +239,22 @@ class _SdpaPlan:
             groups.append([j])
             max_q, max_k = q, k
         self.buckets = [_Bucket(layout, members, window, device) for members in groups]
-        rows = torch.tensor([p for members in groups for j in members for p in range(layout.starts[j], layout.ends[j])],
-                            dtype=torch.int64)
-        self.inverse = None
-        if not torch.equal(rows, torch.arange(layout.num_tokens)):
-            self.inverse = torch.empty_like(rows)
-            self.inverse[rows] = torch.arange(rows.numel())
-            self.inverse = self.inverse.to(device)
+        self.q_sizes = [b.q_index.numel() for b in self.buckets]
+        self.k_sizes = [b.k_index.numel() for b in self.buckets]
+        self.q_gather = _gather_or_none(torch.cat([b.q_index.flatten() for b in self.buckets]), layout.num_tokens,
+                                        device)
+        self.k_gather = _gather_or_none(torch.cat([b.k_index.flatten() for b in self.buckets]), layout.num_tokens,
+                                        device)
+        places, offset = [], 0
+        for b, size in zip(self.buckets, self.q_sizes):
+            places.append(offset + (torch.arange(size) if b.valid is None else b.valid))
+            offset += size
+        rows = torch.cat([b.q_index.flatten() if b.valid is None else b.q_index.flatten()[b.valid]
+                          for b in self.buckets])
+        out = torch.empty(layout.num_tokens, dtype=torch.int64)
+        out[rows] = torch.cat(places)
+        self.out_gather = None if offset == layout.num_tokens and torch.equal(out, torch.arange(offset)) \
+            else out.to(device)
 
 
 def _attend_sdpa(layout: DocumentLayout, q: Tensor, k: Tensor, v: Tensor, scale: float | None, dropout: float,
@@ -251,26 +263,25 @@ def _attend_sdpa(layout: DocumentLayout, q: Tensor, k: Tensor, v: Tensor, scale:
     plan = layout.sdpa_plan(q.device, window)
     heads, dim = q.shape[0], q.shape[-1]
     gqa = heads != k.shape[0]
+    if plan.q_gather is not None:
+        q = q.index_select(1, plan.q_gather)
+    if plan.k_gather is not None:
+        k, v = k.index_select(1, plan.k_gather), v.index_select(1, plan.k_gather)
+    many = len(plan.buckets) > 1
+    qs, ks, vs = (q.split(plan.q_sizes, 1), k.split(plan.k_sizes, 1), v.split(plan.k_sizes, 1)) if many \
+        else ((q,), (k,), (v,))
     outs = []
-    for b in plan.buckets:
-        if b.span is not None:
-            start, g = b.span
-            rows = slice(start, start + g * b.num_queries)
-            qs = q[:, rows].unflatten(1, (g, b.num_queries)).transpose(0, 1)  # [g, H, L, D]
-            ks = k[:, rows].unflatten(1, (g, b.num_queries)).transpose(0, 1)
-            vs = v[:, rows].unflatten(1, (g, b.num_queries)).transpose(0, 1)
-        else:
-            qs = q[:, b.q_index].transpose(0, 1)  # [g, H, Lq, D]
-            ks, vs = k[:, b.k_index].transpose(0, 1), v[:, b.k_index].transpose(0, 1)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=b.mask, dropout_p=dropout, is_causal=b.mask is None,
+    for b, qb, kb, vb in zip(plan.buckets, qs, ks, vs):
+        qb = qb.unflatten(1, (b.size, b.num_queries)).transpose(0, 1)  # [g, H, Lq, D]
+        kb = kb.unflatten(1, (b.size, b.num_keys)).transpose(0, 1)  # [g, Hkv, Lk, D]
+        vb = vb.unflatten(1, (b.size, b.num_keys)).transpose(0, 1)
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=b.mask, dropout_p=dropout, is_causal=b.mask is None,
                                              scale=scale, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(-1, heads, dim)  # [g * Lq, H, D]
-        outs.append(out if b.valid is None else out.index_select(0, b.valid))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out if plan.inverse is None else out.index_select(0, plan.inverse)
+        outs.append(out.transpose(1, 2).reshape(-1, heads, dim))  # [g * Lq, H, D]
+    out = torch.cat(outs) if many else outs[0]
+    return out if plan.out_gather is None else out.index_select(0, plan.out_gather)
 
 
-@lru_cache(maxsize=1)
 def _varlen() -> tuple[Any, frozenset[str]] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn

@@ -164,13 +164,20 @@ def test_buckets_pad_short_documents_together_and_keep_long_ones_exact():
     equal = DocumentLayout.from_lengths([64] * 8)
     plan = equal.sdpa_plan(torch.device("cpu"))
     assert len(plan.buckets) == 1 and plan.buckets[0].mask is None and plan.buckets[0].valid is None
-    assert plan.inverse is None
+    assert plan.q_gather is None and plan.k_gather is None and plan.out_gather is None  # the row itself
     short = DocumentLayout.from_lengths([30, 34, 28, 32, 33, 31])
     assert len(short.sdpa_plan(torch.device("cpu")).buckets) == 1
     long = DocumentLayout.from_lengths([400, 150, 260, 90])
     plan = long.sdpa_plan(torch.device("cpu"))
     assert len(plan.buckets) == 4 and _plan_pairs(long) == long.query_key_pairs()
-    assert plan.inverse is not None  # computed in length order, returned in row order
+    # computed in length order (one gather of every bucket's queries), returned in row order (one gather)
+    order = [3, 1, 2, 0]  # by length: 90, 150, 260, 400
+    starts = [0, 400, 550, 810]
+    lengths = [400, 150, 260, 90]
+    want = [p for j in order for p in range(starts[j], starts[j] + lengths[j])]
+    assert plan.q_gather.tolist() == want and plan.k_gather.tolist() == want
+    assert plan.q_sizes == [lengths[j] for j in order]
+    assert plan.out_gather[plan.q_gather].tolist() == list(range(900))
 
 
 def test_sliding_window_without_a_layout_is_sdpa():
@@ -246,26 +253,32 @@ def test_attend_matches_its_definition_on_a_tree(window, kernel):
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_equal_documents_end_to_end_are_views_of_the_row(window):
-    """Equal root documents in row order are one bucket taken as a view (no gather); a tree, or
-    documents out of row order after sorting, are not. Both agree with the definition, gradients too."""
-    # Four documents of 48 tokens, then two of 20: two buckets (padding 20 to 48 costs more than a call).
-    layout = DocumentLayout([0, 48, 96, 144, 192, 212], [48, 96, 144, 192, 212, 232])
-    plan = layout.sdpa_plan(torch.device("cpu"), window)
-    spans = sorted(b.span for b in plan.buckets if b.span is not None)
-    assert spans == [(0, 4), (192, 2)], spans
+def test_buckets_in_row_order_read_the_row_itself(window):
+    """Buckets whose segments lie end to end in row order are views of the row (no gather, no
+    scatter-add in the backward); documents out of row order after sorting, or a tree, are gathered
+    once for all buckets. Both agree with the definition, gradients too."""
+    # Two documents of 20 tokens, then four of 48: two buckets (padding 20 to 48 costs more than a call),
+    # sorted by length, which is row order; then the same documents with the long ones first.
+    in_order = DocumentLayout([0, 20, 40, 88, 136, 184], [20, 40, 88, 136, 184, 232])
+    plan = in_order.sdpa_plan(torch.device("cpu"), window)
+    assert len(plan.buckets) == 2 and plan.q_sizes == [40, 192]
+    assert plan.q_gather is None and plan.k_gather is None and plan.out_gather is None
+    reordered = DocumentLayout([0, 48, 96, 144, 192, 212], [48, 96, 144, 192, 212, 232])
+    plan = reordered.sdpa_plan(torch.device("cpu"), window)
+    assert plan.q_gather.tolist() == list(range(192, 232)) + list(range(192))
     tree = DocumentLayout([0, 6, 9], [6, 9, 12], [-1, 0, 0])
-    assert all(b.span is None for b in tree.sdpa_plan(torch.device("cpu"), window).buckets)
-    torch.manual_seed(1)
-    q = torch.randn(6, 232, 8, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, 232, 8, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 232, 8, dtype=torch.float64, requires_grad=True)
-    got = attend(layout, q, k, v, sliding_window=window)
-    want = _reference_attention(q, k, v, _allowed(layout, window))
-    torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
-    g = torch.randn_like(got)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+    assert tree.sdpa_plan(torch.device("cpu"), window).k_gather is not None  # the children see the root's keys
+    for layout in (in_order, reordered):
+        torch.manual_seed(1)
+        q = torch.randn(6, 232, 8, dtype=torch.float64, requires_grad=True)
+        k = torch.randn(2, 232, 8, dtype=torch.float64, requires_grad=True)
+        v = torch.randn(2, 232, 8, dtype=torch.float64, requires_grad=True)
+        got = attend(layout, q, k, v, sliding_window=window)
+        want = _reference_attention(q, k, v, _allowed(layout, window))
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+        g = torch.randn_like(got)
+        for a, b in zip(torch.autograd.grad(got, (q, k, v), g), torch.autograd.grad(want, (q, k, v), g)):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
 def test_varlen_backend_offsets_and_gathered_keys(monkeypatch):
