@@ -16,9 +16,10 @@ forwards, a trained one three) over that time, its fraction of the measured peak
 peak memory (resident set growth during the steps on a CPU, the CUDA allocator's peak on a GPU) and the
 bytes a weight sync sends after the first (the trainable tensors: the whole model, or the adapters).
 
-``--compiled-layers both``: each policy with the learner's RMS norms and SwiGLU in eager PyTorch and
-in the compiled core (``train.compiled_layers``), on the same batch, their steps taken in turn (peak
-memory is then not told apart; run ``on`` and ``off`` alone for it).
+``--compiled-layers both``: each policy with the learner's RMS norms, SwiGLU and LoRA projections in
+eager PyTorch (PEFT's) and fused (``train.compiled_layers``), on the same batch, their steps taken in
+turn (peak memory is then not told apart; run ``on`` and ``off`` alone for it). ``all`` adds a third
+variant between the two: norms and SwiGLU compiled, LoRA projections PEFT's (``no-lora``).
 
 ``--profile``: one more step of each policy under ``torch.profiler``, as a table of where the step's
 operator time goes (matrix products, attention, the fused loss, elementwise operations, copies, the
@@ -45,6 +46,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import SHAPES, gemm_peak, machine_line, print_table, profile_breakdown  # noqa: E402
 
+from flashreinforce.models.fused_layers import use_compiled_layers  # noqa: E402
 from flashreinforce.objective import LossOptions  # noqa: E402
 from flashreinforce.trainer.learning.learner import Learner, LearnerSettings  # noqa: E402
 from flashreinforce.trainer.rollout.trajectory import Trajectory  # noqa: E402
@@ -73,8 +75,9 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def run(variants: list[tuple[str, torch.nn.Module, bool]], args, batch, device, peak) -> list[list[str]]:
-    """Time the learner step of each ``(label, model, compiled_layers)`` variant on ``batch``. Several
+def run(variants: list[tuple[str, torch.nn.Module, str]], args, batch, device, peak) -> list[list[str]]:
+    """Time the learner step of each ``(label, model, layers)`` variant on ``batch`` (layers: ``on``,
+    ``off`` or ``no-lora``, see ``--compiled-layers``). Several
     variants step in turn (A B A B ...), so that a machine whose speed drifts slows each alike; the
     peak memory is then not told apart (one process) and reads "-"."""
     gc.collect()
@@ -82,11 +85,13 @@ def run(variants: list[tuple[str, torch.nn.Module, bool]], args, batch, device, 
         torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss_bytes()
     learners = []
-    for label, model, compiled in variants:
+    for label, model, layers in variants:
         settings = LearnerSettings(lr=1e-5, loss=LossOptions(delta=float("inf")), param_dtype=args.dtype,
                                    micro_batch_tokens=args.micro_batch_tokens, total_steps=100,
-                                   compiled_layers=compiled)
+                                   compiled_layers=layers == "on")
         learners.append(Learner(model, settings))
+        if layers == "no-lora":
+            use_compiled_layers(learners[-1].model, lora=False)
     times = [[] for _ in learners]
     flops = [[] for _ in learners]
     high = before
@@ -121,8 +126,11 @@ def run(variants: list[tuple[str, torch.nn.Module, bool]], args, batch, device, 
     return rows
 
 
-def _suffix(compiled: bool, flags: list[bool]) -> str:
-    return "" if len(flags) == 1 else (", compiled layers" if compiled else ", eager layers")
+_LABELS = {"on": ", compiled layers", "off": ", eager layers", "no-lora": ", compiled layers but PEFT's LoRA"}
+
+
+def _suffix(layers: str, modes: list[str]) -> str:
+    return "" if len(modes) == 1 else _LABELS[layers]
 
 
 def main() -> None:
@@ -139,9 +147,9 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="one more step of each under torch.profiler, by category")
     p.add_argument("--profile-top", type=int, default=15, help="heaviest operators listed with --profile")
     p.add_argument("--only", choices=("full", "lora"), default=None, help="one of the two policies only")
-    p.add_argument("--compiled-layers", choices=("on", "off", "both"), default="on",
-                   help="the learner's RMS norms and SwiGLU in the compiled core (train.compiled_layers), eager "
-                        "PyTorch's, or both, their steps in turn")
+    p.add_argument("--compiled-layers", choices=("on", "off", "both", "all"), default="on",
+                   help="the learner's RMS norms, SwiGLU and LoRA projections fused (train.compiled_layers), "
+                        "eager PyTorch's, both, or all (adds norms and SwiGLU fused beside PEFT's LoRA), steps in turn")
     args = p.parse_args()
     device = torch.device(args.device)
     cfg = dict(SHAPES[args.shape])
@@ -159,9 +167,9 @@ def main() -> None:
           f"{sum(t.num_tokens for t in batch):,} tokens; learner {args.dtype}; measured {args.dtype} GEMM peak "
           f"{peak / 1e9:.0f} GFLOP/s")
     rows = []
-    flags = {"on": [True], "off": [False], "both": [False, True]}[args.compiled_layers]
+    flags = {"on": ["on"], "off": ["off"], "both": ["off", "on"], "all": ["off", "no-lora", "on"]}[args.compiled_layers]
     if args.only in (None, "full"):
-        rows += run([("full fine-tuning" + _suffix(c, flags), copy.deepcopy(base), c) for c in flags],
+        rows += run([("full fine-tuning" + _suffix(c, flags), copy.deepcopy(base), c) for c in flags if c != "no-lora"],
                     args, batch, device, peak)
     if args.only in (None, "lora"):
         from flashreinforce.models.lora import LoraSettings, apply_lora

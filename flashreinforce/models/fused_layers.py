@@ -4,7 +4,10 @@
 style decoder (Llama, Qwen2, Qwen3, Mistral: the classes in :data:`NORM_CLASSES` and
 :data:`MLP_CLASSES`) at a method that calls :func:`flashreinforce.ops.layers.rms_norm` /
 :func:`flashreinforce.ops.layers.silu_mul` where they apply (float32 CPU tensors, no autocast) and the
-module's own class ``forward`` everywhere else. The model code is not forked, the weights and
+module's own class ``forward`` everywhere else. PEFT's LoRA linear layers (``peft.tuners.lora.layer.Linear``)
+go the same way to :func:`flashreinforce.ops.lora_linear.lora_linear` (the adapter's scaled product
+summed inside the base product) when a call is plain LoRA: one active adapter, not merged, no dropout
+in training, no DoRA or other variant, plain ``nn.Linear`` layers without hooks, no extra arguments. The model code is not forked, the weights and
 ``state_dict`` are untouched, LoRA-wrapped projections are called as before, and a copy of the model
 (``copy.deepcopy``) carries the change. Other module classes (Gemma's ``1 + weight`` norm, gated
 MLPs with another activation) are left alone.
@@ -20,6 +23,7 @@ from torch import Tensor
 from flashreinforce.ops.layers import compiled_layers_apply, compiled_layers_available
 from flashreinforce.ops.layers import rms_norm as _rms_norm
 from flashreinforce.ops.layers import silu_mul as _silu_mul
+from flashreinforce.ops.lora_linear import lora_linear as _lora_linear
 
 __all__ = ["MLP_CLASSES", "NORM_CLASSES", "SILU_CLASSES", "compiled_layer_counts", "use_compiled_layers"]
 
@@ -45,6 +49,40 @@ def _mlp_forward(self: torch.nn.Module, x: Tensor) -> Tensor:
     return self.down_proj(self.act_fn(gate) * up)
 
 
+def _plain_lora(self: torch.nn.Module, x: Tensor) -> tuple | None:
+    """``(A, B, scaling)`` of this PEFT LoRA layer's one active adapter when the call is plain LoRA on
+    tensors the routing computes for, else None (PEFT's own forward then runs)."""
+    if self.disable_adapters or self.merged:
+        return None
+    names = [name for name in self.active_adapters if name in self.lora_A]
+    if len(names) != 1:
+        return None
+    name = names[0]
+    if name in getattr(self, "lora_variant", {}) or getattr(self, "use_dora", {}).get(name, False):
+        return None
+    dropout = self.lora_dropout[name]
+    if not (type(dropout) is torch.nn.Identity
+            or (type(dropout) is torch.nn.Dropout and (dropout.p == 0 or not dropout.training))):
+        return None
+    base, a, b = self.base_layer, self.lora_A[name], self.lora_B[name]
+    for layer in (base, a, b):
+        if type(layer) is not torch.nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+            return None
+    if a.bias is not None or b.bias is not None:
+        return None
+    tensors = (x, base.weight, a.weight, b.weight) + (() if base.bias is None else (base.bias,))
+    if not compiled_layers_apply(*tensors):
+        return None
+    return a.weight, b.weight, float(self.scaling[name])
+
+
+def _lora_forward(self: torch.nn.Module, x: Tensor, *args, **kwargs) -> Tensor:
+    plain = None if (args or kwargs) else _plain_lora(self, x)
+    if plain is None:
+        return type(self).forward(self, x, *args, **kwargs)
+    return _lora_linear(x, self.base_layer.weight, self.base_layer.bias, *plain)
+
+
 def _is_patched(module: torch.nn.Module, method) -> bool:
     return getattr(vars(module).get("forward"), "__func__", None) is method
 
@@ -61,13 +99,21 @@ def _mlp_fits(module: torch.nn.Module) -> bool:
             and type(getattr(module, "act_fn", None)).__name__ in SILU_CLASSES)
 
 
-def use_compiled_layers(model: torch.nn.Module) -> dict[str, int]:
-    """Route ``model``'s RMS norms and SwiGLU MLPs through the compiled layer operations (in place).
+def _lora_fits(module: torch.nn.Module) -> bool:
+    kind = type(module)
+    return kind.__name__ == "Linear" and kind.__module__ == "peft.tuners.lora.layer"
 
-    Returns the count of modules now routed, ``{"norms": n, "mlps": m}`` (both 0 when the compiled
-    module lacks the operations: the model is then left as it was). Calling it again changes nothing.
+
+def use_compiled_layers(model: torch.nn.Module, lora: bool = True) -> dict[str, int]:
+    """Route ``model``'s RMS norms, SwiGLU MLPs and LoRA linear layers through the fused layer
+    operations (in place).
+
+    Returns the count of modules now routed, ``{"norms": n, "mlps": m, "lora": k}`` (all 0 when the
+    compiled module lacks the operations: the model is then left as it was). Calling it again changes
+    nothing. LoRA layers added after this call are not routed (call it again); ``lora=False`` leaves
+    LoRA layers alone (PEFT's forward; for side-by-side measurements).
     """
-    counts = {"norms": 0, "mlps": 0}
+    counts = {"norms": 0, "mlps": 0, "lora": 0}
     if not compiled_layers_available():
         return counts
     for module in model.modules():
@@ -79,11 +125,16 @@ def use_compiled_layers(model: torch.nn.Module) -> dict[str, int]:
             if not _is_patched(module, _mlp_forward):
                 module.forward = types.MethodType(_mlp_forward, module)
             counts["mlps"] += 1
+        elif lora and _lora_fits(module):
+            if not _is_patched(module, _lora_forward):
+                module.forward = types.MethodType(_lora_forward, module)
+            counts["lora"] += 1
     return counts
 
 
 def compiled_layer_counts(model: torch.nn.Module) -> dict[str, int]:
-    """How many of ``model``'s modules :func:`use_compiled_layers` has routed (``norms``, ``mlps``)."""
+    """How many of ``model``'s modules :func:`use_compiled_layers` has routed (``norms``, ``mlps``, ``lora``)."""
     modules = list(model.modules())
     return {"norms": sum(_is_patched(m, _norm_forward) for m in modules),
-            "mlps": sum(_is_patched(m, _mlp_forward) for m in modules)}
+            "mlps": sum(_is_patched(m, _mlp_forward) for m in modules),
+            "lora": sum(_is_patched(m, _lora_forward) for m in modules)}

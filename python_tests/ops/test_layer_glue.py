@@ -112,9 +112,9 @@ def test_a_routed_decoder_gives_the_eager_models_logits_and_gradients(family, no
     eager = transformers.AutoModelForCausalLM.from_config(_config(family)).float()
     routed = copy.deepcopy(eager)
     counts = use_compiled_layers(routed)
-    assert counts == {"norms": 2 * norms_per_layer + 1, "mlps": 2}
+    assert counts == {"norms": 2 * norms_per_layer + 1, "mlps": 2, "lora": 0}
     assert use_compiled_layers(routed) == counts and compiled_layer_counts(routed) == counts  # idempotent
-    assert compiled_layer_counts(eager) == {"norms": 0, "mlps": 0}
+    assert compiled_layer_counts(eager) == {"norms": 0, "mlps": 0, "lora": 0}
     ids = torch.randint(0, 61, (1, 40))
     want_logits, want = _loss_and_grads(eager, ids)
     got_logits, got = _loss_and_grads(routed, ids)
@@ -145,7 +145,7 @@ def test_lora_adapters_train_through_the_routed_mlps():
         if p.requires_grad:
             torch.nn.init.normal_(p, std=0.05)
     routed = copy.deepcopy(eager)
-    assert use_compiled_layers(routed) == {"norms": 5, "mlps": 2}
+    assert use_compiled_layers(routed) == {"norms": 5, "mlps": 2, "lora": 14}
     ids = torch.randint(0, 61, (1, 33))
     _, want = _loss_and_grads(eager, ids)
     _, got = _loss_and_grads(routed, ids)
@@ -159,7 +159,7 @@ def test_other_module_classes_are_left_alone():
     cfg = transformers.GemmaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=1, head_dim=16)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
-    assert use_compiled_layers(model) == {"norms": 0, "mlps": 0}  # Gemma: a 1 + weight norm, a GELU MLP
+    assert use_compiled_layers(model) == {"norms": 0, "mlps": 0, "lora": 0}  # Gemma: a 1 + weight norm, a GELU MLP
 
 
 def test_the_learner_routes_its_model_and_steps_as_the_eager_learner():
@@ -173,8 +173,8 @@ def test_the_learner_routes_its_model_and_steps_as_the_eager_learner():
     base = tiny_causal_lm(50)
     learners = {flag: Learner(copy.deepcopy(base), LearnerSettings(lr=1e-3, compiled_layers=flag))
                 for flag in (True, False)}
-    assert compiled_layer_counts(learners[True].model) == {"norms": 5, "mlps": 2}
-    assert compiled_layer_counts(learners[False].model) == {"norms": 0, "mlps": 0}
+    assert compiled_layer_counts(learners[True].model) == {"norms": 5, "mlps": 2, "lora": 0}
+    assert compiled_layer_counts(learners[False].model) == {"norms": 0, "mlps": 0, "lora": 0}
     metrics = {flag: learner.step(trajectories) for flag, learner in learners.items()}
     assert metrics[True]["loss"] == pytest.approx(metrics[False]["loss"], rel=1e-5, abs=1e-7)
     assert metrics[True]["grad_norm"] == pytest.approx(metrics[False]["grad_norm"], rel=1e-4)

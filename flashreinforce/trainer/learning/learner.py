@@ -69,7 +69,7 @@ class LearnerSettings:
     packed_forward [fsdp.packing_samples] (one row per micro-batch with per-document attention; else
     padded rows); share_prefixes [train.share_prefixes] (the packed forward computes a prefix that
     several trajectories of a micro-batch share once); compiled_layers [train.compiled_layers] (the
-    model's RMS norms and SwiGLU activations through
+    model's RMS norms, SwiGLU activations and PEFT LoRA projections through
     :func:`flashreinforce.models.fused_layers.use_compiled_layers`); param_dtype [fsdp.param_dtype]
     (autocast dtype; master weights stay float32); gradient_checkpointing [actor.gradient_checkpoint]; peak_tflops
     [train.peak_tflops]: dense peak TFLOP/s of one learner device for ``mfu`` (0: the device table of
