@@ -217,6 +217,17 @@ py::tuple loss_forward(const py::dict& views, const py::dict& options, const py:
   return py::make_tuple(static_cast<int>(e.code), e.index);
 }
 
+// The compiled core's check of p, raised as ValueError naming the function; then the computation,
+// without the GIL.
+template <class P>
+void run_checked(const P& p, const char* (*check)(const P&), void (*run)(const P&, int), const char* name,
+                 int num_threads) {
+  const std::string problem = check(p);
+  if (!problem.empty()) throw py::value_error(std::string("flashreinforce._C.") + name + ": " + problem);
+  py::gil_scoped_release release;
+  run(p, num_threads);
+}
+
 // decode_attention(args): flashreinforce/engines/hf/decode_attention.py validates the tensors (device,
 // dtypes, shapes, extents) and passes one dict: dtype (str), the sizes batch, kv_heads, groups,
 // head_dim, length, scale, num_threads, the pointers q, k, v, mask, out (int), and the element
@@ -252,10 +263,7 @@ void decode_attention(const py::dict& args) {
   p.v_stride_batch = vs[0], p.v_stride_head = vs[1], p.v_stride_pos = vs[2];
   p.mask_stride_batch = args["mask_stride_batch"].cast<int64_t>();
   const int num_threads = args["num_threads"].cast<int>();
-  const std::string problem = decode_attention_check(p);
-  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_attention: " + problem);
-  py::gil_scoped_release release;
-  decode_attention_cpu(p, num_threads);
+  run_checked(p, &decode_attention_check, &decode_attention_cpu, "decode_attention", num_threads);
 }
 
 // The decode step's small operations (flashreinforce/decode_step.h), called once per layer and step
@@ -278,10 +286,7 @@ void decode_norm(const std::string& dtype, int64_t rows, int64_t hidden, uintptr
   p.rows = rows, p.hidden = hidden, p.x = const_cast<void*>(as_ptr(x)), p.x_stride = x_stride;
   p.update = update ? as_ptr(update) : nullptr, p.update_stride = update_stride, p.weight = as_ptr(weight);
   p.out = const_cast<void*>(as_ptr(out)), p.out_stride = out_stride, p.eps = eps;
-  const std::string problem = decode_norm_check(p);
-  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_norm: " + problem);
-  py::gil_scoped_release release;
-  decode_norm_cpu(p, num_threads);
+  run_checked(p, &decode_norm_check, &decode_norm_cpu, "decode_norm", num_threads);
 }
 
 void decode_rotary(const std::string& dtype, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
@@ -295,10 +300,7 @@ void decode_rotary(const std::string& dtype, int64_t batch, int64_t heads, int64
   p.q_out = const_cast<void*>(as_ptr(q_out));
   p.k_slot = const_cast<void*>(as_ptr(k_slot)), p.k_stride_batch = k_stride_batch, p.k_stride_head = k_stride_head;
   p.v_slot = const_cast<void*>(as_ptr(v_slot)), p.v_stride_batch = v_stride_batch, p.v_stride_head = v_stride_head;
-  const std::string problem = decode_rotary_check(p);
-  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_rotary: " + problem);
-  py::gil_scoped_release release;
-  decode_rotary_cpu(p, num_threads);
+  run_checked(p, &decode_rotary_check, &decode_rotary_cpu, "decode_rotary", num_threads);
 }
 
 void decode_silu_mul(const std::string& dtype, int64_t rows, int64_t width, uintptr_t gate_up, int64_t stride,
@@ -307,25 +309,13 @@ void decode_silu_mul(const std::string& dtype, int64_t rows, int64_t width, uint
   p.dtype = step_dtype(dtype, "decode_silu_mul");
   p.rows = rows, p.width = width, p.gate_up = as_ptr(gate_up), p.stride = stride;
   p.out = const_cast<void*>(as_ptr(out)), p.out_stride = out_stride;
-  const std::string problem = decode_silu_mul_check(p);
-  if (!problem.empty()) throw py::value_error("flashreinforce._C.decode_silu_mul: " + problem);
-  py::gil_scoped_release release;
-  decode_silu_mul_cpu(p, num_threads);
+  run_checked(p, &decode_silu_mul_check, &decode_silu_mul_cpu, "decode_silu_mul", num_threads);
 }
 
 // The learner's layer glue (flashreinforce/layer_glue.h): float32, contiguous; a pointer of 0 for an
 // optional output means "not wanted".
 float* as_out(uintptr_t value) { return reinterpret_cast<float*>(value); }
 const float* as_in(uintptr_t value) { return reinterpret_cast<const float*>(value); }
-
-template <class P>
-void run_checked(const P& p, const char* (*check)(const P&), void (*run)(const P&, int), const char* name,
-                 int num_threads) {
-  const std::string problem = check(p);
-  if (!problem.empty()) throw py::value_error(std::string("flashreinforce._C.") + name + ": " + problem);
-  py::gil_scoped_release release;
-  run(p, num_threads);
-}
 
 void norm_forward(int64_t rows, int64_t hidden, uintptr_t x, uintptr_t weight, uintptr_t out, uintptr_t inv,
                   float eps, int num_threads) {

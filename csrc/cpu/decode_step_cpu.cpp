@@ -10,13 +10,8 @@
 
 #include "flashreinforce/decode_step.h"
 #include "flashreinforce/token_math.h"
+#include "row_loops.h"
 #include "thread_pool.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
-#define FR_STEP_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FR_STEP_CLONES
-#endif
 
 namespace flashreinforce {
 namespace {
@@ -24,25 +19,13 @@ namespace {
 using math::BFloat16;
 
 // ---------------------------------------------------------------------------- float32 row loops
-FR_STEP_CLONES void add_in_place(float* x, const float* d, int64_t n) {
+FR_CPU_CLONES void add_in_place(float* x, const float* d, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + d[i];
 }
 
-FR_STEP_CLONES float sum_of_squares(const float* x, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
-FR_STEP_CLONES void scaled_times_weight(const float* x, float inv, const float* w, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
-}
-
 // bfloat16 data: y = bf16(x * inv), out = bf16(w * y), in float32.
-FR_STEP_CLONES void scaled_times_weight_rounded(const float* x, float inv, const float* w, float* out, int64_t n) {
+FR_CPU_CLONES void scaled_times_weight_rounded(const float* x, float inv, const float* w, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float y = math::bf16_to_float(math::float_to_bf16(x[i] * inv));
@@ -50,18 +33,18 @@ FR_STEP_CLONES void scaled_times_weight_rounded(const float* x, float inv, const
   }
 }
 
-FR_STEP_CLONES void round_to_bf16(float* x, int64_t n) {
+FR_CPU_CLONES void round_to_bf16(float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = math::bf16_to_float(math::float_to_bf16(x[i]));
 }
 
-FR_STEP_CLONES void silu_times(const float* g, const float* u, float* out, int64_t n) {
+FR_CPU_CLONES void silu_times(const float* g, const float* u, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + math::exp_fast(-g[i])) * u[i];
 }
 
 // rotate_half: out[i] = v[i] c[i] - v[i + h] s[i], out[i + h] = v[i + h] c[i + h] + v[i] s[i + h].
-FR_STEP_CLONES void rotate(const float* v, const float* c, const float* s, float* out, int64_t half) {
+FR_CPU_CLONES void rotate(const float* v, const float* c, const float* s, float* out, int64_t half) {
 #pragma omp simd
   for (int64_t i = 0; i < half; ++i) {
     out[i] = v[i] * c[i] - v[i + half] * s[i];
@@ -69,12 +52,12 @@ FR_STEP_CLONES void rotate(const float* v, const float* c, const float* s, float
   }
 }
 
-FR_STEP_CLONES void widen(const BFloat16* src, float* dst, int64_t n) {
+FR_CPU_CLONES void widen(const BFloat16* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = math::bf16_to_float(src[i].bits);
 }
 
-FR_STEP_CLONES void narrow(const float* src, BFloat16* dst, int64_t n) {
+FR_CPU_CLONES void narrow(const float* src, BFloat16* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i].bits = math::float_to_bf16(src[i]);
 }
@@ -174,11 +157,11 @@ void decode_norm_cpu(const DecodeNormParams& p, int num_threads) {
         narrow(xf, reinterpret_cast<BFloat16*>(xr), n);
       }
     }
-    const float inv = 1.0f / std::sqrt(sum_of_squares(xf, n) / static_cast<float>(n) + p.eps);
+    const float inv = 1.0f / std::sqrt(rows::sum_of_squares(xf, n) / static_cast<float>(n) + p.eps);
     const float* wf = as_float(p.weight, dt, n, buf + 2 * n);
     float* out = buf + 3 * n;
     if (dt == DType::kFloat32) {
-      scaled_times_weight(xf, inv, wf, out, n);
+      rows::scaled_times_weight(xf, inv, wf, out, n);
     } else {
       scaled_times_weight_rounded(xf, inv, wf, out, n);
     }

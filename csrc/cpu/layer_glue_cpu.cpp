@@ -10,13 +10,8 @@
 
 #include "flashreinforce/layer_glue.h"
 #include "flashreinforce/token_math.h"
+#include "row_loops.h"
 #include "thread_pool.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
-#define FR_GLUE_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FR_GLUE_CLONES
-#endif
 
 namespace flashreinforce {
 namespace {
@@ -24,49 +19,37 @@ namespace {
 // Elements per SwiGLU task: large enough that a task's start costs nothing, small enough to balance.
 constexpr int64_t kSiluBlock = 16384;
 
-FR_GLUE_CLONES float sum_of_squares(const float* x, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += x[i] * x[i];
-  return s;
-}
-
-FR_GLUE_CLONES void norm_row(const float* x, const float* w, float inv, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
-}
-
 // sum_i grad_out[i] * w[i] * x[i]
-FR_GLUE_CLONES float dot3(const float* g, const float* w, const float* x, int64_t n) {
+FR_CPU_CLONES float dot3(const float* g, const float* w, const float* x, int64_t n) {
   float s = 0.0f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += g[i] * w[i] * x[i];
   return s;
 }
 
-FR_GLUE_CLONES void norm_grad_row(const float* g, const float* w, const float* x, float inv, float c, float* gx,
+FR_CPU_CLONES void norm_grad_row(const float* g, const float* w, const float* x, float inv, float c, float* gx,
                                   int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) gx[i] = inv * (g[i] * w[i] - x[i] * c);
 }
 
 // acc[i] += g[i] * x[i] * inv
-FR_GLUE_CLONES void weight_grad_row(const float* g, const float* x, float inv, float* acc, int64_t n) {
+FR_CPU_CLONES void weight_grad_row(const float* g, const float* x, float inv, float* acc, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) acc[i] += g[i] * (x[i] * inv);
 }
 
-FR_GLUE_CLONES void add_row(const float* src, float* acc, int64_t n) {
+FR_CPU_CLONES void add_row(const float* src, float* acc, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
 }
 
-FR_GLUE_CLONES void silu_mul_block(const float* g, const float* u, float* out, int64_t n) {
+FR_CPU_CLONES void silu_mul_block(const float* g, const float* u, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + math::exp_fast(-g[i])) * u[i];
 }
 
-FR_GLUE_CLONES void silu_mul_grad_block(const float* g, const float* u, const float* dy, float* dg, float* du,
+FR_CPU_CLONES void silu_mul_grad_block(const float* g, const float* u, const float* dy, float* dg, float* du,
                                         int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
@@ -76,7 +59,7 @@ FR_GLUE_CLONES void silu_mul_grad_block(const float* g, const float* u, const fl
   }
 }
 
-FR_GLUE_CLONES void silu_mul_grad_gate_block(const float* g, const float* u, const float* dy, float* dg, int64_t n) {
+FR_CPU_CLONES void silu_mul_grad_gate_block(const float* g, const float* u, const float* dy, float* dg, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float s = 1.0f / (1.0f + math::exp_fast(-g[i]));
@@ -85,7 +68,7 @@ FR_GLUE_CLONES void silu_mul_grad_gate_block(const float* g, const float* u, con
 }
 
 // The same arithmetic as silu_mul_grad_block's grad_up (the same bits).
-FR_GLUE_CLONES void silu_mul_grad_up_block(const float* g, const float* dy, float* du, int64_t n) {
+FR_CPU_CLONES void silu_mul_grad_up_block(const float* g, const float* dy, float* du, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float s = 1.0f / (1.0f + math::exp_fast(-g[i]));
@@ -134,9 +117,9 @@ void norm_forward_cpu(const NormForwardParams& p, int num_threads) {
   const int64_t n = p.hidden;
   cpu::parallel_for_host_threads(num_threads, p.rows, [&](int64_t r) {
     const float* x = p.x + r * n;
-    const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + p.eps);
+    const float inv = 1.0f / std::sqrt(rows::sum_of_squares(x, n) / static_cast<float>(n) + p.eps);
     p.inv[r] = inv;
-    norm_row(x, p.weight, inv, p.out + r * n, n);
+    rows::scaled_times_weight(x, inv, p.weight, p.out + r * n, n);
   });
 }
 

@@ -13,10 +13,10 @@ compiled module present. Callers keep the eager computation for everything else.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import Tensor
+
+from flashreinforce.compiled import compiled_has
 
 __all__ = ["compiled_layers_available", "compiled_layers_apply", "rms_norm", "silu_mul"]
 
@@ -27,14 +27,9 @@ def _module():
     return _C
 
 
-@lru_cache(maxsize=1)
 def compiled_layers_available() -> bool:
     """Whether the installed compiled module has the learner's layer operations."""
-    try:
-        _C = _module()
-    except ImportError:
-        return False
-    return all(hasattr(_C, n) for n in ("norm_forward", "norm_backward", "silu_mul_forward", "silu_mul_backward"))
+    return compiled_has("norm_forward", "norm_backward", "silu_mul_forward", "silu_mul_backward")
 
 
 def compiled_layers_apply(*tensors: Tensor) -> bool:

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashreinforce.compiled import compiled_has
+
 __all__ = ["ATTENTION_NAME", "FUSED_DTYPES", "compiled_attention_available", "decode_attention",
            "fused_decode_attention", "use_decode_attention"]
 
@@ -105,13 +107,7 @@ def use_decode_attention(model: torch.nn.Module) -> bool:
 
 def compiled_attention_available(dtype: torch.dtype) -> bool:
     """Whether :func:`fused_decode_attention` takes ``dtype`` with the installed compiled module."""
-    if dtype not in FUSED_DTYPES:
-        return False
-    try:
-        from flashreinforce import _C
-    except ImportError:
-        return False
-    return hasattr(_C, "decode_attention")
+    return dtype in FUSED_DTYPES and compiled_has("decode_attention")
 
 
 def _check_fused(query: Tensor, keys: Tensor, values: Tensor, attend: Tensor) -> None:

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flashreinforce.compiled import compiled_has
 from flashreinforce.engines.hf.decode_attention import compiled_attention_available, fused_decode_attention
 from flashreinforce.engines.hf.packed_linear import pack_weight, packed_linear_available, packed_matmul
 
@@ -91,11 +92,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 
 def compiled_glue_available() -> bool:
     """Whether the installed compiled module has the decode step's small operations."""
-    try:
-        from flashreinforce import _C
-    except ImportError:
-        return False
-    return all(hasattr(_C, n) for n in ("decode_norm", "decode_rotary", "decode_silu_mul"))
+    return compiled_has("decode_norm", "decode_rotary", "decode_silu_mul")
 
 
 def _dtype_name(t: Tensor) -> str:
