@@ -4,13 +4,14 @@
 style decoder (Llama, Qwen2, Qwen3, Mistral: the classes in :data:`NORM_CLASSES` and
 :data:`MLP_CLASSES`) at a method that calls :func:`flashreinforce.ops.layers.rms_norm` /
 :func:`flashreinforce.ops.layers.silu_mul` where they apply (float32 CPU tensors, no autocast) and the
-module's own class ``forward`` everywhere else. PEFT's LoRA linear layers (``peft.tuners.lora.layer.Linear``)
-go the same way to :func:`flashreinforce.ops.lora_linear.lora_linear` (the adapter's scaled product
-summed inside the base product) when a call is plain LoRA: one active adapter, not merged, no dropout
-in training, no DoRA or other variant, plain ``nn.Linear`` layers without hooks, no extra arguments. The model code is not forked, the weights and
-``state_dict`` are untouched, LoRA-wrapped projections are called as before, and a copy of the model
-(``copy.deepcopy``) carries the change. Other module classes (Gemma's ``1 + weight`` norm, gated
-MLPs with another activation) are left alone.
+module's own class ``forward`` everywhere else. PEFT's LoRA linear layers
+(``peft.tuners.lora.layer.Linear``) go the same way to :func:`flashreinforce.ops.lora_linear.lora_linear`
+(the adapter's scaled product summed inside the base product) when a call is plain LoRA: one active
+adapter, not merged, no dropout in training, no DoRA or other variant, plain ``nn.Linear`` layers
+without hooks or a forward of their own, no extra arguments (other calls run PEFT's forward). The
+model code is not forked, the weights and ``state_dict`` are untouched, and a copy of the model
+(``copy.deepcopy``) carries the change. Other module classes (Gemma's ``1 + weight`` norm, gated MLPs
+with another activation) are left alone.
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ def _plain_lora(self: torch.nn.Module, x: Tensor) -> tuple | None:
         return None
     base, a, b = self.base_layer, self.lora_A[name], self.lora_B[name]
     for layer in (base, a, b):
-        if type(layer) is not torch.nn.Linear or layer._forward_hooks or layer._forward_pre_hooks:
+        # A layer with hooks or a forward of its own (the hf engine's packed products) keeps PEFT's path,
+        # which calls it.
+        if (type(layer) is not torch.nn.Linear or layer._forward_hooks or layer._forward_pre_hooks
+                or "forward" in vars(layer)):
             return None
     if a.bias is not None or b.bias is not None:
         return None

@@ -6,6 +6,7 @@ adapters) and the errors."""
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_peft_forward_runs_where_the_call_is_not_plain_lora(monkeypatch):
         q(x)
     assert len(fused_calls) == 2
     # adapters disabled, merged into the base weights, two adapters active, extra arguments: PEFT's forward
-    for state in ("disabled", "merged", "two adapters", "arguments"):
+    for state in ("disabled", "merged", "two adapters", "arguments", "packed base"):
         model = _lora_model("llama")
         use_compiled_layers(model)
         q = model.model.layers[0].self_attn.q_proj
@@ -150,6 +151,9 @@ def test_peft_forward_runs_where_the_call_is_not_plain_lora(monkeypatch):
             q.enable_adapters(False)
         elif state == "merged":
             q.merge()
+        elif state == "packed base":  # a base layer with a forward of its own (the hf engine packs its products)
+            own = lambda self, t: torch.nn.functional.linear(t, self.weight)  # noqa: E731
+            q.base_layer.forward = types.MethodType(own, q.base_layer)
         elif state == "two adapters":
             peft.inject_adapter_in_model(peft.LoraConfig(r=2, target_modules=["q_proj"]), model, adapter_name="second")
             q.set_adapter(["default", "second"])
