@@ -19,11 +19,6 @@ namespace {
 using math::BFloat16;
 
 // ---------------------------------------------------------------------------- float32 row loops
-FR_CPU_CLONES void add_in_place(float* x, const float* d, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) x[i] = x[i] + d[i];
-}
-
 // bfloat16 data: y = bf16(x * inv), out = bf16(w * y), in float32.
 FR_CPU_CLONES void scaled_times_weight_rounded(const float* x, float inv, const float* w, float* out, int64_t n) {
 #pragma omp simd
@@ -36,11 +31,6 @@ FR_CPU_CLONES void scaled_times_weight_rounded(const float* x, float inv, const 
 FR_CPU_CLONES void round_to_bf16(float* x, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) x[i] = math::bf16_to_float(math::float_to_bf16(x[i]));
-}
-
-FR_CPU_CLONES void silu_times(const float* g, const float* u, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + math::exp_fast(-g[i])) * u[i];
 }
 
 // rotate_half: out[i] = v[i] c[i] - v[i + h] s[i], out[i + h] = v[i + h] c[i + h] + v[i] s[i + h].
@@ -151,7 +141,7 @@ void decode_norm_cpu(const DecodeNormParams& p, int num_threads) {
     if (dt != DType::kFloat32) widen(reinterpret_cast<const BFloat16*>(xr), xf, n);
     if (p.update != nullptr) {
       const float* df = as_float(static_cast<const char*>(p.update) + r * p.update_stride * es, dt, n, buf + n);
-      add_in_place(xf, df, n);
+      rows::add_in_place(xf, df, n);
       if (dt != DType::kFloat32) {
         round_to_bf16(xf, n);
         narrow(xf, reinterpret_cast<BFloat16*>(xr), n);
@@ -208,7 +198,7 @@ void decode_silu_mul_cpu(const DecodeSiluMulParams& p, int num_threads) {
     const float* u = as_float(row + n * es, dt, n, buf + n);
     char* dst = static_cast<char*>(p.out) + r * p.out_stride * es;
     float* out = dt == DType::kFloat32 ? reinterpret_cast<float*>(dst) : buf + 2 * n;
-    silu_times(g, u, out, n);
+    rows::silu_times(g, u, out, n);
     if (dt != DType::kFloat32) narrow(out, reinterpret_cast<BFloat16*>(dst), n);
   });
 }

@@ -39,41 +39,30 @@ FR_CPU_CLONES void weight_grad_row(const float* g, const float* x, float inv, fl
   for (int64_t i = 0; i < n; ++i) acc[i] += g[i] * (x[i] * inv);
 }
 
-FR_CPU_CLONES void add_row(const float* src, float* acc, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += src[i];
-}
-
-FR_CPU_CLONES void silu_mul_block(const float* g, const float* u, float* out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + math::exp_fast(-g[i])) * u[i];
-}
+// The gradients of silu(g) * u at one element, given s = sigmoid(g): one formula for the three loops
+// below, so that a gradient computed alone has the same bits as computed beside the other.
+inline float sigmoid_of(float g) { return 1.0f / (1.0f + math::exp_fast(-g)); }
+inline float silu_mul_grad_gate(float dy, float u, float g, float s) { return dy * u * (s * (1.0f + g * (1.0f - s))); }
+inline float silu_mul_grad_up(float dy, float g, float s) { return dy * (g * s); }
 
 FR_CPU_CLONES void silu_mul_grad_block(const float* g, const float* u, const float* dy, float* dg, float* du,
-                                        int64_t n) {
+                                       int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    const float s = 1.0f / (1.0f + math::exp_fast(-g[i]));
-    dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
-    du[i] = dy[i] * (g[i] * s);
+    const float s = sigmoid_of(g[i]);
+    dg[i] = silu_mul_grad_gate(dy[i], u[i], g[i], s);
+    du[i] = silu_mul_grad_up(dy[i], g[i], s);
   }
 }
 
 FR_CPU_CLONES void silu_mul_grad_gate_block(const float* g, const float* u, const float* dy, float* dg, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float s = 1.0f / (1.0f + math::exp_fast(-g[i]));
-    dg[i] = dy[i] * u[i] * (s * (1.0f + g[i] * (1.0f - s)));
-  }
+  for (int64_t i = 0; i < n; ++i) dg[i] = silu_mul_grad_gate(dy[i], u[i], g[i], sigmoid_of(g[i]));
 }
 
-// The same arithmetic as silu_mul_grad_block's grad_up (the same bits).
 FR_CPU_CLONES void silu_mul_grad_up_block(const float* g, const float* dy, float* du, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    const float s = 1.0f / (1.0f + math::exp_fast(-g[i]));
-    du[i] = dy[i] * (g[i] * s);
-  }
+  for (int64_t i = 0; i < n; ++i) du[i] = silu_mul_grad_up(dy[i], g[i], sigmoid_of(g[i]));
 }
 
 int64_t blocks_of(int64_t size, int64_t block) { return (size + block - 1) / block; }
@@ -153,14 +142,14 @@ void norm_backward_cpu(const NormBackwardParams& p, int num_threads) {
     const int64_t c0 = t * kColumns, width = std::min(kColumns, n - c0);
     float* dst = p.grad_weight + c0;
     std::copy(partial.data() + c0, partial.data() + c0 + width, dst);
-    for (int64_t b = 1; b < blocks; ++b) add_row(partial.data() + b * n + c0, dst, width);
+    for (int64_t b = 1; b < blocks; ++b) rows::add_in_place(dst, partial.data() + b * n + c0, width);
   });
 }
 
 void silu_mul_forward_cpu(const SiluMulForwardParams& p, int num_threads) {
   cpu::parallel_for_host_threads(num_threads, blocks_of(p.size, kSiluBlock), [&](int64_t b) {
     const int64_t i0 = b * kSiluBlock, len = std::min(kSiluBlock, p.size - i0);
-    silu_mul_block(p.gate + i0, p.up + i0, p.out + i0, len);
+    rows::silu_times(p.gate + i0, p.up + i0, p.out + i0, len);
   });
 }
 

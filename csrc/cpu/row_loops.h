@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "flashreinforce/token_math.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(__APPLE__)
 #define FR_CPU_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
@@ -29,6 +31,18 @@ static FR_CPU_CLONES float sum_of_squares(const float* x, int64_t n) {
 static FR_CPU_CLONES void scaled_times_weight(const float* x, float inv, const float* w, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// x[i] += d[i]
+static FR_CPU_CLONES void add_in_place(float* x, const float* d, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) x[i] = x[i] + d[i];
+}
+
+// out[i] = silu(g[i]) * u[i]: SwiGLU's activation
+static FR_CPU_CLONES void silu_times(const float* g, const float* u, float* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + math::exp_fast(-g[i])) * u[i];
 }
 
 }  // namespace rows
