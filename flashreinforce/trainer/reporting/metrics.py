@@ -92,11 +92,6 @@ class UpdateTimings:
     wall: float
     cpu: float = float("nan")
 
-    @staticmethod
-    def cpu_clock() -> float:
-        """The clock ``cpu`` is read on: :func:`process_cpu_seconds`."""
-        return process_cpu_seconds()
-
 
 def update_metrics(*, step: int, policy_version: int, version_before: int, learner: Mapping[str, Any],
                    trajectories: Sequence[Trajectory], buffer_stats: Mapping[str, int],

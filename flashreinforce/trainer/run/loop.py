@@ -54,7 +54,7 @@ from flashreinforce.trainer.run.stop_evaluation import evaluate_at_stop, evaluat
 from flashreinforce.trainer.reporting.heldout import HELDOUT_FILE, run_split
 from flashreinforce.trainer.reporting.evaluation import Evaluator, append_eval_record, eval_seeds, progress_lines
 from flashreinforce.trainer.learning.learner import Learner, PolicyLearner
-from flashreinforce.trainer.reporting.metrics import UpdateTimings, open_metrics_log, update_metrics
+from flashreinforce.trainer.reporting.metrics import UpdateTimings, open_metrics_log, process_cpu_seconds, update_metrics
 from flashreinforce.trainer.run.prechecks import check_before_model, check_rollout_engine
 from flashreinforce.trainer.persistence.run_dir import RunLock, create_output, remove_created
 from flashreinforce.trainer.persistence.run_history import HistoryRecord
@@ -470,7 +470,7 @@ class Trainer:
             t_run = t_last = time.perf_counter()
             # Training time: wall time without evaluations and checkpoint saves (earlier sessions included),
             # the clock of eval.every_min and of train_time_s in metrics.jsonl.
-            train_before, pauses, cpu_last = self.counters.get("train_time_s", 0.0), 0.0, UpdateTimings.cpu_clock()
+            train_before, pauses, cpu_last = self.counters.get("train_time_s", 0.0), 0.0, process_cpu_seconds()
             metrics_log.start_clock(train_before)
             every_s = cfg.eval.every_min * 60.0
             next_eval = (int(train_before // every_s) + 1) * every_s if every_s else math.inf
@@ -506,7 +506,7 @@ class Trainer:
                                      frozen=self.learner.frozen_names())
                 self.buffer.update_done()
                 self.step += 1
-                now, cpu_now = time.perf_counter(), UpdateTimings.cpu_clock()
+                now, cpu_now = time.perf_counter(), process_cpu_seconds()
                 buffer_stats, worker_stats = self.buffer.stats(), pool.stats()
                 timings = UpdateTimings(idle=idle, step=now - t_last, wall=now - t_run, cpu=cpu_now - cpu_last)
                 record = update_metrics(
@@ -527,7 +527,7 @@ class Trainer:
                     stop = self.callbacks.on_eval(self.step, dict(ev, train_time_s=train_s))
                     while next_eval <= train_s:
                         next_eval += every_s
-                    t_last, cpu_last = time.perf_counter(), UpdateTimings.cpu_clock()
+                    t_last, cpu_last = time.perf_counter(), process_cpu_seconds()
                     pauses += t_last - now
                 metrics_log.write(record, trajectories=batch.trajectories, learner=learner_metrics)
                 recorded_step = self.step
