@@ -48,7 +48,8 @@ include the prefill's one output projection, spread over the steps).
 ``--hf-kernels`` runs the hf engine once per choice, one after the other in this process: ``default``
 (its defaults: on a CPU, the fast decode step of ``engines/hf/fast_decode.py`` where the model has one,
 with the compiled decode attention and the compiled operations between the products),
-``torch-glue`` (the same step with PyTorch's operations between the products), ``sdpa`` (the same
+``torch-glue`` (the same step with PyTorch's operations between the products), ``onednn-products`` (the
+same step with oneDNN's products instead of the compiled core's skinny product), ``sdpa`` (the same
 step with PyTorch's SDPA attention and operations),
 ``packed`` (the model's forward with packed linear weights) and ``torch`` (the model's forward with
 ``F.linear``, the engine before either existed).
@@ -154,6 +155,7 @@ def perturbed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tens
 #: ``--hf-kernels`` choices: the hf engine's options for each.
 HF_KERNELS = {"default": {},
               "torch-glue": {"decode_glue": False},
+              "onednn-products": {"product_kernel": "onednn"},
               "sdpa": {"attention_kernel": "sdpa"},
               "packed": {"fast_decode": False, "linear_kernel": "packed"},
               "torch": {"fast_decode": False, "linear_kernel": "torch"}}
@@ -256,7 +258,8 @@ def main() -> None:
         start = time.perf_counter() - t0
         if kind == "hf":
             glue = "compiled" if getattr(engine, "decode_glue_in_use", False) else "PyTorch"
-            decode = (f"fast decode, {engine.attention_kernel_in_use} attention, {glue} glue" if engine.fast_decode_in_use
+            decode = (f"fast decode, {engine.product_kernel_in_use} products, {engine.attention_kernel_in_use} attention, "
+                      f"{glue} glue" if engine.fast_decode_in_use
                       else f"model forward, {engine.linear_kernel_in_use} linear")
             kind = f"hf ({decode})"
         try:

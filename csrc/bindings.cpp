@@ -29,6 +29,7 @@
 #include "flashreinforce/decode_attention.h"
 #include "flashreinforce/decode_step.h"
 #include "flashreinforce/layer_glue.h"
+#include "flashreinforce/skinny_gemm.h"
 
 namespace py = pybind11;
 using namespace flashreinforce;
@@ -312,6 +313,28 @@ void decode_silu_mul(const std::string& dtype, int64_t rows, int64_t width, uint
   run_checked(p, &decode_silu_mul_check, &decode_silu_mul_cpu, "decode_silu_mul", num_threads);
 }
 
+// The decode step's packed skinny products (flashreinforce/skinny_gemm.h), for
+// flashreinforce/engines/hf/packed_linear.py, which passes checked tensors: pointers as integers,
+// element strides. The core's check is raised as ValueError; the work runs without the GIL.
+void skinny_pack(const std::string& dtype, int64_t out_features, int64_t in_features, uintptr_t weight,
+                 int64_t weight_stride, uintptr_t packed, int num_threads) {
+  SkinnyPackParams p;
+  p.dtype = step_dtype(dtype, "skinny_pack");
+  p.out_features = out_features, p.in_features = in_features;
+  p.weight = as_ptr(weight), p.weight_stride = weight_stride, p.packed = const_cast<void*>(as_ptr(packed));
+  run_checked(p, &skinny_pack_check, &skinny_pack_cpu, "skinny_pack", num_threads);
+}
+
+void skinny_gemm(const std::string& dtype, int64_t rows, int64_t in_features, int64_t out_features, uintptr_t x,
+                 int64_t x_stride, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t y_stride, int num_threads) {
+  SkinnyGemmParams p;
+  p.dtype = step_dtype(dtype, "skinny_gemm");
+  p.rows = rows, p.in_features = in_features, p.out_features = out_features;
+  p.x = as_ptr(x), p.x_stride = x_stride, p.packed = as_ptr(packed), p.bias = bias ? as_ptr(bias) : nullptr;
+  p.y = const_cast<void*>(as_ptr(y)), p.y_stride = y_stride;
+  run_checked(p, &skinny_gemm_check, &skinny_gemm_cpu, "skinny_gemm", num_threads);
+}
+
 // The learner's layer glue (flashreinforce/layer_glue.h): float32, contiguous; a pointer of 0 for an
 // optional output means "not wanted".
 float* as_out(uintptr_t value) { return reinterpret_cast<float*>(value); }
@@ -408,4 +431,16 @@ PYBIND11_MODULE(_C, m) {
         "A decode step's rotary embedding of queries and keys, the keys and values written to the cache slots "
         "(flashreinforce/decode_step.h).");
   m.def("decode_silu_mul", &decode_silu_mul, "A decode step's SwiGLU activation (flashreinforce/decode_step.h).");
+  m.def("skinny_gemm_supported",
+        [](const std::string& dtype) { return skinny_gemm_supported(step_dtype(dtype, "skinny_gemm_supported")); },
+        "Whether this build and CPU run the packed skinny products for dtype (flashreinforce/skinny_gemm.h).");
+  m.def("skinny_gemm_packed_elements",
+        [](const std::string& dtype, int64_t out_features, int64_t in_features) {
+          const DType dt = step_dtype(dtype, "skinny_gemm_packed_elements");
+          return skinny_gemm_packed_elements(dt, out_features, in_features);
+        },
+        "Elements of a packed copy of an [out_features, in_features] weight (flashreinforce/skinny_gemm.h).");
+  m.def("skinny_pack", &skinny_pack,
+        "A weight copied into the skinny product's panels (flashreinforce/skinny_gemm.h).");
+  m.def("skinny_gemm", &skinny_gemm, "x [rows, in] times a packed weight, plus bias (flashreinforce/skinny_gemm.h).");
 }

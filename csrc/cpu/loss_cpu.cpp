@@ -88,7 +88,8 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
   }
 }
 
-// Instruction set of the main pass, the filter and the decode attention: the best one compiled in
+// Instruction set of the main pass, the filter, the decode attention and the skinny products
+// (skinny_gemm_cpu.cpp, which runs its AVX-512 kernels only under "avx512"): the best one compiled in
 // that the CPU supports, or a lower one named by the environment variable FLASHREINFORCE_CPU_ISA
 // (generic, avx2 or avx512; for tests and benchmarks: a name above what the CPU supports, or
 // unknown, gives the best one).

@@ -9,7 +9,7 @@ import transformers
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
 from flashreinforce.engines.hf.decode_attention import compiled_attention_available
 from flashreinforce.engines.hf.fast_decode import FastDecoder, unsupported_reason
-from flashreinforce.engines.hf.packed_linear import packed_linear_available
+from flashreinforce.engines.hf.packed_linear import compiled_products_available, packed_linear_available
 
 pytestmark = pytest.mark.skipif(not packed_linear_available(torch.float32),
                                 reason="this PyTorch build has no oneDNN linear ops")
@@ -122,8 +122,9 @@ def test_the_attention_kernel_is_compiled_by_default_and_checked():
     # bf16: the compiled kernel takes it, so it runs wherever the fast decoder does (oneDNN's bf16 linear)
     assert compiled_attention_available(torch.bfloat16)
     bf16 = HFEngine(copy.deepcopy(model), dtype="bfloat16")
-    assert bf16.attention_kernel_in_use == ("compiled" if packed_linear_available(torch.bfloat16) else None)
-    assert bf16.fast_decode_in_use == packed_linear_available(torch.bfloat16)
+    products = packed_linear_available(torch.bfloat16) or compiled_products_available(torch.bfloat16)
+    assert bf16.attention_kernel_in_use == ("compiled" if products else None)
+    assert bf16.fast_decode_in_use == products
     # float16: not a dtype the compiled kernel takes; auto falls back to PyTorch's, compiled is refused
     assert not compiled_attention_available(torch.float16)
     half = model_of("llama").half()

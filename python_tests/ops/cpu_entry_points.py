@@ -11,7 +11,9 @@ log-prob dtypes, with and without a mask, ``no_is``, every gate metric with trun
 entropy filter (every entropy dtype), the padded form, several chunks on two threads, and the error paths (an invalid log-prob, an
 overflowing ratio); then ``decode_attention`` in float32 and bfloat16 (head sizes on and off the
 vector width, groups of one to seven queries, masked positions, a request with none attended, strided
-queries, one and two threads) and its argument check. It prints one JSON line: the instruction set in use, the number of calls and
+queries, one and two threads) and its argument check; then the skinny products' packing (every CPU)
+and product (where ``skinny_gemm_supported``; elsewhere it must refuse) in float32 and bfloat16. It
+prints one JSON line: the instruction set in use, the number of calls and
 SHA-256 digests of every output byte and error record, one for the float32-compute calls and one for
 the float64 ones, so that two runs of the same instruction set can be compared bit for bit. (The
 float64 path calls the C library's exp / log, whose glibc variant depends on the CPU model.)
@@ -161,6 +163,30 @@ def attention(C, gen: Lcg, digest, dtype: str, batch: int, kv_heads: int, groups
     digest.update(out.tobytes())
 
 
+def skinny(C, gen: Lcg, digest, dtype: str, rows: int, n_in: int, n_out: int, threads: int) -> None:
+    """One skinny_pack (and, where the CPU runs it, one skinny_gemm with a bias) on random data; feeds
+    the packed and output bytes into ``digest``; a CPU without the kernels must refuse the product."""
+    w = buffer([gen.uniform() * 2 - 1 for _ in range(n_out * n_in)], dtype)
+    x = buffer([gen.uniform() * 2 - 1 for _ in range(rows * n_in)], dtype)
+    bias = buffer([gen.uniform() * 2 - 1 for _ in range(n_out)], dtype)
+    packed = buffer([0.0] * C.skinny_gemm_packed_elements(dtype, n_out, n_in), dtype)
+    C.skinny_pack(dtype, n_out, n_in, w.buffer_info()[0], n_in, packed.buffer_info()[0], threads)
+    digest.update(packed.tobytes())
+    y = buffer([0.0] * (rows * n_out), dtype)
+    args = (dtype, rows, n_in, n_out, x.buffer_info()[0], n_in, packed.buffer_info()[0], bias.buffer_info()[0],
+            y.buffer_info()[0], n_out, threads)
+    if C.skinny_gemm_supported(dtype):
+        C.skinny_gemm(*args)
+        digest.update(y.tobytes())
+        return
+    try:
+        C.skinny_gemm(*args)
+    except ValueError as err:
+        assert "AVX-512" in str(err), err
+    else:
+        raise AssertionError(f"skinny_gemm ran {dtype} where skinny_gemm_supported says it cannot")
+
+
 def main(path: str) -> None:
     spec = importlib.util.spec_from_file_location("_C", path)
     C = importlib.util.module_from_spec(spec)
@@ -208,6 +234,10 @@ def main(path: str) -> None:
         calls += 1
     else:
         raise AssertionError("decode_attention took float64")
+    for dtype in ("float32", "bfloat16"):
+        for rows, n_in, n_out, threads in ((1, 5, 7, 1), (9, 64, 100, 2), (17, 33, 48, 2)):
+            skinny(C, gen, digest["float32"], dtype, rows, n_in, n_out, threads)
+            calls += 1
     print(json.dumps({"isa": C.cpu_isa(), "calls": calls, "float32": digest["float32"].hexdigest(),
                       "float64": digest["float64"].hexdigest()}))
 

@@ -59,7 +59,7 @@ from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
 from flashreinforce.engines.hf.decode_attention import use_decode_attention
 from flashreinforce.engines.hf.fast_decode import ATTENTION_KERNELS, FastDecoder
 from flashreinforce.engines.hf.kv_cache import dynamic_cache, preallocated_cache
-from flashreinforce.engines.hf.packed_linear import pack_linears, refresh_packed
+from flashreinforce.engines.hf.packed_linear import PRODUCT_KERNELS, pack_linears, refresh_packed
 from flashreinforce.engines.registry import ENGINE_REGISTRY, EngineKind, EngineRun, register_engine
 
 __all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "HFOptions", "SamplingWorkspace",
@@ -185,6 +185,10 @@ class HFEngine(RolloutEngine):
         decode_glue: with the compiled attention, also run the small operations between the fast decode
             step's products in the compiled core (:class:`FastDecoder`'s ``glue``); ``False`` keeps them
             PyTorch's. ``decode_glue_in_use`` says whether they run.
+        product_kernel: the matrix products of :class:`FastDecoder`'s steps: ``"auto"`` (the compiled
+            core's skinny product where this build and CPU have it for the dtype, else oneDNN's),
+            ``"compiled"`` or ``"onednn"``; ``product_kernel_in_use`` says which one runs (``None``
+            without the fast decode step).
     """
 
     can_pause = True
@@ -195,13 +199,16 @@ class HFEngine(RolloutEngine):
                  min_shared_prefix: int = 8, dtype: str | None = None, auto_dtype: str = "float32",
                  kv_cache: str = "preallocated", decode_attention: bool = True,
                  linear_kernel: str = "auto", fast_decode: bool = True, attention_kernel: str = "auto",
-                 decode_glue: bool = True, lora: Mapping[str, Any] | None = None) -> None:
+                 decode_glue: bool = True, product_kernel: str = "auto",
+                 lora: Mapping[str, Any] | None = None) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"HFEngine: kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
         if linear_kernel not in LINEAR_KERNELS:
             raise ValueError(f"HFEngine: linear_kernel must be one of {LINEAR_KERNELS}, got {linear_kernel!r}")
         if attention_kernel not in ATTENTION_KERNELS:
             raise ValueError(f"HFEngine: attention_kernel must be one of {ATTENTION_KERNELS}, got {attention_kernel!r}")
+        if product_kernel not in PRODUCT_KERNELS:
+            raise ValueError(f"HFEngine: product_kernel must be one of {PRODUCT_KERNELS}, got {product_kernel!r}")
         self.kv_cache = kv_cache
         #: The cache the last generate call used (``"dynamic"`` where preallocation was unavailable).
         self.kv_cache_in_use: str | None = None
@@ -221,11 +228,13 @@ class HFEngine(RolloutEngine):
         self.decode_attention_in_use = bool(decode_attention) and use_decode_attention(self.model)
         for p in self.model.parameters():
             p.requires_grad_(False)
-        self._fast = (FastDecoder.build(self.model, attention=attention_kernel, glue=decode_glue)
+        self._fast = (FastDecoder.build(self.model, attention=attention_kernel, glue=decode_glue,
+                                        products=product_kernel)
                       if fast_decode and kv_cache == "preallocated" else None)
         self.fast_decode_in_use = self._fast is not None
         self.attention_kernel_in_use = self._fast.attention if self._fast is not None else None
         self.decode_glue_in_use = self._fast is not None and self._fast.glue
+        self.product_kernel_in_use = self._fast.products if self._fast is not None else None
         if self._fast is not None:
             # Packed twice: the second repack's memory comes from pages the process already holds
             # afterwards, where the first weight load would otherwise pay for fresh ones (1.6 s instead
@@ -428,6 +437,7 @@ class HFOptions:
     fast_decode: bool = True
     attention_kernel: str = "auto"
     decode_glue: bool = True
+    product_kernel: str = "auto"
 
 
 @register_engine

@@ -9,8 +9,9 @@ knows (``LlamaForCausalLM`` and ``Qwen2ForCausalLM`` with full attention everywh
 fifteen operations per layer:
 
 * the query, key and value weights are concatenated into one matrix, and the gate and up weights
-  into another, each packed once per weight version in oneDNN's blocked layout (as
-  :mod:`flashreinforce.engines.hf.packed_linear` does for single layers), so a layer makes four
+  into another, each packed once per weight version (``products``: the compiled core's skinny
+  product where this build and CPU have it, else oneDNN's blocked layout as
+  :mod:`flashreinforce.engines.hf.packed_linear` uses for single layers), so a layer makes four
   products instead of seven;
 * RMS norms are one ``F.rms_norm`` call, computed in float32 as transformers does;
 * the rotary embedding of the step is computed once (by the model's own rotary module, so every
@@ -49,7 +50,8 @@ from torch import Tensor
 
 from flashreinforce.compiled import compiled_has
 from flashreinforce.engines.hf.decode_attention import compiled_attention_available, fused_decode_attention
-from flashreinforce.engines.hf.packed_linear import pack_weight, packed_linear_available, packed_matmul
+from flashreinforce.engines.hf.packed_linear import (PRODUCT_KERNELS, PackedWeight, compiled_products_available,
+                                                     pack_weight, packed_linear_available, packed_matmul)
 
 __all__ = ["ATTENTION_KERNELS", "SUPPORTED_MODELS", "FastDecoder", "compiled_glue_available", "unsupported_reason"]
 
@@ -73,8 +75,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     weight = model.lm_head.weight
     if weight.device.type != "cpu":
         return "the model is not on the CPU"
-    if not packed_linear_available(weight.dtype):
-        return f"no packed oneDNN linear for {weight.dtype} weights on this build and CPU"
+    if not packed_linear_available(weight.dtype) and not compiled_products_available(weight.dtype):
+        return f"neither oneDNN's packed linear nor the compiled skinny product for {weight.dtype} weights here"
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
         return "a layer with sliding-window attention"
@@ -142,23 +144,35 @@ def _cat_bias(*linears: torch.nn.Linear) -> Tensor | None:
 class _Layer:
     """One decoder layer's fused weights, packed by :func:`pack_weight`, and their biases (``None``: no
     bias)."""
-    qkv: Tensor
+    qkv: PackedWeight
     qkv_bias: Tensor | None
-    o: Tensor
+    o: PackedWeight
     o_bias: Tensor | None
-    gate_up: Tensor
+    gate_up: PackedWeight
     gate_up_bias: Tensor | None
-    down: Tensor
+    down: PackedWeight
     down_bias: Tensor | None
 
 
 class FastDecoder:
     """Decode steps of ``model`` (see the module docstring); build with :meth:`build`."""
 
-    def __init__(self, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto", glue: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto", glue: bool = True,
+                 products: str = "auto") -> None:
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"FastDecoder: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
+        if products not in PRODUCT_KERNELS:
+            raise ValueError(f"FastDecoder: products must be one of {PRODUCT_KERNELS}, got {products!r}")
         dtype = model.lm_head.weight.dtype
+        if products == "compiled" and not compiled_products_available(dtype):
+            raise ValueError(f"FastDecoder: products 'compiled' needs flashreinforce._C's skinny product for {dtype}, "
+                             f"which this build or CPU lacks (AVX-512F; bfloat16 also AVX-512 BF16); use 'auto' or "
+                             f"'onednn'")
+        #: The kernel of the step's matrix products: ``"compiled"`` (the core's skinny product) or ``"onednn"``.
+        self.products = "compiled" if products != "onednn" and compiled_products_available(dtype) else "onednn"
+        if products == "onednn" and not packed_linear_available(dtype):
+            raise ValueError(f"FastDecoder: products 'onednn' needs PyTorch's oneDNN packed linear for {dtype}, which "
+                             f"this build lacks; use 'auto'")
         if attention == "compiled" and not compiled_attention_available(dtype):
             raise ValueError(f"FastDecoder: attention 'compiled' needs flashreinforce._C's decode attention for "
                              f"{dtype}, which this build or dtype lacks; use 'auto' or 'sdpa'")
@@ -181,16 +195,16 @@ class FastDecoder:
         self._eps = [(self._eps_of(layer.input_layernorm), self._eps_of(layer.post_attention_layernorm))
                      for layer in inner.layers]
         self._layers: list[_Layer] = []
-        self._lm_head: Tensor | None = None
+        self._lm_head: PackedWeight | None = None
         self._key: tuple | None = None
 
     @classmethod
     def build(cls, model: torch.nn.Module, rows_hint: int = 32, attention: str = "auto",
-              glue: bool = True) -> "FastDecoder | None":
+              glue: bool = True, products: str = "auto") -> "FastDecoder | None":
         """A decoder for ``model``, or ``None`` where :func:`unsupported_reason` gives a reason."""
         if unsupported_reason(model) is not None:
             return None
-        return cls(model, rows_hint, attention, glue)
+        return cls(model, rows_hint, attention, glue, products)
 
     @staticmethod
     def _eps_of(norm: torch.nn.Module) -> float:
@@ -208,6 +222,10 @@ class FastDecoder:
             return False
         layers = []
         h = self.rows_hint
+
+        def pack(w: Tensor) -> PackedWeight:
+            return pack_weight(w, h, self.products)
+
         # The old copies go first, so a repack never holds two packed versions of the model at once.
         self._layers, self._lm_head = [], None
         with torch.no_grad():
@@ -216,11 +234,11 @@ class FastDecoder:
                 qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
                 gate_up = torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach()
                 layers.append(_Layer(
-                    qkv=pack_weight(qkv, h), qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
-                    o=pack_weight(a.o_proj.weight.detach(), h), o_bias=_cat_bias(a.o_proj),
-                    gate_up=pack_weight(gate_up, h), gate_up_bias=_cat_bias(m.gate_proj, m.up_proj),
-                    down=pack_weight(m.down_proj.weight.detach(), h), down_bias=_cat_bias(m.down_proj)))
-            self._lm_head = pack_weight(self.model.lm_head.weight.detach(), h)
+                    qkv=pack(qkv), qkv_bias=_cat_bias(a.q_proj, a.k_proj, a.v_proj),
+                    o=pack(a.o_proj.weight.detach()), o_bias=_cat_bias(a.o_proj),
+                    gate_up=pack(gate_up), gate_up_bias=_cat_bias(m.gate_proj, m.up_proj),
+                    down=pack(m.down_proj.weight.detach()), down_bias=_cat_bias(m.down_proj)))
+            self._lm_head = pack(self.model.lm_head.weight.detach())
         self._lm_head_bias = _cat_bias(self.model.lm_head)
         self._layers = layers
         self._key = key

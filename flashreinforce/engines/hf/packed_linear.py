@@ -19,35 +19,125 @@ linear weight in memory.
 The products agree with ``F.linear`` to float rounding (a different summation order), which the
 engine's recorded behavior log-probabilities carry like any other kernel difference; the trust
 region measures them. ``docs/performance.md`` has the measured gain.
+
+:func:`pack_weight` and :func:`packed_matmul` also serve the hf engine's own decode step
+(:mod:`flashreinforce.engines.hf.fast_decode`), with a choice of kernel (:data:`PRODUCT_KERNELS`):
+oneDNN's, or the compiled core's skinny product (``csrc/flashreinforce/skinny_gemm.h``: AVX-512
+register kernels that read each weight once per call and use every loaded weight vector for 8
+rows; bfloat16 through the AVX-512 BF16 dot product), which ``auto`` picks where this build and
+CPU have it. The compiled product sums each output in the order of ``k``, so its results do not
+depend on the thread count.
 """
 
 from __future__ import annotations
 
 import functools
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["PACKED_DTYPES", "pack_linears", "pack_weight", "packed_linear_available", "packed_matmul", "refresh_packed",
-           "unpack_linears"]
+__all__ = ["PACKED_DTYPES", "PRODUCT_KERNELS", "PackedWeight", "compiled_products_available", "pack_linears",
+           "pack_weight", "packed_linear_available", "packed_matmul", "refresh_packed", "unpack_linears"]
 
 #: Weight dtypes the packed path takes (others keep ``F.linear``).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
-
-def pack_weight(weight: Tensor, rows_hint: int) -> Tensor:
-    """``weight [out, in]`` (float32/bfloat16, CPU, no autograd history needed) copied into oneDNN's
-    blocked layout for :func:`packed_matmul`; ``rows_hint``: the typical rows of a product (oneDNN may
-    choose its blocking by it; any row count is computed correctly)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), int(rows_hint))
+#: Kernels of :func:`pack_weight`: ``auto`` (the compiled core's where :func:`compiled_products_available`,
+#: else oneDNN's), ``compiled`` (an error where unavailable) or ``onednn``.
+PRODUCT_KERNELS = ("auto", "compiled", "onednn")
 
 
-def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[out_features, in_features]`` packed once for :func:`packed_matmul`: ``data`` is its
+    copy in the layout of ``kernel`` (``"compiled"``: the compiled core's panels, a flat tensor of the
+    weight's dtype; ``"onednn"``: oneDNN's blocked layout)."""
+    kernel: str
+    data: Tensor
+    out_features: int
+    in_features: int
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_products_available(dtype: torch.dtype) -> bool:
+    """Whether the compiled core's skinny product runs ``dtype`` (float32/bfloat16) weights in this build on
+    this CPU (AVX-512F; bfloat16 also AVX-512 BF16)."""
+    from flashreinforce.compiled import compiled_has
+
+    if dtype not in PACKED_DTYPES or not compiled_has("skinny_gemm", "skinny_pack", "skinny_gemm_supported"):
+        return False
+    from flashreinforce import _C
+
+    return bool(_C.skinny_gemm_supported(_dtype_name(dtype)))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _kernel_for(dtype: torch.dtype, kernel: str) -> str:
+    if kernel not in PRODUCT_KERNELS:
+        raise ValueError(f"pack_weight: kernel must be one of {PRODUCT_KERNELS}, got {kernel!r}")
+    if kernel == "auto":
+        return "compiled" if compiled_products_available(dtype) else "onednn"
+    if kernel == "compiled" and not compiled_products_available(dtype):
+        raise ValueError(f"pack_weight: kernel 'compiled' needs flashreinforce._C's skinny product for {dtype}, which "
+                         f"this build or CPU lacks (AVX-512F; bfloat16 also AVX-512 BF16); use 'auto' or 'onednn'")
+    return kernel
+
+
+def pack_weight(weight: Tensor, rows_hint: int, kernel: str = "onednn") -> PackedWeight:
+    """``weight [out, in]`` (float32/bfloat16, CPU, no autograd history needed) copied once for
+    :func:`packed_matmul` by ``kernel`` (:data:`PRODUCT_KERNELS`; the default, oneDNN's, is what
+    :func:`pack_linears` uses). ``rows_hint``: the typical rows of a product (oneDNN may choose its
+    blocking by it; any row count is computed correctly)."""
+    chosen = _kernel_for(weight.dtype, kernel)
+    w = weight.detach().contiguous()
+    if chosen == "onednn":
+        return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(w, int(rows_hint)), *w.shape)
+    from flashreinforce import _C
+
+    if w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"pack_weight: a 2-D CPU weight is needed, got shape {tuple(w.shape)} on {w.device}")
+    out_features, in_features = w.shape
+    name = _dtype_name(w.dtype)
+    data = torch.empty(_C.skinny_gemm_packed_elements(name, out_features, in_features), dtype=w.dtype)
+    _C.skinny_pack(name, out_features, in_features, w.data_ptr(), w.stride(0), data.data_ptr(),
+                   torch.get_num_threads())
+    return PackedWeight("compiled", data, int(out_features), int(in_features))
+
+
+def packed_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None) -> Tensor:
     """``x [..., in] @ W.T + bias`` with ``packed`` from :func:`pack_weight` (``x`` of the weight's
-    dtype, on the CPU, autograd off): ``[..., out]``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    dtype, on the CPU, autograd off; ``bias [out]`` of the same dtype or ``None``): ``[..., out]``."""
+    if packed.kernel == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, packed.data, bias, "none", [], "")
+    return _compiled_matmul(x, packed, bias)
+
+
+def _compiled_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None) -> Tensor:
+    from flashreinforce import _C
+
+    w = packed.data
+    if x.dtype != w.dtype or x.device.type != "cpu" or x.shape[-1] != packed.in_features:
+        raise ValueError(f"packed_matmul: x must be a CPU {w.dtype} tensor [..., {packed.in_features}], got "
+                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != w.dtype or bias.shape != (packed.out_features,)):
+        raise ValueError(f"packed_matmul: bias must be {w.dtype} [{packed.out_features}], got {bias.dtype} "
+                         f"{tuple(bias.shape)}")
+    rows = x.reshape(-1, packed.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(rows.shape[0], packed.out_features, dtype=w.dtype)
+    _C.skinny_gemm(_dtype_name(w.dtype), rows.shape[0], packed.in_features, packed.out_features, rows.data_ptr(),
+                   rows.stride(0), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
+                   packed.out_features, torch.get_num_threads())
+    return y.view(*x.shape[:-1], packed.out_features)
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +160,7 @@ def packed_linear_available(dtype: torch.dtype = torch.float32) -> bool:
         return False
 
 
-def _current_packed(module: torch.nn.Linear) -> Tensor:
+def _current_packed(module: torch.nn.Linear) -> PackedWeight:
     """The packed copy of ``module.weight`` as it is now (packed again if it changed)."""
     w = module.weight
     # (the weight object, its version counter, the packed copy): a tuple, so the module does not
