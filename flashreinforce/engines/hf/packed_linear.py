@@ -74,8 +74,11 @@ def compiled_products_available(dtype: torch.dtype) -> bool:
     return bool(_C.skinny_gemm_supported(_dtype_name(dtype)))
 
 
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
 def _kernel_for(dtype: torch.dtype, kernel: str) -> str:
@@ -122,22 +125,22 @@ def _compiled_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None) -> Te
     from flashreinforce import _C
 
     w = packed.data
-    if x.dtype != w.dtype or x.device.type != "cpu" or x.shape[-1] != packed.in_features:
-        raise ValueError(f"packed_matmul: x must be a CPU {w.dtype} tensor [..., {packed.in_features}], got "
+    n_in, n_out = packed.in_features, packed.out_features
+    if x.dtype != w.dtype or x.device.type != "cpu" or x.shape[-1] != n_in:
+        raise ValueError(f"packed_matmul: x must be a CPU {w.dtype} tensor [..., {n_in}], got "
                          f"{x.dtype} {tuple(x.shape)} on {x.device}")
-    if bias is not None and (bias.dtype != w.dtype or bias.shape != (packed.out_features,)):
-        raise ValueError(f"packed_matmul: bias must be {w.dtype} [{packed.out_features}], got {bias.dtype} "
-                         f"{tuple(bias.shape)}")
-    rows = x.reshape(-1, packed.in_features)
+    if bias is not None:
+        if bias.dtype != w.dtype or bias.shape != (n_out,):
+            raise ValueError(f"packed_matmul: bias must be {w.dtype} [{n_out}], got {bias.dtype} {tuple(bias.shape)}")
+        if bias.stride(0) != 1:
+            bias = bias.contiguous()
+    rows = x if x.dim() == 2 else x.reshape(-1, n_in)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty(rows.shape[0], packed.out_features, dtype=w.dtype)
-    _C.skinny_gemm(_dtype_name(w.dtype), rows.shape[0], packed.in_features, packed.out_features, rows.data_ptr(),
-                   rows.stride(0), w.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                   packed.out_features, torch.get_num_threads())
-    return y.view(*x.shape[:-1], packed.out_features)
+    y = torch.empty(rows.shape[0], n_out, dtype=w.dtype)
+    _C.skinny_gemm(_DTYPE_NAMES[w.dtype], rows.shape[0], n_in, n_out, rows.data_ptr(), rows.stride(0), w.data_ptr(),
+                   0 if bias is None else bias.data_ptr(), y.data_ptr(), n_out, torch.get_num_threads())
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n_out)
 
 
 @functools.lru_cache(maxsize=None)
