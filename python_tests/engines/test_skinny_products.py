@@ -73,6 +73,12 @@ def test_leading_dimensions_are_kept_and_the_thread_count_does_not_change_a_bit(
     finally:
         torch.set_num_threads(threads)
     assert one.shape == (3, 11, 300)
+    # a 1-D row, and rows broadcast from one (stride 0) or transposed (last dimension strided)
+    torch.testing.assert_close(packed_matmul(x[0, 0], packed, None), one[0, 0], rtol=0, atol=0)
+    torch.testing.assert_close(packed_matmul(x[0, :1].expand(4, 96), packed, None), one[0, :1].expand(4, 300),
+                               rtol=0, atol=0)
+    xt = x[0].T.contiguous().T  # [11, 96] with stride (1, 11)
+    torch.testing.assert_close(packed_matmul(xt, packed, None), one[0], rtol=0, atol=0)
     for r in results:
         assert torch.equal(r, one)
     check_close(one.reshape(33, 300), reference(x.reshape(33, 96), w, None), x.reshape(33, 96), w, dtype)

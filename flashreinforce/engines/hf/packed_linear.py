@@ -135,7 +135,7 @@ def _compiled_matmul(x: Tensor, packed: PackedWeight, bias: Tensor | None) -> Te
         if bias.stride(0) != 1:
             bias = bias.contiguous()
     rows = x if x.dim() == 2 else x.reshape(-1, n_in)
-    if rows.stride(-1) != 1:
+    if rows.stride(-1) != 1 or (rows.shape[0] > 1 and rows.stride(0) < n_in):  # e.g. a row broadcast by expand
         rows = rows.contiguous()
     y = torch.empty(rows.shape[0], n_out, dtype=w.dtype)
     _C.skinny_gemm(_DTYPE_NAMES[w.dtype], rows.shape[0], n_in, n_out, rows.data_ptr(), rows.stride(0), w.data_ptr(),
