@@ -29,6 +29,9 @@ other, for each seed, ``--updates`` updates (after a first one) of:
   (``actor.step_on_zero_gradient false``: a batch whose rewards are all equal carries no signal, and
   AdamW's momentum would still move the weights) and a step scaled by the gate's acceptance
   (``actor.scale_step_by_acceptance true``);
+* ``stream2_steady_threads2``: ``stream2_steady`` with two intra-op threads for the learner and for the
+  rollouts (instead of one each): where the rollouts wait on their tools the learner's products may
+  take both cores, at the price of four threads on two cores when both compute;
 * ``sync_warmup`` and ``stream2_warmup``: ``sync`` and ``stream2`` with the learning rate raised
   linearly over the first ``--warmup-updates`` updates (default 4; ``actor.lr_warmup_ratio``). A run
   that starts from a trained checkpoint starts a fresh AdamW, whose first steps move every weight by
@@ -76,6 +79,8 @@ SCHEDULES = {
     "stream2": _STREAM2,
     "stream2_steady": [*_STREAM2, "--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"],
     "sync_threads2": ["--train.async_queue_size", "0", "--torch_threads", "2"],
+    "stream2_steady_threads2": [*_STREAM2, "--actor.step_on_zero_gradient", "false",
+                                "--actor.scale_step_by_acceptance", "true", "--torch_threads", "2"],
     "sync_warmup": ["--train.async_queue_size", "0"],  # + the warmup of run()
     "stream2_warmup": _STREAM2,  # + the warmup of run()
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
