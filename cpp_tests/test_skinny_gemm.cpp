@@ -44,7 +44,7 @@ struct Case {
 
 // One product of `c` in `dt`, compared with the double product; returns y (as float) for the thread
 // check.
-static std::vector<float> run_case(std::mt19937_64& rng, DType dt, const Case& c, int threads, uint64_t data_seed) {
+static std::vector<float> run_case(DType dt, const Case& c, int threads, uint64_t data_seed) {
   std::mt19937_64 data(data_seed);
   const int64_t w_stride = c.in + 3;
   std::vector<float> w(c.out * w_stride), x(std::max<int64_t>(1, c.rows) * c.x_stride), b(c.out);
@@ -114,7 +114,6 @@ static std::vector<float> run_case(std::mt19937_64& rng, DType dt, const Case& c
   CHECK(worst <= 1.0, "%s rows %lld in %lld out %lld bias %d: error %.3g of the tolerance",
         f32 ? "float32" : "bfloat16", static_cast<long long>(c.rows), static_cast<long long>(c.in),
         static_cast<long long>(c.out), static_cast<int>(c.bias), worst);
-  (void)rng;
   return result;
 }
 
@@ -161,9 +160,9 @@ int main(int argc, char** argv) {
     }
     for (const Case& c : cases) {
       const uint64_t data_seed = rng();
-      const std::vector<float> one = run_case(rng, dt, c, 1, data_seed);
+      const std::vector<float> one = run_case(dt, c, 1, data_seed);
       for (int threads : {2, 3}) {
-        const std::vector<float> more = run_case(rng, dt, c, threads, data_seed);
+        const std::vector<float> more = run_case(dt, c, threads, data_seed);
         CHECK(std::memcmp(one.data(), more.data(), one.size() * sizeof(float)) == 0,
               "%s rows %lld: %d threads differ from 1", name, static_cast<long long>(c.rows), threads);
       }

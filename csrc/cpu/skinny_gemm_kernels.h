@@ -34,7 +34,13 @@ inline __mmask16 column_mask(int64_t columns, int j) {
   return c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << c) - 1u);
 }
 
-// acc[r][j] += bias (float32 lanes of the panel's columns), for the lanes in the mask.
+template <int R>
+inline void clear(__m512 (&acc)[R][kVectors]) {
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+}
+
+// acc[r][j] += bias[j] (the panel's bias in float32 lanes; zero past its columns).
 template <int R>
 inline void add_bias(__m512 (&acc)[R][kVectors], const __m512 (&bias)[kVectors]) {
   for (int r = 0; r < R; ++r)
@@ -48,8 +54,7 @@ template <int R>
 void rows_by_panel(const float* x, int64_t x_stride, const float* panel, int64_t k_size, const float* bias,
                    float* y, int64_t y_stride, int64_t columns) {
   __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+  clear<R>(acc);
   for (int64_t k = 0; k < k_size; ++k) {
     __m512 w[kVectors];
     for (int j = 0; j < kVectors; ++j) w[j] = _mm512_loadu_ps(panel + k * kSkinnyPanel + 16 * j);
@@ -87,8 +92,7 @@ template <int R>
 void rows_by_panel(const uint16_t* x, int64_t x_stride, const uint16_t* panel, int64_t k_size, const uint16_t* bias,
                    uint16_t* y, int64_t y_stride, int64_t columns) {
   __m512 acc[R][kVectors];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+  clear<R>(acc);
   const int64_t pairs = (k_size + 1) / 2;
   for (int64_t i = 0; i < pairs; ++i) {
     __m512bh w[kVectors];

@@ -50,8 +50,8 @@ from torch import Tensor
 
 from flashreinforce.compiled import compiled_has
 from flashreinforce.engines.hf.decode_attention import compiled_attention_available, fused_decode_attention
-from flashreinforce.engines.hf.packed_linear import (PRODUCT_KERNELS, PackedWeight, compiled_products_available,
-                                                     pack_weight, packed_linear_available, packed_matmul)
+from flashreinforce.engines.hf.packed_linear import (PackedWeight, compiled_products_available, pack_weight,
+                                                     packed_linear_available, packed_matmul, resolve_product_kernel)
 
 __all__ = ["ATTENTION_KERNELS", "SUPPORTED_MODELS", "FastDecoder", "compiled_glue_available", "unsupported_reason"]
 
@@ -161,15 +161,9 @@ class FastDecoder:
                  products: str = "auto") -> None:
         if attention not in ATTENTION_KERNELS:
             raise ValueError(f"FastDecoder: attention must be one of {ATTENTION_KERNELS}, got {attention!r}")
-        if products not in PRODUCT_KERNELS:
-            raise ValueError(f"FastDecoder: products must be one of {PRODUCT_KERNELS}, got {products!r}")
         dtype = model.lm_head.weight.dtype
-        if products == "compiled" and not compiled_products_available(dtype):
-            raise ValueError(f"FastDecoder: products 'compiled' needs flashreinforce._C's skinny product for {dtype}, "
-                             f"which this build or CPU lacks (AVX-512F; bfloat16 also AVX-512 BF16); use 'auto' or "
-                             f"'onednn'")
         #: The kernel of the step's matrix products: ``"compiled"`` (the core's skinny product) or ``"onednn"``.
-        self.products = "compiled" if products != "onednn" and compiled_products_available(dtype) else "onednn"
+        self.products = resolve_product_kernel(dtype, products, "FastDecoder: products")
         if products == "onednn" and not packed_linear_available(dtype):
             raise ValueError(f"FastDecoder: products 'onednn' needs PyTorch's oneDNN packed linear for {dtype}, which "
                              f"this build lacks; use 'auto'")

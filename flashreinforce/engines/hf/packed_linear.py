@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["PACKED_DTYPES", "PRODUCT_KERNELS", "PackedWeight", "compiled_products_available", "pack_linears",
-           "pack_weight", "packed_linear_available", "packed_matmul", "refresh_packed", "unpack_linears"]
+           "pack_weight", "packed_linear_available", "packed_matmul", "refresh_packed", "resolve_product_kernel",
+           "unpack_linears"]
 
 #: Weight dtypes the packed path takes (others keep ``F.linear``).
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -71,24 +72,24 @@ def compiled_products_available(dtype: torch.dtype) -> bool:
         return False
     from flashreinforce import _C
 
-    return bool(_C.skinny_gemm_supported(_dtype_name(dtype)))
+    return bool(_C.skinny_gemm_supported(_DTYPE_NAMES[dtype]))
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # the compiled core's names
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
-
-
-def _kernel_for(dtype: torch.dtype, kernel: str) -> str:
+def resolve_product_kernel(dtype: torch.dtype, kernel: str, where: str = "pack_weight: kernel") -> str:
+    """The kernel (``"compiled"`` or ``"onednn"``) that ``kernel`` (:data:`PRODUCT_KERNELS`) means for
+    ``dtype`` weights here: ``auto`` is the compiled core's where :func:`compiled_products_available`.
+    Raises ``ValueError``, its message starting with ``where`` (the caller and argument), for a name not
+    in :data:`PRODUCT_KERNELS` or ``compiled`` where unavailable."""
     if kernel not in PRODUCT_KERNELS:
-        raise ValueError(f"pack_weight: kernel must be one of {PRODUCT_KERNELS}, got {kernel!r}")
+        raise ValueError(f"{where} must be one of {PRODUCT_KERNELS}, got {kernel!r}")
     if kernel == "auto":
         return "compiled" if compiled_products_available(dtype) else "onednn"
     if kernel == "compiled" and not compiled_products_available(dtype):
-        raise ValueError(f"pack_weight: kernel 'compiled' needs flashreinforce._C's skinny product for {dtype}, which "
-                         f"this build or CPU lacks (AVX-512F; bfloat16 also AVX-512 BF16); use 'auto' or 'onednn'")
+        raise ValueError(f"{where} 'compiled' needs flashreinforce._C's skinny product for {dtype}, which this build "
+                         f"or CPU lacks (AVX-512F; bfloat16 also AVX-512 BF16); use 'auto' or 'onednn'")
     return kernel
 
 
@@ -97,7 +98,7 @@ def pack_weight(weight: Tensor, rows_hint: int, kernel: str = "onednn") -> Packe
     :func:`packed_matmul` by ``kernel`` (:data:`PRODUCT_KERNELS`; the default, oneDNN's, is what
     :func:`pack_linears` uses). ``rows_hint``: the typical rows of a product (oneDNN may choose its
     blocking by it; any row count is computed correctly)."""
-    chosen = _kernel_for(weight.dtype, kernel)
+    chosen = resolve_product_kernel(weight.dtype, kernel)
     w = weight.detach().contiguous()
     if chosen == "onednn":
         return PackedWeight("onednn", torch.ops.mkldnn._reorder_linear_weight(w, int(rows_hint)), *w.shape)
@@ -106,7 +107,7 @@ def pack_weight(weight: Tensor, rows_hint: int, kernel: str = "onednn") -> Packe
     if w.dim() != 2 or w.device.type != "cpu":
         raise ValueError(f"pack_weight: a 2-D CPU weight is needed, got shape {tuple(w.shape)} on {w.device}")
     out_features, in_features = w.shape
-    name = _dtype_name(w.dtype)
+    name = _DTYPE_NAMES[w.dtype]
     data = torch.empty(_C.skinny_gemm_packed_elements(name, out_features, in_features), dtype=w.dtype)
     _C.skinny_pack(name, out_features, in_features, w.data_ptr(), w.stride(0), data.data_ptr(),
                    torch.get_num_threads())
