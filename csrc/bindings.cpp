@@ -37,6 +37,7 @@ using namespace flashreinforce;
 namespace flashreinforce {
 namespace cpu {
 const char* cpu_isa_name();
+bool cpu_uses_avx512_bf16();
 }
 }  // namespace flashreinforce
 
@@ -379,6 +380,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("has_cuda", &has_cuda, "Whether the CUDA path was compiled into this module.");
   m.def("cpu_isa", []() { return std::string(cpu::cpu_isa_name()); },
         "Instruction set the CPU path uses on this machine for float32 inputs.");
+  m.def("cpu_avx512_bf16", &cpu::cpu_uses_avx512_bf16,
+        "Whether the CPU path also uses AVX-512 BF16 (the bfloat16 decode attention's scores, the bfloat16 "
+        "skinny products): 'avx512' with the CPU's extension, unless FLASHREINFORCE_CPU_ISA names avx512.");
   m.def(
       "view_names",
       []() {

@@ -2,6 +2,7 @@
 // per (request, key/value head), each with the kernel of the instruction set chosen for this CPU
 // (main_pass.h) and its own scratch, on the host's OpenMP threads where it has them (the call sits
 // between the host's matrix products; thread_pool.h says why) and on the core's pool elsewhere.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -41,11 +42,16 @@ void decode_attention_cpu(const DecodeAttentionParams& p, int num_threads) {
   if (p.batch == 0) return;
   const cpu::DecodeAttentionFn fn = cpu::cpu_kernels().decode_attention[static_cast<int>(p.dtype)];
   const int64_t scratch = p.groups * (2 * p.head_dim + p.length + 1) + p.length;  // decode_attention_impl.h
-  cpu::parallel_for_host_threads(num_threads, p.batch * p.kv_heads, [&](int64_t task) {
+  // Runs of consecutive tasks, so that a thread knows the task it runs next and prefetches its first
+  // keys; a few runs per thread keep the threads' shares even.
+  const int64_t tasks = p.batch * p.kv_heads;
+  const int64_t runs = std::min<int64_t>(tasks, 4 * std::max(num_threads, 1));
+  cpu::parallel_for_host_threads(num_threads, runs, [&](int64_t run) {
     // Each thread keeps its scratch (a few KiB, warm in its cache) from call to call.
     thread_local std::vector<float> buffer;
     if (buffer.size() < static_cast<size_t>(scratch)) buffer.resize(static_cast<size_t>(scratch));
-    fn(p, task, buffer.data());
+    const int64_t first = run * tasks / runs, end = (run + 1) * tasks / runs;
+    for (int64_t task = first; task < end; ++task) fn(p, task, task + 1 < end ? task + 1 : -1, buffer.data());
   });
 }
 

@@ -92,7 +92,9 @@ void count_policy_tokens(const uint8_t* mask, const std::vector<int64_t>& cu, in
 // (skinny_gemm_cpu.cpp, which runs its AVX-512 kernels only under "avx512"): the best one compiled in
 // that the CPU supports, or a lower one named by the environment variable FLASHREINFORCE_CPU_ISA
 // (generic, avx2 or avx512; for tests and benchmarks: a name above what the CPU supports, or
-// unknown, gives the best one).
+// unknown, gives the best one). AVX-512 BF16 (the bfloat16 decode attention's scores and the
+// skinny products' bfloat16 kernel) is used where the CPU has it, unless the name is avx512, which
+// keeps the AVX-512 path other CPUs take.
 // This is the only place that decides; the instruction-set files are entered only through the table
 // built here, after the CPU check (main_pass.h).
 enum class Isa { kGeneric, kAvx2, kAvx512 };
@@ -116,6 +118,7 @@ Isa best_supported_isa() {
 
 struct Dispatch {
   Isa isa = Isa::kGeneric;
+  bool avx512_bf16 = false;  // AVX-512 BF16 kernels over the AVX-512 ones
   KernelTable table{};
 };
 
@@ -124,17 +127,27 @@ const Dispatch& dispatch() {
     Dispatch r;
     const Isa best = best_supported_isa();
     r.isa = best;
+    bool keep_bf16 = true;
     if (const char* env = std::getenv("FLASHREINFORCE_CPU_ISA")) {
       const std::string want(env);
       if (want == "generic") r.isa = Isa::kGeneric;
       if (want == "avx2" && best == Isa::kAvx512) r.isa = Isa::kAvx2;
+      keep_bf16 = want != "avx512";
     }
+#if defined(FLASHREINFORCE_HAVE_AVX512_BF16)
+    r.avx512_bf16 = r.isa == Isa::kAvx512 && keep_bf16 && __builtin_cpu_supports("avx512bf16");
+#else
+    (void)keep_bf16;
+#endif
     isa_generic::fill_kernels(r.table);
 #if defined(FLASHREINFORCE_HAVE_AVX2)
     if (r.isa == Isa::kAvx2) isa_avx2::fill_kernels(r.table);
 #endif
 #if defined(FLASHREINFORCE_HAVE_AVX512)
     if (r.isa == Isa::kAvx512) isa_avx512::fill_kernels(r.table);
+#endif
+#if defined(FLASHREINFORCE_HAVE_AVX512_BF16)
+    if (r.avx512_bf16) isa_avx512_bf16::fill_decode_attention_bf16(r.table);
 #endif
     return r;
   }();
@@ -152,6 +165,8 @@ Error make_error(ErrorCode code, int64_t index) {
 }  // namespace
 
 const KernelTable& cpu_kernels() { return dispatch().table; }
+
+bool cpu_uses_avx512_bf16() { return dispatch().avx512_bf16; }
 
 // Name of the instruction set the CPU main pass and filter use (float64 log_probs: always generic).
 const char* cpu_isa_name() {

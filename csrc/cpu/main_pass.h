@@ -79,8 +79,9 @@ using SelectFn = void (*)(const LossParams& p, const std::vector<int64_t>& cu,
 using CheckEntropiesFn = int64_t (*)(const LossParams& p, int num_threads);
 
 // Decode-step attention of one (request, key/value head) task (decode_attention_impl.h), with
-// `scratch` of groups * (2 head_dim + length + 1) + length floats.
-using DecodeAttentionFn = void (*)(const DecodeAttentionParams& p, int64_t task, float* scratch);
+// `scratch` of groups * (2 head_dim + length + 1) + length floats; `next_task`: the task the same
+// thread runs next, whose first keys it prefetches (-1: none).
+using DecodeAttentionFn = void (*)(const DecodeAttentionParams& p, int64_t task, int64_t next_task, float* scratch);
 
 // Kernels indexed by the float DType values: main[log_probs][behavior], select[entropies][log_probs],
 // check_entropies[entropies], decode_attention[q/k/v dtype] (float32 and bfloat16 only).
@@ -107,6 +108,16 @@ void fill_kernels(KernelTable& table);
 namespace isa_avx512 {
 void fill_kernels(KernelTable& table);
 }
+// The bfloat16 decode attention with AVX-512 BF16 (decode_attention_avx512_bf16.cpp): over the AVX-512
+// table's entry, only on a CPU with that extension (FLASHREINFORCE_HAVE_AVX512_BF16).
+namespace isa_avx512_bf16 {
+void fill_decode_attention_bf16(KernelTable& table);
+}
+
+// Whether the CPU path uses AVX-512 BF16 instructions (loss_cpu.cpp decides: the instruction set is
+// "avx512", the CPU has the extension, and FLASHREINFORCE_CPU_ISA does not name "avx512", which keeps
+// AVX-512 without it).
+bool cpu_uses_avx512_bf16();
 
 template <class T> struct DTypeOf;
 template <> struct DTypeOf<math::Half> { static constexpr DType value = DType::kFloat16; };

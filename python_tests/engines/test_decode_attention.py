@@ -2,6 +2,12 @@
 the same continuations as transformers' SDPA attention, and delegation where it does not apply; and
 the compiled core's decode attention (``fused_decode_attention``) against a float64 computation."""
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -148,6 +154,47 @@ def test_compiled_attention_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+_EACH_PATH = textwrap.dedent("""
+    import json, torch
+    from flashreinforce import _C
+    from python_tests.engines.test_decode_attention import float64_attention, fused_case
+    from flashreinforce.engines.hf.decode_attention import fused_decode_attention
+    errors = {}
+    for b, kv_heads, groups, d, length in ((32, 3, 3, 64, 100), (4, 2, 7, 128, 37), (3, 2, 1, 32, 41),
+                                           (5, 1, 4, 48, 23), (2, 2, 2, 256, 70), (2, 1, 5, 96, 33)):
+        for hole in (True, False):
+            q, keys, values, attend = fused_case(torch.bfloat16, b, kv_heads, groups, d, length, seed=d, hole=hole)
+            if not hole:
+                attend[:, : length // 3] = False  # left padding: runs of skipped then attended positions
+            out = fused_decode_attention(q, keys, values, attend, d ** -0.5)
+            want = float64_attention(q, keys, values, attend, d ** -0.5)
+            errors[f"{b},{kv_heads},{groups},{d},{length},{hole}"] = ((out.double() - want).abs()
+                                                                      / (want.abs() + 1e-2)).max().item()
+    print(json.dumps({"isa": _C.cpu_isa(), "avx512_bf16": _C.cpu_avx512_bf16(), "errors": errors}))
+""")
+
+
+@pytest.mark.parametrize("isa", [None, "avx512", "avx2", "generic"])
+def test_bfloat16_attention_of_every_instruction_set_matches_float64(isa):
+    """Each build of the bfloat16 kernel (AVX-512 with its BF16 extension: scores by vdpbf16ps; AVX-512
+    without it, AVX2, generic: the rows read in pair order where the head size allows) against float64,
+    on head sizes in and out of pair order, with holes and with left padding. A name above this CPU's
+    instruction set runs its best (the run says which)."""
+    env = dict(os.environ)
+    env.pop("FLASHREINFORCE_CPU_ISA", None)
+    if isa is not None:
+        env["FLASHREINFORCE_CPU_ISA"] = isa
+    done = subprocess.run([sys.executable, "-c", _EACH_PATH], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    print(isa, run["isa"], "AVX-512 BF16" if run["avx512_bf16"] else "")
+    if isa is not None:
+        assert not run["avx512_bf16"]
+    # float32 scores and sums, then the bfloat16 output's rounding (2^-9 relative)
+    assert max(run["errors"].values()) < 6e-3, run
 
 
 def test_compiled_attention_errors_name_the_argument():

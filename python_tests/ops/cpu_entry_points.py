@@ -5,7 +5,7 @@ Run as a script by ``test_cpu_isa.py`` in subprocesses (also under an emulated C
     python cpu_entry_points.py PATH/TO/_C.so
 
 It loads the module from its file (not through the ``flashreinforce`` package, which imports
-PyTorch), calls ``has_cuda``, ``cpu_isa``, ``view_names``, ``error_code_names`` and
+PyTorch), calls ``has_cuda``, ``cpu_isa``, ``cpu_avx512_bf16``, ``view_names``, ``error_code_names`` and
 ``cuda_workspace_bytes``, then ``loss_forward`` on small packed batches covering every pair of
 log-prob dtypes, with and without a mask, ``no_is``, every gate metric with truncated ratios, the
 entropy filter (every entropy dtype), the padded form, several chunks on two threads, and the error paths (an invalid log-prob, an
@@ -238,7 +238,7 @@ def main(path: str) -> None:
         for rows, n_in, n_out, threads in ((1, 5, 7, 1), (9, 64, 100, 2), (17, 33, 48, 2)):
             skinny(C, gen, digest["float32"], dtype, rows, n_in, n_out, threads)
             calls += 1
-    print(json.dumps({"isa": C.cpu_isa(), "calls": calls, "float32": digest["float32"].hexdigest(),
+    print(json.dumps({"isa": C.cpu_isa(), "avx512_bf16": C.cpu_avx512_bf16(), "calls": calls, "float32": digest["float32"].hexdigest(),
                       "float64": digest["float64"].hexdigest()}))
 
 

@@ -185,11 +185,14 @@ def _isa_objects(build_dir: Path) -> dict:
     return found
 
 
-def _skinny_objects(build_dir: Path) -> dict:
-    """The skinny products' AVX-512 objects (csrc/cpu/skinny_gemm_avx512*.cpp) and their one entry point each."""
+def _avx512_bf16_objects(build_dir: Path) -> dict:
+    """The objects built where the compiler takes -mavx512bf16: the skinny products' AVX-512 files
+    (csrc/cpu/skinny_gemm_avx512*.cpp) and the bfloat16 decode attention's AVX-512 BF16 file
+    (csrc/cpu/decode_attention_avx512_bf16.cpp), with what each may define externally."""
     objects = build_dir / "core" / "CMakeFiles" / "fr_core.dir" / "cpu"
     entries = {"skinny_gemm_avx512.cpp.o": "flashreinforce::cpu::skinny_panels_avx512_f32(",
-               "skinny_gemm_avx512_bf16.cpp.o": "flashreinforce::cpu::skinny_panels_avx512_bf16("}
+               "skinny_gemm_avx512_bf16.cpp.o": "flashreinforce::cpu::skinny_panels_avx512_bf16(",
+               "decode_attention_avx512_bf16.cpp.o": "flashreinforce::cpu::isa_avx512_bf16::"}
     return {objects / name: entry for name, entry in entries.items() if (objects / name).exists()}
 
 
@@ -204,13 +207,14 @@ def test_instruction_set_files_share_no_code(build_dir):
     objects = _isa_objects(build_dir)
     if platform.machine() in ("x86_64", "AMD64"):
         assert set(objects) == set(_ISA_OBJECTS), f"x86-64 builds compile every instruction set: {objects}"
-    # What each file may define externally: its namespace (the main pass) or its one entry point (the
-    # skinny products' kernels, skinny_gemm_isa.h).
+    # What each file may define externally: its namespace (the main pass, the bfloat16 attention's
+    # AVX-512 BF16 file) or its one entry point (the skinny products' kernels, skinny_gemm_isa.h).
     allowed = {path: f"flashreinforce::cpu::{_ISA_OBJECTS[name]}::" for name, path in objects.items()}
-    skinny = {path: entry for path, entry in _skinny_objects(build_dir).items()}
-    if platform.machine() in ("x86_64", "AMD64") and not skinny:
-        pytest.fail("x86-64 builds with GCC or Clang compile the skinny products' AVX-512 files")
-    allowed.update(skinny)
+    bf16_files = _avx512_bf16_objects(build_dir)
+    if platform.machine() in ("x86_64", "AMD64") and len(bf16_files) != 3:
+        pytest.fail("x86-64 builds with GCC or Clang compile the skinny products' AVX-512 files and the bfloat16 "
+                    f"attention's AVX-512 BF16 file; found {[p.name for p in bf16_files]}")
+    allowed.update(bf16_files)
     problems = []
     for path, prefix in allowed.items():
         listing = subprocess.run([nm, "--defined-only", "-C", str(path)], capture_output=True, text=True, check=True)

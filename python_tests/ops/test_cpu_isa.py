@@ -2,7 +2,8 @@
 lacks (docs/kernel.md, "Instruction sets").
 
 * Every public function of ``flashreinforce._C`` (python_tests/ops/cpu_entry_points.py), in
-  subprocesses with ``FLASHREINFORCE_CPU_ISA`` forced down to ``generic`` and ``avx2``.
+  subprocesses with ``FLASHREINFORCE_CPU_ISA`` forced down to ``generic``, ``avx2`` and ``avx512``
+  (AVX-512 without its BF16 extension).
 * The same on emulated CPUs without AVX-512 (Haswell: AVX2 + FMA) and without AVX (Nehalem), through
   ``qemu-x86_64`` from Debian's qemu-user when it is installed (skipped, with the reason, otherwise):
   a run must choose the best instruction set of the emulated CPU, and give bit for bit the
@@ -46,18 +47,24 @@ def _entry_points(isa: str | None = None, emulate: str | None = None) -> dict:
 def native() -> dict:
     """The native runs: default (the best instruction set of this CPU), and each forced one."""
     runs = {"best": _entry_points()}
-    for isa in ("generic", "avx2"):
+    for isa in ("generic", "avx2", "avx512"):
         runs[isa] = _entry_points(isa)
     return runs
 
 
 def test_every_entry_point_with_the_instruction_set_forced_down(native):
     best = native["best"]["isa"]
-    print("this CPU's instruction set:", best)
+    print("this CPU's instruction set:", best, "with AVX-512 BF16" if native["best"]["avx512_bf16"] else "")
     assert best in ("generic", "avx2", "avx512")
     assert native["generic"]["isa"] == "generic"
     assert native["avx2"]["isa"] == ("generic" if best == "generic" else "avx2")
-    assert native["best"]["calls"] == native["generic"]["calls"] == native["avx2"]["calls"] > 60
+    assert native["avx512"]["isa"] == best  # avx512 lowers nothing but the BF16 extension
+    assert native["best"]["avx512_bf16"] == bool(_C.cpu_avx512_bf16())
+    assert not (native["generic"]["avx512_bf16"] or native["avx2"]["avx512_bf16"] or native["avx512"]["avx512_bf16"])
+    if native["best"]["avx512_bf16"]:
+        assert best == "avx512"
+    calls = {run["calls"] for run in native.values()}
+    assert len(calls) == 1 and calls.pop() > 60
 
 
 @pytest.mark.parametrize("cpu,isa,expected", [("Haswell", None, "avx2"), ("Haswell", "generic", "generic"),
