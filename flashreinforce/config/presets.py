@@ -95,6 +95,10 @@ _SMOLLM2_CPU: dict[str, Any] = {
     # took 18.4 and 21.0 s per update against 22.6 and 22.3 s with 2 threads each (oversubscribed);
     # docs/performance.md.
     "torch_threads": 1,
+    # And one OpenMP thread for a vLLM engine (--rollout.engine vllm), which shares the cores with the
+    # learner: in a float32 10-update run its weight sync took 0.35-0.40 s against 0.43-0.56 s with
+    # both cores, the updates no slower (docs/performance.md).
+    "vllm.cpu_threads": 1,
 }
 
 # Agents over the OpenAI chat API with SmolLM2-135M-Instruct on a 2-core CPU (arith_tool_agent, agent): a model
