@@ -1,7 +1,8 @@
 // The CPU decode-step attention's driver (flashreinforce/decode_attention.h): checks, then one task
 // per (request, key/value head), each with the kernel of the instruction set chosen for this CPU
-// (main_pass.h) and its own scratch, on the host's OpenMP threads where it has them (the call sits
-// between the host's matrix products; thread_pool.h says why) and on the core's pool elsewhere.
+// (main_pass.h) and its own scratch, in runs of consecutive tasks (each task told the next one, to
+// prefetch its keys), on the host's OpenMP threads where it has them (the call sits between the
+// host's matrix products; thread_pool.h says why) and on the core's pool elsewhere.
 #include <algorithm>
 #include <cstdint>
 #include <vector>

@@ -72,7 +72,7 @@ static inline AttnVec attn_load(const math::BFloat16* p) {
 // Two blocks of a bfloat16 row from one load of 2 * kAttnLanes elements, exactly: the even
 // elements (the low half of each 32-bit word, shifted up) and the odd ones (the high half, the low
 // bits cleared). Half the conversion instructions of two attn_load calls; the blocks come out in the
-// task's "pair order" (see decode_attention_task), not the row's.
+// task's "pair order" (see decode_attention_task_in), not the row's.
 static inline void attn_load_pair(const math::BFloat16* p, AttnVec& even, AttnVec& odd) {
   AttnWordBits w;
   std::memcpy(&w, p, sizeof w);

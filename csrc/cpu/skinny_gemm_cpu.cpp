@@ -64,7 +64,7 @@ bool skinny_gemm_supported(DType dtype) {
 #if defined(FLASHREINFORCE_HAVE_SKINNY_AVX512)
   // AVX-512F, BW, DQ and VL, checked by the CPU path's dispatch (which FLASHREINFORCE_CPU_ISA can lower).
   static const bool avx512 = std::strcmp(cpu::cpu_isa_name(), "avx512") == 0;
-  static const bool bf16 = avx512 && cpu::cpu_uses_avx512_bf16();  // the CPU's AVX-512 BF16, unless lowered
+  static const bool bf16 = cpu::cpu_uses_avx512_bf16();  // "avx512" and the CPU's BF16 extension, unless lowered
   if (dtype == DType::kFloat32) return avx512;
   if (dtype == DType::kBFloat16) return bf16;
 #else
