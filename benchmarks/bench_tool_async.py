@@ -49,7 +49,8 @@ trajectories per second, the learner's idle share (waiting for a batch), the CPU
 the usable cores could have done: a schedule that ran the same work with no core ever idle would be
 at most 1 / busy share faster; CPU seconds over the cores is the shortest update any schedule of
 that work can have), the policy lag, the seconds per update, the tool time per trajectory (sandbox
-and added delay), the training reward, its lowest update, the held-out accuracy at the stop; and per
+and added delay), the share of updates whose rewards were all equal (the learner ran no backward for
+them: every advantage 0), the training reward, its lowest update, the held-out accuracy at the stop; and per
 update the reward, the gate's acceptance, the sequence KL and the CPU seconds. Each run's result is a
 file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
 table gives the mean over seeds (the largest for a maximum) with each seed's value.
@@ -117,6 +118,7 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
         "tool_calls_per_trajectory": mean(float(m.get("env/tool_calls", 0.0)) for m in timed),
         "tool_run_s_per_trajectory": mean(float(m.get("env/tool_run_s", 0.0)) for m in timed),
         "tool_latency_s_per_trajectory": mean(float(m.get("env/tool_latency_s", 0.0)) for m in timed),
+        "backward_skipped_share": mean(float(m.get("backward_skipped", 0.0)) for m in timed),
         "reward_mean": mean(float(m["reward_mean"]) for m in timed),
         "reward_min": min(float(m["reward_mean"]) for m in timed),
         "heldout_accuracy": float(stop[-1]["eval_success_rate"]) if stop else float("nan"),
@@ -124,6 +126,7 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
                         "acceptance": float(m.get("acceptance_rate", float("nan"))),
                         "sequence_kl": float(m.get("sequence_kl_mean", float("nan"))),
                         "policy_lag": float(m["policy_lag_mean"]), "grad_norm": float(m.get("grad_norm", float("nan"))),
+                        "backward_skipped": float(m.get("backward_skipped", 0.0)),
                         "step_time_s": float(m["step_time_s"]),
                         "cpu_time_s": float(m.get("cpu_time_s", float("nan")))} for m in metrics],
     }
@@ -181,6 +184,7 @@ ROWS = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s
         ("tool calls per trajectory", "tool_calls_per_trajectory", "{:.2f}"),
         ("sandbox s per trajectory", "tool_run_s_per_trajectory", "{:.2f}"),
         ("added delay s per trajectory", "tool_latency_s_per_trajectory", "{:.2f}"),
+        ("updates without a backward (every reward equal)", "backward_skipped_share", "{:.2f}"),
         ("training reward", "reward_mean", "{:.3f}"), ("lowest update's reward", "reward_min", "{:.3f}"),
         ("held-out accuracy at the stop", "heldout_accuracy", "{:.3f}")]
 

@@ -168,6 +168,12 @@ class LossMode(abc.ABC):
         """``[B]`` advantages of the batch from float64 ``rewards`` and int64 ``group_ids``, or ``None``."""
         return None
 
+    def gradient_vanishes(self, rewards: Tensor, batch: BatchContext, options: LossOptions) -> bool:
+        """Whether the loss's gradient is exactly zero for the batch whatever the log-probabilities, known
+        from ``rewards`` (``[B]`` float32, as the packed batch holds them) and ``batch`` before any
+        forward: the learner then skips the backward. False unless the mode can prove it."""
+        return False
+
     @abc.abstractmethod
     def loss(self, mb: MicroBatch, batch: BatchContext,
              options: LossOptions) -> tuple[Tensor, dict[str, Tensor], dict[str, float]]:
@@ -235,6 +241,11 @@ class FlashReinforceLoss(LossMode):
         return LossImplementation("fused", fused.flashreinforce_loss_packed, deferred=fused.fused_loss_deferred,
                                   pending_errors=fused.PendingErrors)
 
+    def gradient_vanishes(self, rewards, batch, options):
+        # Every weight is rho_t * A_i with A_i = R_i - b formed in float64 from the stored float32
+        # reward: all zero exactly when every stored reward equals the float64 baseline.
+        return bool((rewards.double() == batch.reward_baseline).all())
+
     def loss(self, mb, batch, options):
         use_filter = options.entropy_filter
         function = self.loss_function(mb)
@@ -294,6 +305,10 @@ class PPOClippedLoss(LossMode):
         if int(torch.unique(group_ids).numel()) == int(group_ids.numel()):  # groups of one
             group_ids = torch.zeros_like(group_ids)
         return group_advantages(rewards, group_ids, whiten=options.whiten).to(torch.float32)
+
+    def gradient_vanishes(self, rewards, batch, options):
+        # Both sides of the clipped objective are ratio times advantage.
+        return batch.advantages is not None and bool((batch.advantages == 0).all())
 
     def loss(self, mb, batch, options):
         if batch.advantages is None:

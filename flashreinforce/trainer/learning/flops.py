@@ -99,11 +99,15 @@ class ModelFlops:
                    head_per_scored_token=2.0 * float(vocab) * float(width), frozen_body_per_token=2.0 * frozen,
                    head_frozen=not head.weight.requires_grad)
 
+    def forward(self, tokens: int, pairs: int, scored_tokens: int) -> float:
+        """FLOPs of one forward over a row of ``tokens`` tokens with ``pairs`` causal query-key pairs,
+        ``scored_tokens`` of them projected to the vocabulary."""
+        return (self.body_per_token * tokens + self.attention_per_pair * pairs
+                + self.head_per_scored_token * scored_tokens)
+
     def training(self, tokens: int, pairs: int, scored_tokens: int) -> float:
-        """FLOPs of one forward and backward over a row of ``tokens`` tokens with ``pairs`` causal
-        query-key pairs, ``scored_tokens`` of them projected to the vocabulary."""
-        forward = (self.body_per_token * tokens + self.attention_per_pair * pairs
-                   + self.head_per_scored_token * scored_tokens)
+        """FLOPs of one forward and backward over the same row (:meth:`forward`'s arguments)."""
+        forward = self.forward(tokens, pairs, scored_tokens)
         frozen = self.frozen_body_per_token * tokens + (self.head_per_scored_token * scored_tokens
                                                         if self.head_frozen else 0.0)
         return 3.0 * forward - frozen  # a frozen weight's forward runs twice, not three times

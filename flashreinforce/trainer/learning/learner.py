@@ -44,6 +44,7 @@ from flashreinforce.trainer.learning.forward_row import forward_row
 from flashreinforce.trainer.learning.packing import PackedBatch, micro_batches, pack
 from flashreinforce.trainer.learning.schedule import SCHEDULERS, apply_settings, make_scheduler
 from flashreinforce.trainer.learning.scoring import PolicyLogProbs
+from flashreinforce.trainer.learning.statistics import GradientParts, PendingStats
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
 __all__ = ["batch_totals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
@@ -166,26 +167,6 @@ def batch_totals(trajectories: Sequence[Trajectory], group_ids: Sequence[int] | 
                            group_ids, get_loss_mode(settings.loss_mode), settings.loss)
 
 
-@dataclass
-class GradientParts:
-    """What :meth:`Learner.accumulate_gradient_parts` measured on its part of a batch (all detached, CPU).
-
-    rows: batch rows of the part's trajectories. loss, entropy_sum: sums over the part.
-    flops: model FLOPs of the part's forward and backward passes (:mod:`.flops`).
-    per_trajectory: the loss mode's per-trajectory statistics, float64 in ``rows`` order.
-    sums: the loss mode's additive counts. error: the loss error met with ``collective_forwards``
-    (the passes went on with zero loss).
-    """
-
-    rows: list[int]
-    loss: float = 0.0
-    entropy_sum: float = 0.0
-    flops: float = 0.0
-    per_trajectory: dict[str, Tensor] = field(default_factory=dict)
-    sums: dict[str, float] = field(default_factory=dict)
-    error: BaseException | None = None
-
-
 def summarize_parts(parts: Sequence[GradientParts], totals: BatchContext, settings: LearnerSettings) -> dict[str, float]:
     """The batch's loss and statistics from the parts that cover it (each row exactly once)."""
     mode = get_loss_mode(settings.loss_mode)
@@ -213,34 +194,6 @@ def summarize_parts(parts: Sequence[GradientParts], totals: BatchContext, settin
     if settings.needs_entropy:
         metrics["entropy_mean"] = sum(p.entropy_sum for p in parts) / max(1, tokens)
     return metrics
-
-
-@dataclass
-class _PendingStats:
-    """A part's statistics while its passes are queued: device tensors (and floats), read back at once."""
-
-    losses: list[Tensor] = field(default_factory=list)
-    entropy_sums: list[Tensor] = field(default_factory=list)
-    per_trajectory: list[tuple[Tensor, dict[str, Tensor]]] = field(default_factory=list)  # (part rows, values)
-    sums: dict[str, list] = field(default_factory=dict)
-
-    def read_into(self, out: GradientParts) -> None:
-        """Adds the statistics to ``out`` (CPU floats and float64 tensors): one transfer per kind."""
-        if self.losses:
-            out.loss += float(torch.stack([x.double() for x in self.losses]).sum())
-        if self.entropy_sums:
-            out.entropy_sum += float(torch.stack([x.double() for x in self.entropy_sums]).sum())
-        if self.per_trajectory:
-            local = torch.cat([rows for rows, _ in self.per_trajectory])
-            for name in out.per_trajectory:
-                values = torch.cat([v[name].double() for _, v in self.per_trajectory]).cpu()
-                out.per_trajectory[name][local] = values
-        for name, values in self.sums.items():
-            tensors = [v for v in values if isinstance(v, Tensor)]
-            total = sum(v for v in values if not isinstance(v, Tensor))
-            if tensors:
-                total += float(torch.stack([v.double() for v in tensors]).sum())
-            out.sums[name] = out.sums.get(name, 0.0) + total
 
 
 def _zero_backward(logp: Tensor, ent: Tensor | None) -> None:
@@ -358,7 +311,18 @@ class Learner:
         """
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = self.accumulate_gradients(trajectories, group_ids)
+        trajectories = list(trajectories)
+        totals = batch_totals(trajectories, group_ids, self.settings)
+        vanishes = self.gradient_vanishes(trajectories, totals)
+        parts = self.accumulate_gradient_parts(trajectories, totals, backward=not vanishes)
+        metrics = summarize_parts([parts], totals, self.settings)
+        metrics["backward_skipped"] = float(vanishes)
+        if vanishes and self.settings.step_on_zero_gradient:
+            # The optimizer steps on the zero gradient the backward would have given (AdamW's moments
+            # and weight decay still move the weights).
+            for p in self.scorer.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         scale = metrics["acceptance_rate"] if self.settings.scale_step_by_acceptance else 1.0
         metrics.update(self.apply_gradients(lr_scale=scale))
         metrics["learner_compute_s"] = time.perf_counter() - t0
@@ -412,6 +376,17 @@ class Learner:
         self.version += 1
         return {"grad_norm": grad_norm, "lr": lr, "optimizer_step_skipped": float(skip)}
 
+    def gradient_vanishes(self, trajectories: Sequence[Trajectory], totals: BatchContext) -> bool:
+        """Whether the batch's gradient is exactly zero whatever the current log-probabilities (every
+        advantage 0, e.g. every reward equal, and no entropy bonus): known before any pass, so
+        :meth:`step` runs the forwards for the statistics only and no backward. The one case where a
+        backward would differ: a ratio that overflows to infinity times a zero advantage is NaN there,
+        so the update would be refused as non-finite; here it is the zero it is mathematically."""
+        if self.settings.entropy_coef != 0.0 or not trajectories:
+            return False
+        rewards = torch.tensor([float(t.reward) for t in trajectories], dtype=torch.float32)  # as pack() stores them
+        return self.loss_mode.gradient_vanishes(rewards, totals, self.settings.loss)
+
     def accumulate_gradients(self, trajectories: Sequence[Trajectory],
                              group_ids: Sequence[int] | None = None) -> dict[str, float]:
         """Forward and backward over the batch in micro-batches, adding into ``p.grad``; no optimizer step.
@@ -425,7 +400,7 @@ class Learner:
 
     def accumulate_gradient_parts(self, trajectories: Sequence[Trajectory], totals: BatchContext, *,
                                   rows: Sequence[int] | None = None, num_micro_batches: int | None = None,
-                                  collective_forwards: bool = False) -> GradientParts:
+                                  collective_forwards: bool = False, backward: bool = True) -> GradientParts:
         """Forward and backward of a part of a batch, adding into ``p.grad``.
 
         ``trajectories`` are the part's trajectories, ``rows`` their rows in the whole batch (default
@@ -435,6 +410,8 @@ class Learner:
         (FSDP ranks must run the same number of forwards, since each one gathers parameters).
         ``collective_forwards``: a loss error does not stop the passes (the other ranks wait in their
         collectives): it is kept in ``error`` and the remaining passes contribute zero gradient.
+        ``backward`` False: forwards without autograd for the loss and its statistics, no gradient, and
+        ``flops`` counts the forwards only (for a batch whose gradient vanishes, :meth:`gradient_vanishes`).
         """
         s = self.settings
         trajectories = list(trajectories)
@@ -449,30 +426,37 @@ class Learner:
                             max_trajectories=s.micro_batch_trajectories or None) if trajectories else []
         # The statistics stay on the device until every pass has been queued: one read back per part,
         # not one per micro-batch (each read waits for the device to finish what was queued).
-        pending = _PendingStats()
+        pending = PendingStats()
         errors = None
         if self.defer_loss_errors:
             errors = self.loss_mode.pending_errors()
+        def zero_backward(logp: Tensor, ent: Tensor | None) -> None:
+            if backward:
+                _zero_backward(logp, ent)
+
         for mb in mbs:
-            row, flops = self._plan(mb)
+            row, flops = self._plan(mb, backward)
             out.flops += flops
-            logp, ent = self.scorer(mb, row=row, **self._scoring_options(need_entropy))
-            if out.error is not None:
-                _zero_backward(logp, ent)
-                continue
-            try:
-                loss = self._part_loss(mb, logp, ent, rows, totals, pending, errors)
-            except (FloatingPointError, ValueError) as err:
-                if not collective_forwards:
-                    raise
-                out.error = err
-                _zero_backward(logp, ent)
-                continue
-            loss.backward()
+            with torch.set_grad_enabled(backward):
+                logp, ent = self.scorer(mb, row=row, **self._scoring_options(need_entropy))
+                if out.error is not None:
+                    zero_backward(logp, ent)
+                    continue
+                try:
+                    loss = self._part_loss(mb, logp, ent, rows, totals, pending, errors)
+                except (FloatingPointError, ValueError) as err:
+                    if not collective_forwards:
+                        raise
+                    out.error = err
+                    zero_backward(logp, ent)
+                    continue
+            if backward:
+                loss.backward()
             pending.losses.append(loss.detach())
         for _ in range(len(mbs), num_micro_batches or 0):
-            logp, ent = self.scorer(_placeholder_micro_batch(), **self._scoring_options(need_entropy))
-            _zero_backward(logp, ent)
+            with torch.set_grad_enabled(backward):
+                logp, ent = self.scorer(_placeholder_micro_batch(), **self._scoring_options(need_entropy))
+            zero_backward(logp, ent)
         if errors is not None:  # the deferred loss errors: one read-back for every pass of the part
             try:
                 errors.check()
@@ -483,15 +467,17 @@ class Learner:
         pending.read_into(out)
         return out
 
-    def _plan(self, mb: PackedBatch):
-        """The packed row of ``mb`` (``None`` for the padded forward) and its model FLOPs."""
+    def _plan(self, mb: PackedBatch, backward: bool = True):
+        """The packed row of ``mb`` (``None`` for the padded forward) and its model FLOPs (forward and
+        backward, or the forward alone)."""
         s = self.settings
         scored = int(mb.action_mask.sum())
+        count = self.flops.training if backward else self.flops.forward
         if s.packed_forward:
             row = forward_row(mb, share_prefixes=s.share_prefixes)
-            return row, self.flops.training(row.num_tokens, causal_pairs(row.layout), scored)
+            return row, count(row.num_tokens, causal_pairs(row.layout), scored)
         lengths = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()
-        return None, self.flops.training(mb.num_tokens, sum(n * (n + 1) // 2 for n in lengths), scored)
+        return None, count(mb.num_tokens, sum(n * (n + 1) // 2 for n in lengths), scored)
 
     def _scoring_options(self, with_entropy: bool) -> dict:
         """The keyword arguments of :func:`flashreinforce.trainer.learning.scoring.token_log_probs` for this learner."""
@@ -501,7 +487,7 @@ class Learner:
                 "share_prefixes": s.share_prefixes, "head_operand_dtype": self.head_operand_dtype}
 
     def _part_loss(self, mb: PackedBatch, logp: Tensor, ent: Tensor | None, rows: list[int], totals: BatchContext,
-                   pending: "_PendingStats", errors=None) -> Tensor:
+                   pending: "PendingStats", errors=None) -> Tensor:
         """The loss of micro-batch ``mb`` as a summand of the whole batch's; its statistics go to
         ``pending``, the loss's unchecked error records to ``errors`` (the loss mode's ``pending_errors()``; ``None``:
         raised at once)."""
