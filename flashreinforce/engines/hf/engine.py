@@ -17,7 +17,11 @@ prefix, when it has at least ``min_shared_prefix`` tokens, is run once with batc
 cache repeated for every request; the rest of each prompt follows with padding between prefix and
 suffix (masked, positions counted without it). On a CPU, where the prefill is compute-bound, this
 removes most of the prompt work: for the arith preset (prompts of ~47 tokens, 35 shared) the
-prefill of 32 requests does about a third of the work.
+prefill of 32 requests does about a third of the work. The prefix's keys and values are kept for the
+next call: where its shared prefix starts with the same tokens and no weight changed since (a new
+version, or any parameter written in place), those positions are copied instead of computed
+(``prefix_tokens_reused``); a stream of small calls (``rollout.episodes_in_flight``) then runs its
+system prompt once per weight version instead of once per call.
 
 KV cache: by default (``kv_cache="preallocated"``) every full-attention layer's keys and values live
 in buffers sized once per call for its longest request (:mod:`flashreinforce.engines.hf.kv_cache`), so
@@ -45,6 +49,7 @@ instead of repeating the cache per query head first.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass, fields
@@ -145,6 +150,27 @@ def sample_tokens(log_probs: Tensor, uniforms: Tensor, workspace: SamplingWorksp
     x = torch.minimum(uniforms.double() * total, torch.nextafter(total, torch.zeros_like(total)))
     index = torch.searchsorted(cdf, x[:, None].contiguous(), right=True)[:, 0]
     return index.clamp_(max=log_probs.shape[-1] - 1)
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
+
+
+@functools.lru_cache(maxsize=None)
+def _reusable_layers() -> tuple[type, ...]:
+    """The cache layer types whose keys and values a later call may copy in with ``update`` (transformers'
+    plain dynamic layer and the preallocated one; sliding-window and other layers are recomputed)."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # pragma: no cover - transformers before per-layer caches
+        return ()
+    from flashreinforce.engines.hf import kv_cache
+
+    return tuple(t for t in (DynamicLayer, kv_cache.PreallocatedLayer) if t is not None)
 
 
 def _same_storage(own: Tensor | None, new: Tensor) -> bool:
@@ -258,6 +284,10 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
         self.device = next(model.parameters()).device
+        #: The last call's shared prefix: (tokens, weights key, per-layer (keys, values) [1, kv_heads, n, d]).
+        self._prefix_kv: tuple[list[int], tuple, list[tuple[Tensor, Tensor]]] | None = None
+        #: Prefix positions whose keys and values were copied from an earlier call instead of computed.
+        self.prefix_tokens_reused = 0
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Copy the tensors of ``state_dict`` that are not the objects this engine loaded last (a tensor
@@ -319,6 +349,33 @@ class HFEngine(RolloutEngine):
                 return 0
         return n
 
+    def _prefill_prefix(self, tokens: list[int], cache, fast: FastDecoder | None) -> None:
+        """The shared prefix ``tokens`` into ``cache`` (batch 1): its keys and values copied from the last
+        call's prefix where that one starts with the same tokens and every weight is unchanged since
+        (identity and version counter of every parameter; keys and values of a position depend only on
+        the tokens up to it), the rest computed: the same prefix again gets the very numbers it got before.
+        ``prefix_tokens_reused`` counts the positions copied."""
+        n = len(tokens)
+        layers = getattr(cache, "layers", None)
+        reusable = bool(layers) and all(type(layer) in _reusable_layers() for layer in layers)
+        weights = tuple((id(p), p._version) for p in self.model.parameters()) if reusable else None
+        saved = self._prefix_kv if reusable else None
+        done = 0
+        if saved is not None and saved[1] == weights and len(saved[2]) == len(layers):
+            done = _common_length(saved[0], tokens)
+            if done > 0:
+                for layer, (k, v) in zip(layers, saved[2]):
+                    layer.update(k[:, :, :done], v[:, :, :done])
+                self.prefix_tokens_reused += done
+        if done == n:  # the same prefix (its output is never read): nothing to compute or save
+            return
+        ids = torch.as_tensor(tokens[done:], dtype=torch.long, device=self.device).view(1, n - done)
+        mask = torch.ones((1, n), dtype=torch.long, device=self.device)
+        positions = torch.arange(done, n, dtype=torch.long, device=self.device).view(1, n - done)
+        self._forward(ids, mask, positions, cache, fast)
+        if reusable:
+            self._prefix_kv = (list(tokens), weights, [(layer.keys.clone(), layer.values.clone()) for layer in layers])
+
     def _forward(self, ids: Tensor, mask: Tensor, pos: Tensor, cache, fast: FastDecoder | None = None) -> Tensor:
         if fast is not None:
             return fast.prefill(ids, mask, pos, cache, self._cache_kw)
@@ -376,9 +433,7 @@ class HFEngine(RolloutEngine):
         if cache is None:
             cache = dynamic_cache(self.model)
         if shared:
-            prefix = torch.as_tensor(prompts[0][:shared], dtype=torch.long, device=self.device).view(1, shared)
-            one = torch.ones((1, shared), dtype=torch.long, device=self.device)
-            self._forward(prefix, one, (one.cumsum(-1) - 1), cache, fast)
+            self._prefill_prefix(prompts[0][:shared], cache, fast)
             cache.batch_repeat_interleave(b)
         logits = self._forward(ids, mask, pos, cache, fast)
         live = list(range(b))  # the request of each row of the running batch
