@@ -21,7 +21,9 @@ prefill of 32 requests does about a third of the work. The prefix's keys and val
 next call: where its shared prefix starts with the same tokens and no weight changed since (a new
 version, or any parameter written in place), those positions are copied instead of computed
 (``prefix_tokens_reused``); a stream of small calls (``rollout.episodes_in_flight``) then runs its
-system prompt once per weight version instead of once per call.
+system prompt once per weight version instead of once per call. A finished request's context (prompt
+and sampled tokens but the last) is kept as well, for the next turn of its conversation
+(:mod:`flashreinforce.engines.hf.turn_cache`, ``turn_cache_mb``): that turn computes only its new tokens.
 
 KV cache: by default (``kv_cache="preallocated"``) every full-attention layer's keys and values live
 in buffers sized once per call for its longest request (:mod:`flashreinforce.engines.hf.kv_cache`), so
@@ -65,6 +67,7 @@ from flashreinforce.engines.hf.decode_attention import use_decode_attention
 from flashreinforce.engines.hf.fast_decode import ATTENTION_KERNELS, FastDecoder
 from flashreinforce.engines.hf.kv_cache import dynamic_cache, preallocated_cache
 from flashreinforce.engines.hf.packed_linear import PRODUCT_KERNELS, pack_linears, refresh_packed
+from flashreinforce.engines.hf.turn_cache import TurnCache, context_states, continued_prefill
 from flashreinforce.engines.registry import ENGINE_REGISTRY, EngineKind, EngineRun, register_engine
 
 __all__ = ["HF_ENGINE", "KV_CACHES", "LINEAR_KERNELS", "HFEngine", "HFEngineKind", "HFOptions", "SamplingWorkspace",
@@ -215,6 +218,9 @@ class HFEngine(RolloutEngine):
             core's skinny product where this build and CPU have it for the dtype, else oneDNN's),
             ``"compiled"`` or ``"onednn"``; ``product_kernel_in_use`` says which one runs (``None``
             without the fast decode step).
+        turn_cache_mb: keep finished turns' keys and values, up to this many MiB, for the next turn of
+            the same conversation (:mod:`flashreinforce.engines.hf.turn_cache`; dropped at any weight
+            change); 0: off. Needs the preallocated cache.
     """
 
     can_pause = True
@@ -226,7 +232,7 @@ class HFEngine(RolloutEngine):
                  kv_cache: str = "preallocated", decode_attention: bool = True,
                  linear_kernel: str = "auto", fast_decode: bool = True, attention_kernel: str = "auto",
                  decode_glue: bool = True, product_kernel: str = "auto",
-                 lora: Mapping[str, Any] | None = None) -> None:
+                 lora: Mapping[str, Any] | None = None, turn_cache_mb: int = 512) -> None:
         if kv_cache not in KV_CACHES:
             raise ValueError(f"HFEngine: kv_cache must be one of {KV_CACHES}, got {kv_cache!r}")
         if linear_kernel not in LINEAR_KERNELS:
@@ -288,6 +294,12 @@ class HFEngine(RolloutEngine):
         self._prefix_kv: tuple[list[int], tuple, list[tuple[Tensor, Tensor]]] | None = None
         #: Prefix positions whose keys and values were copied from an earlier call instead of computed.
         self.prefix_tokens_reused = 0
+        if not (isinstance(turn_cache_mb, int) and turn_cache_mb >= 0):
+            raise ValueError(f"HFEngine: turn_cache_mb must be an integer >= 0, got {turn_cache_mb!r}")
+        probe = preallocated_cache(self.model, 1) if kv_cache == "preallocated" else None
+        adoptable = probe is not None and all(hasattr(layer, "adopt") for layer in probe.layers)
+        #: Finished turns' keys and values for the next turn (None: off, or the cache cannot take them).
+        self._turns = TurnCache(turn_cache_mb << 20) if turn_cache_mb and adoptable else None
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Copy the tensors of ``state_dict`` that are not the objects this engine loaded last (a tensor
@@ -349,7 +361,50 @@ class HFEngine(RolloutEngine):
                 return 0
         return n
 
-    def _prefill_prefix(self, tokens: list[int], cache, fast: FastDecoder | None) -> None:
+    def _prefill(self, prompts: list[list[int]], steps: int, weights: tuple, fast: FastDecoder | None):
+        """A new cache for ``prompts`` and ``steps`` new tokens, their prefill run (the shared prefix once):
+        ``(cache, mask [b, context], logits [b, V])``."""
+        b = len(prompts)
+        shared = self._shared_prefix(prompts)
+        lengths = [len(p) - shared for p in prompts]
+        width = max(lengths)
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((b, shared + width), dtype=torch.long)
+        mask[:, :shared] = 1
+        for i, p in enumerate(prompts):
+            ids[i, width - lengths[i]:] = torch.as_tensor(p[shared:], dtype=torch.long)
+            mask[i, shared + width - lengths[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Positions count real tokens only, so padding between the prefix and a suffix is invisible.
+        pos = ((mask.cumsum(-1) - 1).clamp(min=0))[:, shared:]
+        cache = preallocated_cache(self.model, shared + width + steps) if self.kv_cache == "preallocated" else None
+        self.kv_cache_in_use = "dynamic" if cache is None else "preallocated"
+        if cache is None:
+            cache, fast = dynamic_cache(self.model), None
+        if shared:
+            self._prefill_prefix(prompts[0][:shared], cache, fast, weights)
+            cache.batch_repeat_interleave(b)
+        return cache, mask, self._forward(ids, mask, pos, cache, fast)
+
+    def _continued_prefill(self, prompts: list[list[int]], found: list, steps: int, weights: tuple,
+                           fast: FastDecoder | None):
+        """As :meth:`_prefill`, where some requests go on from kept states (``found[i]``: ``(positions, states)``
+        from the turn cache); the others start from the last shared prefix where they begin with enough of it."""
+        reused, states = [r for r, _ in found], [st for _, st in found]
+        saved = self._prefix_kv
+        if saved is not None and saved[1] == weights:
+            for i, p in enumerate(prompts):
+                n = min(_common_length(saved[0], p), len(p) - 1)
+                if not reused[i] and n >= max(1, self.min_shared_prefix):
+                    reused[i], states[i] = n, [(k[0], v[0]) for k, v in saved[2]]
+        width = max(len(p) - r for p, r in zip(prompts, reused))
+        cache = preallocated_cache(self.model, max(reused) + width + steps)
+        self.kv_cache_in_use = "preallocated"
+        laid = continued_prefill(prompts, reused, states, cache.layers, max(reused) + width + steps,
+                                 self.pad_token_id, self.device)
+        return cache, laid.mask, self._forward(laid.ids, laid.mask, laid.positions, cache, fast)
+
+    def _prefill_prefix(self, tokens: list[int], cache, fast: FastDecoder | None, weights: tuple) -> None:
         """The shared prefix ``tokens`` into ``cache`` (batch 1): its keys and values copied from the last
         call's prefix where that one starts with the same tokens and every weight is unchanged since
         (identity and version counter of every parameter; keys and values of a position depend only on
@@ -358,7 +413,6 @@ class HFEngine(RolloutEngine):
         n = len(tokens)
         layers = getattr(cache, "layers", None)
         reusable = bool(layers) and all(type(layer) in _reusable_layers() for layer in layers)
-        weights = tuple((id(p), p._version) for p in self.model.parameters()) if reusable else None
         saved = self._prefix_kv if reusable else None
         done = 0
         if saved is not None and saved[1] == weights and len(saved[2]) == len(layers):
@@ -396,18 +450,6 @@ class HFEngine(RolloutEngine):
                 raise ValueError(f"generate: requests[{i}].max_new_tokens must be positive, got {r.max_new_tokens}")
         b = len(requests)
         prompts = [list(r.token_ids) for r in requests]
-        shared = self._shared_prefix(prompts)
-        lengths = [len(p) - shared for p in prompts]
-        width = max(lengths)
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((b, shared + width), dtype=torch.long)
-        mask[:, :shared] = 1
-        for i, p in enumerate(prompts):
-            ids[i, width - lengths[i]:] = torch.as_tensor(p[shared:], dtype=torch.long)
-            mask[i, shared + width - lengths[i]:] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        # Positions count real tokens only, so padding between the prefix and a suffix is invisible.
-        pos = ((mask.cumsum(-1) - 1).clamp(min=0))[:, shared:]
         limits = [r.max_new_tokens for r in requests]
         steps = max(limits)
         # Each request's uniforms, from its own generator: independent of the batch it shares.
@@ -420,22 +462,24 @@ class HFEngine(RolloutEngine):
         out_ids: list[list[int]] = [[] for _ in requests]
         out_lp: list[list[float]] = [[] for _ in requests]
         reasons: list[str | None] = [None] * b
-        # The attention mask of every step, allocated once: step t attends to the first context + t columns.
-        context = shared + width
-        full_mask = torch.ones((b, context + steps), dtype=torch.long, device=self.device)
-        full_mask[:, :context] = mask
-
-        cache = preallocated_cache(self.model, context + steps) if self.kv_cache == "preallocated" else None
-        self.kv_cache_in_use = "dynamic" if cache is None else "preallocated"
-        fast = self._fast if cache is not None else None
+        fast = self._fast if self.kv_cache == "preallocated" else None
         if fast is not None:  # weights changed in place outside load_weights are packed again here
             fast.refresh()
-        if cache is None:
-            cache = dynamic_cache(self.model)
-        if shared:
-            self._prefill_prefix(prompts[0][:shared], cache, fast)
-            cache.batch_repeat_interleave(b)
-        logits = self._forward(ids, mask, pos, cache, fast)
+        weights = tuple((id(p), p._version) for p in self.model.parameters())
+        turns = self._turns
+        found = [(0, None)] * b
+        if turns is not None:
+            turns.check_weights(weights)
+            found = [turns.take(p) for p in prompts]
+        if any(r for r, _ in found):  # some requests go on from kept states: the rest of their prompts only
+            cache, mask, logits = self._continued_prefill(prompts, found, steps, weights, fast)
+        else:
+            cache, mask, logits = self._prefill(prompts, steps, weights, fast)
+        # The attention mask of every step, allocated once: step t attends to the first context + t columns.
+        context = mask.shape[1]
+        full_mask = torch.ones((b, context + steps), dtype=torch.long, device=self.device)
+        full_mask[:, :context] = mask
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
         live = list(range(b))  # the request of each row of the running batch
         workspace = SamplingWorkspace()
         for step in range(steps):
@@ -453,11 +497,17 @@ class HFEngine(RolloutEngine):
                 elif len(out_ids[i]) >= limits[i]:
                     reasons[i] = "length"
             keep = [row for row, i in enumerate(live) if reasons[i] is None]
-            if not keep:
-                break
-            if should_pause is not None and (step + 1) % self.pause_check_steps == 0 and should_pause():
+            if keep and should_pause is not None and (step + 1) % self.pause_check_steps == 0 and should_pause():
                 for row in keep:
                     reasons[live[row]] = "paused"
+                keep = []
+            if turns is not None and len(keep) < len(live):  # the contexts of the turns that ended, kept
+                for row in (row for row, i in enumerate(live) if reasons[i] is not None):
+                    fed = prompts[live[row]] + out_ids[live[row]][:-1]  # the last token was never fed
+                    columns = full_mask[row, :context + step].nonzero().view(-1)
+                    if columns.numel() == len(fed):
+                        turns.put(fed, context_states(cache.layers, row, columns))
+            if not keep:
                 break
             if len(keep) < len(live):  # finished requests leave the batch (and its KV cache)
                 index = torch.tensor(keep, dtype=torch.long, device=self.device)
@@ -493,6 +543,7 @@ class HFOptions:
     attention_kernel: str = "auto"
     decode_glue: bool = True
     product_kernel: str = "auto"
+    turn_cache_mb: int = 512
 
 
 @register_engine

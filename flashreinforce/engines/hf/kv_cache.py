@@ -66,6 +66,19 @@ def _layer_class():
             self._refresh_views()
             self.is_initialized = True
 
+        def adopt(self, keys: Tensor, values: Tensor, length: int) -> None:
+            """Take ``keys``/``values`` ``[batch, kv_heads, capacity, head_dim]`` as the buffers, their first
+            ``length`` positions already written (a prefill that starts from keys and values kept
+            elsewhere, :mod:`flashreinforce.engines.hf.turn_cache`)."""
+            if keys.shape[2] != self.capacity or values.shape[2] != self.capacity or not 0 <= length <= self.capacity:
+                raise ValueError(f"PreallocatedLayer.adopt: buffers of {keys.shape[2]} positions and length {length} "
+                                 f"for a capacity of {self.capacity}")
+            self.device = keys.device
+            self._key_buffer, self._value_buffer = keys, values
+            self.length = int(length)
+            self.is_initialized = True
+            self._refresh_views()
+
         def _refresh_views(self) -> None:
             self.keys = self._key_buffer[:, :, :self.length]
             self.values = self._value_buffer[:, :, :self.length]
