@@ -130,3 +130,20 @@ def test_turn_cache_mb_is_validated():
     with pytest.raises(ValueError, match="turn_cache_mb"):
         HFEngine(_model(4), turn_cache_mb=-1)
     assert HFEngine(_model(4), kv_cache="dynamic")._turns is None  # needs the preallocated cache
+
+
+def test_an_engine_whose_transformers_has_no_preallocated_layers_decodes_with_the_dynamic_cache(generator, monkeypatch):
+    # (transformers before 4.56: no per-layer caches) The fast step needs the preallocated cache; without it
+    # the model's forward decodes, and the result is that of kv_cache="dynamic".
+    import flashreinforce.engines.hf.engine as engine_module
+
+    model = _model(5)
+    params = SamplingParams(1.0, stop_token_ids=(1,))
+    first = _first_turns(generator, 3)
+    expected = HFEngine(model, pad_token_id=0, kv_cache="dynamic").generate(first, params)
+    monkeypatch.setattr(engine_module, "preallocated_cache", lambda model, capacity: None)
+    engine = HFEngine(model, pad_token_id=0)
+    assert engine._turns is None
+    got = engine.generate(first, params)
+    assert engine.kv_cache_in_use == "dynamic"
+    _same(expected, got)

@@ -475,6 +475,8 @@ class HFEngine(RolloutEngine):
             cache, mask, logits = self._continued_prefill(prompts, found, steps, weights, fast)
         else:
             cache, mask, logits = self._prefill(prompts, steps, weights, fast)
+        if self.kv_cache_in_use != "preallocated":  # the fast step needs the preallocated cache
+            fast = None
         # The attention mask of every step, allocated once: step t attends to the first context + t columns.
         context = mask.shape[1]
         full_mask = torch.ones((b, context + steps), dtype=torch.long, device=self.device)
