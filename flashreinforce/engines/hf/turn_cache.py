@@ -3,7 +3,8 @@
 A multi-turn episode sends its whole conversation again at every turn: the prompt, the turn just
 sampled, the environment's answer. Without a cache the engine computes the keys and values of the
 prompt and of the sampled turn a second time, though the same weights computed them a moment ago;
-in the ``arith_tool`` stream that re-prefill was about 60% of the rollouts' prefill work.
+in the ``arith_tool`` stream about 40 of the 58 tokens a second turn sends after the shared system
+prompt.
 
 :class:`TurnCache` keeps, when a request of :meth:`HFEngine.generate` finishes, the keys and values of
 its context (the prompt and every sampled token but the last, which was never fed back) under those
