@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from flashreinforce.engines import GenerationRequest, HFEngine, SamplingParams
-from flashreinforce.engines.hf.kv_cache import PreallocatedLayer, preallocated_cache
+from flashreinforce.engines.hf.kv_cache import (PreallocatedLayer, dynamic_cache, preallocated_cache, reusable_layers,
+                                               weights_key)
 from python_tests.builders import tiny_causal_lm
 
 
@@ -103,6 +104,29 @@ def test_preallocated_cache_replaces_only_plain_layers_and_engine_validates_its_
         HFEngine(model(), kv_cache="static")
     with pytest.raises(ValueError, match="capacity must be positive"):
         PreallocatedLayer(0)
+
+
+def test_reusable_layers_takes_plain_and_preallocated_layers_only():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    m = model()
+    cache = preallocated_cache(m, 16)
+    assert reusable_layers(cache) and reusable_layers(dynamic_cache(m))
+    cache.layers[1] = DynamicSlidingWindowLayer(sliding_window=4)  # positions dropped: recomputed instead
+    assert not reusable_layers(cache)
+    assert not reusable_layers(object())
+
+
+def test_weights_key_changes_with_an_in_place_write_or_a_new_parameter():
+    m = model()
+    key = weights_key(m)
+    assert weights_key(m) == key
+    with torch.no_grad():
+        m.lm_head.weight.add_(0.0)  # an in-place write, even of the same values
+    assert weights_key(m) != key
+    key = weights_key(m)
+    m.lm_head.weight = torch.nn.Parameter(m.lm_head.weight.detach().clone())
+    assert weights_key(m) != key
 
 
 def test_importing_the_engines_does_not_import_transformers():

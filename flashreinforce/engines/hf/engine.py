@@ -51,7 +51,6 @@ instead of repeating the cache per query head first.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import time
 from dataclasses import dataclass, fields
@@ -65,7 +64,7 @@ from flashreinforce.engines.base import Generation, GenerationRequest, RolloutEn
 from flashreinforce.dtypes import DTYPE_NAMES, torch_dtype
 from flashreinforce.engines.hf.decode_attention import use_decode_attention
 from flashreinforce.engines.hf.fast_decode import ATTENTION_KERNELS, FastDecoder
-from flashreinforce.engines.hf.kv_cache import dynamic_cache, preallocated_cache
+from flashreinforce.engines.hf.kv_cache import dynamic_cache, preallocated_cache, reusable_layers, weights_key
 from flashreinforce.engines.hf.packed_linear import PRODUCT_KERNELS, pack_linears, refresh_packed
 from flashreinforce.engines.hf.turn_cache import TurnCache, context_states, continued_prefill
 from flashreinforce.engines.registry import ENGINE_REGISTRY, EngineKind, EngineRun, register_engine
@@ -161,19 +160,6 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     while k < n and a[k] == b[k]:
         k += 1
     return k
-
-
-@functools.lru_cache(maxsize=None)
-def _reusable_layers() -> tuple[type, ...]:
-    """The cache layer types whose keys and values a later call may copy in with ``update`` (transformers'
-    plain dynamic layer and the preallocated one; sliding-window and other layers are recomputed)."""
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:  # pragma: no cover - transformers before per-layer caches
-        return ()
-    from flashreinforce.engines.hf import kv_cache
-
-    return tuple(t for t in (DynamicLayer, kv_cache.PreallocatedLayer) if t is not None)
 
 
 def _same_storage(own: Tensor | None, new: Tensor) -> bool:
@@ -297,7 +283,7 @@ class HFEngine(RolloutEngine):
         if not (isinstance(turn_cache_mb, int) and turn_cache_mb >= 0):
             raise ValueError(f"HFEngine: turn_cache_mb must be an integer >= 0, got {turn_cache_mb!r}")
         probe = preallocated_cache(self.model, 1) if kv_cache == "preallocated" else None
-        adoptable = probe is not None and all(hasattr(layer, "adopt") for layer in probe.layers)
+        adoptable = probe is not None and reusable_layers(probe)  # every layer preallocated: adopt()
         #: Finished turns' keys and values for the next turn (None: off, or the cache cannot take them).
         self._turns = TurnCache(turn_cache_mb << 20) if turn_cache_mb and adoptable else None
 
@@ -353,10 +339,7 @@ class HFEngine(RolloutEngine):
         first = prompts[0]
         n = min(len(p) for p in prompts) - 1
         for p in prompts[1:]:
-            k = 0
-            while k < n and p[k] == first[k]:
-                k += 1
-            n = k
+            n = min(n, _common_length(first, p))
             if n < self.min_shared_prefix:
                 return 0
         return n
@@ -412,7 +395,7 @@ class HFEngine(RolloutEngine):
         ``prefix_tokens_reused`` counts the positions copied."""
         n = len(tokens)
         layers = getattr(cache, "layers", None)
-        reusable = bool(layers) and all(type(layer) in _reusable_layers() for layer in layers)
+        reusable = reusable_layers(cache)
         saved = self._prefix_kv if reusable else None
         done = 0
         if saved is not None and saved[1] == weights and len(saved[2]) == len(layers):
@@ -463,9 +446,9 @@ class HFEngine(RolloutEngine):
         out_lp: list[list[float]] = [[] for _ in requests]
         reasons: list[str | None] = [None] * b
         fast = self._fast if self.kv_cache == "preallocated" else None
+        weights = weights_key(self.model)
         if fast is not None:  # weights changed in place outside load_weights are packed again here
-            fast.refresh()
-        weights = tuple((id(p), p._version) for p in self.model.parameters())
+            fast.refresh(key=weights)
         turns = self._turns
         found = [(0, None)] * b
         if turns is not None:

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from flashreinforce.compiled import compiled_has
 from flashreinforce.engines.hf.decode_attention import compiled_attention_available, fused_decode_attention
+from flashreinforce.engines.hf.kv_cache import weights_key
 from flashreinforce.engines.hf.packed_linear import (PackedWeight, compiled_products_available, pack_weight,
                                                      packed_linear_available, packed_matmul, resolve_product_kernel)
 
@@ -204,14 +205,11 @@ class FastDecoder:
     def _eps_of(norm: torch.nn.Module) -> float:
         return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
-    def _weights_key(self) -> tuple:
-        """Identity and version counter of every weight used (a change means packing again)."""
-        return tuple((id(p), p._version) for p in self.model.parameters())
-
-    def refresh(self, force: bool = False) -> bool:
+    def refresh(self, force: bool = False, key: tuple | None = None) -> bool:
         """Pack the fused weights again if any weight of the model changed since (or ``force``);
-        whether it did."""
-        key = self._weights_key()
+        whether it did. ``key``: the model's :func:`~flashreinforce.engines.hf.kv_cache.weights_key`
+        where the caller has just computed it (default: computed here)."""
+        key = weights_key(self.model) if key is None else key
         if key == self._key and not force:
             return False
         layers = []

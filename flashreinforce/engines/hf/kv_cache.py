@@ -26,7 +26,7 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["PreallocatedLayer", "dynamic_cache", "preallocated_cache"]
+__all__ = ["PreallocatedLayer", "dynamic_cache", "preallocated_cache", "reusable_layers", "weights_key"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,6 +175,29 @@ def __getattr__(name: str):
     if name == "PreallocatedLayer":
         return _layer_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def weights_key(model: torch.nn.Module) -> tuple:
+    """Identity and version counter of every parameter of ``model``: equal keys mean no weight was
+    replaced or changed in place in between (what kept keys, values and packed weights depend on)."""
+    return tuple((id(p), p._version) for p in model.parameters())
+
+
+def reusable_layers(cache) -> bool:
+    """Whether every layer of ``cache`` holds plain keys and values that a later call may copy in:
+    transformers' ``DynamicLayer`` or :class:`PreallocatedLayer`, by exact type (a sliding-window or
+    other special layer drops or transforms positions: its states are recomputed). Of a
+    :func:`preallocated_cache` this means every layer is a :class:`PreallocatedLayer`, since that
+    replaces each plain dynamic layer."""
+    layers = getattr(cache, "layers", None)
+    if not layers:
+        return False
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:  # pragma: no cover - transformers before per-layer caches
+        return False
+    kinds = tuple(t for t in (DynamicLayer, _layer_class()) if t is not None)
+    return all(type(layer) in kinds for layer in layers)
 
 
 def dynamic_cache(model: torch.nn.Module):

@@ -102,13 +102,12 @@ class TurnCache:
 
 @dataclass
 class ContinuedPrefill:
-    """A call laid out for :func:`continued_prefill`: ``ids [b, W]`` the new tokens, ``mask [b, R + W]``,
-    ``positions [b, W]`` of the new tokens, ``kept`` = R (the first block's width)."""
+    """A call laid out for :func:`continued_prefill`: ``ids [b, W]`` the new tokens, ``mask [b, R + W]``
+    (R = the kept block's width), ``positions [b, W]`` of the new tokens."""
 
     ids: Tensor
     mask: Tensor
     positions: Tensor
-    kept: int
 
 
 def continued_prefill(prompts: Sequence[Sequence[int]], reused: Sequence[int], states: Sequence[LayerStates | None],
@@ -140,7 +139,7 @@ def continued_prefill(prompts: Sequence[Sequence[int]], reused: Sequence[int], s
         layer.adopt(keys, values, kept)
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, kept:]
-    return ContinuedPrefill(ids, mask, positions, kept)
+    return ContinuedPrefill(ids, mask, positions)
 
 
 def context_states(layers: Sequence, row: int, columns: Tensor) -> LayerStates:
