@@ -152,6 +152,17 @@ class WeightStore(abc.ABC):
         """Make ``state_dict`` the weights of ``version`` (versions only grow). ``frozen``: names of
         tensors that never change (the store may keep its earlier copy of them)."""
 
+    def advance(self, version: int) -> None:
+        """Make ``version`` the newest with the very weights of the newest published one: for an update
+        that left every weight as it was (a skipped optimizer step). An engine that holds those tensors
+        loads nothing, so its caches of keys, values and packed weights stay valid. This default
+        publishes the newest weights again (a full copy); a store that can name the same tensors for
+        the new version overrides it."""
+        got = self.fetch(-1)
+        if got is None:
+            raise ValueError(f"advance: nothing was published before version {version}")
+        self.publish(got[1], version)
+
     @abc.abstractmethod
     def latest_version(self) -> int:
         """The newest published version (-1 before the first publication)."""
@@ -196,6 +207,16 @@ class LocalWeightStore(WeightStore):
                 else v.detach().clone() for k, v in state_dict.items()}
         with self._lock:
             self._state, self._version = copy, int(version)
+
+    def advance(self, version: int) -> None:
+        """``version`` holds the same tensor objects as the newest version: nothing is copied, and an
+        engine that loaded them loads nothing (see :meth:`WeightStore.advance`)."""
+        with self._lock:
+            if self._version < 0:
+                raise ValueError(f"advance: nothing was published before version {version}")
+            if version <= self._version:
+                raise ValueError(f"advance: version {version} is not newer than {self._version}")
+            self._version = int(version)
 
     def latest_version(self) -> int:
         return self._version

@@ -340,3 +340,20 @@ def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instan
 
     assert isinstance(info.value, RunFailure)
     assert "continue with --resume" in str(info.value)
+
+
+def test_the_ray_store_advances_to_the_newest_object_without_a_new_put(ray_instance):
+    from flashreinforce.distributed.ray.weights import RayWeightStore, WeightRegistry
+
+    store = RayWeightStore(ray_instance.remote(WeightRegistry).remote())
+    with pytest.raises(ValueError, match="published nothing before version 1"):
+        store.advance(1)
+    state = {"w": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}
+    store.publish(state, 0)
+    ref = store._ref
+    store.advance(1)
+    version, got = store.fetch(0)
+    assert version == 1 and store.latest_version() == 1 and store._ref is ref
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match="not newer"):
+        store.advance(1)

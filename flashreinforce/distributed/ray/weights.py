@@ -101,6 +101,13 @@ class RayWeightStore(WeightStore):
         self._client.publish(int(version), [ref])  # in a list: passed as a reference, not resolved
         self._ref = ref
 
+    def advance(self, version: int) -> None:
+        """The newest version's object again under ``version`` (no new ``ray.put``); workers still
+        ``get`` it once more, so their engines copy it (their loads compare tensor objects)."""
+        if self._ref is None:
+            raise ValueError(f"advance: this store published nothing before version {version}")
+        self._client.publish(int(version), [self._ref])
+
     def latest_version(self) -> int:
         return self._client.latest()
 

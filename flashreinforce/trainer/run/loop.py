@@ -44,8 +44,7 @@ from flashreinforce.config import ConfigError, TrainerConfig, write_config_file
 from flashreinforce.config.files import absolute_paths, recorded_settings, review, settings_config
 from flashreinforce.trainer.run import components
 from flashreinforce.trainer.persistence.checkpoints import (ResumePoint, clean_interrupted_saves, clear_run,
-                                                            existing_run_files, learner_state_to_restore,
-                                                            save_checkpoint)
+                                                            existing_run_files, learner_state_to_restore, save_checkpoint)
 from flashreinforce.trainer.errors import RunFailure
 from flashreinforce.trainer.run.callbacks import CallbackList
 from flashreinforce.trainer.reporting.fault_counters import FaultMetrics
@@ -397,8 +396,7 @@ class Trainer:
         write_config_file(cfg, self.out / "config.yaml")  # what --config and --resume read
 
     def _take_batch(self, pool: RolloutBackend):
-        """The next batch, or ``None`` once interrupted; checks the workers and the watchdog
-        (:class:`~flashreinforce.trainer.run.watchdog.Watchdog`) while waiting."""
+        """The next batch, or ``None`` once interrupted; checks the workers and the watchdog while waiting."""
         batch = None
         self._watchdog.start_wait()
         while batch is None and not self._interrupted.is_set():
@@ -409,11 +407,10 @@ class Trainer:
         return batch
 
     def _hold_for_fixed_lag(self, pool: RolloutBackend) -> float:
-        """With ``train.fixed_policy_lag`` K: wait until the K batches after the one just trained are
-        sampled (by the version about to be replaced) before the next version is published, so that
-        every trajectory is sampled exactly K versions before the one that trains on it. Not before the
-        last update (nothing would train on those batches), and not once interrupted. Returns the
-        seconds waited."""
+        """With ``train.fixed_policy_lag`` K: wait until the K batches after the one just trained are sampled
+        (by the version about to be replaced) before the next version is published, so that every trajectory
+        is sampled exactly K versions before the one that trains on it. Not before the last update (nothing
+        would train on those batches), and not once interrupted. Returns the seconds waited."""
         if self.cfg.train.fixed_policy_lag is None or self.step + 1 >= self.max_steps:
             return 0.0
         t0 = time.perf_counter()
@@ -502,8 +499,11 @@ class Trainer:
                     continue
                 skipped_in_a_row = 0
                 idle += self._hold_for_fixed_lag(pool)
-                self.weights.publish(self.learner.policy_state(), self.learner.version,
-                                     frozen=self.learner.frozen_names())
+                if learner_metrics.get("optimizer_step_skipped", 0.0):  # every weight as it was: the same tensors
+                    self.weights.advance(self.learner.version)
+                else:
+                    self.weights.publish(self.learner.policy_state(), self.learner.version,
+                                         frozen=self.learner.frozen_names())
                 self.buffer.update_done()
                 self.step += 1
                 now, cpu_now = time.perf_counter(), process_cpu_seconds()
