@@ -32,6 +32,10 @@ other, for each seed, ``--updates`` updates (after a first one) of:
 * ``stream2_steady_threads2``: ``stream2_steady`` with two intra-op threads for the learner and for the
   rollouts (instead of one each): where the rollouts wait on their tools the learner's products may
   take both cores, at the price of four threads on two cores when both compute;
+* ``sync_threads2_nostats`` and ``stream2_steady_threads2_nostats``: those two with
+  ``--actor.statistics_without_gradient false``: a batch whose every reward is equal (no gradient, known
+  before any pass) gets no forward for the gate's statistics either (the learner then does no work on
+  it; its acceptance and sequence KL are NaN), on both sides alike;
 * ``sync_warmup`` and ``stream2_warmup``: ``sync`` and ``stream2`` with the learning rate raised
   linearly over the first ``--warmup-updates`` updates (default 4; ``actor.lr_warmup_ratio``). A run
   that starts from a trained checkpoint starts a fresh AdamW, whose first steps move every weight by
@@ -50,8 +54,8 @@ the usable cores could have done: a schedule that ran the same work with no core
 at most 1 / busy share faster; CPU seconds over the cores is the shortest update any schedule of
 that work can have), the policy lag, the seconds per update, the tool time per trajectory (sandbox
 and added delay), the share of updates whose rewards were all equal (the learner ran no backward for
-them: every advantage 0), the training reward, its lowest update, the held-out accuracy at the stop; and per
-update the reward, the gate's acceptance, the sequence KL and the CPU seconds. Each run's result is a
+them: every advantage 0) and of those that ran no forward either (``*_nostats``), the training reward,
+its lowest update, the held-out accuracy at the stop; and per update the reward, the gate's acceptance, the sequence KL and the CPU seconds. Each run's result is a
 file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
 table gives the mean over seeds (the largest for a maximum) with each seed's value.
 """
@@ -73,6 +77,7 @@ import arith_curve  # noqa: E402
 from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 _STREAM2 = ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"]
+_NO_STATS = ["--actor.statistics_without_gradient", "false"]
 SCHEDULES = {
     "async": [],
     "sync": ["--train.async_queue_size", "0"],
@@ -82,6 +87,9 @@ SCHEDULES = {
     "sync_threads2": ["--train.async_queue_size", "0", "--torch_threads", "2"],
     "stream2_steady_threads2": [*_STREAM2, "--actor.step_on_zero_gradient", "false",
                                 "--actor.scale_step_by_acceptance", "true", "--torch_threads", "2"],
+    "sync_threads2_nostats": ["--train.async_queue_size", "0", "--torch_threads", "2", *_NO_STATS],
+    "stream2_steady_threads2_nostats": [*_STREAM2, "--actor.step_on_zero_gradient", "false",
+                                        "--actor.scale_step_by_acceptance", "true", "--torch_threads", "2", *_NO_STATS],
     "sync_warmup": ["--train.async_queue_size", "0"],  # + the warmup of run()
     "stream2_warmup": _STREAM2,  # + the warmup of run()
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
@@ -119,6 +127,7 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
         "tool_run_s_per_trajectory": mean(float(m.get("env/tool_run_s", 0.0)) for m in timed),
         "tool_latency_s_per_trajectory": mean(float(m.get("env/tool_latency_s", 0.0)) for m in timed),
         "backward_skipped_share": mean(float(m.get("backward_skipped", 0.0)) for m in timed),
+        "forward_skipped_share": mean(float(m.get("forward_skipped", 0.0)) for m in timed),
         "reward_mean": mean(float(m["reward_mean"]) for m in timed),
         "reward_min": min(float(m["reward_mean"]) for m in timed),
         "heldout_accuracy": float(stop[-1]["eval_success_rate"]) if stop else float("nan"),
@@ -185,6 +194,7 @@ ROWS = [("seconds per update", "seconds_per_update", "{:.1f}"), ("trajectories/s
         ("sandbox s per trajectory", "tool_run_s_per_trajectory", "{:.2f}"),
         ("added delay s per trajectory", "tool_latency_s_per_trajectory", "{:.2f}"),
         ("updates without a backward (every reward equal)", "backward_skipped_share", "{:.2f}"),
+        ("updates without any pass (no statistics)", "forward_skipped_share", "{:.2f}"),
         ("training reward", "reward_mean", "{:.3f}"), ("lowest update's reward", "reward_min", "{:.3f}"),
         ("held-out accuracy at the stop", "heldout_accuracy", "{:.3f}")]
 

@@ -78,6 +78,11 @@ class ActorConfig(Freezable):
                                          "zero (the gate admitted nothing, or every advantage was 0): AdamW's momentum "
                                          "and weight decay still move the weights; false: weights and optimizer state "
                                          "stay, the schedule and the version advance")
+    statistics_without_gradient: bool = option(
+        "bool", True, "when every advantage of a batch is 0 (its gradient vanishes, known before any pass), still run "
+        "the forwards for the gate's statistics; false: no pass at all, and the update's acceptance_rate and "
+        "sequence_kl_mean are NaN (the forwards still run when the step needs the acceptance: "
+        "scale_step_by_acceptance with step_on_zero_gradient)")
     scale_step_by_acceptance: bool = option("bool", False, "multiply each update's learning rate by the share of its "
                                             "trajectories the trust gate admitted, so that an update on a few admitted "
                                             "trajectories moves the weights that much less (AdamW's step does not "

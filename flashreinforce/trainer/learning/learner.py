@@ -47,7 +47,8 @@ from flashreinforce.trainer.learning.scoring import PolicyLogProbs
 from flashreinforce.trainer.learning.statistics import GradientParts, PendingStats
 from flashreinforce.trainer.rollout.trajectory import Trajectory
 
-__all__ = ["batch_totals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts"]
+__all__ = ["batch_totals", "GradientParts", "Learner", "LearnerSettings", "PolicyLearner", "summarize_parts",
+           "unscored_metrics"]
 
 @dataclass
 class LearnerSettings:
@@ -61,7 +62,9 @@ class LearnerSettings:
     run); max_norm [actor.max_norm, <= 0: no clipping]; step_on_zero_gradient
     [actor.step_on_zero_gradient]: an update whose gradient is exactly zero still makes the optimizer step
     (AdamW's momentum and weight decay move the weights); false: it leaves the weights and the optimizer's
-    state as they were (the scheduler steps and the version advances all the same); scale_step_by_acceptance
+    state as they were (the scheduler steps and the version advances all the same); statistics_without_gradient
+    [actor.statistics_without_gradient]: a batch whose every advantage is 0 still gets the forwards for its
+    statistics (false: no pass, :func:`unscored_metrics`); scale_step_by_acceptance
     [actor.scale_step_by_acceptance]: each optimizer step runs at the scheduled learning rate times the
     share of the batch's trajectories the gate admitted (loss modes with a gate only); entropy_coef
     [actor.entropy_coef];
@@ -91,6 +94,7 @@ class LearnerSettings:
     total_steps: int = 1
     max_norm: float = 1.0
     step_on_zero_gradient: bool = True
+    statistics_without_gradient: bool = True
     scale_step_by_acceptance: bool = False
     entropy_coef: float = 0.0
     temperature: float = 1.0
@@ -194,6 +198,14 @@ def summarize_parts(parts: Sequence[GradientParts], totals: BatchContext, settin
     if settings.needs_entropy:
         metrics["entropy_mean"] = sum(p.entropy_sum for p in parts) / max(1, tokens)
     return metrics
+
+
+def unscored_metrics(totals: BatchContext) -> dict[str, float]:
+    """The update's metrics when no pass ran (every advantage 0, ``statistics_without_gradient`` false): the
+    loss is exactly 0, the gate's statistics unknown (NaN), no per-trajectory statistics."""
+    nan = float("nan")
+    return {"loss": 0.0, "reward_baseline": totals.reward_baseline, "policy_tokens": totals.policy_tokens,
+            "model_flops": 0.0, "acceptance_rate": nan, "sequence_kl_mean": nan, "per_trajectory": {}}
 
 
 def _zero_backward(logp: Tensor, ent: Tensor | None) -> None:
@@ -314,16 +326,24 @@ class Learner:
         trajectories = list(trajectories)
         totals = batch_totals(trajectories, group_ids, self.settings)
         vanishes = self.gradient_vanishes(trajectories, totals)
-        parts = self.accumulate_gradient_parts(trajectories, totals, backward=not vanishes)
-        metrics = summarize_parts([parts], totals, self.settings)
+        s = self.settings
+        # The step's rate needs the acceptance only where a zero gradient still steps, scaled by it.
+        unscored = vanishes and not (s.statistics_without_gradient
+                                     or (s.scale_step_by_acceptance and s.step_on_zero_gradient))
+        if unscored:
+            metrics = unscored_metrics(totals)
+        else:
+            parts = self.accumulate_gradient_parts(trajectories, totals, backward=not vanishes)
+            metrics = summarize_parts([parts], totals, self.settings)
         metrics["backward_skipped"] = float(vanishes)
+        metrics["forward_skipped"] = float(unscored)
         if vanishes and self.settings.step_on_zero_gradient:
             # The optimizer steps on the zero gradient the backward would have given (AdamW's moments
             # and weight decay still move the weights).
             for p in self.scorer.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
-        scale = metrics["acceptance_rate"] if self.settings.scale_step_by_acceptance else 1.0
+        scale = metrics["acceptance_rate"] if s.scale_step_by_acceptance and not unscored else 1.0
         metrics.update(self.apply_gradients(lr_scale=scale))
         metrics["learner_compute_s"] = time.perf_counter() - t0
         metrics.update(utilization(metrics["model_flops"], metrics["learner_compute_s"], self.peak_flops))

@@ -18,6 +18,7 @@ episode) and warns once, naming the remedies. :func:`tool_use_warnings` replays 
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -189,7 +190,7 @@ class TrustGateWatch:
 
     ``scaled``: ``actor.scale_step_by_acceptance`` (each step already scaled by the acceptance rate; the
     warning then says that the run learns from a small share of its rollouts, not that its steps are
-    too large). Records without ``acceptance_rate`` are ignored; loss modes without a gate report 1.0.
+    too large). Records without ``acceptance_rate`` (or with NaN) are ignored; loss modes without a gate report 1.0.
     """
 
     def __init__(self, n: int, *, scaled: bool = False) -> None:
@@ -206,7 +207,7 @@ class TrustGateWatch:
         if self.n <= 0 or self.fired is not None:
             return None
         acceptance = _number(record, "acceptance_rate")
-        if acceptance is None:
+        if acceptance is None or math.isnan(acceptance):  # NaN: no pass ran (actor.statistics_without_gradient)
             return None
         if acceptance >= LOW_ACCEPTANCE:
             self.run = []

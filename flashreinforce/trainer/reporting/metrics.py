@@ -137,6 +137,7 @@ def update_metrics(*, step: int, policy_version: int, version_before: int, learn
         "grad_norm": learner["grad_norm"],
         "optimizer_step_skipped": learner.get("optimizer_step_skipped", 0.0),
         "backward_skipped": learner.get("backward_skipped", 0.0),
+        "forward_skipped": learner.get("forward_skipped", 0.0),
         "lr": learner["lr"],
         "learner_idle_s": timings.idle,
         "learner_compute_s": learner["learner_compute_s"],

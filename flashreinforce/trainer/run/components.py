@@ -288,6 +288,7 @@ def learner_settings(cfg: TrainerConfig, total_steps: int, device: torch.device 
         loss_mode=a.loss_mode, loss=cfg.loss_options(), lr=a.adam.lr, weight_decay=a.adam.weight_decay,
         betas=tuple(a.adam.betas), scheduler=a.lr_scheduler, warmup_ratio=a.lr_warmup_ratio, min_lr_ratio=a.min_lr_ratio,
         total_steps=total_steps, max_norm=a.max_norm, step_on_zero_gradient=a.step_on_zero_gradient,
+        statistics_without_gradient=a.statistics_without_gradient,
         scale_step_by_acceptance=a.scale_step_by_acceptance, entropy_coef=a.entropy_coef,
         temperature=cfg.rollout.temperature,
         micro_batch_trajectories=cfg.train.micro_batch_trajectories, micro_batch_tokens=cfg.train.micro_batch_tokens,

@@ -100,3 +100,60 @@ def test_a_skipped_backward_still_raises_the_loss_errors():
     with pytest.raises(ValueError, match="behavior_log_probs"):
         learner.step(batch)
     assert learner.version == 0
+
+
+@pytest.mark.parametrize("step_on_zero", [True, False])
+def test_without_statistics_no_pass_runs_and_the_update_is_the_same(step_on_zero):
+    settings = dict(lr=1e-2, weight_decay=0.1, loss=LossOptions(delta=0.5), step_on_zero_gradient=step_on_zero)
+    model = tiny_model(9)
+    scored = Learner(copy.deepcopy(model), LearnerSettings(**settings))
+    unscored = Learner(copy.deepcopy(model), LearnerSettings(**settings, statistics_without_gradient=False))
+    calls = []
+    forward = unscored.scorer.forward
+    unscored.scorer.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    first = random_batch(3, model, n=5)
+    equal = _with_rewards(random_batch(4, model, n=5), [1.0] * 5)
+    for learner in (scored, unscored):
+        learner.step(first)
+    passes = len(calls)
+    assert passes > 0  # an ordinary update runs its passes
+    a, b = scored.step(equal), unscored.step(equal)
+    assert len(calls) == passes  # none for the batch without a gradient
+    assert b["forward_skipped"] == 1.0 and a["forward_skipped"] == 0.0 and b["backward_skipped"] == 1.0
+    assert b["loss"] == a["loss"] == 0.0 and b["model_flops"] == 0.0 and b["per_trajectory"] == {}
+    assert b["acceptance_rate"] != b["acceptance_rate"] and b["sequence_kl_mean"] != b["sequence_kl_mean"]  # NaN
+    assert b["policy_tokens"] == a["policy_tokens"] and b["grad_norm"] == a["grad_norm"] == 0.0
+    assert b["optimizer_step_skipped"] == a["optimizer_step_skipped"] == float(not step_on_zero)
+    wa, wb = _weights(scored), _weights(unscored)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa, sb = scored.optimizer.state_dict()["state"], unscored.optimizer.state_dict()["state"]
+    assert all(torch.equal(sa[i][name], sb[i][name]) for i in sa for name in sa[i])
+    # Any reward that differs: the passes run as always.
+    out = unscored.step(_with_rewards(random_batch(5, model, n=5), [1.0, 1.0, 0.0, 1.0, 1.0]))
+    assert out["forward_skipped"] == 0.0 and out["grad_norm"] > 0 and len(calls) > passes
+
+
+def test_a_step_scaled_by_the_acceptance_keeps_its_forwards():
+    # A zero gradient that still steps, at the rate times the acceptance: the acceptance is needed.
+    model = tiny_model(10)
+    learner = Learner(model, LearnerSettings(lr=1e-2, loss=LossOptions(delta=0.5), statistics_without_gradient=False,
+                                             scale_step_by_acceptance=True, step_on_zero_gradient=True))
+    out = learner.step(_with_rewards(random_batch(4, model, n=5), [1.0] * 5))
+    assert out["forward_skipped"] == 0.0 and out["backward_skipped"] == 1.0
+    assert 0.0 <= out["acceptance_rate"] <= 1.0 and out["lr"] == pytest.approx(1e-2 * out["acceptance_rate"])
+    # Without the step on a zero gradient the rate does not matter: no pass.
+    skipping = Learner(copy.deepcopy(model), LearnerSettings(lr=1e-2, loss=LossOptions(delta=0.5),
+                                                             statistics_without_gradient=False,
+                                                             scale_step_by_acceptance=True,
+                                                             step_on_zero_gradient=False))
+    out = skipping.step(_with_rewards(random_batch(5, model, n=5), [0.0] * 5))
+    assert out["forward_skipped"] == 1.0 and out["optimizer_step_skipped"] == 1.0
+
+
+def test_the_gate_watch_ignores_updates_without_statistics():
+    from flashreinforce.trainer.reporting.diagnostics import TrustGateWatch
+
+    watch = TrustGateWatch(2)
+    assert watch.observe({"step": 1, "acceptance_rate": 0.1}) is None
+    assert watch.observe({"step": 2, "acceptance_rate": float("nan")}) is None  # neither low nor a reset
+    assert watch.observe({"step": 3, "acceptance_rate": 0.1}) is not None
