@@ -75,6 +75,29 @@ def test_errors_show_the_users_traceback_only():
     assert syntax.exit_code == 1 and "SyntaxError" in syntax.stderr
 
 
+def test_the_code_compiles_as_python_main_py_would():
+    # The sandbox's own modules postpone annotations (``from __future__ import annotations``); the code must
+    # not inherit that: its annotations are evaluated, as ``python main.py`` evaluates them.
+    result = run_python("class A:\n    pass\ndef f(x: A) -> int:\n    pass\nprint(f.__annotations__)\n"
+                        "import __future__\nprint(bool(compile('x', 'e', 'eval').co_flags & __future__.annotations."
+                        "compiler_flag))", timeout_s=10)
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == ["{'x': <class '__main__.A'>, 'return': <class 'int'>}", "False"]
+    last = run_python("x = 3\nx + 1", timeout_s=10, print_last_expression=True)
+    assert last.stdout == "4\n"
+
+
+def test_an_error_past_every_file_descriptor_is_still_reported():
+    # The traceback module is imported when the code raises; with no descriptor left for that import, the
+    # error is still named.
+    result = run_python("import os, sys\nfor k in list(sys.modules):\n    if k.startswith('traceback') or k in "
+                        "('linecache', 'tokenize', 'textwrap'):\n        del sys.modules[k]\n"
+                        "fds = []\ntry:\n    while True:\n        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+                        "except OSError:\n    pass\nraise KeyError('after the descriptors')", timeout_s=10)
+    assert result.exit_code == 1
+    assert "KeyError" in result.stderr and "after the descriptors" in result.stderr
+
+
 def test_timeout_kills_an_infinite_loop_quickly():
     start = time.monotonic()
     result = run_python("while True:\n    pass", timeout_s=1.0)

@@ -1,6 +1,6 @@
 """The sandboxed child program: sets up every layer, then runs ``main.py`` as ``__main__``.
 
-Started by the launcher as ``python -I -B -c BOOTSTRAP /path/to/child.py CONFIG_JSON CODES`` in
+Started by the launcher as ``python -I -B -c BOOTSTRAP /path/to/child.py CONFIG CODES`` in
 the working directory, with a clean environment, stdin on ``/dev/null`` and a private status
 pipe. The bootstrap runs this module, from the code objects the launcher compiled (``CODES``, a
 marshal file, when the interpreter is the launcher's own) or from this file, and calls
@@ -23,7 +23,7 @@ Order (each step needs the privileges that the later ones take away):
 
 from __future__ import annotations
 
-import json
+import marshal
 import os
 import sys
 
@@ -241,20 +241,21 @@ def _setup(cfg: dict, source: str | None, modules: dict) -> dict:
 
 
 def _run_main(print_last_expression: bool) -> None:
-    import ast
-    import traceback
+    # The C module behind ``ast`` (``ast`` itself imports ``enum`` and ``contextlib``): only the syntax tree's
+    # node types are used. ``traceback`` is imported when the code raises.
+    import _ast
 
     with open("main.py", "r", encoding="utf-8", errors="surrogatepass") as f:
         source = f.read()
     namespace = {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "main.py"}
     try:
-        tree = ast.parse(source, "main.py")
+        tree = compile(source, "main.py", "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
         last = None
-        if print_last_expression and tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, "main.py", "exec"), namespace)
+        if print_last_expression and tree.body and isinstance(tree.body[-1], _ast.Expr):
+            last = _ast.Expression(tree.body.pop().value)
+        exec(compile(tree, "main.py", "exec", dont_inherit=True), namespace)
         if last is not None:
-            value = eval(compile(last, "main.py", "eval"), namespace)
+            value = eval(compile(last, "main.py", "eval", dont_inherit=True), namespace)
             if value is not None:
                 print(repr(value))
     except SystemExit:
@@ -262,6 +263,13 @@ def _run_main(print_last_expression: bool) -> None:
     except BaseException as exc:
         # Drop the sandbox's own frames (the bootstrap, this file, the audit hook) from the traceback and from
         # chained ones, so the policy sees only its own code and the libraries it called.
+        try:
+            import traceback
+        except BaseException:  # the code used up what an import needs (memory, open files): the error alone
+            sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os._exit(1)
         report = traceback.TracebackException(type(exc), exc, exc.__traceback__)
         pending, seen = [report], set()
         while pending:
@@ -280,8 +288,8 @@ def _run_main(print_last_expression: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``argv``: ``[path of this file, CONFIG_JSON]``."""
-    cfg = json.loads(argv[1])
+    """``argv``: ``[path of this file, CONFIG]`` (the launcher's ``_encode_config``: marshal, in hex)."""
+    cfg = marshal.loads(bytes.fromhex(argv[1]))
     sys.argv = ["main.py"]
     sys.dont_write_bytecode = True
     source = None
@@ -300,7 +308,7 @@ def main(argv: list[str]) -> None:
     if cfg["audit_hook"] and not status["refused"] and not cfg["probe"]:
         modules["audit"].install(os.getcwd(), cfg["allow_network"])
         status["guards"].append("audit_hook")
-    os.write(cfg["status_fd"], json.dumps(status).encode())
+    os.write(cfg["status_fd"], ascii(status).encode("ascii"))  # the launcher's _read_status: literal_eval
     os.close(cfg["status_fd"])
     if status["refused"]:
         sys.stderr.write(
