@@ -55,8 +55,8 @@ at most 1 / busy share faster; CPU seconds over the cores is the shortest update
 that work can have), the policy lag, the seconds per update, the tool time per trajectory (sandbox
 and added delay), the share of updates whose rewards were all equal (the learner ran no backward for
 them: every advantage 0) and of those that ran no forward either (``*_nostats``), the training reward,
-its lowest update, the held-out accuracy at the stop; and per update the reward, the gate's acceptance, the sequence KL and the CPU seconds. Each run's result is a
-file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
+its lowest update, the held-out accuracy at the stop; and per update the reward, the gate's acceptance,
+the sequence KL and the CPU seconds. Each run's result is a file of its own (``OUTPUT/seedS/SCHEDULE.json``; a rerun skips finished ones); the
 table gives the mean over seeds (the largest for a maximum) with each seed's value.
 """
 
@@ -78,18 +78,19 @@ from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 _STREAM2 = ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"]
 _NO_STATS = ["--actor.statistics_without_gradient", "false"]
+_STEADY = ["--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"]
+_SYNC2 = ["--train.async_queue_size", "0", "--torch_threads", "2"]
+_STREAM2_STEADY2 = [*_STREAM2, *_STEADY, "--torch_threads", "2"]
 SCHEDULES = {
     "async": [],
     "sync": ["--train.async_queue_size", "0"],
     "stream": ["--rollout.episodes_in_flight", "64"],
     "stream2": _STREAM2,
-    "stream2_steady": [*_STREAM2, "--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"],
-    "sync_threads2": ["--train.async_queue_size", "0", "--torch_threads", "2"],
-    "stream2_steady_threads2": [*_STREAM2, "--actor.step_on_zero_gradient", "false",
-                                "--actor.scale_step_by_acceptance", "true", "--torch_threads", "2"],
-    "sync_threads2_nostats": ["--train.async_queue_size", "0", "--torch_threads", "2", *_NO_STATS],
-    "stream2_steady_threads2_nostats": [*_STREAM2, "--actor.step_on_zero_gradient", "false",
-                                        "--actor.scale_step_by_acceptance", "true", "--torch_threads", "2", *_NO_STATS],
+    "stream2_steady": [*_STREAM2, *_STEADY],
+    "sync_threads2": _SYNC2,
+    "stream2_steady_threads2": _STREAM2_STEADY2,
+    "sync_threads2_nostats": [*_SYNC2, *_NO_STATS],
+    "stream2_steady_threads2_nostats": [*_STREAM2_STEADY2, *_NO_STATS],
     "sync_warmup": ["--train.async_queue_size", "0"],  # + the warmup of run()
     "stream2_warmup": _STREAM2,  # + the warmup of run()
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",

@@ -190,14 +190,18 @@ def reusable_layers(cache) -> bool:
     :func:`preallocated_cache` this means every layer is a :class:`PreallocatedLayer`, since that
     replaces each plain dynamic layer."""
     layers = getattr(cache, "layers", None)
-    if not layers:
-        return False
+    kinds = _reusable_types()
+    return bool(layers) and bool(kinds) and all(type(layer) in kinds for layer in layers)
+
+
+@functools.lru_cache(maxsize=None)
+def _reusable_types() -> tuple[type, ...]:
+    """The layer types of :func:`reusable_layers`, found once (it runs on every generate call)."""
     try:
         from transformers.cache_utils import DynamicLayer
     except ImportError:  # pragma: no cover - transformers before per-layer caches
-        return False
-    kinds = tuple(t for t in (DynamicLayer, _layer_class()) if t is not None)
-    return all(type(layer) in kinds for layer in layers)
+        return ()
+    return tuple(t for t in (DynamicLayer, _layer_class()) if t is not None)
 
 
 def dynamic_cache(model: torch.nn.Module):

@@ -334,10 +334,10 @@ class Learner:
             metrics = unscored_metrics(totals)
         else:
             parts = self.accumulate_gradient_parts(trajectories, totals, backward=not vanishes)
-            metrics = summarize_parts([parts], totals, self.settings)
+            metrics = summarize_parts([parts], totals, s)
         metrics["backward_skipped"] = float(vanishes)
         metrics["forward_skipped"] = float(unscored)
-        if vanishes and self.settings.step_on_zero_gradient:
+        if vanishes and s.step_on_zero_gradient:
             # The optimizer steps on the zero gradient the backward would have given (AdamW's moments
             # and weight decay still move the weights).
             for p in self.scorer.parameters():
