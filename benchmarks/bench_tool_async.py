@@ -72,30 +72,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402
+from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs  # noqa: E402
 from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
-_STREAM2 = ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"]
-_NO_STATS = ["--actor.statistics_without_gradient", "false"]
-_STEADY = ["--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"]
-_SYNC2 = ["--train.async_queue_size", "0", "--torch_threads", "2"]
-_STREAM2_STEADY2 = [*_STREAM2, *_STEADY, "--torch_threads", "2"]
-SCHEDULES = {
-    "async": [],
-    "sync": ["--train.async_queue_size", "0"],
-    "stream": ["--rollout.episodes_in_flight", "64"],
-    "stream2": _STREAM2,
-    "stream2_steady": [*_STREAM2, *_STEADY],
-    "sync_threads2": _SYNC2,
-    "stream2_steady_threads2": _STREAM2_STEADY2,
-    "sync_threads2_nostats": [*_SYNC2, *_NO_STATS],
-    "stream2_steady_threads2_nostats": [*_STREAM2_STEADY2, *_NO_STATS],
-    "sync_warmup": ["--train.async_queue_size", "0"],  # + the warmup of run()
-    "stream2_warmup": _STREAM2,  # + the warmup of run()
-    "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
-             "--rollout.batch_size", "4"],
-}
+SCHEDULES = TOOL_ASYNC_SCHEDULES
 
 
 def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
@@ -143,9 +126,7 @@ def summarize(name: str, metrics: list[dict], evals: list[dict]) -> dict:
 
 
 def _env_kwargs(args) -> dict:
-    from flashreinforce.config.presets import PRESETS
-
-    return dict(PRESETS["arith_tool"]["env.kwargs"], tool_latency={"median_s": args.median_s, "sigma": args.sigma})
+    return tool_async_env_kwargs(args.median_s, args.sigma)
 
 
 def _run_logged(cmd: list[str], log: Path, label: str) -> None:

@@ -11,6 +11,8 @@ It owns:
   and :func:`reset_peak_rss` (the process's resident memory);
 * the loss benchmarks' batch and eager baseline (:func:`loss_batch`, :func:`eager_loss`, :func:`fused_step`,
   :func:`eager_step`);
+* the slow-tools schedules of ``arith_tool`` (:data:`TOOL_ASYNC_SCHEDULES`, :func:`tool_async_env_kwargs`),
+  which ``bench_tool_async.py`` measures and ``profile_tool_engine.py`` profiles;
 * the races against TRL: the preset's flags, the held-out evaluator both sides use
   (:func:`heldout_evaluator`, the one place it is built), TRL's training-time budget
   (:func:`train_trl_on_budget`) and our trainer's run on the same budget (:func:`run_ours`).
@@ -513,3 +515,35 @@ def budget_done(metrics: list[dict], evals: list[dict], budget_s: float, eval_ev
     due = eval_every_s > 0 and abs(budget_s / eval_every_s - round(budget_s / eval_every_s)) < 1e-9
     evaluated = any(int(e["step"]) > 0 and times.get(int(e["step"]), 0.0) >= budget_s - 1e-9 for e in evals)
     return not due or evaluated or max(times.values()) >= budget_s + 2 * eval_every_s
+
+
+# The slow-tools schedules (bench_tool_async.py's docstring says what each is): flags on top of the
+# arith_tool preset.
+_STREAM2 = ["--rollout.episodes_in_flight", "96", "--train.async_queue_size", "2", "--train.max_policy_lag", "3"]
+_NO_STATS = ["--actor.statistics_without_gradient", "false"]
+_STEADY = ["--actor.step_on_zero_gradient", "false", "--actor.scale_step_by_acceptance", "true"]
+_SYNC2 = ["--train.async_queue_size", "0", "--torch_threads", "2"]
+_STREAM2_STEADY2 = [*_STREAM2, *_STEADY, "--torch_threads", "2"]
+TOOL_ASYNC_SCHEDULES = {
+    "async": [],
+    "sync": ["--train.async_queue_size", "0"],
+    "stream": ["--rollout.episodes_in_flight", "64"],
+    "stream2": _STREAM2,
+    "stream2_steady": [*_STREAM2, *_STEADY],
+    "sync_threads2": _SYNC2,
+    "stream2_steady_threads2": _STREAM2_STEADY2,
+    "sync_threads2_nostats": [*_SYNC2, *_NO_STATS],
+    "stream2_steady_threads2_nostats": [*_STREAM2_STEADY2, *_NO_STATS],
+    "sync_warmup": ["--train.async_queue_size", "0"],  # + the warm-up bench_tool_async.py adds
+    "stream2_warmup": _STREAM2,  # + the warm-up bench_tool_async.py adds
+    "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",
+             "--rollout.batch_size", "4"],
+}
+
+
+def tool_async_env_kwargs(median_s: float, sigma: float) -> dict:
+    """The arith_tool preset's environment arguments with each tool call delayed by a lognormal draw
+    (``median_s`` seconds, ``sigma``; deterministic per task, turn and call)."""
+    from flashreinforce.config.presets import PRESETS
+
+    return dict(PRESETS["arith_tool"]["env.kwargs"], tool_latency={"median_s": median_s, "sigma": sigma})
