@@ -534,6 +534,8 @@ TOOL_ASYNC_SCHEDULES = {
     "stream2_steady_threads2": _STREAM2_STEADY2,
     "sync_threads2_nostats": [*_SYNC2, *_NO_STATS],
     "stream2_steady_threads2_nostats": [*_STREAM2_STEADY2, *_NO_STATS],
+    "stream2_steady_threads2_gather": [*_STREAM2_STEADY2, "--rollout.stream_call_min_episodes", "16",
+                                       "--rollout.stream_call_gather_s", "0.3"],
     "sync_warmup": ["--train.async_queue_size", "0"],  # + the warm-up bench_tool_async.py adds
     "stream2_warmup": _STREAM2,  # + the warm-up bench_tool_async.py adds
     "grpo": ["--actor.loss_mode", "ppo", "--algo.advantage.estimator", "grpo", "--rollout.n_samples_per_prompt", "8",

@@ -262,6 +262,13 @@ class RolloutConfig(Freezable):
                                      "start as others end, and turns are sampled while other episodes' tool calls "
                                      "run (0: episodes run call by call, each call's to its end)", minimum=0,
                                      maximum=65536)
+    stream_call_min_episodes: int = option("int", 0, "with episodes_in_flight: a generate call for fewer episodes "
+                                           "than this, while other episodes' tool calls run, first waits up to "
+                                           "stream_call_gather_s for more answers (0: a call starts as soon as "
+                                           "one episode can act)", minimum=0, maximum=65536)
+    stream_call_gather_s: float = option("float", 0.3, "with stream_call_min_episodes: seconds to wait for a first "
+                                         "answer, and as long again for others to join it, before a small call",
+                                         minimum=0, maximum=60)
     max_failed_episodes_in_a_row: int = option("int", 256, "stop the run when this many episodes in a row were "
                                                "quarantined or rejected (0: never); before the first trainable "
                                                "episode, at most one batch of them", minimum=0)

@@ -40,6 +40,11 @@ class RolloutSettings:
     its end); N > 0 keeps up to N episodes in flight as a stream, new prompts starting as others end and
     turns sampled while other episodes' environment calls run
     (:mod:`~flashreinforce.trainer.rollout.stream`).
+    stream_call_min_episodes, stream_call_gather_s: in a stream, a ``generate`` call for fewer than
+    ``stream_call_min_episodes`` episodes while other episodes' environment calls run first waits up to
+    ``stream_call_gather_s`` seconds for an answer and as long again for others to join it (0: a call
+    starts as soon as one episode can act). Larger calls cost less per token where rollouts share the
+    cores with the learner; the episodes' tokens do not depend on it.
     """
 
     max_new_tokens: int
@@ -53,12 +58,19 @@ class RolloutSettings:
     inflight_weight_updates: bool = False
     agent_sampling: str = "run"
     episodes_in_flight: int = 0
+    stream_call_min_episodes: int = 0
+    stream_call_gather_s: float = 0.3
 
     def __post_init__(self) -> None:
         if self.agent_sampling not in ("run", "agent"):
             raise ValueError(f"RolloutSettings.agent_sampling must be 'run' or 'agent', got {self.agent_sampling!r}")
         if self.episodes_in_flight < 0:
             raise ValueError(f"RolloutSettings.episodes_in_flight must be >= 0, got {self.episodes_in_flight}")
+        if self.stream_call_min_episodes < 0:
+            raise ValueError(f"RolloutSettings.stream_call_min_episodes must be >= 0, got {self.stream_call_min_episodes}")
+        if not (math.isfinite(self.stream_call_gather_s) and self.stream_call_gather_s >= 0):
+            raise ValueError("RolloutSettings.stream_call_gather_s must be a finite number >= 0, got "
+                             f"{self.stream_call_gather_s}")
         for name in ("max_new_tokens", "max_len", "max_turns", "episodes_per_call", "env_parallel_calls"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"RolloutSettings.{name} must be positive, got {getattr(self, name)}")

@@ -10,7 +10,9 @@ turn, and the episodes that ended early wait for the last one.
 batch, so that there is always an episode to decode while others wait). Each round:
 
 1. new prompts start while their episodes fit (without waiting for the buffer when there is work);
-2. one ``generate`` call samples the next turn of every episode whose environment has answered;
+2. one ``generate`` call samples the next turn of every episode whose environment has answered (with
+   ``stream_call_min_episodes``, a call for fewer episodes while others' environment calls run first
+   waits up to ``stream_call_gather_s`` for an answer and as long again for others to join it);
 3. their actions go to the environments without waiting (:meth:`EnvCalls.submit`);
 4. the answers that have come are taken (:meth:`EnvCalls.take`), waiting only when nothing else is
    left to do: for the first answer, then briefly (``linger_s``) for others to join it, so that the
@@ -112,6 +114,9 @@ class EpisodeStream:
             self.tickets[ticket.prompt_id] = (ticket, episodes)
             w._begin(episodes, stop)
             self.ready.extend(e for e in episodes if not e.done)
+        acting = sum(not e.done for e in self.ready)
+        if self.waiting and 0 < acting < s.stream_call_min_episodes:  # 2. a larger call, where answers come soon
+            self.take_answers(stop, s.stream_call_gather_s, s.stream_call_gather_s)
         for e in self.ready:
             if not e.done and len(e.tokens) >= s.max_len:
                 e.finish(truncated=True)
@@ -128,18 +133,7 @@ class EpisodeStream:
             self.waiting.update((id(e), e) for e, _ in acted)
         if self.waiting:  # 4. the answers that have come (waiting only when there is nothing else to do)
             idle = not live
-            try:
-                results = w._calls.take(stop, wait_s=0.2 if idle else 0.0, linger_s=self.linger_s if idle else 0.0)
-            except StopRequested:
-                raise self.stopped() from None
-            for key, (status, value) in results.items():
-                e = self.waiting.pop(key)
-                if status != "ok":
-                    w._failed_call(e, "env.step", status, value)
-                    continue
-                w._take_step(e, value)
-                if not e.done:
-                    self.ready.append(e)
+            self.take_answers(stop, 0.2 if idle else 0.0, self.linger_s if idle else 0.0)
         for pid, (ticket, episodes) in list(self.tickets.items()):  # 5. finished groups go in at once
             if all(e.done for e in episodes):
                 del self.tickets[pid]
@@ -147,6 +141,23 @@ class EpisodeStream:
                 w.buffer.put_many([(ticket, results)])
                 w.episodes += sum(isinstance(x, Trajectory) for x in results)
                 self.free.extend(e.slot for e in episodes)
+
+    def take_answers(self, stop: threading.Event, wait_s: float, linger_s: float) -> None:
+        """The environment answers that have come (waiting up to ``wait_s`` for a first one, then up to
+        ``linger_s`` for others): each applied to its episode, which joins ``ready`` unless it ended."""
+        w = self.w
+        try:
+            results = w._calls.take(stop, wait_s=wait_s, linger_s=linger_s)
+        except StopRequested:
+            raise self.stopped() from None
+        for key, (status, value) in results.items():
+            e = self.waiting.pop(key)
+            if status != "ok":
+                w._failed_call(e, "env.step", status, value)
+                continue
+            w._take_step(e, value)
+            if not e.done:
+                self.ready.append(e)
 
     def drop(self, reason: str) -> None:
         """Hand every prompt in flight back to the buffer and forget its episodes; environment calls still

@@ -314,6 +314,8 @@ def rollout_settings(cfg: TrainerConfig, tokenizer, seed: int) -> RolloutSetting
                            env_timeout_s=cfg.rollout.env_timeout_s,
                            env_parallel_calls=cfg.rollout.env_parallel_calls,
                            episodes_in_flight=cfg.rollout.episodes_in_flight,
+                           stream_call_min_episodes=cfg.rollout.stream_call_min_episodes,
+                           stream_call_gather_s=cfg.rollout.stream_call_gather_s,
                            inflight_weight_updates=cfg.rollout.inflight_weight_updates and
                            cfg.train.fixed_policy_lag is None,
                            agent_sampling=cfg.rollout.agent_sampling)

@@ -153,6 +153,59 @@ def test_turns_are_sampled_while_other_episodes_tools_run_only_as_a_stream(strea
         assert not during, engine.calls  # call by call: the engine waits for every tool of the turn
 
 
+class HalfSlowEnv(Environment):
+    """Two policy turns with a tool call between them: the tool of every other episode (in the order of
+    their resets, counted on ``tools``) takes 1 s, the others' 0.02 s."""
+
+    def __init__(self, tools: Tools) -> None:
+        self.tools = tools
+
+    def reset(self, *, seed):
+        with self.tools.lock:
+            self.slow = getattr(self.tools, "resets", 0) % 2 == 1
+            self.tools.resets = getattr(self.tools, "resets", 0) + 1
+        self.turn = 0
+        return "q"
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 2:
+            return StepResult("", 1.0, True)
+        time.sleep(1.0 if self.slow else 0.02)
+        return StepResult("out", 0.0, False)
+
+
+@pytest.mark.parametrize("min_episodes", [0, 8])
+def test_a_small_call_waits_for_more_answers_only_with_a_minimum(min_episodes):
+    """Eight episodes start in one call; four tools answer at once, four a second later. Without a
+    minimum the four fast episodes' second turns go in a call of their own; with a minimum of eight
+    (and time to gather) the call waits for the slow ones, and all eight go together."""
+    tools = Tools()
+    engine = Recorder(tools)
+    buf = RolloutBuffer(batch_groups=8, async_queue_size=0, vocab_size=TOK.vocab_size)
+    worker, _ = _worker(lambda: HalfSlowEnv(tools), eng=engine, buffer=buf, max_turns=2, episodes_per_call=8,
+                        episodes_in_flight=8, max_new_tokens=1, stream_call_min_episodes=min_episodes,
+                        stream_call_gather_s=2.0)
+    trajectories = _run(worker, buf, 8)
+    assert len(trajectories) >= 8 and all(t.reward == 1.0 for t in trajectories)
+    sizes = [n for n, _ in engine.calls]
+    assert sizes[0] == 8
+    if min_episodes:
+        assert sizes[1] == 8, sizes
+    else:
+        assert sizes[1:3] == [4, 4], sizes
+
+
+def test_the_gathering_settings_are_checked():
+    from flashreinforce.trainer.rollout.settings import RolloutSettings
+
+    with pytest.raises(ValueError, match="stream_call_min_episodes must be >= 0, got -1"):
+        RolloutSettings(max_new_tokens=1, max_len=8, stream_call_min_episodes=-1)
+    for bad in (-0.5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="stream_call_gather_s must be a finite number >= 0"):
+            RolloutSettings(max_new_tokens=1, max_len=8, stream_call_gather_s=bad)
+
+
 def test_a_stream_samples_the_same_trajectories_as_call_by_call():
     from flashreinforce.envs.toy import ToyCopyChainEnv
 
@@ -219,3 +272,9 @@ def test_the_flag_reaches_the_workers_settings():
     for given, expected in ((["--rollout.episodes_in_flight", "48"], 48), ([], 0)):
         cfg = parse_train_args(["--preset", "toy", *given], PRESETS)
         assert rollout_settings(cfg, TOK, 0).episodes_in_flight == expected
+    cfg = parse_train_args(["--preset", "toy", "--rollout.stream_call_min_episodes", "16",
+                            "--rollout.stream_call_gather_s", "0.5"], PRESETS)
+    settings = rollout_settings(cfg, TOK, 0)
+    assert (settings.stream_call_min_episodes, settings.stream_call_gather_s) == (16, 0.5)
+    defaults = rollout_settings(parse_train_args(["--preset", "toy"], PRESETS), TOK, 0)
+    assert (defaults.stream_call_min_episodes, defaults.stream_call_gather_s) == (0, 0.3)
