@@ -36,6 +36,9 @@ other, for each seed, ``--updates`` updates (after a first one) of:
   ``--actor.statistics_without_gradient false``: a batch whose every reward is equal (no gradient, known
   before any pass) gets no forward for the gate's statistics either (the learner then does no work on
   it; its acceptance and sequence KL are NaN), on both sides alike;
+* ``stream2_steady_threads2_gather``: ``stream2_steady_threads2`` with fewer, larger engine calls: a call
+  for fewer than 16 episodes while other episodes' tools run first waits up to 0.3 s for an answer and
+  as long again for others (``--rollout.stream_call_min_episodes 16 --rollout.stream_call_gather_s 0.3``);
 * ``sync_warmup`` and ``stream2_warmup``: ``sync`` and ``stream2`` with the learning rate raised
   linearly over the first ``--warmup-updates`` updates (default 4; ``actor.lr_warmup_ratio``). A run
   that starts from a trained checkpoint starts a fresh AdamW, whose first steps move every weight by
