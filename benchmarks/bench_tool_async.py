@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402
-from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs  # noqa: E402
+from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs, tool_async_train_args  # noqa: E402
 from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 SCHEDULES = TOOL_ASYNC_SCHEDULES
@@ -146,11 +146,8 @@ def run(name: str, flags: list[str], args, seed: int, out: Path) -> dict:
     run_dir = out / name
     if name.endswith("_warmup"):  # ceil(ratio * (updates + 1)) = args.warmup_updates, safe from rounding
         flags = [*flags, "--actor.lr_warmup_ratio", f"{(args.warmup_updates - 0.5) / (args.updates + 1):.6f}"]
-    cmd = arith_curve.cli("train", "--preset", "arith_tool", "--model", args.model, "--output", str(run_dir),
-                          "--overwrite", "--env.kwargs", json.dumps(kwargs), "--train.max_steps", str(args.updates + 1),
-                          "--eval.steps", str(args.updates + 1), "--eval.eval_at_start", "false",
-                          "--ckpt.save_steps", "0",
-                          "--no_progress", "--seed", str(seed), *flags)
+    cmd = arith_curve.cli("train", *tool_async_train_args(args.model, run_dir, kwargs, args.updates + 1, seed, flags,
+                                                          evaluate_at_stop=True))
     _run_logged(cmd, out / f"{name}_log.txt", f"[{name} seed {seed}]")
     result = summarize(name, arith_curve.read_jsonl(run_dir / "metrics.jsonl"),
                        arith_curve.read_jsonl(run_dir / "eval.jsonl") if (run_dir / "eval.jsonl").is_file() else [])

@@ -543,6 +543,19 @@ TOOL_ASYNC_SCHEDULES = {
 }
 
 
+def tool_async_train_args(model: str, output: Path, env_kwargs: dict, updates: int, seed: int, flags: Sequence[str],
+                          *, evaluate_at_stop: bool) -> list[str]:
+    """``flashreinforce train`` arguments of one slow-tools run: the arith_tool preset from ``model``,
+    ``updates`` updates, ``flags`` (a schedule's) on top; the held-out evaluation at the stop only with
+    ``evaluate_at_stop``; no checkpoints during the run."""
+    import json
+
+    return ["--preset", "arith_tool", "--model", str(model), "--output", str(output), "--overwrite",
+            "--env.kwargs", json.dumps(env_kwargs), "--train.max_steps", str(updates),
+            "--eval.steps", str(updates if evaluate_at_stop else 0), "--eval.eval_at_start", "false",
+            "--ckpt.save_steps", "0", "--no_progress", "--seed", str(seed), *flags]
+
+
 def tool_async_env_kwargs(median_s: float, sigma: float) -> dict:
     """The arith_tool preset's environment arguments with each tool call delayed by a lognormal draw
     (``median_s`` seconds, ``sigma``; deterministic per task, turn and call)."""

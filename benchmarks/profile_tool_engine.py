@@ -81,7 +81,8 @@ def child(timings: str, train_args: list[str]) -> int:
 def summarize(name: str, run_dir: Path) -> dict:
     import arith_curve
 
-    metrics = arith_curve.read_jsonl(run_dir / "metrics.jsonl")[1:]
+    every_update = arith_curve.read_jsonl(run_dir / "metrics.jsonl")
+    metrics = every_update[1:]
     rows = arith_curve.read_jsonl(run_dir / "engine_timings.jsonl")
     n = len(metrics)
     parts = {}
@@ -108,8 +109,7 @@ def summarize(name: str, run_dir: Path) -> dict:
         # Turns the worker sampled against those in the batches the learner took (all updates): an
         # asynchronous run ends with episodes in flight that no update uses.
         "turns_sampled": parts["_act"]["rows"],
-        "turns_used": round(sum(float(m["trajectories"]) * float(m["num_turns_mean"])
-                                for m in arith_curve.read_jsonl(run_dir / "metrics.jsonl"))),
+        "turns_used": round(sum(float(m["trajectories"]) * float(m["num_turns_mean"]) for m in every_update)),
         "learner_s_without_backward": statistics.median(learner[1.0]) if learner[1.0] else float("nan"),
         "learner_s_with_backward": statistics.median(learner[0.0]) if learner[0.0] else float("nan"),
         "updates_with_backward": len(learner[0.0]),
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--child"]:
         return child(argv[1], argv[2:])
     import arith_curve
-    from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs
+    from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs, tool_async_train_args
     from flashreinforce.cli import set_openmp_spin_default
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -167,10 +167,8 @@ def main(argv=None) -> int:
     results = []
     for name in args.schedules:
         run_dir = out / name
-        train = ["--preset", "arith_tool", "--model", args.model, "--output", str(run_dir), "--overwrite",
-                 "--env.kwargs", json.dumps(kwargs), "--train.max_steps", str(args.updates + 1), "--eval.steps", "0",
-                 "--eval.eval_at_start", "false", "--ckpt.save_steps", "0", "--no_progress", "--seed",
-                 str(args.seed), *TOOL_ASYNC_SCHEDULES[name]]
+        train = tool_async_train_args(args.model, run_dir, kwargs, args.updates + 1, args.seed,
+                                      TOOL_ASYNC_SCHEDULES[name], evaluate_at_stop=False)
         run_dir.mkdir(parents=True, exist_ok=True)
         timings = run_dir / "engine_timings.jsonl"
         print(f"[{name}] seed {args.seed}", flush=True)
