@@ -21,6 +21,11 @@ eager PyTorch (PEFT's) and fused (``train.compiled_layers``), on the same batch,
 turn (peak memory is then not told apart; run ``on`` and ``off`` alone for it). ``all`` adds a third
 variant between the two: norms and SwiGLU compiled, LoRA projections PEFT's (``no-lora``).
 
+``--equal-rewards``: every trajectory of the batch gets the same reward, so every advantage is 0: the
+update a slow-tools run makes most often, a forward for the statistics and no backward, with no optimizer
+step (``actor.step_on_zero_gradient false``, as the streamed schedules of ``bench_tool_async.py`` run;
+FLOPs then count one forward).
+
 ``--profile``: one more step of each policy under ``torch.profiler``, as a table of where the step's
 operator time goes (matrix products, attention, the fused loss, elementwise operations, copies, the
 optimizer; ``benchmarks/common.py``) and its heaviest operators: what keeps the step from the peak.
@@ -56,7 +61,9 @@ def measured_peak(device: torch.device, dtype: torch.dtype) -> float:
     return max(gemm_peak(device, dtype, size) for size in (1024, 2048, 3072))
 
 
-def make_batch(n: int, mean_len: int, vocab: int, seed: int = 0) -> list[Trajectory]:
+def make_batch(n: int, mean_len: int, vocab: int, seed: int = 0, equal_rewards: bool = False) -> list[Trajectory]:
+    """``n`` random trajectories: a prompt of 16-48 tokens and an action part of about ``mean_len``
+    (exponential, at least 8); rewards 0 or 1 at random, or all 1 with ``equal_rewards``."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -65,7 +72,7 @@ def make_batch(n: int, mean_len: int, vocab: int, seed: int = 0) -> list[Traject
         tokens = [rng.randrange(3, vocab) for _ in range(length)]
         mask = [False] * prompt + [True] * (length - prompt)
         blp = [(-rng.random() * 3 if m else 0.0) for m in mask]
-        reward = float(rng.random() < 0.5)
+        reward = 1.0 if equal_rewards else float(rng.random() < 0.5)
         out.append(Trajectory(tokens, mask, blp, reward=reward, failed=reward == 0.0))
     return out
 
@@ -88,7 +95,8 @@ def run(variants: list[tuple[str, torch.nn.Module, str]], args, batch, device, p
     for label, model, layers in variants:
         settings = LearnerSettings(lr=1e-5, loss=LossOptions(delta=float("inf")), param_dtype=args.dtype,
                                    micro_batch_tokens=args.micro_batch_tokens, total_steps=100,
-                                   compiled_layers=layers == "on")
+                                   compiled_layers=layers == "on",
+                                   step_on_zero_gradient=not args.equal_rewards)
         learners.append(Learner(model, settings))
         if layers == "no-lora":
             use_compiled_layers(learners[-1].model, lora=False)
@@ -97,12 +105,15 @@ def run(variants: list[tuple[str, torch.nn.Module, str]], args, batch, device, p
     high = before
     for i in range(args.steps + 1):
         for k, learner in enumerate(learners):
+            label = variants[k][0]
             t0 = time.perf_counter()
             metrics = learner.step(batch)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
             high = max(high, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss_bytes())
+            if args.equal_rewards and metrics.get("backward_skipped") != 1.0:
+                raise RuntimeError(f"{label}: --equal-rewards, yet the learner ran a backward ({metrics!r})")
             if i:  # the first step allocates the optimizer state
                 times[k].append(dt)
                 flops[k].append(metrics["model_flops"])
@@ -144,6 +155,8 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--equal-rewards", action="store_true",
+                   help="every reward equal: the statistics forward alone (no backward, no optimizer step)")
     p.add_argument("--profile", action="store_true", help="one more step of each under torch.profiler, by category")
     p.add_argument("--profile-top", type=int, default=15, help="heaviest operators listed with --profile")
     p.add_argument("--only", choices=("full", "lora"), default=None, help="one of the two policies only")
@@ -159,12 +172,13 @@ def main() -> None:
     config = transformers.AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(0)
     base = transformers.AutoModelForCausalLM.from_config(config).to(device=device, dtype=torch.float32)
-    batch = make_batch(args.batch, args.mean_len, config.vocab_size)
+    batch = make_batch(args.batch, args.mean_len, config.vocab_size, equal_rewards=args.equal_rewards)
     compute = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     peak = measured_peak(device, compute)
     print(f"machine: {machine_line(device)}")
     print(f"shape {args.shape} ({config.num_hidden_layers} layers), {args.batch} trajectories, "
-          f"{sum(t.num_tokens for t in batch):,} tokens; learner {args.dtype}; measured {args.dtype} GEMM peak "
+          f"{sum(t.num_tokens for t in batch):,} tokens{', every reward equal (no backward)' if args.equal_rewards else ''}; "
+          f"learner {args.dtype}; measured {args.dtype} GEMM peak "
           f"{peak / 1e9:.0f} GFLOP/s")
     rows = []
     flags = {"on": ["on"], "off": ["off"], "both": ["off", "on"], "all": ["off", "no-lora", "on"]}[args.compiled_layers]
