@@ -4,7 +4,6 @@ that process ends (benchmarks/bench_staleness.py, ``claim`` and ``run_grid``).""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,19 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_staleness.py"
+from python_tests.benchmark_scripts import loaded_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_staleness_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
+    with loaded_benchmark("bench_staleness.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_a_held_cell_cannot_be_claimed_again_until_it_is_released(bench, tmp_path):

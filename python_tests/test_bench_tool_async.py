@@ -3,7 +3,6 @@ become, the table over seeds, and a rerun that keeps finished runs instead of ru
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -11,19 +10,13 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_tool_async.py"
+from python_tests.benchmark_scripts import loaded_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_tool_async_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_benchmark("bench_tool_async.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def _update(step, *, reward, seconds, idle=0.0, lag=0.0, accept=1.0, kl=0.0, train_time=None):

@@ -3,27 +3,19 @@ records and a run's metrics become."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_tool_engine.py"
+from python_tests.benchmark_scripts import loaded_benchmark
 
 
 @pytest.fixture(scope="module")
 def profile():
-    spec = importlib.util.spec_from_file_location("profile_tool_engine_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with loaded_benchmark("profile_tool_engine.py") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def _write(run: Path, metrics: list[dict], timings: list[dict]) -> None:
