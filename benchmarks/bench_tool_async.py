@@ -78,7 +78,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import arith_curve  # noqa: E402
-from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs, tool_async_train_args  # noqa: E402
+from common import TOOL_ASYNC_SCHEDULES, add_tool_async_arguments, tool_async_env_kwargs, tool_async_train_args  # noqa: E402
 from flashreinforce.cli import set_openmp_spin_default  # noqa: E402
 
 SCHEDULES = TOOL_ASYNC_SCHEDULES
@@ -205,11 +205,7 @@ def table(results: dict[str, list[dict]]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--output", required=True)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--updates", type=int, default=8, help="updates measured per schedule (after a first one)")
-    p.add_argument("--median-s", type=float, default=0.5, help="median added delay per tool call")
-    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the added delay")
+    add_tool_async_arguments(p, updates=8)
     p.add_argument("--warmup-updates", type=int, default=4,
                    help="the *_warmup schedules' linear learning-rate warmup, in updates (from the run's first)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per schedule and seed")

@@ -11,7 +11,8 @@ It owns:
   and :func:`reset_peak_rss` (the process's resident memory);
 * the loss benchmarks' batch and eager baseline (:func:`loss_batch`, :func:`eager_loss`, :func:`fused_step`,
   :func:`eager_step`);
-* the slow-tools schedules of ``arith_tool`` (:data:`TOOL_ASYNC_SCHEDULES`, :func:`tool_async_env_kwargs`),
+* the slow-tools schedules of ``arith_tool`` (:data:`TOOL_ASYNC_SCHEDULES`, :func:`tool_async_env_kwargs`,
+  :func:`tool_async_train_args`, :func:`add_tool_async_arguments`),
   which ``bench_tool_async.py`` measures and ``profile_tool_engine.py`` profiles;
 * the races against TRL: the preset's flags, the held-out evaluator both sides use
   (:func:`heldout_evaluator`, the one place it is built), TRL's training-time budget
@@ -554,6 +555,17 @@ def tool_async_train_args(model: str, output: Path, env_kwargs: dict, updates: i
             "--env.kwargs", json.dumps(env_kwargs), "--train.max_steps", str(updates),
             "--eval.steps", str(updates if evaluate_at_stop else 0), "--eval.eval_at_start", "false",
             "--ckpt.save_steps", "0", "--no_progress", "--seed", str(seed), *flags]
+
+
+def add_tool_async_arguments(parser, *, updates: int) -> None:
+    """The options every slow-tools script takes, read by :func:`tool_async_train_args` and
+    :func:`tool_async_env_kwargs`: ``--output``, ``--model``, ``--updates`` (default ``updates``),
+    ``--median-s`` and ``--sigma``."""
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--updates", type=int, default=updates, help="updates measured per schedule (after a first one)")
+    parser.add_argument("--median-s", type=float, default=0.5, help="median added delay per tool call")
+    parser.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the added delay")
 
 
 def tool_async_env_kwargs(median_s: float, sigma: float) -> dict:

@@ -145,15 +145,11 @@ def main(argv=None) -> int:
     if argv[:1] == ["--child"]:
         return child(argv[1], argv[2:])
     import arith_curve
-    from common import TOOL_ASYNC_SCHEDULES, tool_async_env_kwargs, tool_async_train_args
+    from common import TOOL_ASYNC_SCHEDULES, add_tool_async_arguments, tool_async_env_kwargs, tool_async_train_args
     from flashreinforce.cli import set_openmp_spin_default
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--output", required=True)
-    p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--updates", type=int, default=11, help="updates measured per schedule (after a first one)")
-    p.add_argument("--median-s", type=float, default=0.5, help="median added delay per tool call")
-    p.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the added delay")
+    add_tool_async_arguments(p, updates=11)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--schedules", nargs="+", default=["sync_threads2", "stream2_steady_threads2"],
                    choices=[s for s in TOOL_ASYNC_SCHEDULES if not s.endswith("_warmup")])
