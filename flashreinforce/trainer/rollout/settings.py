@@ -43,8 +43,9 @@ class RolloutSettings:
     stream_call_min_episodes, stream_call_gather_s: in a stream, a ``generate`` call for fewer than
     ``stream_call_min_episodes`` episodes while other episodes' environment calls run first waits up to
     ``stream_call_gather_s`` seconds for an answer and as long again for others to join it (0: a call
-    starts as soon as one episode can act). Larger calls cost less per token where rollouts share the
-    cores with the learner; the episodes' tokens do not depend on it.
+    starts as soon as one episode can act). It makes calls larger (on ``arith_tool`` with slow tools,
+    24 episodes against 16), which did not make a 2-core run reliably faster (docs/performance.md); the
+    episodes' tokens do not depend on it.
     """
 
     max_new_tokens: int
