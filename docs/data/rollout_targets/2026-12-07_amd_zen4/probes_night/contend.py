@@ -1,3 +1,10 @@
+"""The learner's step with a backward (SmolLM2-135M shape, bf16, 32 trajectories), 3 steps timed: wall and
+the process's CPU seconds. From the repository root:
+
+    TAG=alone python docs/data/rollout_targets/2026-12-07_amd_zen4/probes_night/contend.py
+    python .../competitor.py 75 & TAG=contended python .../contend.py      # beside another process
+    COMP=1 TAG=thread python .../contend.py                              # beside a thread of its own
+"""
 import sys, time, os, random, torch, transformers, resource
 sys.path.insert(0, "benchmarks")
 from common import SHAPES
@@ -16,6 +23,11 @@ for i in range(32):
     batch.append(Trajectory(toks, mask, [(-rng.random() if m else 0.0) for m in mask], reward=float(i % 2), failed=False))
 L = Learner(model, LearnerSettings(lr=1e-6, loss=LossOptions(), param_dtype="bf16", total_steps=100))
 L.step(batch)
+if os.environ.get("COMP"):  # the competing load as a thread of this process (competitor.py)
+    import threading
+    from competitor import products
+    threading.Thread(target=products, args=(lambda: True,), daemon=True).start()
+    time.sleep(1)
 for _ in range(3):
     c0 = time.process_time(); t0 = time.perf_counter(); m = L.step(batch)
     print(f"{os.environ.get('TAG','')} step wall {time.perf_counter()-t0:.2f} s  cpu {time.process_time()-c0:.2f} s  backward_skipped {m['backward_skipped']}", flush=True)
