@@ -8,6 +8,7 @@ import copy
 import logging
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -340,6 +341,33 @@ def test_actor_client_turns_a_dead_or_silent_actor_into_a_clear_error(ray_instan
 
     assert isinstance(info.value, RunFailure)
     assert "continue with --resume" in str(info.value)
+
+
+@pytest.mark.slow
+def test_calls_on_two_threads_that_meet_a_silent_actor_raise_the_first_error(ray_instance):
+    handle = ray_instance.remote(Sleeper).options(num_cpus=0, max_restarts=0).remote()
+    c = SleeperClient(handle, call_timeout_s=60.0)
+    try:
+        assert c.call("pid", timeout=120.0) > 0  # the actor is up
+        raised = {}
+
+        def call(name, *args, timeout):
+            try:
+                c.call(name, *args, timeout=timeout)
+            except ActorGone as err:
+                raised[name] = err
+
+        # Both calls are in flight before either fails; pid waits behind sleep and gives up 0.5 s later.
+        threads = [threading.Thread(target=call, args=("sleep", 30.0), kwargs={"timeout": 1.0}),
+                   threading.Thread(target=call, args=("pid",), kwargs={"timeout": 1.5})]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30.0)
+        assert "did not answer sleep within 1 s" in str(raised["sleep"]) and c.gone is raised["sleep"]
+        assert str(raised["pid"]) == str(raised["sleep"])  # not its own "did not answer pid"
+    finally:
+        ray_instance.kill(handle, no_restart=True)
 
 
 def test_the_ray_store_advances_to_the_newest_object_without_a_new_put(ray_instance):

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, ClassVar, Iterable
 
 from flashreinforce.trainer.errors import RunFailure
@@ -24,6 +25,9 @@ __all__ = ["ActorClient", "ActorGone", "DEFAULT_CALL_TIMEOUT_S", "RESUME_HINT", 
 #: short (a blocking ``take`` waits at most a second inside the actor); an actor that does not
 #: answer in this time is unreachable (its node or the cluster is gone).
 DEFAULT_CALL_TIMEOUT_S = 120.0
+
+#: Held while a client records the first :class:`ActorGone` its calls met (calls run on several threads).
+_FIRST_LOSS = threading.Lock()
 
 
 def import_ray():
@@ -85,7 +89,8 @@ class ActorClient:
         handle: the actor handle.
         call_timeout_s: longest wait for one answer (``None``: no limit).
 
-    ``gone``: the first :class:`ActorGone` a call met (``None`` while the actor answers); from then on
+    ``gone``: the first :class:`ActorGone` a call met (``None`` while the actor answers); a call on another
+    thread that fails after it raises a copy of it too, and from then on
     :meth:`call` and :meth:`result` raise a copy of it without asking Ray (the run's actors are never
     restarted, so a lost one stays lost, and a silent one has had its chance).
     """
@@ -138,8 +143,12 @@ class ActorClient:
             gone = ActorGone(f"the {self.actor_name} did not answer {name} within {limit:g} s: its node or the Ray "
                              f"cluster is unreachable; {RESUME_HINT}")
             cause = err
-        if self.gone is None:
-            self.gone = gone
+        with _FIRST_LOSS:  # two threads meeting the loss at once keep one story: the first one recorded
+            if self.gone is None:
+                self.gone = gone
+            first = self.gone
+        if first is not gone:  # a concurrent call met it first: its error, as every later call gets
+            raise ActorGone(str(first)) from first
         raise gone from cause
 
     def _raise_if_gone(self) -> None:
