@@ -570,6 +570,55 @@ static void check_layer_glue(std::mt19937_64& rng, int64_t rows, int64_t hidden)
   b.grad_gate = nullptr, b.grad_up = only.data();
   silu_mul_backward_cpu(b, 2);
   CHECK(std::memcmp(only.data(), du[0].data(), n * sizeof(float)) == 0);
+  // bfloat16: the norm's bf16 output (no inv kept) is its float32 output rounded once, bit for bit; the
+  // SwiGLU on bf16 data is the float64 value of the rounded inputs, rounded once (within one bf16 ulp,
+  // 2^-8 relative, plus float32's error), and its gradients likewise; threads do not change the bits.
+  std::vector<uint16_t> out16[2];
+  for (int t = 0; t < 2; ++t) {
+    out16[t].assign(rows * hidden, 0xffff);
+    NormForwardParams f;
+    f.rows = rows, f.hidden = hidden, f.x = x.data(), f.weight = w.data(), f.out = out16[t].data();
+    f.out_dtype = DType::kBFloat16, f.eps = 1e-5f;
+    CHECK(std::string(norm_forward_check(f)).empty());
+    norm_forward_cpu(f, 1 + 2 * t);
+  }
+  CHECK(out16[0] == out16[1]);
+  for (int64_t i = 0; i < rows * hidden; ++i) CHECK(out16[0][i] == math::float_to_bf16(out[0][i]));
+  auto to16 = [](const std::vector<float>& v) {
+    std::vector<uint16_t> r(v.size());
+    for (size_t i = 0; i < v.size(); ++i) r[i] = math::float_to_bf16(v[i]);
+    return r;
+  };
+  const std::vector<uint16_t> gate16 = to16(gate), up16 = to16(up), g16 = to16(g);
+  std::vector<uint16_t> h16[2], dg16[2], du16[2];
+  for (int t = 0; t < 2; ++t) {
+    h16[t].assign(n, 0xffff), dg16[t].assign(n, 0xffff), du16[t].assign(n, 0xffff);
+    SiluMulForwardParams f;
+    f.dtype = DType::kBFloat16, f.size = n, f.gate = gate16.data(), f.up = up16.data(), f.out = h16[t].data();
+    CHECK(std::string(silu_mul_forward_check(f)).empty());
+    silu_mul_forward_cpu(f, 1 + 2 * t);
+    SiluMulBackwardParams b;
+    b.dtype = DType::kBFloat16, b.size = n, b.gate = gate16.data(), b.up = up16.data(), b.grad_out = g16.data();
+    b.grad_gate = dg16[t].data(), b.grad_up = du16[t].data();
+    silu_mul_backward_cpu(b, 1 + 2 * t);
+  }
+  CHECK(h16[0] == h16[1] && dg16[0] == dg16[1] && du16[0] == du16[1]);
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = math::bf16_to_float(gate16[i]), ui = math::bf16_to_float(up16[i]);
+    const double dy = math::bf16_to_float(g16[i]);
+    const double s = 1.0 / (1.0 + std::exp(-gi)), silu = gi * s;
+    const double dgate = dy * ui * s * (1.0 + gi * (1.0 - s));
+    CHECK(std::fabs(math::bf16_to_float(h16[0][i]) - silu * ui) <= 4.0e-3 * std::fabs(silu * ui) + 1e-30);
+    CHECK(std::fabs(math::bf16_to_float(du16[0][i]) - dy * silu) <= 4.0e-3 * std::fabs(dy * silu) + 1e-30);
+    CHECK(std::fabs(math::bf16_to_float(dg16[0][i]) - dgate) <=
+          4.0e-3 * std::fabs(dgate) + 1e-6 * std::fabs(dy * ui) * (1.0 + std::fabs(gi)) + 1e-30);
+  }
+  std::vector<uint16_t> only16(n, 0xffff);
+  SiluMulBackwardParams b16;
+  b16.dtype = DType::kBFloat16, b16.size = n, b16.gate = gate16.data(), b16.up = up16.data();
+  b16.grad_out = g16.data(), b16.grad_up = only16.data();
+  silu_mul_backward_cpu(b16, 2);
+  CHECK(only16 == du16[0]);
   // The structural checks name what is wrong.
   NormForwardParams bad;
   bad.rows = 2, bad.hidden = 0;
@@ -579,6 +628,11 @@ static void check_layer_glue(std::mt19937_64& rng, int64_t rows, int64_t hidden)
   SiluMulForwardParams bad_silu;
   bad_silu.size = -1;
   CHECK(std::string(silu_mul_forward_check(bad_silu)).find("size") != std::string::npos);
+  bad_silu.size = 4, bad_silu.dtype = DType::kFloat16;
+  CHECK(std::string(silu_mul_forward_check(bad_silu)).find("dtype") != std::string::npos);
+  NormForwardParams bad_out;
+  bad_out.rows = 1, bad_out.hidden = 4, bad_out.out_dtype = DType::kFloat64;
+  CHECK(std::string(norm_forward_check(bad_out)).find("out_dtype") != std::string::npos);
 }
 
 // test_core [--seed SEED | SEED]: the random cases come from SEED, else from the environment variable

@@ -342,9 +342,10 @@ float* as_out(uintptr_t value) { return reinterpret_cast<float*>(value); }
 const float* as_in(uintptr_t value) { return reinterpret_cast<const float*>(value); }
 
 void norm_forward(int64_t rows, int64_t hidden, uintptr_t x, uintptr_t weight, uintptr_t out, uintptr_t inv,
-                  float eps, int num_threads) {
+                  float eps, int num_threads, const std::string& out_dtype) {
   NormForwardParams p;
   p.rows = rows, p.hidden = hidden, p.x = as_in(x), p.weight = as_in(weight), p.out = as_out(out);
+  p.out_dtype = step_dtype(out_dtype, "norm_forward");
   p.inv = as_out(inv), p.eps = eps;
   run_checked(p, &norm_forward_check, &norm_forward_cpu, "norm_forward", num_threads);
 }
@@ -357,15 +358,18 @@ void norm_backward(int64_t rows, int64_t hidden, uintptr_t x, uintptr_t weight, 
   run_checked(p, &norm_backward_check, &norm_backward_cpu, "norm_backward", num_threads);
 }
 
-void silu_mul_forward(int64_t size, uintptr_t gate, uintptr_t up, uintptr_t out, int num_threads) {
+void silu_mul_forward(int64_t size, uintptr_t gate, uintptr_t up, uintptr_t out, int num_threads,
+                      const std::string& dtype) {
   SiluMulForwardParams p;
+  p.dtype = step_dtype(dtype, "silu_mul_forward");
   p.size = size, p.gate = as_in(gate), p.up = as_in(up), p.out = as_out(out);
   run_checked(p, &silu_mul_forward_check, &silu_mul_forward_cpu, "silu_mul_forward", num_threads);
 }
 
 void silu_mul_backward(int64_t size, uintptr_t gate, uintptr_t up, uintptr_t grad_out, uintptr_t grad_gate,
-                       uintptr_t grad_up, int num_threads) {
+                       uintptr_t grad_up, int num_threads, const std::string& dtype) {
   SiluMulBackwardParams p;
+  p.dtype = step_dtype(dtype, "silu_mul_backward");
   p.size = size, p.gate = as_in(gate), p.up = as_in(up), p.grad_out = as_in(grad_out);
   p.grad_gate = as_out(grad_gate), p.grad_up = as_out(grad_up);
   run_checked(p, &silu_mul_backward_check, &silu_mul_backward_cpu, "silu_mul_backward", num_threads);
@@ -425,9 +429,10 @@ PYBIND11_MODULE(_C, m) {
         "Decode-step attention of grouped query heads against a key/value cache on the CPU, written into "
         "args['out'] (flashreinforce/decode_attention.h; called by flashreinforce.engines.hf.decode_attention).");
   m.def("norm_forward", &norm_forward,
-        "The learner's RMS norm over contiguous float32 rows, keeping 1 / RMS per row (flashreinforce/layer_glue.h).");
+        "The learner's RMS norm over contiguous float32 rows, out in float32 or bfloat16, keeping 1 / RMS per row "
+        "unless inv is 0 (flashreinforce/layer_glue.h).");
   m.def("norm_backward", &norm_backward, "The RMS norm's gradients of x and weight (flashreinforce/layer_glue.h).");
-  m.def("silu_mul_forward", &silu_mul_forward, "silu(gate) * up over contiguous float32 (flashreinforce/layer_glue.h).");
+  m.def("silu_mul_forward", &silu_mul_forward, "silu(gate) * up over contiguous float32 or bfloat16 (flashreinforce/layer_glue.h).");
   m.def("silu_mul_backward", &silu_mul_backward,
         "The gradients of silu(gate) * up (flashreinforce/layer_glue.h).");
   m.def("decode_norm", &decode_norm, "A decode step's residual update and RMS norm (flashreinforce/decode_step.h).");

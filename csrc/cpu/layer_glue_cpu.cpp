@@ -1,4 +1,5 @@
-// The learner's RMS norm and SwiGLU activation, forward and backward (flashreinforce/layer_glue.h).
+// The learner's RMS norm and SwiGLU activation, forward and backward (flashreinforce/layer_glue.h),
+// on float32 or bfloat16 data (float32 arithmetic).
 // Each row (norm) or block of elements (SwiGLU) is one task; its loops are written for the compiler to
 // vectorize, and on x86-64 with GCC or Clang compiled for AVX-512, AVX2 and the baseline, the loader
 // picking the widest the CPU has (function multiversioning). Per-lane partial sums make a row's sums
@@ -67,13 +68,79 @@ FR_CPU_CLONES void silu_mul_grad_up_block(const float* g, const float* dy, float
 
 int64_t blocks_of(int64_t size, int64_t block) { return (size + block - 1) / block; }
 
+// ---------------------------------------------------------------------- bfloat16 data, float32 arithmetic
+// bfloat16 arrays go through float32 in chunks of kChunk elements: widened into a local buffer, worked
+// on by the float32 loops above, each result rounded once on the way out (separate loops, each of
+// which the compiler vectorizes; one loop doing all three does not).
+constexpr int64_t kChunk = 512;
+
+FR_CPU_CLONES void widen(const uint16_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = math::bf16_to_float(src[i]);
+}
+
+FR_CPU_CLONES void narrow(const float* src, uint16_t* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = math::float_to_bf16(src[i]);
+}
+
+// out[i] = bf16(w[i] * (x[i] * inv))
+void scaled_times_weight_to_bf16(const float* x, float inv, const float* w, uint16_t* out, int64_t n) {
+  float buf[kChunk];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    rows::scaled_times_weight(x + i0, inv, w + i0, buf, len);
+    narrow(buf, out + i0, len);
+  }
+}
+
+void silu_times_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
+  float gf[kChunk], uf[kChunk];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    widen(g + i0, gf, len);
+    widen(u + i0, uf, len);
+    rows::silu_times(gf, uf, gf, len);
+    narrow(gf, out + i0, len);
+  }
+}
+
+// The gradients on bfloat16 data: either may be nullptr (not wanted); u is not read when only du is.
+void silu_mul_grad_bf16(const uint16_t* g, const uint16_t* u, const uint16_t* dy, uint16_t* dg, uint16_t* du,
+                        int64_t n) {
+  float gf[kChunk], uf[kChunk], df[kChunk], a[kChunk], b[kChunk];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    widen(g + i0, gf, len);
+    widen(dy + i0, df, len);
+    if (dg != nullptr) widen(u + i0, uf, len);
+    if (dg != nullptr && du != nullptr) {
+      silu_mul_grad_block(gf, uf, df, a, b, len);
+    } else if (dg != nullptr) {
+      silu_mul_grad_gate_block(gf, uf, df, a, len);
+    } else {
+      silu_mul_grad_up_block(gf, df, b, len);
+    }
+    if (dg != nullptr) narrow(a, dg + i0, len);
+    if (du != nullptr) narrow(b, du + i0, len);
+  }
+}
+
+bool float_or_bf16(DType dt) { return dt == DType::kFloat32 || dt == DType::kBFloat16; }
+
+template <class T>
+const T* at(const void* p, int64_t i) { return p == nullptr ? nullptr : static_cast<const T*>(p) + i; }
+template <class T>
+T* at(void* p, int64_t i) { return p == nullptr ? nullptr : static_cast<T*>(p) + i; }
+
 }  // namespace
 
 const char* norm_forward_check(const NormForwardParams& p) {
   if (p.rows < 0 || p.hidden < 1) return "rows / hidden: rows >= 0 and hidden >= 1";
   if (!(p.eps >= 0.0f)) return "eps: must be >= 0";
-  if (p.rows > 0 && (p.x == nullptr || p.weight == nullptr || p.out == nullptr || p.inv == nullptr)) {
-    return "x, weight, out and inv: a null data pointer";
+  if (!float_or_bf16(p.out_dtype)) return "out_dtype: float32 or bfloat16 only";
+  if (p.rows > 0 && (p.x == nullptr || p.weight == nullptr || p.out == nullptr)) {
+    return "x, weight and out: a null data pointer";
   }
   return "";
 }
@@ -88,6 +155,7 @@ const char* norm_backward_check(const NormBackwardParams& p) {
 
 const char* silu_mul_forward_check(const SiluMulForwardParams& p) {
   if (p.size < 0) return "size: must be >= 0";
+  if (!float_or_bf16(p.dtype)) return "dtype: float32 or bfloat16 only";
   if (p.size > 0 && (p.gate == nullptr || p.up == nullptr || p.out == nullptr)) {
     return "gate, up and out: a null data pointer";
   }
@@ -96,6 +164,7 @@ const char* silu_mul_forward_check(const SiluMulForwardParams& p) {
 
 const char* silu_mul_backward_check(const SiluMulBackwardParams& p) {
   if (p.size < 0) return "size: must be >= 0";
+  if (!float_or_bf16(p.dtype)) return "dtype: float32 or bfloat16 only";
   if (p.size > 0 && (p.gate == nullptr || p.up == nullptr || p.grad_out == nullptr)) {
     return "gate, up and grad_out: a null data pointer";
   }
@@ -107,8 +176,12 @@ void norm_forward_cpu(const NormForwardParams& p, int num_threads) {
   cpu::parallel_for_host_threads(num_threads, p.rows, [&](int64_t r) {
     const float* x = p.x + r * n;
     const float inv = 1.0f / std::sqrt(rows::sum_of_squares(x, n) / static_cast<float>(n) + p.eps);
-    p.inv[r] = inv;
-    rows::scaled_times_weight(x, inv, p.weight, p.out + r * n, n);
+    if (p.inv != nullptr) p.inv[r] = inv;
+    if (p.out_dtype == DType::kFloat32) {
+      rows::scaled_times_weight(x, inv, p.weight, static_cast<float*>(p.out) + r * n, n);
+    } else {
+      scaled_times_weight_to_bf16(x, inv, p.weight, static_cast<uint16_t*>(p.out) + r * n, n);
+    }
   });
 }
 
@@ -149,7 +222,11 @@ void norm_backward_cpu(const NormBackwardParams& p, int num_threads) {
 void silu_mul_forward_cpu(const SiluMulForwardParams& p, int num_threads) {
   cpu::parallel_for_host_threads(num_threads, blocks_of(p.size, kSiluBlock), [&](int64_t b) {
     const int64_t i0 = b * kSiluBlock, len = std::min(kSiluBlock, p.size - i0);
-    rows::silu_times(p.gate + i0, p.up + i0, p.out + i0, len);
+    if (p.dtype == DType::kFloat32) {
+      rows::silu_times(at<float>(p.gate, i0), at<float>(p.up, i0), at<float>(p.out, i0), len);
+    } else {
+      silu_times_bf16(at<uint16_t>(p.gate, i0), at<uint16_t>(p.up, i0), at<uint16_t>(p.out, i0), len);
+    }
   });
 }
 
@@ -157,12 +234,19 @@ void silu_mul_backward_cpu(const SiluMulBackwardParams& p, int num_threads) {
   if (p.grad_gate == nullptr && p.grad_up == nullptr) return;
   cpu::parallel_for_host_threads(num_threads, blocks_of(p.size, kSiluBlock), [&](int64_t b) {
     const int64_t i0 = b * kSiluBlock, len = std::min(kSiluBlock, p.size - i0);
-    if (p.grad_gate != nullptr && p.grad_up != nullptr) {
-      silu_mul_grad_block(p.gate + i0, p.up + i0, p.grad_out + i0, p.grad_gate + i0, p.grad_up + i0, len);
-    } else if (p.grad_gate != nullptr) {
-      silu_mul_grad_gate_block(p.gate + i0, p.up + i0, p.grad_out + i0, p.grad_gate + i0, len);
+    if (p.dtype == DType::kFloat32) {
+      const float *g = at<float>(p.gate, i0), *u = at<float>(p.up, i0), *dy = at<float>(p.grad_out, i0);
+      float *dg = at<float>(p.grad_gate, i0), *du = at<float>(p.grad_up, i0);
+      if (dg != nullptr && du != nullptr) {
+        silu_mul_grad_block(g, u, dy, dg, du, len);
+      } else if (dg != nullptr) {
+        silu_mul_grad_gate_block(g, u, dy, dg, len);
+      } else {
+        silu_mul_grad_up_block(g, dy, du, len);
+      }
     } else {
-      silu_mul_grad_up_block(p.gate + i0, p.grad_out + i0, p.grad_up + i0, len);
+      silu_mul_grad_bf16(at<uint16_t>(p.gate, i0), at<uint16_t>(p.up, i0), at<uint16_t>(p.grad_out, i0),
+                         at<uint16_t>(p.grad_gate, i0), at<uint16_t>(p.grad_up, i0), len);
     }
   });
 }

@@ -3,7 +3,12 @@
 // micro-batch (thousands of rows). Eager PyTorch runs each as four to eight elementwise passes over
 // memory in each direction and keeps their intermediates for the backward; here each direction is one
 // pass, and the backward keeps only the inputs (and the norm's per-row scale). Framework-agnostic like
-// the rest of the core (no Python, no PyTorch): float32 data, plain pointers, contiguous rows.
+// the rest of the core (no Python, no PyTorch): plain pointers, contiguous rows, float32 arithmetic.
+// The norm reads float32 (a bf16-autocast learner keeps its residual stream in float32) and writes
+// float32 or, for a forward without a backward whose output only feeds bf16 products, bfloat16 (the
+// float32 value rounded once, as autocast would round it before the product). The SwiGLU reads and
+// writes float32 or bfloat16 (autocast's products give bf16 gate and up); bfloat16 results are the
+// float32 computation rounded once to nearest even.
 //
 // * norm forward:   inv[r] = 1 / sqrt(mean_i x[r, i]^2 + eps);  out[r, i] = weight[i] * (x[r, i] * inv[r])
 // * norm backward:  with gw = grad_out * weight,
@@ -19,6 +24,8 @@
 
 #include <cstdint>
 
+#include "flashreinforce/core.h"
+
 namespace flashreinforce {
 
 // Rows of the norm's weight gradient summed together before the blocks are summed in order.
@@ -28,8 +35,9 @@ struct NormForwardParams {
   int64_t rows = 0, hidden = 0;
   const float* x = nullptr;       // [rows, hidden], contiguous
   const float* weight = nullptr;  // [hidden]
-  float* out = nullptr;           // [rows, hidden], contiguous
-  float* inv = nullptr;           // [rows]: 1 / RMS of each row (kept for the backward)
+  void* out = nullptr;            // [rows, hidden], contiguous, of out_dtype
+  DType out_dtype = DType::kFloat32;  // kFloat32 or kBFloat16
+  float* inv = nullptr;           // [rows]: 1 / RMS of each row (kept for the backward); nullptr: not wanted
   float eps = 1e-6f;
 };
 
@@ -44,19 +52,21 @@ struct NormBackwardParams {
 };
 
 struct SiluMulForwardParams {
+  DType dtype = DType::kFloat32;  // of every array: kFloat32 or kBFloat16
   int64_t size = 0;  // elements of each array (all contiguous)
-  const float* gate = nullptr;
-  const float* up = nullptr;
-  float* out = nullptr;
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  void* out = nullptr;
 };
 
 struct SiluMulBackwardParams {
+  DType dtype = DType::kFloat32;  // of every array: kFloat32 or kBFloat16
   int64_t size = 0;
-  const float* gate = nullptr;
-  const float* up = nullptr;
-  const float* grad_out = nullptr;
-  float* grad_gate = nullptr;  // nullptr: not wanted
-  float* grad_up = nullptr;    // nullptr: not wanted
+  const void* gate = nullptr;
+  const void* up = nullptr;
+  const void* grad_out = nullptr;
+  void* grad_gate = nullptr;  // nullptr: not wanted
+  void* grad_up = nullptr;    // nullptr: not wanted
 };
 
 // Checks sizes and pointers (no data is read): an empty string when valid, else what is wrong.

@@ -324,9 +324,11 @@ class TrainConfig(Freezable):
                                   "trajectories of a micro-batch share (system prompt, GRPO prompt groups); exact, "
                                   "found from the token ids")
     compiled_layers: bool = option("bool", True, "the learner's RMS norms and SwiGLU activations (Llama, Qwen2, Qwen3, "
-                                   "Mistral) in one compiled pass each way, and LoRA's adapter product summed "
-                                   "inside the base product, on float32 CPU tensors (same values up to float32 "
-                                   "rounding; eager PyTorch and PEFT elsewhere)")
+                                   "Mistral) in one compiled pass each way on CPU tensors (float32, or bf16 autocast: the "
+                                   "SwiGLU on bf16, the layers' norms handing their products bf16 in a forward "
+                                   "without a backward), and LoRA's adapter product summed inside the base "
+                                   "product on float32 CPU tensors (same values up to float32 rounding, or one "
+                                   "bf16 rounding; eager PyTorch and PEFT elsewhere)")
     head_operand_dtype: str = option("str", "float32", "operands of the learner's output-projection GEMMs: float32, "
                                      "bf16 or fp16 (operands rounded; float32 accumulation, logits and gradients, "
                                      "tensor-core speed on CUDA), or auto (the autocast dtype on CUDA where torch has "

@@ -3,8 +3,13 @@
 :func:`use_compiled_layers` points the ``forward`` of each RMS norm and SwiGLU MLP module of a Llama-
 style decoder (Llama, Qwen2, Qwen3, Mistral: the classes in :data:`NORM_CLASSES` and
 :data:`MLP_CLASSES`) at a method that calls :func:`flashreinforce.ops.layers.rms_norm` /
-:func:`flashreinforce.ops.layers.silu_mul` where they apply (float32 CPU tensors, no autocast) and the
-module's own class ``forward`` everywhere else. PEFT's LoRA linear layers
+:func:`flashreinforce.ops.layers.silu_mul` where they apply (CPU tensors: float32 norms, float32 or
+bfloat16 SwiGLU, CPU autocast on or off; :mod:`flashreinforce.ops.layers`) and the module's own class
+``forward`` everywhere else. Under bf16 CPU autocast, a decoder layer's two norms whose outputs feed only
+its attention's and its dense MLP's products (:data:`BF16_FED_LAYERS`) hand those products bfloat16
+directly in a forward without a backward (:func:`flashreinforce.ops.layers.rms_norm_to_bf16`: the
+rounding the products' autocast would do, done once instead of once per product); the final norm,
+which feeds the output projection, keeps float32. PEFT's LoRA linear layers
 (``peft.tuners.lora.layer.Linear``) go the same way to :func:`flashreinforce.ops.lora_linear.lora_linear`
 (the adapter's scaled product summed inside the base product) when a call is plain LoRA: one active
 adapter, not merged, no dropout in training, no DoRA or other variant, plain ``nn.Linear`` layers
@@ -21,12 +26,14 @@ import types
 import torch
 from torch import Tensor
 
-from flashreinforce.ops.layers import compiled_layers_apply, compiled_layers_available
+from flashreinforce.ops.layers import compiled_layers_apply, compiled_layers_available, norm_applies, silu_mul_applies
 from flashreinforce.ops.layers import rms_norm as _rms_norm
+from flashreinforce.ops.layers import rms_norm_to_bf16 as _rms_norm_to_bf16
 from flashreinforce.ops.layers import silu_mul as _silu_mul
 from flashreinforce.ops.lora_linear import lora_linear as _lora_linear
 
-__all__ = ["MLP_CLASSES", "NORM_CLASSES", "SILU_CLASSES", "compiled_layer_counts", "use_compiled_layers"]
+__all__ = ["BF16_FED_LAYERS", "MLP_CLASSES", "NORM_CLASSES", "SILU_CLASSES", "compiled_layer_counts",
+           "use_compiled_layers"]
 
 #: RMS norm classes computing ``weight * (x * rsqrt(mean(x**2) + variance_epsilon))``.
 NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm", "Qwen2MoeRMSNorm",
@@ -35,17 +42,34 @@ NORM_CLASSES = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3
 MLP_CLASSES = frozenset({"LlamaMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP", "Qwen2MoeMLP", "MistralMLP"})
 #: SiLU activation modules: PyTorch's, and transformers' (``ACT2FN["silu"]``).
 SILU_CLASSES = frozenset({"SiLU", "SiLUActivation"})
+#: Decoder layers (by their attention and MLP classes) whose ``input_layernorm`` output goes only to the
+#: attention's projections and whose ``post_attention_layernorm`` output only to the MLP's: the norms that
+#: may hand bf16-autocast products bfloat16. MoE blocks are not here (their routing sums in the input's dtype).
+BF16_FED_LAYERS = frozenset({("LlamaAttention", "LlamaMLP"), ("Qwen2Attention", "Qwen2MLP"),
+                             ("Qwen3Attention", "Qwen3MLP"), ("MistralAttention", "MistralMLP")})
+#: The module attribute that marks such a norm.
+_FEEDS_PRODUCTS = "_flashreinforce_feeds_products"
+
+
+def _hands_bf16(self: torch.nn.Module, x: Tensor) -> bool:
+    """Whether this norm may return bfloat16: it feeds only products, bf16 CPU autocast is on and no
+    gradient will flow back through it."""
+    return (getattr(self, _FEEDS_PRODUCTS, False) and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
 
 def _norm_forward(self: torch.nn.Module, hidden_states: Tensor) -> Tensor:
-    if compiled_layers_apply(hidden_states, self.weight):
+    if norm_applies(hidden_states, self.weight):
+        if _hands_bf16(self, hidden_states):
+            return _rms_norm_to_bf16(hidden_states, self.weight, self.variance_epsilon)
         return _rms_norm(hidden_states, self.weight, self.variance_epsilon)
     return type(self).forward(self, hidden_states)
 
 
 def _mlp_forward(self: torch.nn.Module, x: Tensor) -> Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
-    if compiled_layers_apply(gate, up):
+    if silu_mul_applies(gate, up):
         return self.down_proj(_silu_mul(gate, up))
     return self.down_proj(self.act_fn(gate) * up)
 
@@ -120,6 +144,13 @@ def use_compiled_layers(model: torch.nn.Module, lora: bool = True) -> dict[str, 
     counts = {"norms": 0, "mlps": 0, "lora": 0}
     if not compiled_layers_available():
         return counts
+    for layer in model.modules():
+        parts = (type(getattr(layer, "self_attn", None)).__name__, type(getattr(layer, "mlp", None)).__name__)
+        if parts in BF16_FED_LAYERS:
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                norm = getattr(layer, name, None)
+                if norm is not None and _norm_fits(norm):
+                    setattr(norm, _FEEDS_PRODUCTS, True)
     for module in model.modules():
         if _norm_fits(module):
             if not _is_patched(module, _norm_forward):

@@ -11,7 +11,8 @@ import torch
 import transformers
 
 from flashreinforce.models.fused_layers import compiled_layer_counts, use_compiled_layers
-from flashreinforce.ops.layers import compiled_layers_apply, compiled_layers_available, rms_norm, silu_mul
+from flashreinforce.ops.layers import (compiled_layers_apply, compiled_layers_available, norm_applies, rms_norm,
+                                      rms_norm_to_bf16, silu_mul, silu_mul_applies)
 
 pytestmark = pytest.mark.skipif(not compiled_layers_available(), reason="compiled module without the layer operations")
 
@@ -84,8 +85,40 @@ def test_errors_name_the_argument():
         silu_mul(torch.randn(2, 3), torch.randn(2, 4))
     with pytest.raises(ValueError, match="silu_mul: gate .*float64"):
         silu_mul(torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="silu_mul: gate .*bfloat16.*float32.*both float32 or both bfloat16"):
+        silu_mul(torch.randn(2, 3, dtype=torch.bfloat16), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"rms_norm_to_bf16: weight must have shape \(8,\)"):
+        rms_norm_to_bf16(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="rms_norm_to_bf16: has no backward"):
+        rms_norm_to_bf16(torch.randn(2, 8, requires_grad=True), torch.randn(8), 1e-6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not compiled_layers_apply(torch.randn(2))
+        assert not compiled_layers_apply(torch.randn(2))  # LoRA's rule: float32 without autocast
+        assert norm_applies(torch.randn(2, 8), torch.randn(8)) and silu_mul_applies(*torch.randn(2, 3).bfloat16())
+
+
+def test_bf16_swiglu_and_norm_against_float64():
+    """bfloat16 SwiGLU: the float64 value of the bf16 inputs rounded once (within half a bf16 ulp and
+    float32's error), and so are both gradients; the bf16-out norm is the float32 norm rounded once."""
+    torch.manual_seed(5)
+    gate, up, dy = (4 * torch.randn(3, 20001)).bfloat16(), torch.randn(3, 20001).bfloat16(), torch.randn(3, 20001)
+    out, (dg, du) = _grads(silu_mul, gate, up, grad_out=dy.bfloat16())
+    assert out.dtype == dg.dtype == du.dtype == torch.bfloat16
+    g64, u64, d64 = gate.double(), up.double(), dy.bfloat16().double()
+    s = torch.sigmoid(g64)
+    for got, want in ((out, g64 * s * u64), (du, d64 * g64 * s), (dg, d64 * u64 * s * (1 + g64 * (1 - s)))):
+        err = (got.double() - want).abs()
+        assert (err <= 2.0 ** -8 * want.abs() + 1e-6 * want.abs().max()).all()
+    eager = torch.nn.functional.silu(gate) * up  # eager rounds twice: at most one ulp further
+    assert ((out.double() - g64 * s * u64).abs() <= (eager.double() - g64 * s * u64).abs() + 1e-30).float().mean() > 0.9
+    x, w = 3 * torch.randn(70, 576), torch.randn(576)
+    assert torch.equal(rms_norm_to_bf16(x, w, 1e-5), rms_norm(x, w, 1e-5).bfloat16())
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = (silu_mul(gate, up), rms_norm_to_bf16(x, w, 1e-5))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], out) and torch.equal(one[1], rms_norm_to_bf16(x, w, 1e-5))
 
 
 def _config(family: str):
@@ -127,12 +160,52 @@ def test_a_routed_decoder_gives_the_eager_models_logits_and_gradients(family, no
     assert compiled_layer_counts(clone) == counts
     assert clone.model.norm.forward.__self__ is clone.model.norm
     torch.testing.assert_close(clone(input_ids=ids).logits, got_logits)
-    # under CPU autocast and in float64 the modules' own forward runs: the eager numbers exactly
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(routed(input_ids=ids).logits, eager(input_ids=ids).logits)
+    # in float64 the modules' own forward runs: the eager numbers exactly
     routed64, eager64 = copy.deepcopy(routed).double(), copy.deepcopy(eager).double()
     with torch.no_grad():
         assert torch.equal(routed64(input_ids=ids).logits, eager64(input_ids=ids).logits)
+    _check_bf16_autocast(eager, routed, eager64, ids, norms_per_layer)
+
+
+def _norm_output_dtypes(model, run):
+    """The dtype of every norm's output during ``run()``, by module name."""
+    seen, hooks = {}, []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            hooks.append(module.register_forward_hook(lambda m, i, o, name=name: seen.__setitem__(name, o.dtype)))
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _check_bf16_autocast(eager, routed, eager64, ids, norms_per_layer):
+    """Under bf16 CPU autocast the routed model computes too: the layer norms hand their products bf16 in a
+    forward without a backward (the final norm and Qwen3's per-head norms do not), the SwiGLU runs on bf16,
+    and the logits and gradients are the eager ones within bf16 rounding, no further from float64."""
+    with torch.no_grad():
+        exact = eager64(input_ids=ids).logits.float()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = eager(input_ids=ids).logits.float()
+        dtypes = _norm_output_dtypes(routed, lambda: routed(input_ids=ids))
+        got = routed(input_ids=ids).logits.float()
+    layer_norms = {n for n in dtypes if n.endswith(("input_layernorm", "post_attention_layernorm"))}
+    assert len(layer_norms) == 4 and len(dtypes) == 2 * norms_per_layer + 1
+    assert all(dtypes[n] == (torch.bfloat16 if n in layer_norms else torch.float32) for n in dtypes), dtypes
+    assert not torch.equal(got, want)  # the compiled path ran (its roundings differ from eager's)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.01)
+    assert (got - exact).abs().max() <= 1.5 * (want - exact).abs().max() + 1e-3
+    # with a backward the norms keep float32 (the products' casts, as eager), the gradients are eager's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dtypes = _norm_output_dtypes(routed, lambda: _loss_and_grads(routed, ids))
+        _, got_grads = _loss_and_grads(routed, ids)
+        _, want_grads = _loss_and_grads(eager, ids)
+    assert set(dtypes.values()) == {torch.float32}
+    for name in want_grads:
+        scale = want_grads[name].abs().max()
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=0.05, atol=0.05 * scale, msg=name)
 
 
 def test_lora_adapters_train_through_the_routed_mlps():
