@@ -42,15 +42,8 @@ FR_CPU_CLONES void rotate(const float* v, const float* c, const float* s, float*
   }
 }
 
-FR_CPU_CLONES void widen(const BFloat16* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = math::bf16_to_float(src[i].bits);
-}
-
-FR_CPU_CLONES void narrow(const float* src, BFloat16* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i].bits = math::float_to_bf16(src[i]);
-}
+using rows::narrow;
+using rows::widen;
 
 // ---------------------------------------------------------------------------- rows of either type
 // A row in float32: the data itself (float32) or a converted copy in `buf` (bfloat16).

@@ -66,6 +66,17 @@ FR_CPU_CLONES void silu_mul_grad_up_block(const float* g, const float* dy, float
   for (int64_t i = 0; i < n; ++i) du[i] = silu_mul_grad_up(dy[i], g[i], sigmoid_of(g[i]));
 }
 
+// The gradients wanted (dg, du: either may be nullptr, not both; u is not read when only du is).
+void silu_mul_grad(const float* g, const float* u, const float* dy, float* dg, float* du, int64_t n) {
+  if (dg != nullptr && du != nullptr) {
+    silu_mul_grad_block(g, u, dy, dg, du, n);
+  } else if (dg != nullptr) {
+    silu_mul_grad_gate_block(g, u, dy, dg, n);
+  } else {
+    silu_mul_grad_up_block(g, dy, du, n);
+  }
+}
+
 int64_t blocks_of(int64_t size, int64_t block) { return (size + block - 1) / block; }
 
 // ---------------------------------------------------------------------- bfloat16 data, float32 arithmetic
@@ -74,18 +85,12 @@ int64_t blocks_of(int64_t size, int64_t block) { return (size + block - 1) / blo
 // which the compiler vectorizes; one loop doing all three does not).
 constexpr int64_t kChunk = 512;
 
-FR_CPU_CLONES void widen(const uint16_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = math::bf16_to_float(src[i]);
-}
-
-FR_CPU_CLONES void narrow(const float* src, uint16_t* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = math::float_to_bf16(src[i]);
-}
+using math::BFloat16;
+using rows::narrow;
+using rows::widen;
 
 // out[i] = bf16(w[i] * (x[i] * inv))
-void scaled_times_weight_to_bf16(const float* x, float inv, const float* w, uint16_t* out, int64_t n) {
+void scaled_times_weight_to_bf16(const float* x, float inv, const float* w, BFloat16* out, int64_t n) {
   float buf[kChunk];
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
     const int64_t len = std::min(kChunk, n - i0);
@@ -94,7 +99,7 @@ void scaled_times_weight_to_bf16(const float* x, float inv, const float* w, uint
   }
 }
 
-void silu_times_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_t n) {
+void silu_times_bf16(const BFloat16* g, const BFloat16* u, BFloat16* out, int64_t n) {
   float gf[kChunk], uf[kChunk];
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
     const int64_t len = std::min(kChunk, n - i0);
@@ -106,7 +111,7 @@ void silu_times_bf16(const uint16_t* g, const uint16_t* u, uint16_t* out, int64_
 }
 
 // The gradients on bfloat16 data: either may be nullptr (not wanted); u is not read when only du is.
-void silu_mul_grad_bf16(const uint16_t* g, const uint16_t* u, const uint16_t* dy, uint16_t* dg, uint16_t* du,
+void silu_mul_grad_bf16(const BFloat16* g, const BFloat16* u, const BFloat16* dy, BFloat16* dg, BFloat16* du,
                         int64_t n) {
   float gf[kChunk], uf[kChunk], df[kChunk], a[kChunk], b[kChunk];
   for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
@@ -114,13 +119,7 @@ void silu_mul_grad_bf16(const uint16_t* g, const uint16_t* u, const uint16_t* dy
     widen(g + i0, gf, len);
     widen(dy + i0, df, len);
     if (dg != nullptr) widen(u + i0, uf, len);
-    if (dg != nullptr && du != nullptr) {
-      silu_mul_grad_block(gf, uf, df, a, b, len);
-    } else if (dg != nullptr) {
-      silu_mul_grad_gate_block(gf, uf, df, a, len);
-    } else {
-      silu_mul_grad_up_block(gf, df, b, len);
-    }
+    silu_mul_grad(gf, uf, df, dg != nullptr ? a : nullptr, du != nullptr ? b : nullptr, len);
     if (dg != nullptr) narrow(a, dg + i0, len);
     if (du != nullptr) narrow(b, du + i0, len);
   }
@@ -180,7 +179,7 @@ void norm_forward_cpu(const NormForwardParams& p, int num_threads) {
     if (p.out_dtype == DType::kFloat32) {
       rows::scaled_times_weight(x, inv, p.weight, static_cast<float*>(p.out) + r * n, n);
     } else {
-      scaled_times_weight_to_bf16(x, inv, p.weight, static_cast<uint16_t*>(p.out) + r * n, n);
+      scaled_times_weight_to_bf16(x, inv, p.weight, static_cast<BFloat16*>(p.out) + r * n, n);
     }
   });
 }
@@ -225,7 +224,7 @@ void silu_mul_forward_cpu(const SiluMulForwardParams& p, int num_threads) {
     if (p.dtype == DType::kFloat32) {
       rows::silu_times(at<float>(p.gate, i0), at<float>(p.up, i0), at<float>(p.out, i0), len);
     } else {
-      silu_times_bf16(at<uint16_t>(p.gate, i0), at<uint16_t>(p.up, i0), at<uint16_t>(p.out, i0), len);
+      silu_times_bf16(at<BFloat16>(p.gate, i0), at<BFloat16>(p.up, i0), at<BFloat16>(p.out, i0), len);
     }
   });
 }
@@ -235,18 +234,11 @@ void silu_mul_backward_cpu(const SiluMulBackwardParams& p, int num_threads) {
   cpu::parallel_for_host_threads(num_threads, blocks_of(p.size, kSiluBlock), [&](int64_t b) {
     const int64_t i0 = b * kSiluBlock, len = std::min(kSiluBlock, p.size - i0);
     if (p.dtype == DType::kFloat32) {
-      const float *g = at<float>(p.gate, i0), *u = at<float>(p.up, i0), *dy = at<float>(p.grad_out, i0);
-      float *dg = at<float>(p.grad_gate, i0), *du = at<float>(p.grad_up, i0);
-      if (dg != nullptr && du != nullptr) {
-        silu_mul_grad_block(g, u, dy, dg, du, len);
-      } else if (dg != nullptr) {
-        silu_mul_grad_gate_block(g, u, dy, dg, len);
-      } else {
-        silu_mul_grad_up_block(g, dy, du, len);
-      }
+      silu_mul_grad(at<float>(p.gate, i0), at<float>(p.up, i0), at<float>(p.grad_out, i0), at<float>(p.grad_gate, i0),
+                    at<float>(p.grad_up, i0), len);
     } else {
-      silu_mul_grad_bf16(at<uint16_t>(p.gate, i0), at<uint16_t>(p.up, i0), at<uint16_t>(p.grad_out, i0),
-                         at<uint16_t>(p.grad_gate, i0), at<uint16_t>(p.grad_up, i0), len);
+      silu_mul_grad_bf16(at<BFloat16>(p.gate, i0), at<BFloat16>(p.up, i0), at<BFloat16>(p.grad_out, i0),
+                         at<BFloat16>(p.grad_gate, i0), at<BFloat16>(p.grad_up, i0), len);
     }
   });
 }

@@ -1,4 +1,4 @@
-// Float32 row loops shared by the CPU kernels of the decode step (decode_step_cpu.cpp) and the learner's
+// Float32 row loops (and the bfloat16 conversions around them) shared by the CPU kernels of the decode step (decode_step_cpu.cpp) and the learner's
 // layer glue (layer_glue_cpu.cpp). Written for the compiler to vectorize; on x86-64 with GCC or Clang each
 // is compiled for AVX-512, AVX2 and the baseline, and the loader picks the widest the CPU has (function
 // multiversioning, FR_CPU_CLONES). Internal linkage: every file that includes this gets its own copies.
@@ -43,6 +43,17 @@ static FR_CPU_CLONES void add_in_place(float* x, const float* d, int64_t n) {
 static FR_CPU_CLONES void silu_times(const float* g, const float* u, float* out, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) out[i] = g[i] / (1.0f + math::exp_fast(-g[i])) * u[i];
+}
+
+// bfloat16 <-> float32: dst[i] = src[i] widened (exact), or rounded to nearest even
+static FR_CPU_CLONES void widen(const math::BFloat16* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = math::bf16_to_float(src[i].bits);
+}
+
+static FR_CPU_CLONES void narrow(const float* src, math::BFloat16* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i].bits = math::float_to_bf16(src[i]);
 }
 
 }  // namespace rows

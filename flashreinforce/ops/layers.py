@@ -134,9 +134,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     ``ValueError`` naming the argument when the shapes or dtypes do not fit (see
     :func:`norm_applies` for where it computes; CPU autocast on or off).
     """
-    if x.dim() < 1 or weight.shape != (x.shape[-1],):
-        raise ValueError(f"rms_norm: weight must have shape ({x.shape[-1] if x.dim() else '?'},) to match the last "
-                         f"dimension of x {tuple(x.shape)}, got {tuple(weight.shape)}")
     _check_norm("rms_norm", x, weight)
     return _RmsNorm.apply(x, weight, eps)
 
@@ -149,9 +146,6 @@ def rms_norm_to_bf16(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     a float32 input). ``ValueError`` naming the argument when the shapes or dtypes do not fit, or when
     autograd would need a gradient of ``x`` or ``weight`` (use :func:`rms_norm` there).
     """
-    if x.dim() < 1 or weight.shape != (x.shape[-1],):
-        raise ValueError(f"rms_norm_to_bf16: weight must have shape ({x.shape[-1] if x.dim() else '?'},) to match the "
-                         f"last dimension of x {tuple(x.shape)}, got {tuple(weight.shape)}")
     _check_norm("rms_norm_to_bf16", x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         raise ValueError("rms_norm_to_bf16: has no backward, but x or weight requires a gradient (use rms_norm)")
@@ -164,6 +158,10 @@ def rms_norm_to_bf16(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _check_norm(name: str, x: Tensor, weight: Tensor) -> None:
+    """``ValueError`` naming the argument unless the norm ``name`` computes for ``x`` and ``weight``."""
+    if x.dim() < 1 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"{name}: weight must have shape ({x.shape[-1] if x.dim() else '?'},) to match the last "
+                         f"dimension of x {tuple(x.shape)}, got {tuple(weight.shape)}")
     if not norm_applies(x, weight):
         raise ValueError(f"{name}: x ({x.dtype}, {x.device}) and weight ({weight.dtype}, {weight.device}) must be "
                          "float32 CPU tensors, with the compiled module built")
